@@ -1,0 +1,932 @@
+//! Canonical JSON per RFC 8785, the JSON Canonicalization Scheme (JCS).
+//!
+//! [`canonicalize`] turns a JSON text into one exact byte sequence, so that two bodies that mean the
+//! same thing (key order, whitespace, `1e2` vs `100`, `"\u00e9"` vs `"é"`) fingerprint the same.
+//!
+//! # How it works
+//!
+//! A small recursive-descent parser of our own reads the text into a tree, and a serializer writes
+//! the tree back in canonical form. Owning the parser gives full control over what is accepted:
+//!
+//! - **Input must be I-JSON** (RFC 7493): valid UTF-8 ([`CanonicalError::InvalidUtf8`]), strict
+//!   RFC 8259 grammar ([`CanonicalError::Syntax`]), no duplicate object keys at any depth
+//!   ([`CanonicalError::DuplicateKey`]; keys are compared after unescaping, so `"a"` and `"\u0061"`
+//!   are the same key), no lone surrogate escapes such as `"\ud800"` (`Syntax`), and no number
+//!   beyond the range of a double such as `1e400` ([`CanonicalError::NumberOutOfRange`]). Anything
+//!   but JSON whitespace (space, tab, line feed, carriage return) after the value is `Syntax`; a
+//!   byte order mark is not whitespace and is refused too.
+//! - **Nesting is bounded** by [`MAX_DEPTH`] (128 arrays/objects deep): deeper input is `Syntax`,
+//!   so a hostile body cannot overflow the stack of the parser, the serializer or the drop glue.
+//! - **Numbers are doubles.** Every number is parsed with Rust's correctly rounded
+//!   `str::parse::<f64>()` and written back like ECMAScript's `Number.prototype.toString`: the
+//!   shortest digits that round-trip, plain notation for magnitudes in `[1e-6, 1e21)`, exponent
+//!   notation (`1e+21`, `1e-7`) outside it, and `-0` written as `0`. As RFC 8785 specifies, integers
+//!   beyond 2^53 therefore lose precision: `9007199254740993` canonicalizes to `9007199254740992`,
+//!   the same as its neighbour. Clients should send large identifiers (and exact decimal amounts)
+//!   as strings. A number so small that it rounds to zero (`1e-400`) is accepted and becomes `0`.
+//! - **Strings** are written with only the escapes JCS mandates (`\"`, `\\`, `\b`, `\f`, `\n`, `\r`,
+//!   `\t`, and `\u00xx` in lowercase hex for the other control characters below U+0020); everything
+//!   else, including `/`, U+007F and all non-ASCII text, is written literally as UTF-8. No Unicode
+//!   normalization is applied.
+//! - **Object members are sorted** by their keys compared as sequences of UTF-16 code units (not
+//!   bytes, not code points: a key starting with an emoji sorts before one starting with U+E000).
+//! - **No whitespace** is emitted; `true`, `false` and `null` are written as such.
+
+use std::cmp::Ordering;
+use std::fmt::Write as _;
+
+/// The deepest nesting of arrays and objects [`canonicalize`] accepts: a top-level `[]` is depth 1.
+pub const MAX_DEPTH: usize = 128;
+
+/// Why a body cannot be canonicalized.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CanonicalError {
+    #[error("the body is not valid UTF-8")]
+    InvalidUtf8,
+    #[error("the body is not valid JSON: {0}")]
+    Syntax(String),
+    #[error("the object key {0:?} appears twice")]
+    DuplicateKey(String),
+    #[error("the number {0} is beyond the range of a double")]
+    NumberOutOfRange(String),
+}
+
+/// Returns the RFC 8785 canonical form of a JSON text.
+///
+/// The input may have whitespace around the value; the output has none. See the
+/// [module documentation](self) for what is rejected and how numbers and strings are written.
+pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
+    let text = std::str::from_utf8(json).map_err(|_| CanonicalError::InvalidUtf8)?;
+    let mut parser = Parser {
+        text,
+        bytes: json,
+        pos: 0,
+    };
+    parser.skip_whitespace();
+    let value = parser.parse_value(0)?;
+    parser.skip_whitespace();
+    if parser.pos != json.len() {
+        return Err(parser.syntax("unexpected data after the JSON value"));
+    }
+    let mut out = Vec::with_capacity(json.len());
+    write_value(&value, &mut out);
+    Ok(out)
+}
+
+/// A parsed JSON value. Object members are kept sorted in canonical order once parsed.
+#[derive(Debug)]
+enum Value {
+    Null,
+    Bool(bool),
+    Number(f64),
+    String(String),
+    Array(Vec<Value>),
+    Object(Vec<(String, Value)>),
+}
+
+struct Parser<'a> {
+    /// The whole input, known to be valid UTF-8.
+    text: &'a str,
+    /// The same input as bytes.
+    bytes: &'a [u8],
+    /// Byte offset of the next unread byte. Only ever advanced past ASCII bytes or whole
+    /// characters, so it always sits on a character boundary.
+    pos: usize,
+}
+
+impl Parser<'_> {
+    fn syntax(&self, what: &str) -> CanonicalError {
+        CanonicalError::Syntax(format!("{what} at byte {}", self.pos))
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.pos).copied()
+    }
+
+    fn skip_whitespace(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    fn expect_literal(&mut self, literal: &str, value: Value) -> Result<Value, CanonicalError> {
+        if self.bytes[self.pos..].starts_with(literal.as_bytes()) {
+            self.pos += literal.len();
+            Ok(value)
+        } else {
+            Err(self.syntax("invalid literal"))
+        }
+    }
+
+    /// Parses one value starting at `pos` (whitespace already skipped). `depth` is the number of
+    /// arrays and objects that enclose it.
+    fn parse_value(&mut self, depth: usize) -> Result<Value, CanonicalError> {
+        match self.peek() {
+            None => Err(self.syntax("unexpected end of input")),
+            Some(b'{') => self.parse_object(depth + 1),
+            Some(b'[') => self.parse_array(depth + 1),
+            Some(b'"') => self.parse_string().map(Value::String),
+            Some(b't') => self.expect_literal("true", Value::Bool(true)),
+            Some(b'f') => self.expect_literal("false", Value::Bool(false)),
+            Some(b'n') => self.expect_literal("null", Value::Null),
+            Some(b'-' | b'0'..=b'9') => self.parse_number().map(Value::Number),
+            Some(_) => Err(self.syntax("expected a JSON value")),
+        }
+    }
+
+    fn check_depth(&self, depth: usize) -> Result<(), CanonicalError> {
+        if depth > MAX_DEPTH {
+            Err(CanonicalError::Syntax(format!(
+                "nesting deeper than {MAX_DEPTH} levels at byte {}",
+                self.pos
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn parse_array(&mut self, depth: usize) -> Result<Value, CanonicalError> {
+        self.check_depth(depth)?;
+        self.pos += 1; // '['
+        let mut items = Vec::new();
+        self.skip_whitespace();
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            return Ok(Value::Array(items));
+        }
+        loop {
+            self.skip_whitespace();
+            items.push(self.parse_value(depth)?);
+            self.skip_whitespace();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    return Ok(Value::Array(items));
+                }
+                _ => return Err(self.syntax("expected ',' or ']' in an array")),
+            }
+        }
+    }
+
+    fn parse_object(&mut self, depth: usize) -> Result<Value, CanonicalError> {
+        self.check_depth(depth)?;
+        self.pos += 1; // '{'
+        let mut members = Vec::new();
+        self.skip_whitespace();
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            return Ok(Value::Object(members));
+        }
+        loop {
+            self.skip_whitespace();
+            if self.peek() != Some(b'"') {
+                return Err(self.syntax("expected a string key in an object"));
+            }
+            let key = self.parse_string()?;
+            self.skip_whitespace();
+            if self.peek() != Some(b':') {
+                return Err(self.syntax("expected ':' after an object key"));
+            }
+            self.pos += 1;
+            self.skip_whitespace();
+            let value = self.parse_value(depth)?;
+            members.push((key, value));
+            self.skip_whitespace();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    break;
+                }
+                _ => return Err(self.syntax("expected ',' or '}' in an object")),
+            }
+        }
+        members.sort_by(|(a, _), (b, _)| compare_utf16(a, b));
+        if let Some(pair) = members.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+            return Err(CanonicalError::DuplicateKey(pair[0].0.clone()));
+        }
+        Ok(Value::Object(members))
+    }
+
+    /// Parses a string starting at its opening quote, resolving escapes.
+    fn parse_string(&mut self) -> Result<String, CanonicalError> {
+        self.pos += 1; // '"'
+        let mut out = String::new();
+        let mut run_start = self.pos;
+        loop {
+            match self.peek() {
+                None => return Err(self.syntax("unterminated string")),
+                Some(b'"') => {
+                    out.push_str(&self.text[run_start..self.pos]);
+                    self.pos += 1;
+                    return Ok(out);
+                }
+                Some(b'\\') => {
+                    out.push_str(&self.text[run_start..self.pos]);
+                    self.pos += 1;
+                    self.parse_escape(&mut out)?;
+                    run_start = self.pos;
+                }
+                Some(0x00..=0x1f) => {
+                    return Err(self.syntax("unescaped control character in a string"));
+                }
+                // Any other byte, including the bytes of multi-byte UTF-8 characters, is copied
+                // with its run; runs are cut only at ASCII bytes, so they are whole characters.
+                Some(_) => self.pos += 1,
+            }
+        }
+    }
+
+    /// Parses the escape after a backslash (already consumed) and appends what it stands for.
+    fn parse_escape(&mut self, out: &mut String) -> Result<(), CanonicalError> {
+        let Some(byte) = self.peek() else {
+            return Err(self.syntax("unterminated escape"));
+        };
+        self.pos += 1;
+        let ch = match byte {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => self.parse_unicode_escape()?,
+            _ => {
+                self.pos -= 1;
+                return Err(self.syntax("invalid escape"));
+            }
+        };
+        out.push(ch);
+        Ok(())
+    }
+
+    /// Parses the `XXXX` of a `\uXXXX` escape, and its low surrogate partner if it is a high one.
+    fn parse_unicode_escape(&mut self) -> Result<char, CanonicalError> {
+        let first = self.parse_hex4()?;
+        match first {
+            0xD800..=0xDBFF => {
+                if !self.bytes[self.pos..].starts_with(b"\\u") {
+                    return Err(self.syntax("high surrogate escape without a low surrogate"));
+                }
+                self.pos += 2;
+                let second = self.parse_hex4()?;
+                if !(0xDC00..=0xDFFF).contains(&second) {
+                    return Err(self.syntax("high surrogate escape without a low surrogate"));
+                }
+                let code =
+                    0x10000 + ((u32::from(first) - 0xD800) << 10) + (u32::from(second) - 0xDC00);
+                char::from_u32(code).ok_or_else(|| self.syntax("invalid surrogate pair"))
+            }
+            0xDC00..=0xDFFF => Err(self.syntax("low surrogate escape without a high surrogate")),
+            _ => char::from_u32(u32::from(first)).ok_or_else(|| self.syntax("invalid escape")),
+        }
+    }
+
+    fn parse_hex4(&mut self) -> Result<u16, CanonicalError> {
+        let mut value: u16 = 0;
+        for _ in 0..4 {
+            let digit = match self.peek() {
+                Some(byte @ b'0'..=b'9') => byte - b'0',
+                Some(byte @ b'a'..=b'f') => byte - b'a' + 10,
+                Some(byte @ b'A'..=b'F') => byte - b'A' + 10,
+                _ => return Err(self.syntax("expected four hex digits in a \\u escape")),
+            };
+            value = (value << 4) | u16::from(digit);
+            self.pos += 1;
+        }
+        Ok(value)
+    }
+
+    /// Parses a number per the RFC 8259 grammar, then converts it to the nearest double.
+    fn parse_number(&mut self) -> Result<f64, CanonicalError> {
+        let start = self.pos;
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek() {
+            Some(b'0') => {
+                self.pos += 1;
+                if let Some(b'0'..=b'9') = self.peek() {
+                    return Err(self.syntax("leading zero in a number"));
+                }
+            }
+            Some(b'1'..=b'9') => self.skip_digits(),
+            _ => return Err(self.syntax("expected a digit in a number")),
+        }
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            self.require_digits("expected a digit after the decimal point")?;
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.pos += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.pos += 1;
+            }
+            self.require_digits("expected a digit in the exponent")?;
+        }
+        let literal = &self.text[start..self.pos];
+        let value: f64 = literal
+            .parse()
+            .map_err(|_| CanonicalError::Syntax(format!("invalid number at byte {start}")))?;
+        if value.is_finite() {
+            Ok(value)
+        } else {
+            Err(CanonicalError::NumberOutOfRange(abbreviate(literal)))
+        }
+    }
+
+    fn skip_digits(&mut self) {
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    fn require_digits(&mut self, what: &str) -> Result<(), CanonicalError> {
+        if let Some(b'0'..=b'9') = self.peek() {
+            self.skip_digits();
+            Ok(())
+        } else {
+            Err(self.syntax(what))
+        }
+    }
+}
+
+/// Keeps error messages bounded when a client sends a number thousands of digits long.
+fn abbreviate(literal: &str) -> String {
+    const LIMIT: usize = 64;
+    if literal.len() <= LIMIT {
+        literal.to_owned()
+    } else {
+        // Number literals are ASCII, so any byte offset is a character boundary.
+        format!("{}...({} digits)", &literal[..LIMIT], literal.len())
+    }
+}
+
+/// Orders strings as sequences of UTF-16 code units, as RFC 8785 section 3.2.3 requires.
+fn compare_utf16(a: &str, b: &str) -> Ordering {
+    a.encode_utf16().cmp(b.encode_utf16())
+}
+
+fn write_value(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        Value::Number(number) => out.extend_from_slice(format_number(*number).as_bytes()),
+        Value::String(string) => write_string(string, out),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (index, item) in items.iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write_value(item, out);
+            }
+            out.push(b']');
+        }
+        Value::Object(members) => {
+            out.push(b'{');
+            for (index, (key, item)) in members.iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write_string(key, out);
+                out.push(b':');
+                write_value(item, out);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+/// Writes a string literal with exactly the escapes of RFC 8785 section 3.2.2.2.
+fn write_string(string: &str, out: &mut Vec<u8>) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push(b'"');
+    let bytes = string.as_bytes();
+    let mut run_start = 0;
+    for (index, &byte) in bytes.iter().enumerate() {
+        let escape: &[u8] = match byte {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x00..=0x1f => &[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[usize::from(byte >> 4)],
+                HEX[usize::from(byte & 0xf)],
+            ],
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[run_start..index]);
+        out.extend_from_slice(escape);
+        run_start = index + 1;
+    }
+    out.extend_from_slice(&bytes[run_start..]);
+    out.push(b'"');
+}
+
+/// The decimal digits (no trailing zeros) and exponent of the ECMAScript representation of a
+/// positive finite double: the value is `d.ddd × 10^exponent`.
+///
+/// ECMA-262 asks for the fewest digits that round-trip and, among those, the ones closest to the
+/// value, with ties going to the even digit. Rust's `{:e}` gives the fewest digits, but on a tie
+/// it rounds up: for 700635288402475.25 (exactly representable) both `…475.2` and `…475.3`
+/// round-trip and are as close, and `{:e}` gives `…475.3` where ECMAScript gives `…475.2`. So the
+/// digit count is taken from `{:e}` and the digits from `{:.N$e}`, Rust's correctly rounded
+/// (ties-to-even) fixed-precision format, whenever those digits round-trip too.
+fn shortest_digits(value: f64) -> (String, i32) {
+    let shortest = format!("{value:e}");
+    let (mut digits, mut exponent) = split_scientific(&shortest);
+    let nearest = format!("{value:.*e}", digits.len() - 1);
+    if nearest != shortest && nearest.parse::<f64>() == Ok(value) {
+        (digits, exponent) = split_scientific(&nearest);
+    }
+    (digits, exponent)
+}
+
+/// Splits Rust's `d[.ddd]e[-]x` float format into its significant digits (without trailing
+/// zeros) and its exponent.
+fn split_scientific(scientific: &str) -> (String, i32) {
+    let (mantissa, exponent) = scientific
+        .split_once('e')
+        .expect("Rust's {:e} float format always has an exponent");
+    let exponent: i32 = exponent
+        .parse()
+        .expect("Rust's {:e} float format has an integer exponent");
+    let mut digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let significant = digits.trim_end_matches('0').len().max(1);
+    digits.truncate(significant);
+    (digits, exponent)
+}
+
+/// Formats a finite double like ECMAScript's `Number.prototype.toString` (ECMA-262,
+/// Number::toString with radix 10), as RFC 8785 section 3.2.2.3 requires.
+fn format_number(value: f64) -> String {
+    debug_assert!(value.is_finite(), "the parser only produces finite numbers");
+    if value == 0.0 {
+        // Both +0 and -0.
+        return "0".to_owned();
+    }
+    let mut out = String::new();
+    if value < 0.0 {
+        out.push('-');
+    }
+    let (digits, exponent) = shortest_digits(value.abs());
+    // In ECMA-262 terms: the value is 0.digits * 10^n, with k digits.
+    let k = i32::try_from(digits.len()).expect("a double has at most 17 significant digits");
+    let n = exponent + 1;
+    if k <= n && n <= 21 {
+        // An integer: the digits then zeros, e.g. 123000.
+        out.push_str(&digits);
+        out.extend(std::iter::repeat_n('0', (n - k) as usize));
+    } else if 0 < n && n <= 21 {
+        // A decimal point inside the digits, e.g. 12.3.
+        let (whole, fraction) = digits.split_at(n as usize);
+        out.push_str(whole);
+        out.push('.');
+        out.push_str(fraction);
+    } else if -6 < n && n <= 0 {
+        // A small number without exponent, e.g. 0.00123.
+        out.push_str("0.");
+        out.extend(std::iter::repeat_n('0', (-n) as usize));
+        out.push_str(&digits);
+    } else {
+        // Exponent form, e.g. 1e+21, 1.5e-7.
+        let (first, rest) = digits.split_at(1);
+        out.push_str(first);
+        if !rest.is_empty() {
+            out.push('.');
+            out.push_str(rest);
+        }
+        let sign = if n - 1 < 0 { '-' } else { '+' };
+        write!(out, "e{sign}{}", (n - 1).abs()).expect("writing to a String cannot fail");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn canon(json: &str) -> Result<String, CanonicalError> {
+        canonicalize(json.as_bytes())
+            .map(|bytes| String::from_utf8(bytes).expect("canonical output is UTF-8"))
+    }
+
+    fn ok(json: &str) -> String {
+        canon(json).unwrap_or_else(|error| panic!("{json:?} should canonicalize: {error}"))
+    }
+
+    fn is_syntax(result: Result<String, CanonicalError>) -> bool {
+        matches!(result, Err(CanonicalError::Syntax(_)))
+    }
+
+    #[test]
+    // The literals spell exact doubles on purpose (ties, and values that round to a neighbour).
+    #[allow(clippy::excessive_precision)]
+    fn number_formatting() {
+        let table: &[(f64, &str)] = &[
+            (0.0, "0"),
+            (-0.0, "0"),
+            (1.0, "1"),
+            (-1.0, "-1"),
+            (0.1, "0.1"),
+            (-0.5, "-0.5"),
+            (1e21, "1e+21"),
+            (1e20, "100000000000000000000"),
+            (123456789012345680000.0, "123456789012345680000"),
+            (1.5e21, "1.5e+21"),
+            (1e30, "1e+30"),
+            (1e-6, "0.000001"),
+            (1.5e-6, "0.0000015"),
+            (1e-7, "1e-7"),
+            (1.25e-7, "1.25e-7"),
+            (5e-324, "5e-324"),
+            (-5e-324, "-5e-324"),
+            (1.7976931348623157e308, "1.7976931348623157e+308"),
+            (333333333.33333329, "333333333.3333333"),
+            (4.50, "4.5"),
+            (2e-3, "0.002"),
+            (9007199254740993.0, "9007199254740992"),
+            (123.0, "123"),
+            (12.5, "12.5"),
+            (0.000123, "0.000123"),
+            (1e-27, "1e-27"),
+            (f64::EPSILON, "2.220446049250313e-16"),
+            // Ties between two shortest candidates go to the even digit, as in ECMAScript
+            // (Rust's own `{:e}` rounds these up).
+            (700635288402475.25, "700635288402475.2"),
+            (203963124808269.625, "203963124808269.62"),
+            (-1867730651453702.25, "-1867730651453702.2"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (1e23, "1e+23"),
+            (9.999999999999999e22, "1e+23"),
+            (9.999999999999997e22, "9.999999999999997e+22"),
+        ];
+        for &(value, expected) in table {
+            assert_eq!(format_number(value), expected, "formatting {value:e}");
+        }
+    }
+
+    #[test]
+    fn numbers_through_the_parser() {
+        let table = [
+            ("0", "0"),
+            ("-0", "0"),
+            ("-0.0e-5", "0"),
+            ("1E2", "100"),
+            ("1e+2", "100"),
+            ("100e-2", "1"),
+            ("4.50", "4.5"),
+            ("2e-3", "0.002"),
+            ("333333333.33333329", "333333333.3333333"),
+            ("1E30", "1e+30"),
+            ("0.000000000000000000000000001", "1e-27"),
+            ("9007199254740993", "9007199254740992"),
+            ("9007199254740992", "9007199254740992"),
+            ("1.7976931348623157e308", "1.7976931348623157e+308"),
+            ("5e-324", "5e-324"),
+            ("1e-400", "0"),
+            ("123456789012345678901234567890", "1.2345678901234568e+29"),
+        ];
+        for (input, expected) in table {
+            assert_eq!(ok(input), expected, "canonicalizing {input}");
+        }
+    }
+
+    #[test]
+    fn numbers_out_of_range() {
+        for input in [
+            "1e400",
+            "-1e400",
+            "1.7976931348623159e308",
+            "[1e99999999999999999999]",
+        ] {
+            assert!(
+                matches!(canon(input), Err(CanonicalError::NumberOutOfRange(_))),
+                "{input} should be out of range, got {:?}",
+                canon(input)
+            );
+        }
+        assert_eq!(
+            canon("1e400"),
+            Err(CanonicalError::NumberOutOfRange("1e400".to_owned()))
+        );
+        // The largest double still parses: 1.7976931348623158e308 rounds down to it.
+        assert_eq!(ok("1.7976931348623158e308"), "1.7976931348623157e+308");
+        let long = format!("1{}", "0".repeat(400));
+        let Err(CanonicalError::NumberOutOfRange(shown)) = canon(&long) else {
+            panic!("a 401-digit integer is out of range");
+        };
+        assert!(
+            shown.len() < 100,
+            "long literals are abbreviated in errors: {shown}"
+        );
+    }
+
+    #[test]
+    fn number_grammar() {
+        for input in [
+            "01",
+            "-",
+            "+1",
+            "1.",
+            ".5",
+            "1e",
+            "1e+",
+            "-01",
+            "0x10",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "1.e5",
+            "--1",
+            "1 2",
+        ] {
+            assert!(
+                is_syntax(canon(input)),
+                "{input} should be a syntax error, got {:?}",
+                canon(input)
+            );
+        }
+    }
+
+    #[test]
+    fn string_escaping() {
+        let table = [
+            (r#""""#, r#""""#),
+            (r#""abc""#, r#""abc""#),
+            (r#""\"\\""#, r#""\"\\""#),
+            (r#""\/""#, r#""/""#),
+            (r#""/""#, r#""/""#),
+            (r#""\b\f\n\r\t""#, r#""\b\f\n\r\t""#),
+            (r#""\u0008\u000C\u000a\u000D\u0009""#, r#""\b\f\n\r\t""#),
+            (
+                r#""\u0000\u0001\u001f\u000B""#,
+                r#""\u0000\u0001\u001f\u000b""#,
+            ),
+            (r#""\u007f""#, "\"\u{7f}\""),
+            (r#""\u00e9""#, "\"é\""),
+            (r#""\u00E9""#, "\"é\""),
+            ("\"é\"", "\"é\""),
+            (r#""\u20ac""#, "\"€\""),
+            (r#""\ud83d\ude02""#, "\"😂\""),
+            (r#""\uD83D\uDE02""#, "\"😂\""),
+            ("\"😂\"", "\"😂\""),
+            (r#""\ufeff""#, "\"\u{feff}\""),
+            (r#""A\u030a""#, "\"A\u{30a}\""),
+            (r#""</script>""#, r#""</script>""#),
+        ];
+        for (input, expected) in table {
+            assert_eq!(ok(input), expected, "canonicalizing {input}");
+        }
+    }
+
+    #[test]
+    fn string_errors() {
+        for input in [
+            r#""\ud800""#,
+            r#""\ud800x""#,
+            r#""\udc00""#,
+            r#""\ud800\u0041""#,
+            r#""\ud800\ud800""#,
+            r#""\ude02\ud83d""#,
+            r#""\u12""#,
+            r#""\u12g4""#,
+            r#""\x41""#,
+            r#""\a""#,
+            "\"tab\tinside\"",
+            "\"line\nbreak\"",
+            "\"\u{0}\"",
+            r#""unterminated"#,
+            r#""escape at end\"#,
+            "'single'",
+        ] {
+            assert!(
+                is_syntax(canon(input)),
+                "{input:?} should be a syntax error, got {:?}",
+                canon(input)
+            );
+        }
+    }
+
+    #[test]
+    fn literals_and_structures() {
+        assert_eq!(ok("true"), "true");
+        assert_eq!(ok("false"), "false");
+        assert_eq!(ok("null"), "null");
+        assert_eq!(ok("[]"), "[]");
+        assert_eq!(ok("{}"), "{}");
+        assert_eq!(ok("[ 1 , [ ] , { } , null ]"), "[1,[],{},null]");
+        assert_eq!(
+            ok(r#"{"b":1,"a":{"d":[true,false],"c":null}}"#),
+            r#"{"a":{"c":null,"d":[true,false]},"b":1}"#
+        );
+        for input in [
+            "tru",
+            "nul",
+            "True",
+            "[1,]",
+            "[,1]",
+            "{,}",
+            r#"{"a":1,}"#,
+            r#"{"a" 1}"#,
+            "{1:2}",
+            "[1 2]",
+            "{\"a\"}",
+            "[",
+            "{",
+            "]",
+            "",
+        ] {
+            assert!(
+                is_syntax(canon(input)),
+                "{input:?} should be a syntax error, got {:?}",
+                canon(input)
+            );
+        }
+    }
+
+    #[test]
+    fn keys_sort_by_utf16_code_units() {
+        // U+E000 is above the surrogates that encode U+1F600, so the emoji sorts first in UTF-16
+        // although it is the larger code point (and sorts last by UTF-8 bytes).
+        assert_eq!(
+            ok("{\"\u{e000}\":1,\"\u{1f600}\":2}"),
+            "{\"\u{1f600}\":2,\"\u{e000}\":1}"
+        );
+        assert_eq!(
+            ok(r#"{"b":1,"a":2,"":3,"aa":4,"A":5}"#),
+            r#"{"":3,"A":5,"a":2,"aa":4,"b":1}"#
+        );
+        assert_eq!(ok(r#"{"10":1,"1":2,"9":3}"#), r#"{"1":2,"10":1,"9":3}"#);
+    }
+
+    #[test]
+    fn duplicate_keys() {
+        assert_eq!(
+            canon(r#"{"a":1,"a":2}"#),
+            Err(CanonicalError::DuplicateKey("a".to_owned()))
+        );
+        assert_eq!(
+            canon(r#"{"a":1,"b":2,"a":1}"#),
+            Err(CanonicalError::DuplicateKey("a".to_owned()))
+        );
+        assert_eq!(
+            canon(r#"{"x":[{"ok":1},{"k":{"é":1,"\u00e9":2}}]}"#),
+            Err(CanonicalError::DuplicateKey("é".to_owned()))
+        );
+        assert_eq!(canon(r#"{"a":{"a":1}}"#).as_deref(), Ok(r#"{"a":{"a":1}}"#));
+        assert_eq!(
+            canon(r#"[{"a":1},{"a":1}]"#).as_deref(),
+            Ok(r#"[{"a":1},{"a":1}]"#)
+        );
+        assert_eq!(
+            canon(r#"{"\u0061":1,"a":2}"#),
+            Err(CanonicalError::DuplicateKey("a".to_owned()))
+        );
+    }
+
+    #[test]
+    fn invalid_utf8() {
+        for input in [
+            &b"\"\xff\""[..],
+            b"\"\xc3\"",
+            b"\"\xed\xa0\x80\"", // an encoded surrogate, not valid UTF-8
+            b"\xc0\xaf",
+            b"{\"a\":\"\xe2\x82\"}",
+        ] {
+            assert_eq!(
+                canonicalize(input),
+                Err(CanonicalError::InvalidUtf8),
+                "{input:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn nesting_depth() {
+        let nested = |open: &str, close: &str, depth: usize| {
+            format!("{}{}", open.repeat(depth), close.repeat(depth))
+        };
+        assert_eq!(
+            ok(&nested("[", "]", MAX_DEPTH)),
+            nested("[", "]", MAX_DEPTH)
+        );
+        assert!(is_syntax(canon(&nested("[", "]", MAX_DEPTH + 1))));
+        let objects = |depth: usize| format!("{}1{}", "{\"a\":".repeat(depth), "}".repeat(depth));
+        assert_eq!(ok(&objects(MAX_DEPTH)), objects(MAX_DEPTH));
+        assert!(is_syntax(canon(&objects(MAX_DEPTH + 1))));
+        let mixed = format!(
+            "{}{}",
+            "[{\"a\":".repeat(MAX_DEPTH / 2),
+            "}]".repeat(MAX_DEPTH / 2)
+        );
+        assert!(
+            is_syntax(canon(&mixed)),
+            "the innermost object has no value"
+        );
+        let mixed = format!(
+            "{}[]{}",
+            "[{\"a\":".repeat(MAX_DEPTH / 2),
+            "}]".repeat(MAX_DEPTH / 2)
+        );
+        assert!(is_syntax(canon(&mixed)), "one level too deep");
+        let mixed = format!(
+            "{}0{}",
+            "[{\"a\":".repeat(MAX_DEPTH / 2),
+            "}]".repeat(MAX_DEPTH / 2)
+        );
+        assert_eq!(ok(&mixed), mixed);
+        // Far too deep, and unterminated: refused without recursing a million frames.
+        assert!(is_syntax(canon(&"[".repeat(1_000_000))));
+        assert!(is_syntax(canon(&"{\"a\":".repeat(1_000_000))));
+    }
+
+    #[test]
+    fn whitespace_and_trailing_data() {
+        assert_eq!(
+            ok(" \t\r\n{ \"a\" :\n[ 1 ,\t2 ] } \r\n\t "),
+            r#"{"a":[1,2]}"#
+        );
+        assert_eq!(ok("  7  "), "7");
+        for input in [
+            "{} x",
+            "{}{}",
+            "1 2",
+            "[] ]",
+            "null,",
+            "\"a\" \"b\"",
+            "\u{feff}{}",
+            "{}\u{a0}",
+            "\u{c}1",
+            "{}\0",
+        ] {
+            assert!(
+                is_syntax(canon(input)),
+                "{input:?} should be a syntax error, got {:?}",
+                canon(input)
+            );
+        }
+        for input in ["", "   ", "\n"] {
+            assert!(
+                is_syntax(canon(input)),
+                "{input:?} should be a syntax error"
+            );
+        }
+    }
+
+    #[test]
+    fn errors_read_well() {
+        assert_eq!(
+            CanonicalError::DuplicateKey("a".to_owned()).to_string(),
+            "the object key \"a\" appears twice"
+        );
+        let Err(CanonicalError::Syntax(message)) = canon("[1,]") else {
+            panic!("[1,] is a syntax error");
+        };
+        assert!(message.contains("byte 3"), "{message}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Every finite double survives the trip through text: its canonical form parses back to
+        /// the same double, is valid JSON that canonicalizes to itself, and agrees with format_number.
+        #[test]
+        fn every_finite_double_round_trips(bits in any::<u64>()) {
+            let value = f64::from_bits(bits);
+            prop_assume!(value.is_finite());
+            for text in [format!("{value:e}"), format!("{value:?}"), format!("{value}")] {
+                let canonical = ok(&text);
+                prop_assert_eq!(&canonical, &format_number(value));
+                let back: f64 = canonical.parse().expect("canonical numbers parse");
+                prop_assert!(back == value, "{} became {}", text, canonical);
+                prop_assert_eq!(ok(&canonical), canonical.clone());
+            }
+        }
+
+        #[test]
+        fn never_panics_on_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+            let _ = canonicalize(&bytes);
+        }
+
+        #[test]
+        fn never_panics_on_json_like_text(text in r#"[\[\]{}":,0-9eE.+\- a-z\\u]{0,40}"#) {
+            if let Ok(canonical) = canonicalize(text.as_bytes()) {
+                prop_assert_eq!(canonicalize(&canonical), Ok(canonical.clone()));
+            }
+        }
+    }
+}

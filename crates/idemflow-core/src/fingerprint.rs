@@ -1,0 +1,148 @@
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::canonical::{CanonicalError, canonicalize};
+
+/// SHA-256 over a request's method, path and canonical body: what makes two attempts "the same
+/// request". A retry with the same key and the same fingerprint gets the first result; the same key
+/// with another fingerprint is refused (422).
+///
+/// Each part is length-prefixed and the input is tagged with its kind (canonical JSON or raw bytes
+/// with a content type), so no two different requests share the bytes that are hashed.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+const DOMAIN: &[u8] = b"idemflow.fingerprint.v1";
+
+impl Fingerprint {
+    /// Canonicalizes a JSON body (RFC 8785) and fingerprints it with the method and path.
+    ///
+    /// Fails, without side effects, on a body that is not valid I-JSON: invalid UTF-8, a syntax
+    /// error, a duplicate object key, or a number beyond the range of a double.
+    pub fn of_json(method: &str, path: &str, body: &[u8]) -> Result<Self, CanonicalError> {
+        let canonical = canonicalize(body)?;
+        Ok(Self::of_canonical_json(method, path, &canonical))
+    }
+
+    /// Fingerprints a body already in canonical form (the output of [`canonicalize`]).
+    pub fn of_canonical_json(method: &str, path: &str, canonical: &[u8]) -> Self {
+        Self::hash(b'J', &[method.as_bytes(), path.as_bytes(), canonical])
+    }
+
+    /// Fingerprints a body that is not JSON by its exact bytes and its content type.
+    pub fn of_raw(method: &str, path: &str, content_type: &str, body: &[u8]) -> Self {
+        Self::hash(
+            b'R',
+            &[
+                method.as_bytes(),
+                path.as_bytes(),
+                content_type.as_bytes(),
+                body,
+            ],
+        )
+    }
+
+    fn hash(kind: u8, parts: &[&[u8]]) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(DOMAIN);
+        hasher.update([kind]);
+        for part in parts {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        Self(hasher.finalize().into())
+    }
+
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// Reads a stored fingerprint; `None` unless exactly 32 bytes.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Self)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|byte| format!("{byte:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "Fingerprint({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(&self.to_hex())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_order_and_whitespace_do_not_matter() {
+        let first = Fingerprint::of_json(
+            "POST",
+            "/v1/checkouts",
+            br#"{"amount": 100, "currency":"usd"}"#,
+        );
+        let second = Fingerprint::of_json(
+            "POST",
+            "/v1/checkouts",
+            br#"{"currency":"usd","amount":1e2}"#,
+        );
+        assert_eq!(first.expect("valid"), second.expect("valid"));
+    }
+
+    #[test]
+    fn method_path_and_body_all_count() {
+        let base = Fingerprint::of_json("POST", "/a", b"{}").expect("valid");
+        assert_ne!(
+            base,
+            Fingerprint::of_json("PUT", "/a", b"{}").expect("valid")
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_json("POST", "/b", b"{}").expect("valid")
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_json("POST", "/a", b"[]").expect("valid")
+        );
+        // Length prefixes keep the parts apart: moving a byte from path to method changes it.
+        assert_ne!(
+            Fingerprint::of_json("POST/", "a", b"{}").expect("valid"),
+            Fingerprint::of_json("POST", "/a", b"{}").expect("valid")
+        );
+    }
+
+    #[test]
+    fn raw_bodies_count_their_content_type() {
+        let text = Fingerprint::of_raw("POST", "/a", "text/plain", b"{}");
+        assert_ne!(text, Fingerprint::of_raw("POST", "/a", "text/csv", b"{}"));
+        assert_ne!(
+            text,
+            Fingerprint::of_json("POST", "/a", b"{}").expect("valid")
+        );
+    }
+
+    #[test]
+    fn round_trips_through_stored_bytes() {
+        let fingerprint = Fingerprint::of_raw("POST", "/a", "text/plain", b"x");
+        assert_eq!(
+            Fingerprint::from_slice(fingerprint.as_bytes()),
+            Some(fingerprint)
+        );
+        assert_eq!(Fingerprint::from_slice(&[0; 31]), None);
+        assert_eq!(fingerprint.to_hex().len(), 64);
+    }
+}

@@ -1,0 +1,100 @@
+use std::fmt;
+
+/// A client's idempotency key, validated: 1 to 255 bytes of printable ASCII (space through `~`).
+///
+/// Printable ASCII is what an RFC 8941 sf-string can carry, so every key an HTTP client can send
+/// fits, and no key can smuggle control characters into logs or the derived keys sent downstream.
+/// Keys compare bytewise (the column uses the `C` collation): `abc` and `ABC` are two keys.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key(String);
+
+/// Why a string is not a valid [`Key`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the idempotency key is empty")]
+    Empty,
+    #[error("the idempotency key is {length} bytes long; at most {max} are allowed", max = Key::MAX_BYTES)]
+    TooLong { length: usize },
+    #[error("the idempotency key holds a character outside printable ASCII at byte {position}")]
+    NotPrintable { position: usize },
+}
+
+impl Key {
+    /// The longest key accepted, in bytes.
+    pub const MAX_BYTES: usize = 255;
+
+    pub fn parse(text: &str) -> Result<Self, KeyError> {
+        if text.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if text.len() > Self::MAX_BYTES {
+            return Err(KeyError::TooLong { length: text.len() });
+        }
+        if let Some(position) = text.bytes().position(|byte| !(0x20..=0x7e).contains(&byte)) {
+            return Err(KeyError::NotPrintable { position });
+        }
+        Ok(Self(text.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "Key({:?})", self.0)
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(&self.0)
+    }
+}
+
+impl std::str::FromStr for Key {
+    type Err = KeyError;
+    fn from_str(text: &str) -> Result<Self, KeyError> {
+        Self::parse(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_printable_ascii_up_to_255_bytes() {
+        assert!(Key::parse("a").is_ok());
+        assert!(Key::parse(" ~!\"#").is_ok());
+        assert!(Key::parse(&"k".repeat(255)).is_ok());
+        assert_eq!(
+            Key::parse("order-42").map(|key| key.to_string()),
+            Ok("order-42".to_owned())
+        );
+    }
+
+    #[test]
+    fn rejects_empty_long_and_unprintable_keys() {
+        assert_eq!(Key::parse(""), Err(KeyError::Empty));
+        assert_eq!(
+            Key::parse(&"k".repeat(256)),
+            Err(KeyError::TooLong { length: 256 })
+        );
+        assert_eq!(
+            Key::parse("a\nb"),
+            Err(KeyError::NotPrintable { position: 1 })
+        );
+        assert_eq!(Key::parse("é"), Err(KeyError::NotPrintable { position: 0 }));
+        assert_eq!(
+            Key::parse("a\u{7f}"),
+            Err(KeyError::NotPrintable { position: 1 })
+        );
+    }
+
+    #[test]
+    fn keys_are_case_sensitive() {
+        assert_ne!(Key::parse("abc"), Key::parse("ABC"));
+    }
+}

@@ -1,0 +1,35 @@
+/// A finished request's answer, stored with the key in the same transaction as the last local
+/// effect, and returned byte for byte on every replay.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoredResponse {
+    /// The HTTP status code (or the status of whatever protocol carries the request).
+    pub status: u16,
+    /// Response headers in order; names as given. Replays return exactly these.
+    pub headers: Vec<(String, String)>,
+    /// The exact body bytes.
+    pub body: Vec<u8>,
+}
+
+impl StoredResponse {
+    pub fn new(status: u16, body: impl Into<Vec<u8>>) -> Self {
+        Self {
+            status,
+            headers: Vec::new(),
+            body: body.into(),
+        }
+    }
+
+    /// A JSON response with a `content-type: application/json` header.
+    pub fn json(status: u16, value: &serde_json::Value) -> Self {
+        Self {
+            status,
+            headers: vec![("content-type".to_owned(), "application/json".to_owned())],
+            body: value.to_string().into_bytes(),
+        }
+    }
+
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}

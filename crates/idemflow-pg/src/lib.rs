@@ -1,0 +1,22 @@
+//! Every SQL statement idemflow sends to PostgreSQL, and its embedded migrations.
+//!
+//! The store knows keys, leases and fencing tokens; it knows nothing of workflows beyond their
+//! names. Each function is one statement (one round trip) on a connection the caller provides, so
+//! the caller decides which statements share a transaction. docs/protocol.md explains why each is
+//! safe at Read Committed.
+
+mod store;
+
+pub use store::{
+    ClaimRequest, KeyRow, Owner, StoreError, TakenOver, advance, claim, delete_owned, finish,
+    inspect, release, renew_lease, take_over,
+};
+
+/// The schema migrations, embedded at build time from the workspace's `migrations/` folder.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+
+/// Applies every pending migration. Safe to call from many processes at once: sqlx serializes
+/// migrators with an advisory lock.
+pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    MIGRATOR.run(pool).await
+}

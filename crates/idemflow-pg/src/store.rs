@@ -1,0 +1,310 @@
+use std::time::Duration;
+
+use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
+use serde_json::Value;
+use sqlx::{PgConnection, Row};
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A fenced write updated no row: another owner took the key over (or it was finished or
+    /// deleted). The caller must roll back its transaction and stop working on the key.
+    #[error("fenced: the lease on this key was lost to another owner")]
+    Fenced,
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A stored row breaks the schema's promises (for instance a fingerprint that is not 32
+    /// bytes). Never expected; reported rather than guessed around.
+    #[error("corrupt key row: {0}")]
+    Corrupt(String),
+}
+
+/// The owner of a key: whoever holds its current fencing token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub tenant: TenantId,
+    pub key: Key,
+    pub lock_version: i64,
+}
+
+/// Everything a claim stores.
+#[derive(Debug)]
+pub struct ClaimRequest<'a> {
+    pub tenant: &'a TenantId,
+    pub key: &'a Key,
+    pub fingerprint: &'a Fingerprint,
+    pub workflow: &'a str,
+    pub request: &'a Value,
+    pub lease: Duration,
+}
+
+/// A key row as a failed claim (or an operator) sees it.
+#[derive(Debug, Clone)]
+pub struct KeyRow {
+    pub fingerprint: Fingerprint,
+    pub workflow: String,
+    pub done: bool,
+    pub recovery_point: String,
+    /// Time left on the lease by the database clock; zero when expired (or done).
+    pub lease_left: Duration,
+    pub lock_version: i64,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    /// Present when `done`.
+    pub response: Option<StoredResponse>,
+}
+
+/// What a successful takeover returns: the new fencing token and where execution stands.
+#[derive(Debug, Clone)]
+pub struct TakenOver {
+    pub owner: Owner,
+    pub recovery_point: String,
+    pub phase_output: Option<Value>,
+    pub request: Value,
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn fenced(rows_affected: u64) -> Result<(), StoreError> {
+    if rows_affected == 0 {
+        Err(StoreError::Fenced)
+    } else {
+        Ok(())
+    }
+}
+
+/// Claims a key: inserts it as started, leased to the caller. `Some(lock_version)` when this call
+/// created the row and so owns the key; `None` when the key already existed.
+///
+/// Run inside the transaction that also holds the leading local phases: a concurrent claim of
+/// the same key waits on the uncommitted unique-index entry and sees the outcome once it commits.
+pub async fn claim(
+    connection: &mut PgConnection,
+    claim: &ClaimRequest<'_>,
+) -> Result<Option<Owner>, StoreError> {
+    let row = sqlx::query(
+        "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
+         VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond') \
+         ON CONFLICT (tenant, key) DO NOTHING \
+         RETURNING lock_version",
+    )
+    .bind(claim.tenant.as_str())
+    .bind(claim.key.as_str())
+    .bind(claim.fingerprint.as_bytes().as_slice())
+    .bind(claim.workflow)
+    .bind(sqlx::types::Json(claim.request))
+    .bind(millis(claim.lease))
+    .fetch_optional(connection)
+    .await?;
+    Ok(row.map(|row| Owner {
+        tenant: claim.tenant.clone(),
+        key: claim.key.clone(),
+        lock_version: row.get(0),
+    }))
+}
+
+/// Reads a key row. A separate statement from the claim: at Read Committed the claim's conflict
+/// may come from a row its own snapshot cannot see, while this statement's fresh snapshot can.
+/// `None` if the row vanished in between (retention deleted it): the caller claims again.
+pub async fn inspect(
+    connection: &mut PgConnection,
+    tenant: &TenantId,
+    key: &Key,
+) -> Result<Option<KeyRow>, StoreError> {
+    let row = sqlx::query(
+        "SELECT fingerprint, workflow, state = 'done', recovery_point, \
+                CASE WHEN state = 'started' \
+                     THEN greatest(0, ceil(extract(epoch FROM locked_until - now()) * 1000))::bigint \
+                     ELSE 0 END, \
+                lock_version, attempts, last_error, response_status, response_headers, response_body \
+         FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+    )
+    .bind(tenant.as_str())
+    .bind(key.as_str())
+    .fetch_optional(connection)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let fingerprint_bytes: Vec<u8> = row.get(0);
+    let fingerprint = Fingerprint::from_slice(&fingerprint_bytes).ok_or_else(|| {
+        StoreError::Corrupt(format!("fingerprint of {} bytes", fingerprint_bytes.len()))
+    })?;
+    let done: bool = row.get(2);
+    let lease_left_ms: i64 = row.get(4);
+    let response = if done {
+        let status: i16 = row.get(8);
+        let headers: sqlx::types::Json<Vec<(String, String)>> = row.get(9);
+        let body: Vec<u8> = row.get(10);
+        let status = u16::try_from(status)
+            .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?;
+        Some(StoredResponse {
+            status,
+            headers: headers.0,
+            body,
+        })
+    } else {
+        None
+    };
+    Ok(Some(KeyRow {
+        fingerprint,
+        workflow: row.get(1),
+        done,
+        recovery_point: row.get(3),
+        lease_left: Duration::from_millis(u64::try_from(lease_left_ms).unwrap_or(0)),
+        lock_version: row.get(5),
+        attempts: row.get(6),
+        last_error: row.get(7),
+        response,
+    }))
+}
+
+/// Takes over a started key whose lease expired, by compare-and-set on the fencing token the
+/// caller saw: if anyone else took it over (or finished it, or renewed the lease) in between, no
+/// row matches and `None` comes back. The lease is judged by the database clock.
+pub async fn take_over(
+    connection: &mut PgConnection,
+    tenant: &TenantId,
+    key: &Key,
+    seen_lock_version: i64,
+    lease: Duration,
+) -> Result<Option<TakenOver>, StoreError> {
+    let row = sqlx::query(
+        "UPDATE idempotency_keys \
+         SET lock_version = lock_version + 1, attempts = attempts + 1, \
+             locked_until = now() + $4::bigint * interval '1 millisecond', updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 \
+           AND state = 'started' AND locked_until <= now() \
+         RETURNING lock_version, recovery_point, phase_output, request",
+    )
+    .bind(tenant.as_str())
+    .bind(key.as_str())
+    .bind(seen_lock_version)
+    .bind(millis(lease))
+    .fetch_optional(connection)
+    .await?;
+    Ok(row.map(|row| {
+        let phase_output: Option<sqlx::types::Json<Value>> = row.get(2);
+        let request: sqlx::types::Json<Value> = row.get(3);
+        TakenOver {
+            owner: Owner {
+                tenant: tenant.clone(),
+                key: key.clone(),
+                lock_version: row.get(0),
+            },
+            recovery_point: row.get(1),
+            phase_output: phase_output.map(|json| json.0),
+            request: request.0,
+        }
+    }))
+}
+
+/// Records a completed phase: its name becomes the recovery point, its output is stored, and the
+/// lease is renewed. Fenced.
+pub async fn advance(
+    connection: &mut PgConnection,
+    owner: &Owner,
+    recovery_point: &str,
+    phase_output: &Value,
+    lease: Duration,
+) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "UPDATE idempotency_keys \
+         SET recovery_point = $4, phase_output = $5, \
+             locked_until = now() + $6::bigint * interval '1 millisecond', updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+    )
+    .bind(owner.tenant.as_str())
+    .bind(owner.key.as_str())
+    .bind(owner.lock_version)
+    .bind(recovery_point)
+    .bind(sqlx::types::Json(phase_output))
+    .bind(millis(lease))
+    .execute(connection)
+    .await?;
+    fenced(result.rows_affected())
+}
+
+/// Finishes a key: stores the response, marks it done and clears the lease. Fenced. Run in the
+/// same transaction as the last local effect, so the response exists exactly when the effects do.
+pub async fn finish(
+    connection: &mut PgConnection,
+    owner: &Owner,
+    recovery_point: &str,
+    response: &StoredResponse,
+) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "UPDATE idempotency_keys \
+         SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
+             response_status = $5, response_headers = $6, response_body = $7, updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+    )
+    .bind(owner.tenant.as_str())
+    .bind(owner.key.as_str())
+    .bind(owner.lock_version)
+    .bind(recovery_point)
+    .bind(i16::try_from(response.status).unwrap_or(i16::MAX))
+    .bind(sqlx::types::Json(&response.headers))
+    .bind(response.body.as_slice())
+    .execute(connection)
+    .await?;
+    fenced(result.rows_affected())
+}
+
+/// Extends the owner's lease from now. Fenced.
+pub async fn renew_lease(
+    connection: &mut PgConnection,
+    owner: &Owner,
+    lease: Duration,
+) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "UPDATE idempotency_keys \
+         SET locked_until = now() + $4::bigint * interval '1 millisecond', updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+    )
+    .bind(owner.tenant.as_str())
+    .bind(owner.key.as_str())
+    .bind(owner.lock_version)
+    .bind(millis(lease))
+    .execute(connection)
+    .await?;
+    fenced(result.rows_affected())
+}
+
+/// Gives a key back after a retryable error: the lease now ends after `retry_after` (zero: at
+/// once), so a client retry or a resumer may take it over then, and the error is recorded. Fenced.
+pub async fn release(
+    connection: &mut PgConnection,
+    owner: &Owner,
+    retry_after: Duration,
+    last_error: &str,
+) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "UPDATE idempotency_keys \
+         SET locked_until = now() + $4::bigint * interval '1 millisecond', last_error = $5, updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+    )
+    .bind(owner.tenant.as_str())
+    .bind(owner.key.as_str())
+    .bind(owner.lock_version)
+    .bind(millis(retry_after))
+    .bind(last_error)
+    .execute(connection)
+    .await?;
+    fenced(result.rows_affected())
+}
+
+/// Deletes a started key its owner holds, so the client may send the same key again as a new
+/// request (the release policy for terminal errors). Fenced.
+pub async fn delete_owned(connection: &mut PgConnection, owner: &Owner) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "DELETE FROM idempotency_keys \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+    )
+    .bind(owner.tenant.as_str())
+    .bind(owner.key.as_str())
+    .bind(owner.lock_version)
+    .execute(connection)
+    .await?;
+    fenced(result.rows_affected())
+}

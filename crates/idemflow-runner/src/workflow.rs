@@ -1,0 +1,409 @@
+use std::any::Any;
+use std::collections::HashSet;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow_core::{DerivedKey, PhaseName, PhaseNameError, StoredResponse};
+use serde_json::Value;
+use sqlx::PgConnection;
+
+use crate::phase::{ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValue};
+
+/// A phase's output on its way to the next phase, its type erased. Values cross a phase boundary
+/// in memory as they are; they are serialized only where a recovery point stores them.
+pub(crate) type Carry = Box<dyn Any + Send>;
+
+/// Why a workflow cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BuildError {
+    #[error("workflow name {0:?} must be 1 to 128 bytes of printable ASCII without spaces")]
+    InvalidWorkflowName(String),
+    #[error("a workflow needs at least one phase")]
+    NoPhases,
+    #[error(transparent)]
+    InvalidPhaseName(#[from] PhaseNameError),
+    #[error("phase name {0:?} is used twice; phase names are recovery points and must be unique")]
+    DuplicatePhaseName(&'static str),
+    #[error(
+        "foreign phase {phase:?} may take {timeout:?}, not shorter than the lease of {lease:?}"
+    )]
+    TimeoutNotShorterThanLease {
+        phase: &'static str,
+        timeout: Duration,
+        lease: Duration,
+    },
+}
+
+/// An ordered chain of typed phases, checked by the compiler: each phase's input is the previous
+/// phase's output (the first takes the request), and only a chain whose last output is a
+/// [`StoredResponse`] can be built.
+///
+/// ```
+/// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
+/// # use idemflow_core::StoredResponse;
+/// # use sqlx::PgConnection;
+/// struct Greet;
+/// #[async_trait::async_trait]
+/// impl LocalPhase for Greet {
+///     const NAME: &'static str = "greet";
+///     type Input = String;
+///     type Output = StoredResponse;
+///     async fn run(&self, _: &mut PgConnection, name: String, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+///         Ok(StoredResponse::new(200, format!("hello {name}")))
+///     }
+/// }
+/// let workflow = Workflow::builder::<String>("greet.v1").local(Greet).build().expect("valid");
+/// assert_eq!(workflow.name(), "greet.v1");
+/// ```
+///
+/// A chain that does not end in a response does not compile:
+///
+/// ```compile_fail,E0599
+/// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
+/// # use sqlx::PgConnection;
+/// struct Count;
+/// #[async_trait::async_trait]
+/// impl LocalPhase for Count {
+///     const NAME: &'static str = "count";
+///     type Input = String;
+///     type Output = usize;
+///     async fn run(&self, _: &mut PgConnection, name: String, _: &PhaseContext) -> Result<usize, PhaseError> {
+///         Ok(name.len())
+///     }
+/// }
+/// // `build` exists only once the chain's output is a StoredResponse.
+/// let workflow = Workflow::builder::<String>("count.v1").local(Count).build();
+/// ```
+///
+/// Nor does a phase whose input is not the previous phase's output:
+///
+/// ```compile_fail,E0271
+/// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
+/// # use idemflow_core::StoredResponse;
+/// # use sqlx::PgConnection;
+/// struct Answer;
+/// #[async_trait::async_trait]
+/// impl LocalPhase for Answer {
+///     const NAME: &'static str = "answer";
+///     type Input = u64;
+///     type Output = StoredResponse;
+///     async fn run(&self, _: &mut PgConnection, n: u64, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+///         Ok(StoredResponse::new(200, n.to_string()))
+///     }
+/// }
+/// // The request is a String, but Answer wants a u64.
+/// let workflow = Workflow::builder::<String>("answer.v1").local(Answer).build();
+/// ```
+#[derive(Debug)]
+pub struct Workflow {
+    name: String,
+    pub(crate) steps: Vec<Step>,
+    lease: Duration,
+    decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
+}
+
+impl Workflow {
+    /// The lease a workflow gets unless [`WorkflowBuilder::lease`] says otherwise.
+    pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+
+    /// Starts a workflow taking requests of type `Request`. `name` is durable (stored on every
+    /// key the workflow claims); version it (`checkout.v1`) and keep old versions registered
+    /// while their keys may still be resumed.
+    pub fn builder<Request: PhaseValue>(
+        name: impl Into<String>,
+    ) -> WorkflowBuilder<Request, Request> {
+        WorkflowBuilder {
+            name: name.into(),
+            steps: Vec::new(),
+            lease: Self::DEFAULT_LEASE,
+            decode_request: decode::<Request>,
+            _chain: PhantomData,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How long an owner holds the key between commits before another may take it over.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The phase names in order.
+    pub fn phase_names(&self) -> Vec<&'static str> {
+        self.steps.iter().map(|step| step.name().as_str()).collect()
+    }
+
+    pub(crate) fn decode_request(&self, request: Value) -> Result<Carry, serde_json::Error> {
+        (self.decode_request)(request)
+    }
+
+    /// The index of the first phase to run for a key left at `recovery_point`; `None` for a name
+    /// this workflow does not have.
+    pub(crate) fn position_after(&self, recovery_point: &str) -> Option<usize> {
+        if recovery_point == idemflow_core::RecoveryPoint::START {
+            return Some(0);
+        }
+        self.steps
+            .iter()
+            .position(|step| step.name().as_str() == recovery_point)
+            .map(|index| index + 1)
+    }
+}
+
+/// Builds a [`Workflow`]; `Chain` is the output type of the last phase added.
+#[derive(Debug)]
+pub struct WorkflowBuilder<Request, Chain> {
+    name: String,
+    steps: Vec<Step>,
+    lease: Duration,
+    decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
+    _chain: PhantomData<fn(Request) -> Chain>,
+}
+
+impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
+    /// Appends a local phase taking the chain's current output.
+    pub fn local<P: LocalPhase<Input = Chain>>(
+        mut self,
+        phase: P,
+    ) -> WorkflowBuilder<Request, P::Output> {
+        self.steps.push(Step::Local(Box::new(LocalStep {
+            name: P::NAME,
+            phase,
+        })));
+        self.retype()
+    }
+
+    /// Appends a foreign phase taking the chain's current output.
+    pub fn foreign<P: ForeignPhase<Input = Chain>>(
+        mut self,
+        phase: P,
+    ) -> WorkflowBuilder<Request, P::Output> {
+        self.steps.push(Step::Foreign(Box::new(ForeignStep {
+            name: P::NAME,
+            phase,
+        })));
+        self.retype()
+    }
+
+    /// Sets the lease: how long an owner may hold the key between two commits. It must exceed
+    /// the worst-case time of any phase, including foreign calls (whose timeouts are checked).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    fn retype<Next>(self) -> WorkflowBuilder<Request, Next> {
+        WorkflowBuilder {
+            name: self.name,
+            steps: self.steps,
+            lease: self.lease,
+            decode_request: self.decode_request,
+            _chain: PhantomData,
+        }
+    }
+}
+
+impl<Request> WorkflowBuilder<Request, StoredResponse> {
+    /// Checks what the types cannot: names valid and unique, foreign timeouts shorter than the
+    /// lease.
+    pub fn build(self) -> Result<Workflow, BuildError> {
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 128
+            && self.name.bytes().all(|byte| (0x21..=0x7e).contains(&byte));
+        if !name_ok {
+            return Err(BuildError::InvalidWorkflowName(self.name));
+        }
+        if self.steps.is_empty() {
+            return Err(BuildError::NoPhases);
+        }
+        let mut seen = HashSet::new();
+        for step in &self.steps {
+            let name = step.raw_name();
+            PhaseName::new(name)?;
+            if !seen.insert(name) {
+                return Err(BuildError::DuplicatePhaseName(name));
+            }
+            if let Step::Foreign(foreign) = step {
+                let timeout = foreign.timeout();
+                if timeout >= self.lease {
+                    return Err(BuildError::TimeoutNotShorterThanLease {
+                        phase: name,
+                        timeout,
+                        lease: self.lease,
+                    });
+                }
+            }
+        }
+        Ok(Workflow {
+            name: self.name,
+            steps: self.steps,
+            lease: self.lease,
+            decode_request: self.decode_request,
+        })
+    }
+}
+
+fn decode<T: PhaseValue>(value: Value) -> Result<Carry, serde_json::Error> {
+    Ok(Box::new(serde_json::from_value::<T>(value)?))
+}
+
+fn encode<T: PhaseValue>(carry: &Carry) -> Result<Value, serde_json::Error> {
+    match carry.downcast_ref::<T>() {
+        Some(value) => serde_json::to_value(value),
+        None => Err(serde::ser::Error::custom(
+            "phase output of an unexpected type",
+        )),
+    }
+}
+
+fn downcast<T: 'static>(carry: Carry, phase: &str) -> Result<T, PhaseError> {
+    carry.downcast::<T>().map(|boxed| *boxed).map_err(|_| {
+        PhaseError::terminal(format!(
+            "phase {phase} received an input of an unexpected type"
+        ))
+    })
+}
+
+/// One phase of a built workflow, its types erased.
+#[derive(Debug)]
+pub(crate) enum Step {
+    Local(Box<dyn ErasedLocal>),
+    Foreign(Box<dyn ErasedForeign>),
+}
+
+impl Step {
+    fn raw_name(&self) -> &'static str {
+        match self {
+            Self::Local(local) => local.name(),
+            Self::Foreign(foreign) => foreign.name(),
+        }
+    }
+
+    /// Valid once the workflow is built.
+    pub(crate) fn name(&self) -> PhaseName {
+        PhaseName::new(self.raw_name())
+            .unwrap_or_else(|_| unreachable!("checked by WorkflowBuilder::build"))
+    }
+
+    pub(crate) fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
+        match self {
+            Self::Local(local) => local.encode_output(carry),
+            Self::Foreign(foreign) => foreign.encode_output(carry),
+        }
+    }
+
+    pub(crate) fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error> {
+        match self {
+            Self::Local(local) => local.decode_output(value),
+            Self::Foreign(foreign) => foreign.decode_output(value),
+        }
+    }
+}
+
+#[async_trait]
+pub(crate) trait ErasedLocal: Send + Sync + std::fmt::Debug {
+    fn name(&self) -> &'static str;
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        input: Carry,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError>;
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
+    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error>;
+}
+
+#[async_trait]
+pub(crate) trait ErasedForeign: Send + Sync + std::fmt::Debug {
+    fn name(&self) -> &'static str;
+    fn timeout(&self) -> Duration;
+    async fn call(
+        &self,
+        input: Carry,
+        key: &DerivedKey,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError>;
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
+    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error>;
+}
+
+struct LocalStep<P> {
+    name: &'static str,
+    phase: P,
+}
+
+impl<P> std::fmt::Debug for LocalStep<P> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "LocalStep({})", self.name)
+    }
+}
+
+#[async_trait]
+impl<P: LocalPhase> ErasedLocal for LocalStep<P> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        input: Carry,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError> {
+        let input = downcast::<P::Input>(input, self.name)?;
+        let output = self.phase.run(connection, input, context).await?;
+        Ok(Box::new(output))
+    }
+
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
+        encode::<P::Output>(carry)
+    }
+
+    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error> {
+        decode::<P::Output>(value)
+    }
+}
+
+struct ForeignStep<P> {
+    name: &'static str,
+    phase: P,
+}
+
+impl<P> std::fmt::Debug for ForeignStep<P> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "ForeignStep({})", self.name)
+    }
+}
+
+#[async_trait]
+impl<P: ForeignPhase> ErasedForeign for ForeignStep<P> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn timeout(&self) -> Duration {
+        self.phase.timeout()
+    }
+
+    async fn call(
+        &self,
+        input: Carry,
+        key: &DerivedKey,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError> {
+        let input = downcast::<P::Input>(input, self.name)?;
+        let output = self.phase.call(input, key, context).await?;
+        Ok(Box::new(output))
+    }
+
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
+        encode::<P::Output>(carry)
+    }
+
+    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error> {
+        decode::<P::Output>(value)
+    }
+}

@@ -1,0 +1,25 @@
+//! idemflow: durable multi-phase requests made safe by idempotency keys, on PostgreSQL.
+//!
+//! A client sends an idempotency key with a request. The first attempt runs the request as an
+//! ordered chain of typed phases; every retry with the same key gets the first result back; the
+//! same key with a different request is refused; a crash at any point is finished later from the
+//! last recovery point, without doing any effect twice. See `docs/ARCHITECTURE.md`.
+//!
+//! This crate gathers the parts:
+//! - [`core`]: keys, tenants, canonical JSON fingerprints and the claim decision (pure, no IO);
+//! - [`store`]: every SQL statement, and the migrations ([`migrate`]);
+//! - the runner, workflows and phases, re-exported at the top level.
+
+pub use idemflow_core as core;
+pub use idemflow_pg as store;
+
+pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
+pub use idemflow_pg::{MIGRATOR, migrate};
+pub use idemflow_runner::{
+    BuildError, ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, PhaseErrorKind,
+    PhaseValue, Rejection, Request, RunError, Runner, RunnerConfig, TerminalPolicy, Workflow,
+    WorkflowBuilder,
+};
+
+/// Re-exported so phases can name the connection type without a direct sqlx dependency.
+pub use async_trait::async_trait;
