@@ -729,3 +729,32 @@ async fn a_dropped_request_leaves_no_connection_in_a_transaction(
     );
     executed(&run(&runner, &workflow, &one, "mid", &small).await);
 }
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_request_failing_the_workflows_check_is_rejected_before_its_claim(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let workflow = idemflow::Workflow::builder::<CheckoutRequest>("checked.v1")
+        .validate(|request| {
+            if request.amount > 0 {
+                Ok(())
+            } else {
+                Err("amount must be positive".into())
+            }
+        })
+        .local(PlaceOrder(harness.create.clone()))
+        .build()
+        .unwrap();
+    let runner = Runner::new(pool.clone());
+    let outcome = run(&runner, &workflow, &tenant(1), "k", &body(0)).await;
+    assert_eq!(
+        outcome,
+        Outcome::Rejected(Rejection::InvalidInput("amount must be positive".into()))
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        0
+    );
+    assert_eq!(harness.create.runs.load(Ordering::SeqCst), 0);
+    executed(&run(&runner, &workflow, &tenant(1), "k", &body(3)).await);
+}

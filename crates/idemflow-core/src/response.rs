@@ -28,6 +28,18 @@ impl StoredResponse {
         }
     }
 
+    /// An RFC 9457 problem response (`content-type: application/problem+json`).
+    pub fn problem(status: u16, value: &serde_json::Value) -> Self {
+        Self {
+            status,
+            headers: vec![(
+                "content-type".to_owned(),
+                "application/problem+json".to_owned(),
+            )],
+            body: value.to_string().into_bytes(),
+        }
+    }
+
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), value.into()));
         self

@@ -172,6 +172,9 @@ impl Runner {
                 )));
             }
         };
+        if let Err(reason) = workflow.validate(&input) {
+            return Ok(Outcome::Rejected(Rejection::InvalidInput(reason)));
+        }
         let span = tracing::info_span!(
             "idemflow.request",
             tenant = %tenant,

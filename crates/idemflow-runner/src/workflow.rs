@@ -14,6 +14,9 @@ use crate::phase::{ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValu
 /// in memory as they are; they are serialized only where a recovery point stores them.
 pub(crate) type Carry = Box<dyn Any + Send>;
 
+/// A workflow's request check, its type erased.
+type Validator = Box<dyn Fn(&Carry) -> Result<(), String> + Send + Sync>;
+
 /// Why a workflow cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BuildError {
@@ -95,12 +98,23 @@ pub enum BuildError {
 /// // The request is a String, but Answer wants a u64.
 /// let workflow = Workflow::builder::<String>("answer.v1").local(Answer).build();
 /// ```
-#[derive(Debug)]
 pub struct Workflow {
     name: String,
     pub(crate) steps: Vec<Step>,
     lease: Duration,
     decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
+    validate: Option<Validator>,
+}
+
+impl std::fmt::Debug for Workflow {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Workflow")
+            .field("name", &self.name)
+            .field("steps", &self.steps)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Workflow {
@@ -118,6 +132,7 @@ impl Workflow {
             steps: Vec::new(),
             lease: Self::DEFAULT_LEASE,
             decode_request: decode::<Request>,
+            validate: None,
             _chain: PhantomData,
         }
     }
@@ -140,6 +155,13 @@ impl Workflow {
         (self.decode_request)(request)
     }
 
+    /// Runs the workflow's request check, if it has one.
+    pub(crate) fn validate(&self, request: &Carry) -> Result<(), String> {
+        self.validate
+            .as_ref()
+            .map_or(Ok(()), |validate| validate(request))
+    }
+
     /// The index of the first phase to run for a key left at `recovery_point`; `None` for a name
     /// this workflow does not have.
     pub(crate) fn position_after(&self, recovery_point: &str) -> Option<usize> {
@@ -154,13 +176,37 @@ impl Workflow {
 }
 
 /// Builds a [`Workflow`]; `Chain` is the output type of the last phase added.
-#[derive(Debug)]
 pub struct WorkflowBuilder<Request, Chain> {
     name: String,
     steps: Vec<Step>,
     lease: Duration,
     decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
+    validate: Option<Validator>,
     _chain: PhantomData<fn(Request) -> Chain>,
+}
+
+impl<Request, Chain> std::fmt::Debug for WorkflowBuilder<Request, Chain> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("WorkflowBuilder")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<Request: PhaseValue> WorkflowBuilder<Request, Request> {
+    /// Checks each request before its key is claimed. A request that fails is rejected
+    /// ([`crate::Outcome::Rejected`]) and leaves nothing behind, so the client may fix it and
+    /// send it again under the same key. Only at the start of the chain, where the request is.
+    pub fn validate(mut self, check: fn(&Request) -> Result<(), String>) -> Self {
+        self.validate = Some(Box::new(move |carry: &Carry| {
+            match carry.downcast_ref::<Request>() {
+                Some(request) => check(request),
+                None => Err("the request has an unexpected type".to_owned()),
+            }
+        }));
+        self
+    }
 }
 
 impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
@@ -201,6 +247,7 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
             steps: self.steps,
             lease: self.lease,
             decode_request: self.decode_request,
+            validate: self.validate,
             _chain: PhantomData,
         }
     }
@@ -242,6 +289,7 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
             steps: self.steps,
             lease: self.lease,
             decode_request: self.decode_request,
+            validate: self.validate,
         })
     }
 }

@@ -1,0 +1,210 @@
+//! The checkout workflow: create the order (local), charge the card (foreign), finish (local).
+
+use std::time::Duration;
+
+use idemflow::{
+    DerivedKey, ForeignPhase, LocalPhase, PhaseContext, PhaseError, StoredResponse, Workflow,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+
+use crate::psp::{ChargeResult, PaymentProvider};
+
+/// The example's own table. A real service would create it in its own migrations.
+pub const ORDERS_TABLE: &str = "CREATE TABLE IF NOT EXISTS checkout_orders (
+    id         bigserial PRIMARY KEY,
+    tenant     text   NOT NULL,
+    amount     bigint NOT NULL CHECK (amount > 0),
+    currency   text   NOT NULL,
+    status     text   NOT NULL DEFAULT 'created',
+    charge_id  text
+)";
+
+/// The request body of `POST /v1/checkouts`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckoutRequest {
+    /// In the currency's smallest unit (cents).
+    pub amount: i64,
+    pub currency: String,
+    /// A card token.
+    pub source: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OrderCreated {
+    pub order_id: i64,
+    pub amount: i64,
+    pub currency: String,
+    pub source: String,
+}
+
+/// What the charge phase learned. A declined card is an outcome, not an error.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ChargeOutcome {
+    Paid {
+        order_id: i64,
+        amount: i64,
+        currency: String,
+        charge_id: String,
+    },
+    Declined {
+        order_id: i64,
+        reason: String,
+    },
+}
+
+pub struct CreateOrder;
+
+#[idemflow::async_trait]
+impl LocalPhase for CreateOrder {
+    const NAME: &'static str = "create_order";
+    type Input = CheckoutRequest;
+    type Output = OrderCreated;
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        request: CheckoutRequest,
+        context: &PhaseContext,
+    ) -> Result<OrderCreated, PhaseError> {
+        let (order_id,): (i64,) = sqlx::query_as(
+            "INSERT INTO checkout_orders (tenant, amount, currency) VALUES ($1, $2, $3) RETURNING id",
+        )
+        .bind(context.tenant.as_str())
+        .bind(request.amount)
+        .bind(&request.currency)
+        .fetch_one(connection)
+        .await?;
+        Ok(OrderCreated {
+            order_id,
+            amount: request.amount,
+            currency: request.currency,
+            source: request.source,
+        })
+    }
+}
+
+pub struct Charge {
+    pub provider: PaymentProvider,
+}
+
+#[idemflow::async_trait]
+impl ForeignPhase for Charge {
+    const NAME: &'static str = "charge";
+    type Input = OrderCreated;
+    type Output = ChargeOutcome;
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(10)
+    }
+
+    async fn call(
+        &self,
+        order: OrderCreated,
+        key: &DerivedKey,
+        _: &PhaseContext,
+    ) -> Result<ChargeOutcome, PhaseError> {
+        // The derived key makes a repeated call (after a crash or a takeover) return the first
+        // charge instead of charging again.
+        let result = self
+            .provider
+            .charge(key.as_str(), order.amount, &order.currency, &order.source)
+            .await
+            // Unavailable: retryable, so the key stays started and resumes at this phase.
+            .map_err(|unavailable| {
+                PhaseError::retry_after(unavailable, Duration::from_millis(200))
+            })?;
+        Ok(match result {
+            ChargeResult::Succeeded { charge_id } => ChargeOutcome::Paid {
+                order_id: order.order_id,
+                amount: order.amount,
+                currency: order.currency,
+                charge_id,
+            },
+            ChargeResult::Declined { reason } => ChargeOutcome::Declined {
+                order_id: order.order_id,
+                reason,
+            },
+        })
+    }
+}
+
+pub struct Finish;
+
+#[idemflow::async_trait]
+impl LocalPhase for Finish {
+    const NAME: &'static str = "finish";
+    type Input = ChargeOutcome;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        outcome: ChargeOutcome,
+        _: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        match outcome {
+            ChargeOutcome::Paid {
+                order_id,
+                amount,
+                currency,
+                charge_id,
+            } => {
+                sqlx::query(
+                    "UPDATE checkout_orders SET status = 'paid', charge_id = $2 WHERE id = $1",
+                )
+                .bind(order_id)
+                .bind(&charge_id)
+                .execute(connection)
+                .await?;
+                let body = serde_json::json!({
+                    "order_id": order_id, "charge_id": charge_id, "amount": amount,
+                    "currency": currency, "status": "paid",
+                });
+                Ok(StoredResponse::json(201, &body))
+            }
+            ChargeOutcome::Declined { order_id, reason } => {
+                sqlx::query("UPDATE checkout_orders SET status = 'declined' WHERE id = $1")
+                    .bind(order_id)
+                    .execute(connection)
+                    .await?;
+                let problem = serde_json::json!({
+                    "type": "about:blank", "title": "Payment Required", "status": 402,
+                    "detail": reason, "order_id": order_id,
+                });
+                Ok(StoredResponse::problem(402, &problem))
+            }
+        }
+    }
+}
+
+/// Checked before the key is claimed: a request that fails leaves nothing behind, and the client
+/// may fix it and send it again under the same key.
+fn validate(request: &CheckoutRequest) -> Result<(), String> {
+    if request.amount <= 0 {
+        return Err("amount must be a positive number of cents".to_owned());
+    }
+    if request.currency.len() != 3
+        || !request
+            .currency
+            .bytes()
+            .all(|byte| byte.is_ascii_lowercase())
+    {
+        return Err("currency must be a three-letter lowercase ISO 4217 code".to_owned());
+    }
+    if request.source.is_empty() {
+        return Err("source must name a card token".to_owned());
+    }
+    Ok(())
+}
+
+pub fn checkout(provider: PaymentProvider) -> Workflow {
+    Workflow::builder::<CheckoutRequest>("checkout.v1")
+        .validate(validate)
+        .local(CreateOrder)
+        .foreign(Charge { provider })
+        .local(Finish)
+        .build()
+        .expect("the checkout workflow is valid")
+}

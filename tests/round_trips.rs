@@ -1,0 +1,111 @@
+//! Commits and round trips per request, counted on the wire between the pool and PostgreSQL.
+//!
+//! The rule: a new request commits 1 + (number of foreign phases) times. The claim commits with
+//! the local phases before the first foreign call; each foreign result commits with the local
+//! phases after it (and with finish). Round trips are the engine's statements plus BEGIN and
+//! COMMIT; the phases' own statements are counted separately (one each here).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use idemflow::{Outcome, Runner, Workflow};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::wire::{Counts, WireCounts, start_proxy};
+use support::*;
+
+/// A pool of one connection through the counting proxy, with statements already prepared, so
+/// what is counted is one request's steady-state traffic.
+async fn counted_pool(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) -> (sqlx::PgPool, std::sync::Arc<WireCounts>) {
+    let upstream = tokio::net::lookup_host((connect.get_host(), connect.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let (port, counts) = start_proxy(upstream).await;
+    let pool = options
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect_with(connect.host("127.0.0.1").port(port))
+        .await
+        .unwrap();
+    (pool, counts)
+}
+
+/// Runs `warm_up` first, then `key`, and counts the second run: the first use of a statement on
+/// a connection also prepares it, and preparing is not what is measured.
+async fn measure(
+    runner: &Runner,
+    workflow: &Workflow,
+    counts: &WireCounts,
+    warm_up: &str,
+    key: &str,
+) -> (Outcome, Counts) {
+    run(runner, workflow, &tenant(1), warm_up, &body(1)).await;
+    let before = counts.snapshot();
+    let outcome = run(runner, workflow, &tenant(1), key, &body(1)).await;
+    // The pool pings a released connection in the background; let that settle before reading.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    (outcome, counts.snapshot() - before)
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_local_only_request_is_one_transaction(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, counts) = counted_pool(options, connect).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let (outcome, used) = measure(&runner, &harness.local_only(), &counts, "warm-up", "k").await;
+    executed(&outcome);
+    assert_eq!(used.commits, 1, "{used:?}");
+    // BEGIN, claim, place_order's insert, finish, COMMIT.
+    assert_eq!(used.round_trips, 4 + 1, "{used:?}");
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn local_foreign_local_commits_twice(options: PgPoolOptions, connect: PgConnectOptions) {
+    let (pool, counts) = counted_pool(options, connect).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let (outcome, used) = measure(&runner, &harness.checkout(), &counts, "warm-up", "k").await;
+    executed(&outcome);
+    assert_eq!(used.commits, 2, "{used:?}");
+    // BEGIN, claim, create_order's insert, advance, COMMIT; the charge; BEGIN, mark_paid's
+    // update, finish, COMMIT.
+    assert_eq!(used.round_trips, 7 + 2, "{used:?}");
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn two_foreign_phases_commit_three_times(options: PgPoolOptions, connect: PgConnectOptions) {
+    let (pool, counts) = counted_pool(options, connect).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let (outcome, used) = measure(&runner, &harness.two_foreign(), &counts, "warm-up", "k").await;
+    executed(&outcome);
+    assert_eq!(used.commits, 3, "{used:?}");
+    // As above, plus BEGIN, advance (the charge's result), COMMIT before the receipt.
+    assert_eq!(used.round_trips, 10 + 2, "{used:?}");
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_replay_commits_nothing(options: PgPoolOptions, connect: PgConnectOptions) {
+    let (pool, counts) = counted_pool(options, connect).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let workflow = harness.checkout();
+    executed(&run(&runner, &workflow, &tenant(1), "k", &body(1)).await);
+    executed(&run(&runner, &workflow, &tenant(1), "warm-up", &body(1)).await);
+    let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up", "k").await;
+    assert!(matches!(outcome, Outcome::Replayed(_)), "{outcome:?}");
+    assert_eq!(used.commits, 0, "{used:?}");
+    // BEGIN, claim (conflict), inspect, ROLLBACK.
+    assert_eq!(used.round_trips, 4, "{used:?}");
+}
