@@ -16,9 +16,9 @@ pub use idemflow_pg as store;
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, migrate};
 pub use idemflow_runner::{
-    BuildError, ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, PhaseErrorKind,
-    PhaseValue, Rejection, Request, RunError, Runner, RunnerConfig, TerminalPolicy, Workflow,
-    WorkflowBuilder,
+    BuildError, Failure, FailurePhase, ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError,
+    PhaseErrorKind, PhaseValue, Rejection, Request, RetryPolicy, RunError, Runner, RunnerConfig,
+    TerminalPolicy, Workflow, WorkflowBuilder,
 };
 
 /// Re-exported so phases can name the connection type without a direct sqlx dependency.

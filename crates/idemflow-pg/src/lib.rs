@@ -5,7 +5,13 @@
 //! the caller decides which statements share a transaction. docs/protocol.md explains why each is
 //! safe at Read Committed.
 
+mod maintenance;
 mod store;
+
+pub use maintenance::{
+    DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, expire_batch, key_report,
+    notify_due, release_now, resumer_lag, stuck_keys, table_stats, take_over_due,
+};
 
 pub use store::{
     ClaimRequest, KeyRow, Owner, StoreError, TakenOver, advance, claim, delete_owned, finish,

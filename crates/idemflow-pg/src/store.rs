@@ -58,6 +58,8 @@ pub struct KeyRow {
 #[derive(Debug, Clone)]
 pub struct TakenOver {
     pub owner: Owner,
+    /// Executions begun at this recovery point, this one included.
+    pub attempts: i32,
     pub recovery_point: String,
     pub phase_output: Option<Value>,
     pub request: Value,
@@ -175,7 +177,7 @@ pub async fn take_over(
              locked_until = now() + $4::bigint * interval '1 millisecond', updated_at = now() \
          WHERE tenant = $1 AND key = $2 AND lock_version = $3 \
            AND state = 'started' AND locked_until <= now() \
-         RETURNING lock_version, recovery_point, phase_output, request",
+         RETURNING lock_version, recovery_point, phase_output, request, attempts",
     )
     .bind(tenant.as_str())
     .bind(key.as_str())
@@ -192,6 +194,7 @@ pub async fn take_over(
                 key: key.clone(),
                 lock_version: row.get(0),
             },
+            attempts: row.get(4),
             recovery_point: row.get(1),
             phase_output: phase_output.map(|json| json.0),
             request: request.0,
@@ -210,7 +213,7 @@ pub async fn advance(
 ) -> Result<(), StoreError> {
     let result = sqlx::query(
         "UPDATE idempotency_keys \
-         SET recovery_point = $4, phase_output = $5, \
+         SET recovery_point = $4, phase_output = $5, attempts = 1, last_error = NULL, \
              locked_until = now() + $6::bigint * interval '1 millisecond', updated_at = now() \
          WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
     )

@@ -1,12 +1,23 @@
 //! Typed phases, workflows, and the runner that executes them under idempotency keys.
 
+mod config;
+mod drive;
+mod error;
+mod metrics;
 mod outcome;
 mod phase;
+mod retry;
 mod runner;
 mod transaction;
 mod workflow;
 
+pub use config::{RunnerConfig, TerminalPolicy};
+pub use error::RunError;
 pub use outcome::{Outcome, Rejection};
-pub use phase::{ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseErrorKind, PhaseValue};
-pub use runner::{Request, RunError, Runner, RunnerConfig, TerminalPolicy};
+pub use phase::{
+    Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseErrorKind,
+    PhaseValue,
+};
+pub use retry::RetryPolicy;
+pub use runner::{Request, Runner};
 pub use workflow::{BuildError, Workflow, WorkflowBuilder};

@@ -6,6 +6,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::PgConnection;
 
+use crate::retry::RetryPolicy;
+
 /// A value that can cross a phase boundary: stored as a recovery point's output, read back by a
 /// resumer in another process.
 pub trait PhaseValue: Serialize + DeserializeOwned + Send + 'static {}
@@ -16,8 +18,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> PhaseValue for T {}
 pub struct PhaseContext {
     pub tenant: TenantId,
     pub key: Key,
-    /// Executions begun for this key: 1 for the claim, +1 for each takeover.
-    pub attempt: i32,
+    /// Executions begun at the key's current recovery point, this one included: 1 for the first,
+    /// +1 for each takeover (by a client retry or a resumer).
+    pub attempt: u32,
 }
 
 /// A phase whose effects are statements in this database.
@@ -34,6 +37,11 @@ pub trait LocalPhase: Send + Sync + 'static {
     const NAME: &'static str;
     type Input: PhaseValue;
     type Output: PhaseValue;
+
+    /// How retryable errors of this phase are retried.
+    fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::default()
+    }
 
     async fn run(
         &self,
@@ -63,12 +71,48 @@ pub trait ForeignPhase: Send + Sync + 'static {
         Duration::from_secs(20)
     }
 
+    /// How retryable errors (and timeouts) of this phase are retried.
+    fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::default()
+    }
+
     async fn call(
         &self,
         input: Self::Input,
         key: &DerivedKey,
         context: &PhaseContext,
     ) -> Result<Self::Output, PhaseError>;
+}
+
+/// What a workflow's failure path is told when the workflow gives up on a key.
+#[derive(Debug, Clone)]
+pub struct Failure<Request> {
+    /// The request, as first accepted.
+    pub request: Request,
+    /// The phase whose retries ran out.
+    pub phase: &'static str,
+    /// The last completed phase (`start` before any) and its stored output, to know what to undo.
+    pub recovery_point: String,
+    pub recovery_output: Option<serde_json::Value>,
+    /// The last error.
+    pub error: String,
+    /// Executions of `phase` that failed.
+    pub attempts: u32,
+}
+
+/// A workflow's failure path: a local phase that runs when a phase's retries run out (mark the
+/// order failed, say). Its statements and the response it returns commit together with the key's
+/// finish, so no key stays started forever. If it fails itself, a generic 500 problem is stored.
+#[async_trait]
+pub trait FailurePhase: Send + Sync + 'static {
+    type Request: PhaseValue;
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        failure: Failure<Self::Request>,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError>;
 }
 
 /// How a phase failed.

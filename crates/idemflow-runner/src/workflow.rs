@@ -8,7 +8,10 @@ use idemflow_core::{DerivedKey, PhaseName, PhaseNameError, StoredResponse};
 use serde_json::Value;
 use sqlx::PgConnection;
 
-use crate::phase::{ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValue};
+use crate::phase::{
+    Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValue,
+};
+use crate::retry::RetryPolicy;
 
 /// A phase's output on its way to the next phase, its type erased. Values cross a phase boundary
 /// in memory as they are; they are serialized only where a recovery point stores them.
@@ -104,6 +107,7 @@ pub struct Workflow {
     lease: Duration,
     decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
+    pub(crate) failure: Option<Box<dyn ErasedFailure>>,
 }
 
 impl std::fmt::Debug for Workflow {
@@ -133,6 +137,7 @@ impl Workflow {
             lease: Self::DEFAULT_LEASE,
             decode_request: decode::<Request>,
             validate: None,
+            failure: None,
             _chain: PhantomData,
         }
     }
@@ -182,6 +187,7 @@ pub struct WorkflowBuilder<Request, Chain> {
     lease: Duration,
     decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
+    failure: Option<Box<dyn ErasedFailure>>,
     _chain: PhantomData<fn(Request) -> Chain>,
 }
 
@@ -241,6 +247,16 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
         self
     }
 
+    /// Sets the failure path: what runs, in one transaction with the stored response, when a
+    /// phase's retries run out. Without one, a 500 problem naming the last error is stored.
+    pub fn on_failure<F: FailurePhase<Request = Request>>(mut self, failure: F) -> Self
+    where
+        Request: PhaseValue,
+    {
+        self.failure = Some(Box::new(FailureStep { failure }));
+        self
+    }
+
     fn retype<Next>(self) -> WorkflowBuilder<Request, Next> {
         WorkflowBuilder {
             name: self.name,
@@ -248,6 +264,7 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
             lease: self.lease,
             decode_request: self.decode_request,
             validate: self.validate,
+            failure: self.failure,
             _chain: PhantomData,
         }
     }
@@ -290,6 +307,7 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
             lease: self.lease,
             decode_request: self.decode_request,
             validate: self.validate,
+            failure: self.failure,
         })
     }
 }
@@ -354,6 +372,7 @@ impl Step {
 #[async_trait]
 pub(crate) trait ErasedLocal: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
+    fn retry_policy(&self) -> RetryPolicy;
     async fn run(
         &self,
         connection: &mut PgConnection,
@@ -367,6 +386,7 @@ pub(crate) trait ErasedLocal: Send + Sync + std::fmt::Debug {
 #[async_trait]
 pub(crate) trait ErasedForeign: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
+    fn retry_policy(&self) -> RetryPolicy;
     fn timeout(&self) -> Duration;
     async fn call(
         &self,
@@ -393,6 +413,10 @@ impl<P> std::fmt::Debug for LocalStep<P> {
 impl<P: LocalPhase> ErasedLocal for LocalStep<P> {
     fn name(&self) -> &'static str {
         self.name
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.phase.retry_policy()
     }
 
     async fn run(
@@ -432,6 +456,10 @@ impl<P: ForeignPhase> ErasedForeign for ForeignStep<P> {
         self.name
     }
 
+    fn retry_policy(&self) -> RetryPolicy {
+        self.phase.retry_policy()
+    }
+
     fn timeout(&self) -> Duration {
         self.phase.timeout()
     }
@@ -453,5 +481,59 @@ impl<P: ForeignPhase> ErasedForeign for ForeignStep<P> {
 
     fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error> {
         decode::<P::Output>(value)
+    }
+}
+
+/// What the runner knows of a failure when it gives up, before the request is decoded.
+#[derive(Debug)]
+pub(crate) struct GiveUp {
+    pub request: Value,
+    pub phase: &'static str,
+    pub recovery_point: String,
+    pub recovery_output: Option<Value>,
+    pub error: String,
+    pub attempts: u32,
+}
+
+#[async_trait]
+pub(crate) trait ErasedFailure: Send + Sync {
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        give_up: GiveUp,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError>;
+}
+
+impl std::fmt::Debug for dyn ErasedFailure {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("FailurePath")
+    }
+}
+
+struct FailureStep<F> {
+    failure: F,
+}
+
+#[async_trait]
+impl<F: FailurePhase> ErasedFailure for FailureStep<F> {
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        give_up: GiveUp,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let request = serde_json::from_value::<F::Request>(give_up.request).map_err(|error| {
+            PhaseError::terminal(format!("the stored request does not decode: {error}"))
+        })?;
+        let failure = Failure {
+            request,
+            phase: give_up.phase,
+            recovery_point: give_up.recovery_point,
+            recovery_output: give_up.recovery_output,
+            error: give_up.error,
+            attempts: give_up.attempts,
+        };
+        self.failure.run(connection, failure, context).await
     }
 }

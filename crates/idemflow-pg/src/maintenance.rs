@@ -1,0 +1,272 @@
+//! The statements of the resumer, retention and operators: scanning for abandoned keys, expiring
+//! old ones, and looking at the table.
+
+use std::time::Duration;
+
+use idemflow_core::{Key, TenantId};
+use serde_json::Value;
+use sqlx::{PgConnection, Row};
+
+use crate::store::{Owner, StoreError, TakenOver};
+
+/// The channel on which a released key is announced, so an idle resumer wakes early.
+pub const DUE_CHANNEL: &str = "idemflow_due";
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A key a resumer took over, with the workflow that must finish it.
+#[derive(Debug, Clone)]
+pub struct DueKey {
+    pub workflow: String,
+    pub taken: TakenOver,
+}
+
+/// Takes over up to `batch_size` started keys whose lease expired, of the named workflows only,
+/// in one statement: the due rows are locked `FOR UPDATE SKIP LOCKED` (so concurrent resumers
+/// split the work instead of queueing on each other) and each gets a new fencing token and lease.
+/// Keys of workflows not named are left alone for a resumer that knows them.
+pub async fn take_over_due(
+    connection: &mut PgConnection,
+    workflows: &[String],
+    batch_size: i64,
+    lease: Duration,
+) -> Result<Vec<DueKey>, StoreError> {
+    let rows = sqlx::query(
+        "WITH due AS ( \
+             SELECT tenant, key FROM idempotency_keys \
+             WHERE state = 'started' AND locked_until <= now() AND workflow = ANY($1) \
+             ORDER BY locked_until \
+             LIMIT $2 \
+             FOR UPDATE SKIP LOCKED \
+         ) \
+         UPDATE idempotency_keys AS keys \
+         SET lock_version = keys.lock_version + 1, attempts = keys.attempts + 1, \
+             locked_until = now() + $3::bigint * interval '1 millisecond', updated_at = now() \
+         FROM due WHERE keys.tenant = due.tenant AND keys.key = due.key \
+         RETURNING keys.tenant, keys.key, keys.workflow, keys.lock_version, keys.recovery_point, \
+                   keys.phase_output, keys.request, keys.attempts",
+    )
+    .bind(workflows)
+    .bind(batch_size)
+    .bind(millis(lease))
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            let tenant: String = row.get(0);
+            let key: String = row.get(1);
+            let tenant =
+                TenantId::new(tenant).map_err(|error| StoreError::Corrupt(error.to_string()))?;
+            let key = Key::parse(&key).map_err(|error| StoreError::Corrupt(error.to_string()))?;
+            let phase_output: Option<sqlx::types::Json<Value>> = row.get(5);
+            let request: sqlx::types::Json<Value> = row.get(6);
+            Ok(DueKey {
+                workflow: row.get(2),
+                taken: TakenOver {
+                    owner: Owner {
+                        tenant,
+                        key,
+                        lock_version: row.get(3),
+                    },
+                    attempts: row.get(7),
+                    recovery_point: row.get(4),
+                    phase_output: phase_output.map(|json| json.0),
+                    request: request.0,
+                },
+            })
+        })
+        .collect()
+}
+
+/// Due keys of workflows not in `workflows`, counted by workflow: what a resumer cannot finish.
+pub async fn count_due_unknown(
+    connection: &mut PgConnection,
+    workflows: &[String],
+) -> Result<Vec<(String, i64)>, StoreError> {
+    let rows = sqlx::query_as(
+        "SELECT workflow, count(*) FROM idempotency_keys \
+         WHERE state = 'started' AND locked_until <= now() AND NOT (workflow = ANY($1)) \
+         GROUP BY workflow ORDER BY workflow",
+    )
+    .bind(workflows)
+    .fetch_all(connection)
+    .await?;
+    Ok(rows)
+}
+
+/// How far behind the resumers are: the age of the oldest expired lease of a started key, or
+/// zero when none is due.
+pub async fn resumer_lag(connection: &mut PgConnection) -> Result<Duration, StoreError> {
+    let lag_ms: i64 = sqlx::query_scalar(
+        "SELECT coalesce(ceil(extract(epoch FROM now() - min(locked_until)) * 1000), 0)::bigint \
+         FROM idempotency_keys WHERE state = 'started' AND locked_until <= now()",
+    )
+    .fetch_one(connection)
+    .await?;
+    Ok(Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0)))
+}
+
+/// Announces that a key is due now, waking idle resumers (delivered when the transaction commits).
+pub async fn notify_due(connection: &mut PgConnection) -> Result<(), StoreError> {
+    sqlx::query("SELECT pg_notify($1, '')")
+        .bind(DUE_CHANNEL)
+        .execute(connection)
+        .await?;
+    Ok(())
+}
+
+/// Deletes up to `batch_size` finished keys created more than `older_than` ago; returns how many.
+/// Never a started key. Rows are chosen through the `created_at` index and deleted by primary
+/// key (no `ctid`, so it also works where tuple ids are not stable, as on distributed
+/// PostgreSQL); `SKIP LOCKED` keeps it off rows a retry is reading for update.
+pub async fn expire_batch(
+    connection: &mut PgConnection,
+    older_than: Duration,
+    batch_size: i64,
+) -> Result<u64, StoreError> {
+    let result = sqlx::query(
+        "DELETE FROM idempotency_keys AS keys USING ( \
+             SELECT tenant, key FROM idempotency_keys \
+             WHERE state = 'done' AND created_at < now() - $1::bigint * interval '1 millisecond' \
+             ORDER BY created_at \
+             LIMIT $2 \
+             FOR UPDATE SKIP LOCKED \
+         ) AS old \
+         WHERE keys.tenant = old.tenant AND keys.key = old.key",
+    )
+    .bind(millis(older_than))
+    .bind(batch_size)
+    .execute(connection)
+    .await?;
+    Ok(result.rows_affected())
+}
+
+/// Ends a started key's lease now, if its fencing token is still `lock_version`, so a resumer or
+/// a retry takes it over at once. `false` when the key is not started or the token moved on.
+pub async fn release_now(
+    connection: &mut PgConnection,
+    tenant: &str,
+    key: &str,
+    lock_version: i64,
+) -> Result<bool, StoreError> {
+    let result = sqlx::query(
+        "UPDATE idempotency_keys SET locked_until = now(), updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+    )
+    .bind(tenant)
+    .bind(key)
+    .bind(lock_version)
+    .execute(connection)
+    .await?;
+    Ok(result.rows_affected() == 1)
+}
+
+/// Everything about one key, for operators.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct KeyReport {
+    pub tenant: String,
+    pub key: String,
+    pub workflow: String,
+    pub state: String,
+    pub recovery_point: String,
+    /// Milliseconds left on the lease (negative: expired that long ago); `None` when done.
+    pub lease_left_ms: Option<i64>,
+    pub lock_version: i64,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub response_status: Option<i16>,
+    pub response_bytes: Option<i32>,
+    pub fingerprint_hex: String,
+    /// Age in whole seconds.
+    pub age_seconds: i64,
+}
+
+const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
+    CASE WHEN state = 'started' THEN ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint END, \
+    lock_version, attempts, last_error, response_status, octet_length(response_body), \
+    encode(fingerprint, 'hex'), floor(extract(epoch FROM now() - created_at))::bigint";
+
+fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
+    KeyReport {
+        tenant: row.get(0),
+        key: row.get(1),
+        workflow: row.get(2),
+        state: row.get(3),
+        recovery_point: row.get(4),
+        lease_left_ms: row.get(5),
+        lock_version: row.get(6),
+        attempts: row.get(7),
+        last_error: row.get(8),
+        response_status: row.get(9),
+        response_bytes: row.get(10),
+        fingerprint_hex: row.get(11),
+        age_seconds: row.get(12),
+    }
+}
+
+pub async fn key_report(
+    connection: &mut PgConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<KeyReport>, StoreError> {
+    let sql =
+        format!("SELECT {REPORT_COLUMNS} FROM idempotency_keys WHERE tenant = $1 AND key = $2");
+    let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(connection)
+        .await?;
+    Ok(row.as_ref().map(report))
+}
+
+/// Started keys that look stuck: past their lease, or with at least `min_attempts` attempts.
+/// Oldest lease first.
+pub async fn stuck_keys(
+    connection: &mut PgConnection,
+    min_attempts: i32,
+    limit: i64,
+) -> Result<Vec<KeyReport>, StoreError> {
+    let sql = format!(
+        "SELECT {REPORT_COLUMNS} FROM idempotency_keys \
+         WHERE state = 'started' AND (locked_until <= now() OR attempts >= $1) \
+         ORDER BY locked_until, tenant, key LIMIT $2"
+    );
+    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(min_attempts)
+        .bind(limit)
+        .fetch_all(connection)
+        .await?;
+    Ok(rows.iter().map(report).collect())
+}
+
+/// Counts by state and workflow, the oldest started key and the resumer lag.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TableStats {
+    /// (workflow, state, count), ordered.
+    pub counts: Vec<(String, String, i64)>,
+    /// Age in seconds of the oldest started key.
+    pub oldest_started_seconds: Option<i64>,
+    /// Milliseconds since the oldest expired lease of a started key ended.
+    pub resumer_lag_ms: i64,
+}
+
+pub async fn table_stats(connection: &mut PgConnection) -> Result<TableStats, StoreError> {
+    let counts: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT workflow, state, count(*) FROM idempotency_keys GROUP BY workflow, state ORDER BY workflow, state",
+    )
+    .fetch_all(&mut *connection)
+    .await?;
+    let oldest_started_seconds: Option<i64> = sqlx::query_scalar(
+        "SELECT floor(extract(epoch FROM now() - min(created_at)))::bigint FROM idempotency_keys WHERE state = 'started'",
+    )
+    .fetch_one(&mut *connection)
+    .await?;
+    let lag = resumer_lag(connection).await?;
+    Ok(TableStats {
+        counts,
+        oldest_started_seconds,
+        resumer_lag_ms: i64::try_from(lag.as_millis()).unwrap_or(i64::MAX),
+    })
+}

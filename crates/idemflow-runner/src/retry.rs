@@ -1,0 +1,115 @@
+use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
+
+/// How a phase is retried after retryable errors: how many executions at one recovery point
+/// before giving up, and how long to wait between them (exponential backoff with jitter). The
+/// wait is stored as the key's lease, so it holds across processes: neither a client retry nor a
+/// resumer takes the key over before it ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Executions at one recovery point (the first included) before the workflow gives up and
+    /// its failure path runs. At least 1.
+    pub max_attempts: u32,
+    /// The wait after the first failure.
+    pub initial_backoff: Duration,
+    /// The longest wait.
+    pub max_backoff: Duration,
+    /// Each wait is this many times the previous one.
+    pub multiplier: f64,
+    /// Up to this fraction of each wait is taken off at random (0.0 to 1.0), so keys that failed
+    /// together do not come back together.
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    /// 8 attempts, waiting 1 s, 2 s, 4 s ... up to 5 minutes, with 20% jitter: about ten minutes
+    /// from the first failure to giving up.
+    fn default() -> Self {
+        Self {
+            max_attempts: 8,
+            initial_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(300),
+            multiplier: 2.0,
+            jitter: 0.2,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Never retry: the first retryable error gives up.
+    pub fn no_retries() -> Self {
+        Self {
+            max_attempts: 1,
+            ..Self::default()
+        }
+    }
+
+    /// Whether the execution numbered `attempt` (1-based) was the last one allowed.
+    pub fn exhausted(&self, attempt: u32) -> bool {
+        attempt >= self.max_attempts.max(1)
+    }
+
+    /// The wait after the execution numbered `attempt` failed, jitter included.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exponent = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
+        let base = self.initial_backoff.as_secs_f64() * self.multiplier.max(1.0).powi(exponent);
+        let capped = base.min(self.max_backoff.as_secs_f64());
+        let jitter = self.jitter.clamp(0.0, 1.0) * random_fraction();
+        Duration::from_secs_f64((capped * (1.0 - jitter)).max(0.0))
+    }
+}
+
+/// A fraction in [0, 1) from the process's randomly seeded hasher: enough to spread retries,
+/// without a random-number dependency.
+fn random_fraction() -> f64 {
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    );
+    (hasher.finish() >> 11) as f64 / (1_u64 << 53) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_exponentially_up_to_the_cap() {
+        let policy = RetryPolicy {
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        assert_eq!(policy.backoff(1), Duration::from_secs(1));
+        assert_eq!(policy.backoff(2), Duration::from_secs(2));
+        assert_eq!(policy.backoff(4), Duration::from_secs(8));
+        assert_eq!(policy.backoff(30), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn jitter_only_shortens_the_wait_by_at_most_its_fraction() {
+        let policy = RetryPolicy {
+            jitter: 0.5,
+            ..RetryPolicy::default()
+        };
+        for _ in 0..100 {
+            let wait = policy.backoff(3);
+            assert!(
+                wait <= Duration::from_secs(4) && wait >= Duration::from_secs(2),
+                "{wait:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn exhaustion_counts_executions() {
+        let policy = RetryPolicy {
+            max_attempts: 3,
+            ..RetryPolicy::default()
+        };
+        assert!(!policy.exhausted(2));
+        assert!(policy.exhausted(3));
+        assert!(RetryPolicy::no_retries().exhausted(1));
+    }
+}
