@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemflow::{
-    DerivedKey, ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, Request, Runner,
-    StoredResponse, TenantId, Workflow,
+    DerivedKey, Failure, FailurePhase, ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError,
+    Request, RetryPolicy, Runner, StoredResponse, TenantId, Workflow,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
@@ -122,6 +122,8 @@ pub struct Provider {
     pub calls: Mutex<HashMap<String, u32>>,
     pub script: Script,
     pub delay: Mutex<Option<Duration>>,
+    /// The charge phase's retry policy (the default unless a test sets one).
+    pub retry: Mutex<Option<RetryPolicy>>,
 }
 
 impl Provider {
@@ -148,6 +150,10 @@ impl ForeignPhase for Charge {
 
     fn timeout(&self) -> Duration {
         Duration::from_secs(10)
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.0.retry.lock().unwrap().unwrap_or_default()
     }
 
     async fn call(
@@ -270,6 +276,32 @@ impl LocalPhase for PlaceOrder {
     }
 }
 
+/// The failure path: marks the order failed and answers 502.
+pub struct MarkFailed;
+
+#[async_trait::async_trait]
+impl FailurePhase for MarkFailed {
+    type Request = CheckoutRequest;
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        failure: Failure<CheckoutRequest>,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        sqlx::query("UPDATE orders SET status = 'failed' WHERE tenant = $1 AND key = $2")
+            .bind(context.tenant.as_str())
+            .bind(context.key.as_str())
+            .execute(&mut *connection)
+            .await?;
+        let body = serde_json::json!({
+            "status": 502, "failed_phase": failure.phase, "attempts": failure.attempts,
+            "recovery_point": failure.recovery_point, "amount": failure.request.amount,
+        });
+        Ok(StoredResponse::problem(502, &body))
+    }
+}
+
 /// The scripts and provider behind one test's workflows.
 #[derive(Clone, Default)]
 pub struct Harness {
@@ -285,6 +317,17 @@ impl Harness {
             .local(CreateOrder(self.create.clone()))
             .foreign(Charge(self.provider.clone()))
             .local(MarkPaid(self.finish.clone()))
+            .build()
+            .unwrap()
+    }
+
+    /// The checkout with the MarkFailed failure path.
+    pub fn checkout_with_failure_path(&self) -> Workflow {
+        Workflow::builder::<CheckoutRequest>("checkout.v1")
+            .local(CreateOrder(self.create.clone()))
+            .foreign(Charge(self.provider.clone()))
+            .local(MarkPaid(self.finish.clone()))
+            .on_failure(MarkFailed)
             .build()
             .unwrap()
     }
@@ -370,4 +413,45 @@ pub fn executed(outcome: &Outcome) -> &StoredResponse {
         Outcome::Executed(response) => response,
         other => panic!("expected Executed, got {other:?}"),
     }
+}
+
+/// Expires every started key's lease.
+pub async fn expire_all_leases(pool: &PgPool) {
+    sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 minute' WHERE state = 'started'")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// A retry policy with short waits, so a test's resumer comes back quickly.
+pub fn quick_retries(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        initial_backoff: Duration::from_millis(20),
+        max_backoff: Duration::from_millis(40),
+        multiplier: 2.0,
+        jitter: 0.0,
+    }
+}
+
+/// Waits (bounded) until `condition` holds, polling the database.
+pub async fn eventually(pool: &PgPool, sql: &'static str, expected: i64) {
+    for _ in 0..200 {
+        if count(pool, sql).await == expected {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "{sql} never returned {expected}; it returns {}",
+        count(pool, sql).await
+    );
+}
+
+/// Prints the engine's logs when `RUST_LOG` is set (for example `RUST_LOG=idemflow=debug`).
+pub fn logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
 }

@@ -10,7 +10,7 @@ mod store;
 
 pub use maintenance::{
     DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, expire_batch, key_report,
-    notify_due, release_now, resumer_lag, stuck_keys, table_stats, take_over_due,
+    notify_due, release_now, resumer_lag, return_unstarted, stuck_keys, table_stats, take_over_due,
 };
 
 pub use store::{

@@ -163,6 +163,29 @@ pub async fn release_now(
     Ok(result.rows_affected() == 1)
 }
 
+/// Gives back a key a resumer took over but never started (it is shutting down): the lease ends
+/// now and the attempt it counted is uncounted, so another resumer takes it at once. Fenced.
+pub async fn return_unstarted(
+    connection: &mut PgConnection,
+    owner: &Owner,
+) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "UPDATE idempotency_keys \
+         SET locked_until = now(), attempts = greatest(attempts - 1, 0), updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+    )
+    .bind(owner.tenant.as_str())
+    .bind(owner.key.as_str())
+    .bind(owner.lock_version)
+    .execute(connection)
+    .await?;
+    if result.rows_affected() == 0 {
+        Err(StoreError::Fenced)
+    } else {
+        Ok(())
+    }
+}
+
 /// Everything about one key, for operators.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct KeyReport {

@@ -6,6 +6,9 @@ mod error;
 mod metrics;
 mod outcome;
 mod phase;
+mod registry;
+mod resumer;
+mod retention;
 mod retry;
 mod runner;
 mod transaction;
@@ -18,6 +21,9 @@ pub use phase::{
     Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseErrorKind,
     PhaseValue,
 };
+pub use registry::{DuplicateWorkflow, Registry};
+pub use resumer::{DrainReport, Resumer, ResumerConfig, shutdown_signal};
+pub use retention::{Retention, expire};
 pub use retry::RetryPolicy;
 pub use runner::{Request, Runner};
 pub use workflow::{BuildError, Workflow, WorkflowBuilder};

@@ -1,0 +1,432 @@
+//! The resumer: finds started keys whose lease expired (their owner crashed, or a retryable error
+//! set the lease to the next attempt time) and finishes them from their recovery point.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idemflow_pg::{self as store, DUE_CHANNEL, DueKey, Owner};
+use sqlx::postgres::PgListener;
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+
+use crate::error::RunError;
+use crate::outcome::Outcome;
+use crate::registry::Registry;
+use crate::retention::{Retention, expire};
+use crate::runner::Runner;
+
+/// How a [`Resumer`] scans and how much it runs at once.
+#[derive(Debug, Clone)]
+pub struct ResumerConfig {
+    /// Keys taken over per scan (one statement).
+    pub batch_size: i64,
+    /// Keys resumed at once.
+    pub concurrency: usize,
+    /// The wait after an empty scan; it doubles up to `idle_max` while nothing is due, and drops
+    /// back when work appears or a released key is announced.
+    pub idle_min: Duration,
+    pub idle_max: Duration,
+    /// The longest wait after a database error; waits double from `idle_min` up to it.
+    pub error_backoff_max: Duration,
+    /// On shutdown, how long keys in flight may take to finish before they are stopped.
+    pub shutdown_grace: Duration,
+    /// How often the resumer reports its lag and counts due keys of workflows it does not know.
+    pub report_every: Duration,
+    /// Deletes old finished keys periodically; `None` leaves retention to someone else.
+    pub retention: Option<Retention>,
+}
+
+impl Default for ResumerConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 64,
+            concurrency: 16,
+            idle_min: Duration::from_millis(100),
+            idle_max: Duration::from_secs(5),
+            error_backoff_max: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(30),
+            report_every: Duration::from_secs(15),
+            retention: Some(Retention::default()),
+        }
+    }
+}
+
+/// What one pass of [`Resumer::drain`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Keys taken over.
+    pub taken: usize,
+    /// Keys finished (a response stored).
+    pub finished: usize,
+    /// Keys that failed again and wait for their next attempt.
+    pub interrupted: usize,
+    /// Keys that could not be resumed (lost to another owner, or a database error).
+    pub failed: usize,
+}
+
+/// Finishes abandoned keys of the registered workflows. Run one or many, in one process or many:
+/// `FOR UPDATE SKIP LOCKED` splits the due keys between them, and the fencing token makes a slow
+/// one harmless.
+#[derive(Debug, Clone)]
+pub struct Resumer {
+    runner: Runner,
+    registry: Arc<Registry>,
+    config: ResumerConfig,
+    wake: Arc<Notify>,
+}
+
+impl Resumer {
+    pub fn new(runner: Runner, registry: Registry) -> Self {
+        Self::with_config(runner, registry, ResumerConfig::default())
+    }
+
+    pub fn with_config(runner: Runner, registry: Registry, config: ResumerConfig) -> Self {
+        Self {
+            runner,
+            registry: Arc::new(registry),
+            config,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Wakes an idle resumer at once (in process); other processes are woken by notifications.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Takes over due keys until none is left and finishes them; for tests and one-shot jobs.
+    pub async fn drain(&self) -> Result<DrainReport, RunError> {
+        let mut report = DrainReport::default();
+        loop {
+            let due = self.scan(self.config.batch_size).await?;
+            if due.is_empty() {
+                return Ok(report);
+            }
+            report.taken += due.len();
+            let mut running = JoinSet::new();
+            let mut queue: VecDeque<DueKey> = due.into();
+            while !queue.is_empty() || !running.is_empty() {
+                while running.len() < self.config.concurrency.max(1) {
+                    let Some(due) = queue.pop_front() else { break };
+                    let resumer = self.clone();
+                    running.spawn(async move { resumer.resume_one(due).await });
+                }
+                if let Some(joined) = running.join_next().await {
+                    tally(&mut report, joined.ok().flatten());
+                }
+            }
+        }
+    }
+
+    /// Runs until `shutdown` completes: scans, resumes with bounded concurrency, backs off while
+    /// idle or while the database is unreachable, runs retention. On shutdown it stops scanning,
+    /// gives back the keys it took but had not started, lets keys in flight finish within the
+    /// grace period, and gives back those that did not.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let listener = tokio::spawn(listen_for_due_keys(
+            self.runner.pool().clone(),
+            self.wake.clone(),
+        ));
+        let mut queue: VecDeque<DueKey> = VecDeque::new();
+        let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
+        let mut owners: HashMap<tokio::task::Id, Owner> = HashMap::new();
+        let mut idle = self.config.idle_min;
+        let mut next_scan_at = Instant::now();
+        let mut error_backoff = self.config.idle_min;
+        let mut last_report: Option<Instant> = None;
+        let mut last_retention: Option<Instant> = None;
+        let mut retention_task: Option<tokio::task::JoinHandle<()>> = None;
+        let concurrency = self.config.concurrency.max(1);
+        tracing::info!(workflows = ?self.registry.names(), concurrency, "resumer started");
+
+        loop {
+            // Start what the queue holds, up to the concurrency.
+            while running.len() < concurrency {
+                let Some(due) = queue.pop_front() else { break };
+                let owner = due.taken.owner.clone();
+                let resumer = self.clone();
+                let handle = running.spawn(async move { resumer.resume_one(due).await });
+                owners.insert(handle.id(), owner);
+            }
+            if due(last_report, self.config.report_every) {
+                self.report().await;
+                last_report = Some(Instant::now());
+            }
+            if let Some(retention) = self.config.retention
+                && due(last_retention, retention.every)
+                && retention_task
+                    .as_ref()
+                    .is_none_or(|task| task.is_finished())
+            {
+                let pool = self.runner.pool().clone();
+                retention_task = Some(tokio::spawn(async move {
+                    if let Err(error) =
+                        expire(&pool, retention.keep_for, retention.batch_size).await
+                    {
+                        tracing::error!(%error, "retention failed; it runs again next time");
+                    }
+                }));
+                last_retention = Some(Instant::now());
+            }
+
+            // Refill the queue when it runs low and a scan is due.
+            if queue.len() < concurrency && Instant::now() >= next_scan_at {
+                match self.scan(self.config.batch_size).await {
+                    Ok(due) if due.is_empty() => {
+                        next_scan_at = Instant::now() + idle;
+                        idle = (idle * 2).min(self.config.idle_max);
+                        error_backoff = self.config.idle_min;
+                    }
+                    Ok(due) => {
+                        queue.extend(due);
+                        next_scan_at = Instant::now();
+                        idle = self.config.idle_min;
+                        error_backoff = self.config.idle_min;
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, retry_in = ?error_backoff, "resumer scan failed; retrying");
+                        metrics::counter!("idemflow_resumer_errors_total").increment(1);
+                        next_scan_at = Instant::now() + error_backoff;
+                        error_backoff = (error_backoff * 2).min(self.config.error_backoff_max);
+                    }
+                }
+            }
+
+            // Wait for a free slot, the next scan, a wake-up, or shutdown.
+            let wait = if running.len() >= concurrency {
+                Duration::MAX
+            } else if !queue.is_empty() {
+                Duration::ZERO
+            } else {
+                next_scan_at.saturating_duration_since(Instant::now())
+            };
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                Some(joined) = running.join_next_with_id(), if !running.is_empty() => {
+                    if let Ok((id, _)) = &joined {
+                        owners.remove(id);
+                    }
+                }
+                () = self.wake.notified() => {
+                    idle = self.config.idle_min;
+                    next_scan_at = Instant::now();
+                }
+                () = sleep_unless_max(wait) => {}
+            }
+        }
+
+        tracing::info!(
+            queued = queue.len(),
+            running = running.len(),
+            "resumer shutting down"
+        );
+        listener.abort();
+        for due in queue {
+            self.give_back(&due.taken.owner).await;
+        }
+        let grace = tokio::time::sleep(self.config.shutdown_grace);
+        tokio::pin!(grace);
+        while !running.is_empty() {
+            tokio::select! {
+                Some(joined) = running.join_next_with_id() => {
+                    if let Ok((id, _)) = joined {
+                        owners.remove(&id);
+                    }
+                }
+                () = &mut grace => {
+                    tracing::warn!(running = running.len(), "grace period over: stopping keys in flight");
+                    running.abort_all();
+                    while running.join_next().await.is_some() {}
+                    break;
+                }
+            }
+        }
+        // Whatever was stopped rolled back its open transaction; its lease ends now too. Its
+        // attempt counts: it had started.
+        for owner in owners.values() {
+            self.release_stopped(owner).await;
+        }
+        if let Some(task) = retention_task {
+            task.abort();
+        }
+        tracing::info!("resumer stopped");
+    }
+
+    /// Takes over up to `limit` due keys of the registered workflows (one statement).
+    async fn scan(&self, limit: i64) -> Result<Vec<DueKey>, RunError> {
+        if self.registry.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut connection = self.runner.pool().acquire().await?;
+        let lease = self.registry.longest_lease();
+        let due =
+            store::take_over_due(&mut connection, &self.registry.names(), limit, lease).await?;
+        if !due.is_empty() {
+            tracing::debug!(taken = due.len(), "resumer took over due keys");
+        }
+        Ok(due)
+    }
+
+    async fn resume_one(&self, due: DueKey) -> Option<Outcome> {
+        let Some(workflow) = self.registry.get(&due.workflow) else {
+            // take_over_due only returns registered workflows; kept for safety.
+            tracing::error!(workflow = due.workflow, "no such workflow registered");
+            return None;
+        };
+        let started = Instant::now();
+        let (tenant, key) = (due.taken.owner.tenant.clone(), due.taken.owner.key.clone());
+        match self.runner.resume(workflow, due.taken).await {
+            Ok(outcome) => {
+                metrics::histogram!("idemflow_resume_duration_seconds")
+                    .record(started.elapsed().as_secs_f64());
+                Some(outcome)
+            }
+            Err(error) => {
+                tracing::error!(%tenant, %key, %error, "could not resume key");
+                metrics::counter!("idemflow_resume_errors_total").increment(1);
+                None
+            }
+        }
+    }
+
+    async fn release_stopped(&self, owner: &Owner) {
+        let released = match self.runner.pool().acquire().await {
+            Ok(mut connection) => {
+                store::release(
+                    &mut connection,
+                    owner,
+                    Duration::ZERO,
+                    "stopped: the resumer shut down",
+                )
+                .await
+            }
+            Err(error) => Err(error.into()),
+        };
+        match released {
+            Ok(()) => {
+                tracing::info!(tenant = %owner.tenant, key = %owner.key, "stopped key released")
+            }
+            Err(error) => {
+                tracing::warn!(tenant = %owner.tenant, key = %owner.key, %error, "stopped key not released")
+            }
+        }
+    }
+
+    async fn give_back(&self, owner: &Owner) {
+        let returned = match self.runner.pool().acquire().await {
+            Ok(mut connection) => store::return_unstarted(&mut connection, owner).await,
+            Err(error) => Err(error.into()),
+        };
+        match returned {
+            Ok(()) => tracing::info!(tenant = %owner.tenant, key = %owner.key, "lease given back"),
+            Err(error) => {
+                tracing::warn!(tenant = %owner.tenant, key = %owner.key, %error, "lease not given back")
+            }
+        }
+    }
+
+    /// Reports the lag, and due keys no registered workflow can finish: logged and counted, and
+    /// left for a resumer that knows their workflow.
+    async fn report(&self) {
+        let Ok(mut connection) = self.runner.pool().acquire().await else {
+            return;
+        };
+        match store::resumer_lag(&mut connection).await {
+            Ok(lag) => metrics::gauge!("idemflow_resumer_lag_seconds").set(lag.as_secs_f64()),
+            Err(error) => tracing::warn!(%error, "could not read the resumer lag"),
+        }
+        match store::count_due_unknown(&mut connection, &self.registry.names()).await {
+            Ok(unknown) => {
+                for (workflow, count) in unknown {
+                    tracing::warn!(
+                        workflow,
+                        count,
+                        "due keys of a workflow this resumer does not know: left alone"
+                    );
+                    metrics::gauge!("idemflow_resumer_unknown_workflow_keys", "workflow" => workflow)
+                        .set(count as f64);
+                }
+            }
+            Err(error) => tracing::warn!(%error, "could not count keys of unknown workflows"),
+        }
+    }
+}
+
+fn tally(report: &mut DrainReport, outcome: Option<Outcome>) {
+    match outcome {
+        Some(Outcome::Executed(_) | Outcome::Released(_)) => report.finished += 1,
+        Some(Outcome::Interrupted { .. }) => report.interrupted += 1,
+        _ => report.failed += 1,
+    }
+}
+
+fn due(last: Option<Instant>, every: Duration) -> bool {
+    last.is_none_or(|last| last.elapsed() >= every)
+}
+
+async fn sleep_unless_max(wait: Duration) {
+    if wait == Duration::MAX {
+        std::future::pending::<()>().await;
+    } else {
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// Wakes the resumer when a key is announced due (a retryable error released it). PgListener
+/// reconnects by itself; a failure to connect is retried with a pause.
+async fn listen_for_due_keys(pool: sqlx::PgPool, wake: Arc<Notify>) {
+    loop {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for due keys; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        if let Err(error) = listener.listen(DUE_CHANNEL).await {
+            tracing::warn!(%error, "cannot listen for due keys; retrying");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        }
+        loop {
+            match listener.recv().await {
+                Ok(_) => wake.notify_one(),
+                Err(error) => {
+                    tracing::warn!(%error, "lost the due-key listener; reconnecting");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Completes on Ctrl-C or SIGTERM: pass it to [`Resumer::run`] from a worker's `main`.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut terminate = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM; only Ctrl-C stops this worker");
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

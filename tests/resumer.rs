@@ -1,0 +1,511 @@
+//! The resumer against a real PostgreSQL: abandoned keys are finished from their recovery
+//! points, concurrent resumers split the work, retries back off in the lease, exhausted keys take
+//! the failure path, and shutdown gives leases back.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use idemflow::{DrainReport, Outcome, Registry, Resumer, ResumerConfig, Runner};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::*;
+
+fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer {
+    logs();
+    let mut registry = Registry::new();
+    registry
+        .register(harness.checkout_with_failure_path())
+        .unwrap();
+    Resumer::with_config(Runner::new(pool.clone()), registry, config)
+}
+
+fn quick_config() -> ResumerConfig {
+    ResumerConfig {
+        idle_min: Duration::from_millis(10),
+        idle_max: Duration::from_millis(50),
+        retention: None,
+        ..ResumerConfig::default()
+    }
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn keys_left_at_every_recovery_point_are_finished_without_repeating_effects(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let (runner, workflow) = (
+        Runner::new(pool.clone()),
+        harness.checkout_with_failure_path(),
+    );
+    let one = tenant(1);
+
+    // Left at `start`: create_order failed (its insert rolled back).
+    harness.create.fail_next.store(1, Ordering::SeqCst);
+    let at_start = run(&runner, &workflow, &one, "at-start", &body(1)).await;
+    assert!(matches!(at_start, Outcome::Interrupted { .. }));
+    // Left at `create_order`: the owner vanished during the charge.
+    harness
+        .provider
+        .script
+        .hang_next
+        .store(true, Ordering::SeqCst);
+    let (two, gone) = (body(2), "at-create-order");
+    let crashed = tokio::time::timeout(
+        Duration::from_millis(200),
+        run(&runner, &workflow, &one, gone, &two),
+    );
+    assert!(crashed.await.is_err());
+    // Left at `charge`: mark_paid failed after the charge succeeded.
+    harness.finish.fail_next.store(1, Ordering::SeqCst);
+    let at_charge = run(&runner, &workflow, &one, "at-charge", &body(3)).await;
+    assert!(matches!(at_charge, Outcome::Interrupted { .. }));
+
+    let points: Vec<String> =
+        sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(points, ["charge", "create_order", "start"]); // at-charge, at-create-order, at-start
+    expire_all_leases(&pool).await;
+
+    let report = resumer(&pool, &harness, quick_config())
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(
+        report,
+        DrainReport {
+            taken: 3,
+            finished: 3,
+            interrupted: 0,
+            failed: 0
+        }
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE state = 'done'"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM orders").await,
+        3,
+        "one order per key"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM orders WHERE status = 'paid'").await,
+        3
+    );
+    assert_eq!(harness.provider.charge_count(), 3, "one charge per key");
+    let calls = harness.provider.calls.lock().unwrap().clone();
+    assert_eq!(calls["1:at-start:charge"], 1);
+    assert_eq!(
+        calls["1:at-create-order:charge"], 2,
+        "repeated with the same derived key"
+    );
+    assert_eq!(
+        calls["1:at-charge:charge"], 1,
+        "its result was kept: not called again"
+    );
+}
+
+/// Seeds `count` keys of checkout.v1 left at `create_order` with expired leases, each with its
+/// order row, as a crashed fleet would leave them.
+async fn seed_due_keys(pool: &PgPool, count: i64) {
+    sqlx::query(
+        "INSERT INTO orders (id, tenant, key, amount) \
+         SELECT 1000 + n, '1', 'due-' || n, n FROM generate_series(1, $1) AS n",
+    )
+    .bind(count)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO idempotency_keys \
+             (tenant, key, fingerprint, workflow, request, recovery_point, phase_output, locked_until) \
+         SELECT '1', 'due-' || n, sha256(n::text::bytea), 'checkout.v1', \
+                jsonb_build_object('amount', n, 'source', 'tok_visa'), 'create_order', \
+                jsonb_build_object('order_id', 1000 + n, 'amount', n, 'source', 'tok_visa'), \
+                now() - interval '1 minute' \
+         FROM generate_series(1, $1) AS n",
+    )
+    .bind(count)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn four_concurrent_resumers_over_500_due_keys_never_run_a_key_twice(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = options
+        .max_connections(20)
+        .connect_with(connect)
+        .await
+        .unwrap();
+    create_orders(&pool).await;
+    seed_due_keys(&pool, 500).await;
+    let harness = Harness::default();
+    let config = ResumerConfig {
+        batch_size: 16,
+        concurrency: 4,
+        ..quick_config()
+    };
+    let drains: Vec<_> = (0..4)
+        .map(|_| {
+            let resumer = resumer(&pool, &harness, config.clone());
+            tokio::spawn(async move { resumer.drain().await.unwrap() })
+        })
+        .collect();
+    let mut taken = 0;
+    for drain in drains {
+        let report = drain.await.unwrap();
+        assert_eq!(report.failed, 0, "{report:?}");
+        taken += report.taken;
+    }
+    assert_eq!(taken, 500, "every key taken exactly once across the four");
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE state = 'done'"
+        )
+        .await,
+        500
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE lock_version <> 1"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        harness.finish.runs.load(Ordering::SeqCst),
+        500,
+        "mark_paid ran once per key"
+    );
+    let calls = harness.provider.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 500);
+    assert!(
+        calls.values().all(|&calls| calls == 1),
+        "one charge call per key"
+    );
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn leased_finished_and_unknown_workflow_keys_are_left_alone(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
+    executed(&run(&runner, &workflow, &tenant(1), "finished", &body(1)).await);
+    seed_due_keys(&pool, 2).await;
+    // due-1: still leased (a live owner); due-2: due, but of a workflow nobody here knows.
+    sqlx::query("UPDATE idempotency_keys SET locked_until = now() + interval '1 minute' WHERE key = 'due-1'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE idempotency_keys SET workflow = 'ghost.v1' WHERE key = 'due-2'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let before: Vec<(String, i64, i32)> =
+        sqlx::query_as("SELECT key, lock_version, attempts FROM idempotency_keys ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+
+    let report = resumer(&pool, &harness, quick_config())
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(report, DrainReport::default());
+    let after: Vec<(String, i64, i32)> =
+        sqlx::query_as("SELECT key, lock_version, attempts FROM idempotency_keys ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(before, after);
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn an_empty_database_is_a_no_op(pool: PgPool) {
+    let harness = Harness::default();
+    assert_eq!(
+        resumer(&pool, &harness, quick_config())
+            .drain()
+            .await
+            .unwrap(),
+        DrainReport::default()
+    );
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_failing_provider_raises_attempts_while_the_worker_keeps_running(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    *harness.provider.retry.lock().unwrap() = Some(quick_retries(10));
+    harness.provider.script.fail_next.store(4, Ordering::SeqCst);
+    let (runner, workflow) = (
+        Runner::new(pool.clone()),
+        harness.checkout_with_failure_path(),
+    );
+    let outcome = run(&runner, &workflow, &tenant(1), "flaky", &body(1)).await;
+    assert!(
+        matches!(outcome, Outcome::Interrupted { .. }),
+        "{outcome:?}"
+    );
+    let (attempts, error): (i32, Option<String>) =
+        sqlx::query_as("SELECT attempts, last_error FROM idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 1);
+    assert_eq!(error.as_deref(), Some("charge: scripted failure"));
+
+    let worker = resumer(&pool, &harness, quick_config());
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    eventually(
+        &pool,
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
+        1,
+    )
+    .await;
+    stop.notify_one();
+    running.await.unwrap();
+
+    assert_eq!(
+        harness.provider.call_count(),
+        5,
+        "four failures, then the charge"
+    );
+    assert_eq!(harness.provider.charge_count(), 1);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM orders WHERE status = 'paid'").await,
+        1
+    );
+    // attempts counted the executions at the `create_order` recovery point: 1 + 4 takeovers.
+    let recorded: (i32, String) =
+        sqlx::query_as("SELECT attempts, recovery_point FROM idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(recorded, (5, "mark_paid".to_owned()));
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn when_retries_run_out_the_failure_path_response_is_stored(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    *harness.provider.retry.lock().unwrap() = Some(quick_retries(2));
+    harness
+        .provider
+        .script
+        .fail_next
+        .store(100, Ordering::SeqCst);
+    let (runner, workflow) = (
+        Runner::new(pool.clone()),
+        harness.checkout_with_failure_path(),
+    );
+    assert!(matches!(
+        run(&runner, &workflow, &tenant(1), "doomed", &body(9)).await,
+        Outcome::Interrupted { .. }
+    ));
+    expire_all_leases(&pool).await;
+
+    let report = resumer(&pool, &harness, quick_config())
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(report.finished, 1, "{report:?}");
+    let (state, status, body_text): (String, i16, Vec<u8>) =
+        sqlx::query_as("SELECT state, response_status, response_body FROM idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), status), ("done", 502));
+    let body_json: serde_json::Value = serde_json::from_slice(&body_text).unwrap();
+    assert_eq!(body_json["failed_phase"], "charge");
+    assert_eq!(body_json["attempts"], 2);
+    assert_eq!(body_json["recovery_point"], "create_order");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM orders WHERE status = 'failed'").await,
+        1
+    );
+    // The client's retry gets the same final answer.
+    let replay = run(&runner, &workflow, &tenant(1), "doomed", &body(9)).await;
+    assert!(matches!(replay, Outcome::Replayed(response) if response.status == 502));
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn without_a_failure_path_giving_up_stores_a_500_problem(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    *harness.provider.retry.lock().unwrap() = Some(quick_retries(1));
+    harness
+        .provider
+        .script
+        .fail_next
+        .store(100, Ordering::SeqCst);
+    let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
+    let response = executed(&run(&runner, &workflow, &tenant(1), "k", &body(1)).await).clone();
+    assert_eq!(response.status, 500);
+    assert!(
+        String::from_utf8(response.body)
+            .unwrap()
+            .contains("gave up after 1 attempts: charge: scripted failure")
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE state = 'started'"
+        )
+        .await,
+        0
+    );
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn shutdown_gives_back_the_leases_of_keys_not_yet_finished(pool: PgPool) {
+    create_orders(&pool).await;
+    seed_due_keys(&pool, 10).await;
+    let harness = Harness::default();
+    // The first key resumed hangs in its charge, so the other nine wait in the queue.
+    harness
+        .provider
+        .script
+        .hang_next
+        .store(true, Ordering::SeqCst);
+    let config = ResumerConfig {
+        batch_size: 10,
+        concurrency: 1,
+        shutdown_grace: Duration::from_millis(100),
+        ..quick_config()
+    };
+    let worker = resumer(&pool, &harness, config);
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    harness.provider.script.entered.notified().await;
+    stop.notify_one();
+    running.await.unwrap();
+
+    // All ten are due again at once: nine never started, one stopped after the grace period.
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE locked_until <= now()"
+        )
+        .await,
+        10
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE state = 'started'"
+        )
+        .await,
+        10
+    );
+    // The nine unstarted ones did not count an attempt.
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE attempts = 1"
+        )
+        .await,
+        9
+    );
+    // Another resumer finishes all of them now.
+    let report = resumer(&pool, &harness, quick_config())
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(report.finished, 10);
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_released_key_wakes_an_idle_resumer(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let retries = idemflow::RetryPolicy {
+        initial_backoff: Duration::ZERO,
+        ..quick_retries(5)
+    };
+    *harness.provider.retry.lock().unwrap() = Some(retries);
+    // A resumer that, left to itself, would not scan again for a minute.
+    let config = ResumerConfig {
+        idle_min: Duration::from_secs(60),
+        idle_max: Duration::from_secs(60),
+        ..quick_config()
+    };
+    let worker = resumer(&pool, &harness, config);
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    tokio::time::sleep(Duration::from_millis(300)).await; // let it make its first, empty scan
+
+    harness.provider.script.fail_next.store(1, Ordering::SeqCst);
+    let (runner, workflow) = (
+        Runner::new(pool.clone()),
+        harness.checkout_with_failure_path(),
+    );
+    assert!(matches!(
+        run(&runner, &workflow, &tenant(1), "k", &body(1)).await,
+        Outcome::Interrupted { .. }
+    ));
+    // The release announced the key: the resumer finishes it well before its next scan.
+    eventually(
+        &pool,
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
+        1,
+    )
+    .await;
+    stop.notify_one();
+    running.await.unwrap();
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn the_worker_carries_on_after_its_connections_are_killed(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let worker = resumer(&pool, &harness, quick_config());
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // Every other connection to this database is terminated, as a database restart would.
+    let observer = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&observer)
+    .await
+    .unwrap();
+    assert!(killed >= 1, "the worker's connections were there to kill");
+
+    seed_due_keys(&observer, 3).await;
+    eventually(
+        &observer,
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
+        3,
+    )
+    .await;
+    stop.notify_one();
+    running.await.unwrap();
+}

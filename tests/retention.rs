@@ -1,0 +1,111 @@
+//! Retention: finished keys older than the window are deleted in bounded batches; started keys
+//! and fresh ones are kept.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemflow::{Registry, Resumer, ResumerConfig, Retention, Runner};
+use sqlx::PgPool;
+use support::*;
+
+/// Seeds `count` keys named `prefix-N` in `state`, created `age` ago.
+async fn seed(pool: &PgPool, prefix: &str, count: i64, state: &str, age: &str) {
+    sqlx::query(
+        "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, state, locked_until, \
+             response_status, response_headers, response_body, created_at) \
+         SELECT '1', $1 || '-' || n, sha256(n::text::bytea), 'checkout.v1', '{}', $3, \
+                CASE WHEN $3 = 'started' THEN now() + interval '1 hour' END, \
+                CASE WHEN $3 = 'done' THEN 201 END, CASE WHEN $3 = 'done' THEN '[]'::jsonb END, \
+                CASE WHEN $3 = 'done' THEN '{}'::bytea END, now() - $4::interval \
+         FROM generate_series(1, $2) AS n",
+    )
+    .bind(prefix)
+    .bind(count)
+    .bind(state)
+    .bind(age)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn expire_deletes_only_old_finished_keys_in_batches(pool: PgPool) {
+    seed(&pool, "old-done", 2500, "done", "2 days").await;
+    seed(&pool, "fresh-done", 10, "done", "1 hour").await;
+    seed(&pool, "old-started", 5, "started", "3 days").await;
+    let day = Duration::from_secs(24 * 60 * 60);
+
+    // One batch deletes at most its size.
+    let mut connection = pool.acquire().await.unwrap();
+    assert_eq!(
+        idemflow::store::expire_batch(&mut connection, day, 1000)
+            .await
+            .unwrap(),
+        1000
+    );
+    drop(connection);
+    // expire() goes on batch by batch until nothing old is left.
+    assert_eq!(idemflow::expire(&pool, day, 1000).await.unwrap(), 1500);
+    assert_eq!(idemflow::expire(&pool, day, 1000).await.unwrap(), 0);
+
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE key LIKE 'old-done-%'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE key LIKE 'fresh-done-%'"
+        )
+        .await,
+        10
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE key LIKE 'old-started-%'"
+        )
+        .await,
+        5
+    );
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn the_worker_runs_retention_periodically(pool: PgPool) {
+    seed(&pool, "old-done", 30, "done", "2 days").await;
+    seed(&pool, "old-started", 2, "started", "2 days").await;
+    let harness = Harness::default();
+    let mut registry = Registry::new();
+    registry.register(harness.checkout()).unwrap();
+    let retention = Retention {
+        keep_for: Duration::from_secs(3600),
+        batch_size: 7,
+        every: Duration::from_millis(20),
+    };
+    let config = ResumerConfig {
+        retention: Some(retention),
+        ..ResumerConfig::default()
+    };
+    let worker = Resumer::with_config(Runner::new(pool.clone()), registry, config);
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    eventually(&pool, "SELECT count(*) FROM idempotency_keys", 2).await;
+    stop.notify_one();
+    running.await.unwrap();
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE state = 'started'"
+        )
+        .await,
+        2
+    );
+}
