@@ -16,7 +16,7 @@ pub use idemflow_pg as store;
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, migrate};
 pub use idemflow_runner::{
-    BuildError, DrainReport, DuplicateWorkflow, Failure, FailurePhase, ForeignPhase, LocalPhase,
+    BuildError, CrashHook, CrashPoint, DrainReport, DuplicateWorkflow, Failure, FailurePhase, ForeignPhase, LocalPhase,
     Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseValue, Registry, Rejection, Request,
     Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner, RunnerConfig, TerminalPolicy,
     Workflow, WorkflowBuilder, expire, shutdown_signal,

@@ -6,6 +6,7 @@
 //! `DATABASE_URL=postgres://... cargo run --example checkout`.
 
 mod psp;
+mod worker;
 mod workflow;
 
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -15,6 +16,13 @@ use sqlx::postgres::PgPoolOptions;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,idemflow_runner::resumer=info")
+            }),
+        )
+        .init();
     let database_url = std::env::var("DATABASE_URL")
         .map_err(|_| "DATABASE_URL is not set (scripts/checkout sets it for you)")?;
     let pool = PgPoolOptions::new()
@@ -25,6 +33,40 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     idemflow::migrate(&pool).await?;
     sqlx::query(workflow::ORDERS_TABLE).execute(&pool).await?;
 
+    let arguments: Vec<String> = std::env::args().skip(1).collect();
+    match arguments
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
+        [] | ["tour"] => tour(pool).await,
+        ["worker"] => {
+            worker::run(
+                pool,
+                workflow::checkout(psp::PaymentProvider::default()),
+                default_metrics_bind(),
+            )
+            .await
+        }
+        ["worker", "--metrics-bind", bind] => {
+            worker::run(
+                pool,
+                workflow::checkout(psp::PaymentProvider::default()),
+                bind.parse()?,
+            )
+            .await
+        }
+        _ => Err("usage: checkout [tour | worker [--metrics-bind ADDRESS]]".into()),
+    }
+}
+
+fn default_metrics_bind() -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], 9464))
+}
+
+/// Runs the workflow the ways a client would, printing each outcome.
+async fn tour(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
     let orders_before: i64 = sqlx::query_scalar("SELECT coalesce(max(id), 0) FROM checkout_orders")
         .fetch_one(&pool)
         .await?;

@@ -11,6 +11,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use tracing::Instrument;
 
 use crate::config::TerminalPolicy;
+use crate::crash::CrashPoint;
 use crate::error::{RunError, corrupt};
 use crate::metrics;
 use crate::outcome::Outcome;
@@ -134,13 +135,18 @@ impl Runner {
                     tx.rollback().await?;
                     return Err(self.fenced_or(workflow, error));
                 }
+                self.crash_points
+                    .check(|| CrashPoint::BeforeFinish, &owner.key)?;
                 tx.commit().await?;
+                self.crash_points
+                    .check(|| CrashPoint::AfterFinish, &owner.key)?;
                 metrics::count(metrics::FINISHED, workflow.name());
                 tracing::info!(status = response.status, "finished");
                 return Ok(Outcome::Executed(response));
             };
 
             // Make everything so far durable before calling out.
+            let mut committed = "claim";
             if let Some(index) = unrecorded.take() {
                 let step = &workflow.steps[index];
                 let output = match pending_foreign.take() {
@@ -155,9 +161,20 @@ impl Runner {
                 }
                 recorded_point = step.name().as_str().to_owned();
                 context.attempt = 1;
+                committed = step.name().as_str();
             }
+            self.crash_points
+                .check(|| CrashPoint::BeforeCommit { phase: committed }, &owner.key)?;
             tx.commit().await?;
             claim = None;
+            self.crash_points
+                .check(|| CrashPoint::AfterCommit { phase: committed }, &owner.key)?;
+            self.crash_points.check(
+                || CrashPoint::BeforeCall {
+                    phase: foreign.name(),
+                },
+                &owner.key,
+            )?;
 
             let derived_key =
                 DerivedKey::new(&owner.tenant, &owner.key, workflow.steps[position].name());
@@ -181,6 +198,12 @@ impl Runner {
             );
             let error = match called {
                 Ok(Ok(Ok(output))) => {
+                    self.crash_points.check(
+                        || CrashPoint::AfterCall {
+                            phase: foreign.name(),
+                        },
+                        &owner.key,
+                    )?;
                     carry = output;
                     let encoded = workflow.steps[position]
                         .encode_output(&carry)

@@ -9,6 +9,9 @@ pub enum RunError {
     /// new owner finishes the request (answer 409).
     #[error("fenced: the lease on this key was taken over by another owner")]
     Fenced,
+    /// A crash hook stopped the run at this crash point (tests only).
+    #[error("crashed at {0}")]
+    Crashed(String),
     #[error("corrupt key row: {0}")]
     Corrupt(String),
     /// The key is left at a recovery point this workflow does not have (a phase was renamed or

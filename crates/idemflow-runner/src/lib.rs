@@ -1,6 +1,7 @@
 //! Typed phases, workflows, and the runner that executes them under idempotency keys.
 
 mod config;
+mod crash;
 mod drive;
 mod error;
 mod metrics;
@@ -15,6 +16,7 @@ mod transaction;
 mod workflow;
 
 pub use config::{RunnerConfig, TerminalPolicy};
+pub use crash::{CrashHook, CrashPoint};
 pub use error::RunError;
 pub use outcome::{Outcome, Rejection};
 pub use phase::{

@@ -1,3 +1,4 @@
+use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow_core::{
@@ -9,6 +10,7 @@ use sqlx::PgPool;
 use tracing::Instrument;
 
 use crate::config::RunnerConfig;
+use crate::crash::{CrashHook, CrashPoints};
 use crate::drive::Start;
 use crate::error::{RunError, corrupt};
 use crate::metrics;
@@ -33,6 +35,7 @@ const CLAIM_ROUNDS: usize = 3;
 pub struct Runner {
     pub(crate) pool: PgPool,
     pub(crate) config: RunnerConfig,
+    pub(crate) crash_points: CrashPoints,
 }
 
 impl Runner {
@@ -41,7 +44,18 @@ impl Runner {
     }
 
     pub fn with_config(pool: PgPool, config: RunnerConfig) -> Self {
-        Self { pool, config }
+        Self {
+            pool,
+            config,
+            crash_points: CrashPoints::default(),
+        }
+    }
+
+    /// Installs a crash hook: at each [`crate::CrashPoint`] the hook may stop the run as a crash would.
+    /// For tests (see the testkit's explorer); without one, each point costs a branch.
+    pub fn with_crash_hook(mut self, hook: Arc<dyn CrashHook>) -> Self {
+        self.crash_points = CrashPoints::new(hook);
+        self
     }
 
     pub fn pool(&self) -> &PgPool {

@@ -1,0 +1,109 @@
+//! Crash points: named places at every step boundary where a test can make a run stop as a crash
+//! would. In production no hook is installed and each point costs one branch.
+
+use std::fmt;
+use std::sync::Arc;
+
+use idemflow_core::Key;
+
+use crate::workflow::{Step, Workflow};
+
+/// A step boundary of a run.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CrashPoint {
+    /// A transaction is about to commit; `phase` is the last phase it records (`claim` when it
+    /// records only the claim or a takeover).
+    BeforeCommit { phase: &'static str },
+    /// That transaction committed (after the first one: the claim is durable).
+    AfterCommit { phase: &'static str },
+    /// A foreign phase is about to be called (its input committed).
+    BeforeCall { phase: &'static str },
+    /// The foreign call returned; its result is not recorded yet.
+    AfterCall { phase: &'static str },
+    /// The transaction holding the last local effects and the response is about to commit.
+    BeforeFinish,
+    /// The response is stored.
+    AfterFinish,
+}
+
+impl CrashPoint {
+    /// Every crash point a fresh run of `workflow` passes, in order.
+    pub fn all(workflow: &Workflow) -> Vec<CrashPoint> {
+        let mut points = Vec::new();
+        let mut last_recorded: &'static str = "claim";
+        for step in &workflow.steps {
+            match step {
+                Step::Local(local) => last_recorded = local.name(),
+                Step::Foreign(foreign) => {
+                    points.push(Self::BeforeCommit {
+                        phase: last_recorded,
+                    });
+                    points.push(Self::AfterCommit {
+                        phase: last_recorded,
+                    });
+                    points.push(Self::BeforeCall {
+                        phase: foreign.name(),
+                    });
+                    points.push(Self::AfterCall {
+                        phase: foreign.name(),
+                    });
+                    last_recorded = foreign.name();
+                }
+            }
+        }
+        points.push(Self::BeforeFinish);
+        points.push(Self::AfterFinish);
+        points
+    }
+}
+
+impl fmt::Display for CrashPoint {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::BeforeCommit { phase } => write!(formatter, "before_commit:{phase}"),
+            Self::AfterCommit { phase } => write!(formatter, "after_commit:{phase}"),
+            Self::BeforeCall { phase } => write!(formatter, "before_call:{phase}"),
+            Self::AfterCall { phase } => write!(formatter, "after_call:{phase}"),
+            Self::BeforeFinish => formatter.write_str("before_finish"),
+            Self::AfterFinish => formatter.write_str("after_finish"),
+        }
+    }
+}
+
+/// Decides, at each crash point, whether the run stops there.
+pub trait CrashHook: Send + Sync + fmt::Debug {
+    /// `true`: the run stops at once as if its process died: it writes nothing more, its open
+    /// transaction rolls back, its lease is left as it was, and `run` returns
+    /// [`crate::RunError::Crashed`].
+    fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool;
+}
+
+/// The hook a runner holds: none in production.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CrashPoints(Option<Arc<dyn CrashHook>>);
+
+impl CrashPoints {
+    pub(crate) fn new(hook: Arc<dyn CrashHook>) -> Self {
+        Self(Some(hook))
+    }
+
+    #[inline]
+    pub(crate) fn check(
+        &self,
+        point: impl FnOnce() -> CrashPoint,
+        key: &Key,
+    ) -> Result<(), crate::RunError> {
+        match &self.0 {
+            None => Ok(()),
+            Some(hook) => {
+                let point = point();
+                if hook.crash_at(&point, key) {
+                    tracing::warn!(%point, "crash point: stopping as a crash would");
+                    Err(crate::RunError::Crashed(point.to_string()))
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+}
