@@ -16,10 +16,10 @@ pub use idemflow_pg as store;
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, migrate};
 pub use idemflow_runner::{
-    BuildError, CrashHook, CrashPoint, DrainReport, DuplicateWorkflow, Failure, FailurePhase, ForeignPhase, LocalPhase,
-    Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseValue, Registry, Rejection, Request,
-    Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner, RunnerConfig, TerminalPolicy,
-    Workflow, WorkflowBuilder, expire, shutdown_signal,
+    BuildError, CrashHook, CrashPoint, DrainReport, DuplicateWorkflow, Failure, FailurePhase,
+    ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseValue,
+    Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner,
+    RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder, expire, shutdown_signal,
 };
 
 /// Re-exported so phases can name the connection type without a direct sqlx dependency.
