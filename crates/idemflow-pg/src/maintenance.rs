@@ -152,7 +152,7 @@ pub async fn release_now(
     lock_version: i64,
 ) -> Result<bool, StoreError> {
     let result = sqlx::query(
-        "UPDATE idempotency_keys SET locked_until = now(), updated_at = now() \
+        "UPDATE idempotency_keys SET locked_until = least(locked_until, now()), updated_at = now() \
          WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
     )
     .bind(tenant)

@@ -77,7 +77,33 @@ impl Runner {
         key: &str,
         request: Request<'_>,
     ) -> Result<Outcome, RunError> {
-        let accepted = match accept(workflow, key, request) {
+        let prepared = canonical_request(request);
+        self.run_accepted(workflow, tenant, key, prepared).await
+    }
+
+    /// Runs a request whose fingerprint the caller computed (an HTTP layer fingerprinting a
+    /// non-JSON body by its bytes and content type, say). `request` is what the workflow's
+    /// request type decodes from, and what is stored for a resumer.
+    pub async fn run_fingerprinted(
+        &self,
+        workflow: &Workflow,
+        tenant: &TenantId,
+        key: &str,
+        fingerprint: Fingerprint,
+        request: Value,
+    ) -> Result<Outcome, RunError> {
+        self.run_accepted(workflow, tenant, key, Ok((fingerprint, request)))
+            .await
+    }
+
+    async fn run_accepted(
+        &self,
+        workflow: &Workflow,
+        tenant: &TenantId,
+        key: &str,
+        prepared: Result<(Fingerprint, Value), Rejection>,
+    ) -> Result<Outcome, RunError> {
+        let accepted = match prepared.and_then(|prepared| accept(workflow, key, prepared)) {
             Ok(accepted) => accepted,
             Err(rejection) => {
                 metrics::count(metrics::REJECTIONS, workflow.name());
@@ -285,13 +311,22 @@ struct Accepted {
     input: Carry,
 }
 
-fn accept(workflow: &Workflow, key: &str, request: Request<'_>) -> Result<Accepted, Rejection> {
-    let key = Key::parse(key)?;
+/// Canonicalizes a JSON body and fingerprints it.
+fn canonical_request(request: Request<'_>) -> Result<(Fingerprint, Value), Rejection> {
     let canonical = canonicalize(request.body)?;
     let fingerprint = Fingerprint::of_canonical_json(request.method, request.path, &canonical);
     // Decoded from the canonical form, so `1e2` is the integer 100 the fingerprint says it is.
     let value: Value = serde_json::from_slice(&canonical)
         .map_err(|error| Rejection::InvalidInput(error.to_string()))?;
+    Ok((fingerprint, value))
+}
+
+fn accept(
+    workflow: &Workflow,
+    key: &str,
+    (fingerprint, value): (Fingerprint, Value),
+) -> Result<Accepted, Rejection> {
+    let key = Key::parse(key)?;
     let input = workflow
         .decode_request(value.clone())
         .map_err(|error| Rejection::InvalidInput(error.to_string()))?;

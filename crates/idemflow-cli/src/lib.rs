@@ -1,0 +1,721 @@
+//! The `idemflow` operator CLI as a library: each command is a function that returns what to
+//! print and the exit code ([`Output`]), so tests call it in-process and `main.rs` only parses
+//! arguments, connects, calls and prints. See `docs/cli.md`.
+//!
+//! Every command answers on stdout, in plain aligned text or, with [`Format::Json`], as one JSON
+//! document. A command that cannot answer (bad input, no database, a database error) says why on
+//! stderr in text mode, and as `{"error": {"kind", "message"}}` on stdout in JSON mode.
+//!
+//! Exit codes: [`exit::OK`] 0, [`exit::NO`] 1 (the key does not exist, was not released, or the
+//! body is not JSON), [`exit::USAGE`] 2 (bad arguments, no database URL), [`exit::FAILURE`] 3 (the
+//! database could not be reached or a statement failed).
+
+pub mod duration;
+mod render;
+
+use std::fmt;
+use std::time::Duration;
+
+use idemflow_core::{CanonicalError, Fingerprint, Key, TenantId, canonicalize};
+use idemflow_pg::{KeyReport, StoreError, TableStats};
+use idemflow_runner::RunError;
+use serde::Serialize;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgConnection, PgPool};
+
+pub use duration::{DurationError, parse_duration};
+
+use duration::{human, human_elapsed_ms, lease};
+use render::{fields, plain, table, truncate};
+
+/// Exit codes.
+pub mod exit {
+    /// The command did what was asked.
+    pub const OK: u8 = 0;
+    /// The answer is no: the key does not exist, was not released, or the body is not JSON.
+    pub const NO: u8 = 1;
+    /// The command line is wrong: a bad argument, or no database URL.
+    pub const USAGE: u8 = 2;
+    /// The database could not be reached, or a statement or migration failed.
+    pub const FAILURE: u8 = 3;
+}
+
+/// How a command answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// Aligned plain text, no colours.
+    Human,
+    /// One JSON document.
+    Json,
+}
+
+/// What a command prints, and how the process exits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    pub code: u8,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Why a command could not answer.
+#[derive(Debug)]
+pub enum CliError {
+    /// A bad argument, or no database URL.
+    Usage(String),
+    /// The key asked about does not exist.
+    NotFound { tenant: String, key: String },
+    /// The body given to `fingerprint` is not canonicalizable JSON.
+    InvalidBody(CanonicalError),
+    /// The database could not be reached, or a statement failed.
+    Database(String),
+}
+
+impl CliError {
+    /// A stable name for scripts, the `kind` of the JSON error document.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Usage(_) => "usage",
+            Self::NotFound { .. } => "not_found",
+            Self::InvalidBody(_) => "invalid_body",
+            Self::Database(_) => "database",
+        }
+    }
+
+    pub fn code(&self) -> u8 {
+        match self {
+            Self::Usage(_) => exit::USAGE,
+            Self::NotFound { .. } | Self::InvalidBody(_) => exit::NO,
+            Self::Database(_) => exit::FAILURE,
+        }
+    }
+
+    /// The error as a command's output.
+    pub fn output(&self, format: Format) -> Output {
+        match format {
+            Format::Human => Output {
+                code: self.code(),
+                stdout: String::new(),
+                stderr: format!("error: {self}\n"),
+            },
+            Format::Json => Output {
+                code: self.code(),
+                stdout: json(&serde_json::json!({
+                    "error": { "kind": self.kind(), "message": self.to_string() }
+                })),
+                stderr: String::new(),
+            },
+        }
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Usage(message) | Self::Database(message) => formatter.write_str(message),
+            Self::NotFound { tenant, key } => {
+                write!(formatter, "no key {key:?} for tenant {tenant:?}")
+            }
+            Self::InvalidBody(error) => write!(formatter, "{error}"),
+        }
+    }
+}
+
+impl std::error::Error for CliError {}
+
+fn database_error(error: &sqlx::Error) -> CliError {
+    let undefined_table = error
+        .as_database_error()
+        .and_then(|error| error.code())
+        .is_some_and(|code| code == "42P01");
+    if undefined_table {
+        CliError::Database(format!(
+            "database error: {error} (run `idemflow migrate` to create the schema)"
+        ))
+    } else {
+        CliError::Database(format!("database error: {error}"))
+    }
+}
+
+impl From<sqlx::Error> for CliError {
+    fn from(error: sqlx::Error) -> Self {
+        database_error(&error)
+    }
+}
+
+impl From<StoreError> for CliError {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Database(error) => database_error(&error),
+            other => Self::Database(other.to_string()),
+        }
+    }
+}
+
+impl From<RunError> for CliError {
+    fn from(error: RunError) -> Self {
+        match error {
+            RunError::Database(error) => database_error(&error),
+            other => Self::Database(other.to_string()),
+        }
+    }
+}
+
+/// A command's answer in both formats; [`emit`] picks one.
+struct Answer {
+    code: u8,
+    human: String,
+    json: String,
+}
+
+impl Answer {
+    fn new(code: u8, human: String, value: &impl Serialize) -> Self {
+        Self {
+            code,
+            human,
+            json: json(value),
+        }
+    }
+}
+
+fn json(value: &impl Serialize) -> String {
+    let mut text = serde_json::to_string_pretty(value)
+        .expect("the CLI's reports serialize: plain structs with string keys");
+    text.push('\n');
+    text
+}
+
+fn emit(format: Format, answer: Result<Answer, CliError>) -> Output {
+    match answer {
+        Ok(answer) => Output {
+            code: answer.code,
+            stdout: match format {
+                Format::Human => answer.human,
+                Format::Json => answer.json,
+            },
+            stderr: String::new(),
+        },
+        Err(error) => error.output(format),
+    }
+}
+
+/// The database URL: `--database-url` if given, else the `DATABASE_URL` environment variable.
+pub fn database_url(flag: Option<String>, env: Option<String>) -> Result<String, CliError> {
+    flag.or(env).filter(|url| !url.is_empty()).ok_or_else(|| {
+        CliError::Usage(
+            "no database: pass --database-url postgres://... or set DATABASE_URL".to_owned(),
+        )
+    })
+}
+
+/// A small pool for one command, its connections named `idemflow-cli` in `pg_stat_activity`.
+///
+/// One connection is opened first on its own: a pool that cannot connect reports only that it
+/// timed out, while a single connection says why (refused, authentication, no such database).
+pub async fn connect(url: &str) -> Result<PgPool, CliError> {
+    const TIMEOUT: Duration = Duration::from_secs(10);
+    let options: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .map_err(|error| CliError::Usage(format!("invalid database URL: {error}")))?
+        .application_name("idemflow-cli");
+    let cannot_connect =
+        |why: String| CliError::Database(format!("cannot connect to the database: {why}"));
+    let probe = tokio::time::timeout(TIMEOUT, PgConnection::connect_with(&options))
+        .await
+        .map_err(|_| cannot_connect(format!("no answer within {}", human(TIMEOUT.as_secs()))))?
+        .map_err(|error| cannot_connect(error.to_string()))?;
+    // Closing politely is a courtesy; the pool opens its own connections.
+    let _ = probe.close().await;
+    Ok(PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(TIMEOUT)
+        .test_before_acquire(false)
+        .connect_lazy_with(options))
+}
+
+fn validate(tenant: &str, key: &str) -> Result<(), CliError> {
+    TenantId::new(tenant).map_err(|error| CliError::Usage(error.to_string()))?;
+    Key::parse(key).map_err(|error| CliError::Usage(error.to_string()))?;
+    Ok(())
+}
+
+fn who(tenant: &str, key: &str) -> String {
+    format!("key {key:?} of tenant {tenant:?}")
+}
+
+// ---------------------------------------------------------------------------------------------
+// migrate
+
+#[derive(Serialize)]
+struct MigrationReport {
+    version: i64,
+    description: String,
+}
+
+/// `idemflow migrate`: applies every pending migration, then lists the schema's migrations.
+pub async fn migrate(pool: &PgPool, format: Format) -> Output {
+    emit(format, migrate_answer(pool).await)
+}
+
+async fn migrate_answer(pool: &PgPool) -> Result<Answer, CliError> {
+    idemflow_pg::migrate(pool)
+        .await
+        .map_err(|error| CliError::Database(format!("migration failed: {error}")))?;
+    let migrations: Vec<MigrationReport> = idemflow_pg::MIGRATOR
+        .iter()
+        .filter(|migration| migration.migration_type.is_up_migration())
+        .map(|migration| MigrationReport {
+            version: migration.version,
+            description: migration.description.to_string(),
+        })
+        .collect();
+    let mut human = String::from("schema up to date; migrations applied:\n");
+    for migration in &migrations {
+        human.push_str(&format!(
+            "  {}  {}\n",
+            migration.version, migration.description
+        ));
+    }
+    Ok(Answer::new(
+        exit::OK,
+        human,
+        &serde_json::json!({ "migrations": migrations }),
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// inspect
+
+fn response_summary(report: &KeyReport) -> String {
+    match (report.response_status, report.response_bytes) {
+        (Some(status), Some(bytes)) => format!("{status}, {bytes} bytes"),
+        (Some(status), None) => status.to_string(),
+        _ => "-".to_owned(),
+    }
+}
+
+fn lease_summary(report: &KeyReport) -> String {
+    report.lease_left_ms.map_or_else(|| "-".to_owned(), lease)
+}
+
+fn age(report: &KeyReport) -> String {
+    human(u64::try_from(report.age_seconds).unwrap_or(0))
+}
+
+fn inspect_text(report: &KeyReport) -> String {
+    fields(&[
+        ("tenant", plain(&report.tenant)),
+        ("key", plain(&report.key)),
+        ("workflow", plain(&report.workflow)),
+        ("state", plain(&report.state)),
+        ("recovery point", plain(&report.recovery_point)),
+        ("lease", lease_summary(report)),
+        ("lock_version", report.lock_version.to_string()),
+        ("attempts", report.attempts.to_string()),
+        (
+            "last error",
+            report
+                .last_error
+                .as_deref()
+                .map_or_else(|| "-".to_owned(), plain),
+        ),
+        ("response", response_summary(report)),
+        ("fingerprint", report.fingerprint_hex.clone()),
+        ("age", age(report)),
+    ])
+}
+
+/// `idemflow inspect --tenant T --key K`: everything about one key. Exit 1 when it does not exist.
+pub async fn inspect(
+    connection: &mut PgConnection,
+    format: Format,
+    tenant: &str,
+    key: &str,
+) -> Output {
+    emit(format, inspect_answer(connection, tenant, key).await)
+}
+
+async fn inspect_answer(
+    connection: &mut PgConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<Answer, CliError> {
+    validate(tenant, key)?;
+    let report = idemflow_pg::key_report(connection, tenant, key)
+        .await?
+        .ok_or_else(|| CliError::NotFound {
+            tenant: tenant.to_owned(),
+            key: key.to_owned(),
+        })?;
+    Ok(Answer::new(exit::OK, inspect_text(&report), &report))
+}
+
+// ---------------------------------------------------------------------------------------------
+// fingerprint
+
+#[derive(Serialize)]
+struct FingerprintReport<'a> {
+    method: &'a str,
+    path: &'a str,
+    canonical: &'a str,
+    fingerprint: String,
+}
+
+/// `idemflow fingerprint --method M --path P` with the body on stdin: its RFC 8785 canonical
+/// form and the fingerprint a request with it gets. Two bodies that print the same fingerprint
+/// are the same request; exit 1 when the body is not JSON the runner accepts.
+pub fn fingerprint(format: Format, method: &str, path: &str, body: &[u8]) -> Output {
+    emit(format, fingerprint_answer(method, path, body))
+}
+
+fn fingerprint_answer(method: &str, path: &str, body: &[u8]) -> Result<Answer, CliError> {
+    let canonical = canonicalize(body).map_err(CliError::InvalidBody)?;
+    let fingerprint = Fingerprint::of_canonical_json(method, path, &canonical);
+    // canonicalize() accepts UTF-8 only and writes UTF-8.
+    let canonical = String::from_utf8_lossy(&canonical);
+    let report = FingerprintReport {
+        method,
+        path,
+        canonical: &canonical,
+        fingerprint: fingerprint.to_hex(),
+    };
+    let human = fields(&[
+        ("method", plain(method)),
+        ("path", plain(path)),
+        ("canonical", plain(&canonical)),
+        ("fingerprint", report.fingerprint.clone()),
+    ]);
+    Ok(Answer::new(exit::OK, human, &report))
+}
+
+// ---------------------------------------------------------------------------------------------
+// list --stuck
+
+/// `idemflow list --stuck`: started keys past their lease or with at least `min_attempts`
+/// attempts, oldest lease first, at most `limit`.
+pub async fn list_stuck(
+    connection: &mut PgConnection,
+    format: Format,
+    min_attempts: i32,
+    limit: i64,
+) -> Output {
+    emit(
+        format,
+        list_stuck_answer(connection, min_attempts, limit).await,
+    )
+}
+
+async fn list_stuck_answer(
+    connection: &mut PgConnection,
+    min_attempts: i32,
+    limit: i64,
+) -> Result<Answer, CliError> {
+    let keys = idemflow_pg::stuck_keys(connection, min_attempts, limit).await?;
+    let human = if keys.is_empty() {
+        format!(
+            "no stuck keys (no started key is past its lease or has {min_attempts} attempts or more)\n"
+        )
+    } else {
+        let rows: Vec<Vec<String>> = keys
+            .iter()
+            .map(|report| {
+                vec![
+                    plain(&report.tenant),
+                    plain(&report.key),
+                    plain(&report.workflow),
+                    plain(&report.recovery_point),
+                    lease_summary(report),
+                    report.attempts.to_string(),
+                    age(report),
+                    report
+                        .last_error
+                        .as_deref()
+                        .map_or_else(|| "-".to_owned(), |error| truncate(&plain(error), 60)),
+                ]
+            })
+            .collect();
+        let mut text = table(
+            &[
+                "TENANT",
+                "KEY",
+                "WORKFLOW",
+                "RECOVERY POINT",
+                "LEASE",
+                "ATTEMPTS",
+                "AGE",
+                "LAST ERROR",
+            ],
+            &rows,
+        );
+        if i64::try_from(keys.len()).unwrap_or(i64::MAX) >= limit {
+            text.push_str(&format!(
+                "showing the first {limit}: more may be stuck (raise --limit)\n"
+            ));
+        }
+        text
+    };
+    Ok(Answer::new(exit::OK, human, &keys))
+}
+
+// ---------------------------------------------------------------------------------------------
+// release
+
+/// What `release` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum ReleaseOutcome {
+    /// The lease ended now; idle resumers were woken.
+    Released,
+    /// The lease had already expired: the key is due, nothing to do.
+    AlreadyDue,
+    NotFound,
+    Done,
+    /// Another owner took the key over between the read and the release.
+    MovedOn,
+}
+
+#[derive(Serialize)]
+struct ReleaseReport<'a> {
+    tenant: &'a str,
+    key: &'a str,
+    outcome: ReleaseOutcome,
+    /// The fencing token the release was made with (or refused for).
+    lock_version: Option<i64>,
+    message: String,
+}
+
+/// `idemflow release --tenant T --key K`: ends a started key's lease now, so a resumer or the
+/// next retry takes it over at once. Fenced: the lease is ended only if the key's lock_version is
+/// still the one just read. Exit 1 when nothing was released (no such key, done, taken over);
+/// exit 0 when released or when the lease had already expired.
+pub async fn release(
+    connection: &mut PgConnection,
+    format: Format,
+    tenant: &str,
+    key: &str,
+) -> Output {
+    emit(format, release_answer(connection, tenant, key).await)
+}
+
+async fn release_answer(
+    connection: &mut PgConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<Answer, CliError> {
+    validate(tenant, key)?;
+    let who = who(tenant, key);
+    let (outcome, lock_version, message) =
+        match idemflow_pg::key_report(connection, tenant, key).await? {
+            None => (
+                ReleaseOutcome::NotFound,
+                None,
+                format!("not released: no key {key:?} for tenant {tenant:?}"),
+            ),
+            Some(report) if report.state == "done" => done(&who, &report),
+            Some(report) if report.lease_left_ms.is_some_and(|ms| ms <= 0) => (
+                ReleaseOutcome::AlreadyDue,
+                Some(report.lock_version),
+                format!(
+                    "nothing to release: the lease of {who} {}; it is due now, and a resumer \
+                     running workflow {:?} takes it over",
+                    lease_summary(&report),
+                    plain(&report.workflow),
+                ),
+            ),
+            Some(report) => {
+                let lock_version = report.lock_version;
+                if idemflow_pg::release_now(connection, tenant, key, lock_version).await? {
+                    idemflow_pg::notify_due(connection).await?;
+                    (
+                        ReleaseOutcome::Released,
+                        Some(lock_version),
+                        format!(
+                            "released {who} (lock_version {lock_version}): its lease ends now; \
+                             a resumer or the next retry takes it over"
+                        ),
+                    )
+                } else {
+                    // Refused: read the key again to say why.
+                    match idemflow_pg::key_report(connection, tenant, key).await? {
+                        None => (
+                            ReleaseOutcome::NotFound,
+                            Some(lock_version),
+                            format!("not released: {who} was deleted meanwhile"),
+                        ),
+                        Some(now) if now.state == "done" => done(&who, &now),
+                        Some(now) => (
+                            ReleaseOutcome::MovedOn,
+                            Some(lock_version),
+                            format!(
+                                "not released: {who} was taken over meanwhile (lock_version \
+                                 {lock_version}, now {}); inspect it again",
+                                now.lock_version
+                            ),
+                        ),
+                    }
+                }
+            }
+        };
+    let code = match outcome {
+        ReleaseOutcome::Released | ReleaseOutcome::AlreadyDue => exit::OK,
+        ReleaseOutcome::NotFound | ReleaseOutcome::Done | ReleaseOutcome::MovedOn => exit::NO,
+    };
+    let human = format!("{message}\n");
+    let report = ReleaseReport {
+        tenant,
+        key,
+        outcome,
+        lock_version,
+        message,
+    };
+    Ok(Answer::new(code, human, &report))
+}
+
+fn done(who: &str, report: &KeyReport) -> (ReleaseOutcome, Option<i64>, String) {
+    (
+        ReleaseOutcome::Done,
+        Some(report.lock_version),
+        format!(
+            "not released: {who} is done; every retry replays its stored response ({})",
+            response_summary(report)
+        ),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// expire
+
+#[derive(Serialize)]
+struct ExpireReport {
+    deleted: u64,
+    older_than_seconds: u64,
+    batch_size: i64,
+}
+
+/// `idemflow expire --older-than D`: deletes every finished key created more than `older_than`
+/// ago, `batch_size` rows per transaction. Started keys are never deleted.
+pub async fn expire(
+    pool: &PgPool,
+    format: Format,
+    older_than: Duration,
+    batch_size: i64,
+) -> Output {
+    emit(format, expire_answer(pool, older_than, batch_size).await)
+}
+
+async fn expire_answer(
+    pool: &PgPool,
+    older_than: Duration,
+    batch_size: i64,
+) -> Result<Answer, CliError> {
+    let deleted = idemflow_runner::expire(pool, older_than, batch_size).await?;
+    let noun = if deleted == 1 { "key" } else { "keys" };
+    let human = format!(
+        "deleted {deleted} finished {noun} created more than {} ago\n",
+        human(older_than.as_secs())
+    );
+    let report = ExpireReport {
+        deleted,
+        older_than_seconds: older_than.as_secs(),
+        batch_size,
+    };
+    Ok(Answer::new(exit::OK, human, &report))
+}
+
+// ---------------------------------------------------------------------------------------------
+// stats
+
+fn stats_text(stats: &TableStats) -> String {
+    let mut text = if stats.counts.is_empty() {
+        "no keys\n".to_owned()
+    } else {
+        let rows: Vec<Vec<String>> = stats
+            .counts
+            .iter()
+            .map(|(workflow, state, count)| vec![plain(workflow), plain(state), count.to_string()])
+            .collect();
+        table(&["WORKFLOW", "STATE", "KEYS"], &rows)
+    };
+    text.push('\n');
+    text.push_str(&fields(&[
+        (
+            "oldest started key",
+            stats.oldest_started_seconds.map_or_else(
+                || "- (no started key)".to_owned(),
+                |seconds| human(u64::try_from(seconds).unwrap_or(0)),
+            ),
+        ),
+        (
+            "resumer lag",
+            if stats.resumer_lag_ms == 0 {
+                "0s (no key is due)".to_owned()
+            } else {
+                human_elapsed_ms(stats.resumer_lag_ms)
+            },
+        ),
+    ]));
+    text
+}
+
+/// `idemflow stats`: keys by workflow and state, the age of the oldest started key, and how far
+/// behind the resumers are (the oldest expired lease of a started key).
+pub async fn stats(connection: &mut PgConnection, format: Format) -> Output {
+    emit(format, stats_answer(connection).await)
+}
+
+async fn stats_answer(connection: &mut PgConnection) -> Result<Answer, CliError> {
+    let stats = idemflow_pg::table_stats(connection).await?;
+    Ok(Answer::new(exit::OK, stats_text(&stats), &stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_database_url_comes_from_the_flag_then_the_environment() {
+        let flag = Some("postgres://flag".to_owned());
+        let env = Some("postgres://env".to_owned());
+        assert_eq!(
+            database_url(flag.clone(), env.clone()).ok(),
+            Some("postgres://flag".to_owned())
+        );
+        assert_eq!(
+            database_url(None, env).ok(),
+            Some("postgres://env".to_owned())
+        );
+        for (flag, env) in [(None, None), (None, Some(String::new()))] {
+            let error = database_url(flag, env).expect_err("no URL");
+            assert_eq!(error.code(), exit::USAGE);
+            assert_eq!(
+                error.to_string(),
+                "no database: pass --database-url postgres://... or set DATABASE_URL"
+            );
+        }
+    }
+
+    #[test]
+    fn errors_are_text_on_stderr_or_one_json_document_on_stdout() {
+        let error = CliError::NotFound {
+            tenant: "acme".to_owned(),
+            key: "order-9".to_owned(),
+        };
+        assert_eq!(
+            error.output(Format::Human),
+            Output {
+                code: 1,
+                stdout: String::new(),
+                stderr: "error: no key \"order-9\" for tenant \"acme\"\n".to_owned(),
+            }
+        );
+        assert_eq!(
+            error.output(Format::Json),
+            Output {
+                code: 1,
+                stdout: "{\n  \"error\": {\n    \"kind\": \"not_found\",\n    \"message\": \
+                         \"no key \\\"order-9\\\" for tenant \\\"acme\\\"\"\n  }\n}\n"
+                    .to_owned(),
+                stderr: String::new(),
+            }
+        );
+    }
+}

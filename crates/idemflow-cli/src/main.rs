@@ -1,0 +1,167 @@
+//! `idemflow`, the operator CLI: parses the command line, connects, runs one command from the
+//! library and prints its answer. See `docs/cli.md`.
+
+use std::io::{IsTerminal, Read, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use idemflow_cli::{CliError, Format, Output, parse_duration};
+use sqlx::{PgConnection, PgPool};
+
+/// Operate idemflow's idempotency keys: inspect, list, release and expire them.
+#[derive(Debug, Parser)]
+#[command(name = "idemflow", version)]
+struct Cli {
+    /// Print one JSON document instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    /// PostgreSQL URL; defaults to the DATABASE_URL environment variable.
+    #[arg(long, global = true, value_name = "URL")]
+    database_url: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply pending schema migrations.
+    Migrate,
+    /// Show everything about one key: state, lease, attempts, last error, response.
+    Inspect {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        key: String,
+    },
+    /// Print the canonical form (RFC 8785) and fingerprint of a JSON body read on stdin.
+    Fingerprint {
+        /// The request method, exactly as the server passes it to the runner.
+        #[arg(long)]
+        method: String,
+        /// The request path, exactly as the server passes it to the runner.
+        #[arg(long)]
+        path: String,
+    },
+    /// List started keys that look stuck.
+    List {
+        /// Started keys past their lease or with many attempts (the only listing, for now).
+        #[arg(long, required = true)]
+        stuck: bool,
+        /// Also list started keys with at least this many attempts, even within their lease.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i32).range(1..))]
+        min_attempts: i32,
+        /// List at most this many keys.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+    },
+    /// End a started key's lease now (fenced), so it is retried at once.
+    Release {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        key: String,
+    },
+    /// Delete finished keys older than a retention window (started keys are never deleted).
+    Expire {
+        /// Delete finished keys created longer ago than this: 90s, 30m, 24h, 7d.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        older_than: Duration,
+        /// Rows deleted per transaction.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
+        batch_size: i64,
+    },
+    /// Keys by workflow and state, the oldest started key, and the resumer lag.
+    Stats,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let format = if cli.json {
+        Format::Json
+    } else {
+        Format::Human
+    };
+    let output = run(cli, format).await;
+    // Write errors (a closed pipe) are ignored: there is no one left to tell.
+    let _ = std::io::stdout().write_all(output.stdout.as_bytes());
+    let _ = std::io::stderr().write_all(output.stderr.as_bytes());
+    ExitCode::from(output.code)
+}
+
+async fn run(cli: Cli, format: Format) -> Output {
+    if let Command::Fingerprint { method, path } = &cli.command {
+        return fingerprint(format, method, path);
+    }
+    let url = match idemflow_cli::database_url(cli.database_url, std::env::var("DATABASE_URL").ok())
+    {
+        Ok(url) => url,
+        Err(error) => return error.output(format),
+    };
+    let pool = match idemflow_cli::connect(&url).await {
+        Ok(pool) => pool,
+        Err(error) => return error.output(format),
+    };
+    let output = match cli.command {
+        Command::Migrate => idemflow_cli::migrate(&pool, format).await,
+        Command::Expire {
+            older_than,
+            batch_size,
+        } => idemflow_cli::expire(&pool, format, older_than, batch_size).await,
+        Command::Inspect { tenant, key } => {
+            with_connection(&pool, format, async |connection| {
+                idemflow_cli::inspect(connection, format, &tenant, &key).await
+            })
+            .await
+        }
+        Command::List {
+            min_attempts,
+            limit,
+            ..
+        } => {
+            with_connection(&pool, format, async |connection| {
+                idemflow_cli::list_stuck(connection, format, min_attempts, limit).await
+            })
+            .await
+        }
+        Command::Release { tenant, key } => {
+            with_connection(&pool, format, async |connection| {
+                idemflow_cli::release(connection, format, &tenant, &key).await
+            })
+            .await
+        }
+        Command::Stats => {
+            with_connection(&pool, format, async |connection| {
+                idemflow_cli::stats(connection, format).await
+            })
+            .await
+        }
+        Command::Fingerprint { .. } => unreachable!("answered before connecting"),
+    };
+    pool.close().await;
+    output
+}
+
+async fn with_connection(
+    pool: &PgPool,
+    format: Format,
+    command: impl AsyncFnOnce(&mut PgConnection) -> Output,
+) -> Output {
+    match pool.acquire().await {
+        Ok(mut connection) => command(&mut connection).await,
+        Err(error) => CliError::from(error).output(format),
+    }
+}
+
+fn fingerprint(format: Format, method: &str, path: &str) -> Output {
+    let mut stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        eprintln!("reading the JSON body from stdin (end it with Ctrl-D)");
+    }
+    let mut body = Vec::new();
+    if let Err(error) = stdin.read_to_end(&mut body) {
+        return CliError::Usage(format!("cannot read the body from stdin: {error}")).output(format);
+    }
+    idemflow_cli::fingerprint(format, method, path, &body)
+}

@@ -1,0 +1,1080 @@
+//! The CLI's commands against a real PostgreSQL, one fresh database per test, each output
+//! compared whole with a golden string (text and JSON), and the real binary run once end to end.
+//!
+//! Time: most tests seed and read inside one transaction, where `now()` stands still, so leases,
+//! ages and lags are exact to the millisecond, in text and in JSON. The tests named
+//! `..._on_the_real_clock` (and the binary test) seed committed rows and read them later, as an
+//! operator would: their text output must not flicker either (leases left round up to whole
+//! seconds, time elapsed rounds down, seeds sit hours away from a unit boundary).
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use idemflow_cli::{Format, Output};
+use idemflow_core::Fingerprint;
+use sqlx::{PgConnection, PgPool};
+
+/// One row of `idempotency_keys`; times are intervals relative to `now()`.
+#[derive(Debug, Clone, Copy)]
+struct Seed<'a> {
+    tenant: &'a str,
+    key: &'a str,
+    workflow: &'a str,
+    /// The request body the fingerprint is taken of (POST /v1/checkouts).
+    body: &'a str,
+    state: &'a str,
+    recovery_point: &'a str,
+    /// `locked_until = now() + lease`; `None` for a done key.
+    lease: Option<&'a str>,
+    lock_version: i64,
+    attempts: i32,
+    last_error: Option<&'a str>,
+    /// Status and body of a done key's response.
+    response: Option<(i16, &'a str)>,
+    /// `created_at = now() - age`.
+    age: &'a str,
+}
+
+const DONE: Seed<'static> = Seed {
+    tenant: "acme",
+    key: "order-1",
+    workflow: "checkout.v1",
+    body: r#"{"amount":1200,"currency":"EUR"}"#,
+    state: "done",
+    recovery_point: "finish",
+    lease: None,
+    lock_version: 0,
+    attempts: 1,
+    last_error: None,
+    response: Some((201, r#"{"order_id":41}"#)),
+    age: "2 days",
+};
+
+/// Leased for an hour more: someone is working on it.
+const LIVE: Seed<'static> = Seed {
+    key: "order-2",
+    body: r#"{"order":"order-2"}"#,
+    state: "started",
+    recovery_point: "create_order",
+    lease: Some("1 hour"),
+    response: None,
+    ..DONE
+};
+
+/// Its lease ended an hour ago after a retryable error: stuck.
+const EXPIRED: Seed<'static> = Seed {
+    key: "order-3",
+    body: r#"{"order":"order-3"}"#,
+    lease: Some("-1 hour"),
+    lock_version: 2,
+    attempts: 3,
+    last_error: Some("charge: provider unavailable (503)"),
+    ..LIVE
+};
+
+/// Within its lease, but retried seven times: stuck too.
+const RETRIED: Seed<'static> = Seed {
+    tenant: "globex",
+    key: "refund-9",
+    workflow: "refund.v1",
+    body: r#"{"order":"refund-9"}"#,
+    recovery_point: "start",
+    lease: Some("10 minutes"),
+    lock_version: 6,
+    attempts: 7,
+    last_error: Some("refund: card\nexpired"),
+    age: "3 days",
+    ..LIVE
+};
+
+async fn seed(connection: &mut PgConnection, seed: Seed<'_>) {
+    let fingerprint = Fingerprint::of_json("POST", "/v1/checkouts", seed.body.as_bytes()).unwrap();
+    sqlx::query(
+        "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, state, \
+             recovery_point, locked_until, lock_version, attempts, last_error, response_status, \
+             response_headers, response_body, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, now() + $8::interval, $9, $10, $11, $12, \
+                 CASE WHEN $6 = 'done' THEN '[]'::jsonb END, $13, now() - $14::interval, \
+                 now() - $14::interval)",
+    )
+    .bind(seed.tenant)
+    .bind(seed.key)
+    .bind(fingerprint.as_bytes().as_slice())
+    .bind(seed.workflow)
+    .bind(seed.body)
+    .bind(seed.state)
+    .bind(seed.recovery_point)
+    .bind(seed.lease)
+    .bind(seed.lock_version)
+    .bind(seed.attempts)
+    .bind(seed.last_error)
+    .bind(seed.response.map(|(status, _)| status))
+    .bind(seed.response.map(|(_, body)| body.as_bytes()))
+    .bind(seed.age)
+    .execute(connection)
+    .await
+    .unwrap();
+}
+
+async fn seed_all(connection: &mut PgConnection, seeds: &[Seed<'_>]) {
+    for &one in seeds {
+        seed(connection, one).await;
+    }
+}
+
+/// A golden text written as an indented raw string: the first line break is dropped.
+fn golden(text: &str) -> String {
+    text.strip_prefix('\n').unwrap_or(text).to_owned()
+}
+
+#[track_caller]
+fn assert_stdout(output: Output, code: u8, stdout: &str) {
+    assert_eq!(
+        output,
+        Output {
+            code,
+            stdout: golden(stdout),
+            stderr: String::new(),
+        },
+        "\n--- stdout ---\n{}",
+        output.stdout
+    );
+}
+
+#[track_caller]
+fn assert_stderr(output: Output, code: u8, stderr: &str) {
+    assert_eq!(
+        output,
+        Output {
+            code,
+            stdout: String::new(),
+            stderr: golden(stderr),
+        }
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// inspect
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_shows_a_done_key(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed(&mut tx, DONE).await;
+
+    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-1").await;
+    assert_stdout(
+        output,
+        0,
+        "
+tenant          acme
+key             order-1
+workflow        checkout.v1
+state           done
+recovery point  finish
+lease           -
+lock_version    0
+attempts        1
+last error      -
+response        201, 15 bytes
+fingerprint     5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
+age             2d 0h
+",
+    );
+
+    let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-1").await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "tenant": "acme",
+  "key": "order-1",
+  "workflow": "checkout.v1",
+  "state": "done",
+  "recovery_point": "finish",
+  "lease_left_ms": null,
+  "lock_version": 0,
+  "attempts": 1,
+  "last_error": null,
+  "response_status": 201,
+  "response_bytes": 15,
+  "fingerprint_hex": "5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051",
+  "age_seconds": 172800
+}
+"#,
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_shows_a_started_key_and_its_lease_left(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed(&mut tx, LIVE).await;
+
+    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
+    assert_stdout(
+        output,
+        0,
+        "
+tenant          acme
+key             order-2
+workflow        checkout.v1
+state           started
+recovery point  create_order
+lease           1h 0m left
+lock_version    0
+attempts        1
+last error      -
+response        -
+fingerprint     f399a9d0d5e72c64ae0de7acbd817c0492fac5032a56e669d0e5e53b96f1d33c
+age             2d 0h
+",
+    );
+
+    let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-2").await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "tenant": "acme",
+  "key": "order-2",
+  "workflow": "checkout.v1",
+  "state": "started",
+  "recovery_point": "create_order",
+  "lease_left_ms": 3600000,
+  "lock_version": 0,
+  "attempts": 1,
+  "last_error": null,
+  "response_status": null,
+  "response_bytes": null,
+  "fingerprint_hex": "f399a9d0d5e72c64ae0de7acbd817c0492fac5032a56e669d0e5e53b96f1d33c",
+  "age_seconds": 172800
+}
+"#,
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_shows_an_expired_lease_and_the_last_error(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed_all(&mut tx, &[EXPIRED, RETRIED]).await;
+
+    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-3").await;
+    assert_stdout(
+        output,
+        0,
+        "
+tenant          acme
+key             order-3
+workflow        checkout.v1
+state           started
+recovery point  create_order
+lease           expired 1h 0m ago
+lock_version    2
+attempts        3
+last error      charge: provider unavailable (503)
+response        -
+fingerprint     309c5c0d31d33f2c0ad981bc7c3ab7afa4310fb7ddc5dfda5713bb1ee351c174
+age             2d 0h
+",
+    );
+
+    let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-3").await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "tenant": "acme",
+  "key": "order-3",
+  "workflow": "checkout.v1",
+  "state": "started",
+  "recovery_point": "create_order",
+  "lease_left_ms": -3600000,
+  "lock_version": 2,
+  "attempts": 3,
+  "last_error": "charge: provider unavailable (503)",
+  "response_status": null,
+  "response_bytes": null,
+  "fingerprint_hex": "309c5c0d31d33f2c0ad981bc7c3ab7afa4310fb7ddc5dfda5713bb1ee351c174",
+  "age_seconds": 172800
+}
+"#,
+    );
+
+    // A last error that spans lines stays on one line, escaped; JSON keeps it as it is.
+    let output = idemflow_cli::inspect(&mut tx, Format::Human, "globex", "refund-9").await;
+    assert!(
+        output
+            .stdout
+            .contains("\nlast error      refund: card\\nexpired\n"),
+        "{}",
+        output.stdout
+    );
+    let output = idemflow_cli::inspect(&mut tx, Format::Json, "globex", "refund-9").await;
+    assert!(
+        output
+            .stdout
+            .contains(r#""last_error": "refund: card\nexpired","#),
+        "{}",
+        output.stdout
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_of_a_missing_key_exits_1(pool: PgPool) {
+    let mut connection = pool.acquire().await.unwrap();
+    seed(&mut connection, DONE).await;
+
+    let output = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-9").await;
+    assert_stderr(output, 1, "error: no key \"order-9\" for tenant \"acme\"\n");
+    // The same key under another tenant is another key.
+    let output = idemflow_cli::inspect(&mut connection, Format::Json, "globex", "order-1").await;
+    assert_stdout(
+        output,
+        1,
+        r#"
+{
+  "error": {
+    "kind": "not_found",
+    "message": "no key \"order-1\" for tenant \"globex\""
+  }
+}
+"#,
+    );
+    // A tenant or key that could never exist is a usage error.
+    let output = idemflow_cli::inspect(&mut connection, Format::Human, "ac me", "order-1").await;
+    assert_eq!(output.code, 2);
+    assert!(
+        output.stderr.starts_with("error: the tenant id "),
+        "{}",
+        output.stderr
+    );
+    let output = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "").await;
+    assert_stderr(output, 2, "error: the idempotency key is empty\n");
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_does_not_flicker_on_the_real_clock(pool: PgPool) {
+    seed_all(&mut pool.acquire().await.unwrap(), &[LIVE, EXPIRED]).await;
+    // Time passes between the seed and the read, as it does for an operator.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let mut connection = pool.acquire().await.unwrap();
+    let live = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-2").await;
+    assert!(
+        live.stdout.contains("\nlease           1h 0m left\n"),
+        "{}",
+        live.stdout
+    );
+    assert!(live.stdout.ends_with("\nage             2d 0h\n"));
+    let expired = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-3").await;
+    assert!(
+        expired
+            .stdout
+            .contains("\nlease           expired 1h 0m ago\n"),
+        "{}",
+        expired.stdout
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// list --stuck
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn list_stuck_shows_expired_and_much_retried_keys(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed_all(&mut tx, &[DONE, LIVE, EXPIRED, RETRIED]).await;
+
+    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 5, 100).await;
+    assert_stdout(
+        output,
+        0,
+        r"
+TENANT  KEY       WORKFLOW     RECOVERY POINT  LEASE              ATTEMPTS  AGE    LAST ERROR
+acme    order-3   checkout.v1  create_order    expired 1h 0m ago  3         2d 0h  charge: provider unavailable (503)
+globex  refund-9  refund.v1    start           10m 0s left        7         3d 0h  refund: card\nexpired
+",
+    );
+
+    let output = idemflow_cli::list_stuck(&mut tx, Format::Json, 5, 100).await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+[
+  {
+    "tenant": "acme",
+    "key": "order-3",
+    "workflow": "checkout.v1",
+    "state": "started",
+    "recovery_point": "create_order",
+    "lease_left_ms": -3600000,
+    "lock_version": 2,
+    "attempts": 3,
+    "last_error": "charge: provider unavailable (503)",
+    "response_status": null,
+    "response_bytes": null,
+    "fingerprint_hex": "309c5c0d31d33f2c0ad981bc7c3ab7afa4310fb7ddc5dfda5713bb1ee351c174",
+    "age_seconds": 172800
+  },
+  {
+    "tenant": "globex",
+    "key": "refund-9",
+    "workflow": "refund.v1",
+    "state": "started",
+    "recovery_point": "start",
+    "lease_left_ms": 600000,
+    "lock_version": 6,
+    "attempts": 7,
+    "last_error": "refund: card\nexpired",
+    "response_status": null,
+    "response_bytes": null,
+    "fingerprint_hex": "36d5014e2ed7cf1a6583ec3e2f54f15a15c66fb28c7c01380e8d7d61f576bfbe",
+    "age_seconds": 259200
+  }
+]
+"#,
+    );
+
+    // Fewer attempts make more keys stuck; a limit says when it cut the list.
+    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 1, 2).await;
+    assert_stdout(
+        output,
+        0,
+        r"
+TENANT  KEY       WORKFLOW     RECOVERY POINT  LEASE              ATTEMPTS  AGE    LAST ERROR
+acme    order-3   checkout.v1  create_order    expired 1h 0m ago  3         2d 0h  charge: provider unavailable (503)
+globex  refund-9  refund.v1    start           10m 0s left        7         3d 0h  refund: card\nexpired
+showing the first 2: more may be stuck (raise --limit)
+",
+    );
+    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 1, 100).await;
+    assert!(
+        output.stdout.contains("\nacme    order-2   "),
+        "{}",
+        output.stdout
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn list_stuck_says_when_nothing_is_stuck(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed_all(&mut tx, &[DONE, LIVE]).await;
+
+    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 5, 100).await;
+    assert_stdout(
+        output,
+        0,
+        "
+no stuck keys (no started key is past its lease or has 5 attempts or more)
+",
+    );
+    let output = idemflow_cli::list_stuck(&mut tx, Format::Json, 5, 100).await;
+    assert_stdout(output, 0, "\n[]\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// release
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn release_ends_a_live_lease_and_explains_when_it_does_not(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed_all(&mut tx, &[DONE, LIVE]).await;
+
+    let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-2").await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+released key "order-2" of tenant "acme" (lock_version 0): its lease ends now; a resumer or the next retry takes it over
+"#,
+    );
+    // The lease ended at now(), which stands still in this transaction.
+    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
+    assert!(
+        output.stdout.contains("\nlease           expired 0s ago\n"),
+        "{}",
+        output.stdout
+    );
+    assert!(output.stdout.contains("\nlock_version    0\n"));
+
+    // Released again: its lease already ended, there is nothing to do.
+    let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-2").await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "tenant": "acme",
+  "key": "order-2",
+  "outcome": "already_due",
+  "lock_version": 0,
+  "message": "nothing to release: the lease of key \"order-2\" of tenant \"acme\" expired 0s ago; it is due now, and a resumer running workflow \"checkout.v1\" takes it over"
+}
+"#,
+    );
+
+    // A done key has no lease to end.
+    let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-1").await;
+    assert_stdout(
+        output,
+        1,
+        r#"
+not released: key "order-1" of tenant "acme" is done; every retry replays its stored response (201, 15 bytes)
+"#,
+    );
+    let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-1").await;
+    assert_stdout(
+        output,
+        1,
+        r#"
+{
+  "tenant": "acme",
+  "key": "order-1",
+  "outcome": "done",
+  "lock_version": 0,
+  "message": "not released: key \"order-1\" of tenant \"acme\" is done; every retry replays its stored response (201, 15 bytes)"
+}
+"#,
+    );
+
+    let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-9").await;
+    assert_stdout(
+        output,
+        1,
+        r#"
+not released: no key "order-9" for tenant "acme"
+"#,
+    );
+    let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-9").await;
+    assert_stdout(
+        output,
+        1,
+        r#"
+{
+  "tenant": "acme",
+  "key": "order-9",
+  "outcome": "not_found",
+  "lock_version": null,
+  "message": "not released: no key \"order-9\" for tenant \"acme\""
+}
+"#,
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn release_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
+    seed(&mut pool.acquire().await.unwrap(), LIVE).await;
+    // A takeover in flight: the row is locked and its lock_version bumped, not yet committed.
+    let mut takeover = pool.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE idempotency_keys SET lock_version = lock_version + 1, attempts = attempts + 1 \
+         WHERE tenant = 'acme' AND key = 'order-2'",
+    )
+    .execute(&mut *takeover)
+    .await
+    .unwrap();
+
+    // release reads lock_version 0 (the committed one), then waits for the takeover's row lock.
+    let release = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let mut connection = pool.acquire().await.unwrap();
+            idemflow_cli::release(&mut connection, Format::Human, "acme", "order-2").await
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if waiting == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap();
+    takeover.commit().await.unwrap();
+
+    // Its fenced update then matches no row: the new owner's lease is left alone.
+    assert_stdout(
+        release.await.unwrap(),
+        1,
+        r#"
+not released: key "order-2" of tenant "acme" was taken over meanwhile (lock_version 0, now 1); inspect it again
+"#,
+    );
+    let output = idemflow_cli::inspect(
+        &mut pool.acquire().await.unwrap(),
+        Format::Human,
+        "acme",
+        "order-2",
+    )
+    .await;
+    assert!(
+        output.stdout.contains("\nlease           1h 0m left\n"),
+        "{}",
+        output.stdout
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn release_wakes_idle_resumers(pool: PgPool) {
+    seed(&mut pool.acquire().await.unwrap(), LIVE).await;
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener.listen(idemflow_pg::DUE_CHANNEL).await.unwrap();
+
+    let output = idemflow_cli::release(
+        &mut pool.acquire().await.unwrap(),
+        Format::Human,
+        "acme",
+        "order-2",
+    )
+    .await;
+    assert_eq!(output.code, 0, "{output:?}");
+    let notification = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(notification.channel(), idemflow_pg::DUE_CHANNEL);
+}
+
+// ---------------------------------------------------------------------------------------------
+// expire
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn expire_deletes_only_old_finished_keys(pool: PgPool) {
+    let old_done = [
+        DONE,
+        Seed {
+            key: "order-7",
+            age: "25 hours",
+            ..DONE
+        },
+    ];
+    let fresh_done = Seed {
+        key: "order-8",
+        age: "23 hours",
+        ..DONE
+    };
+    let old_started = Seed {
+        age: "3 days",
+        ..EXPIRED
+    };
+    let mut connection = pool.acquire().await.unwrap();
+    seed_all(&mut connection, &old_done).await;
+    seed_all(&mut connection, &[fresh_done, old_started, LIVE]).await;
+    drop(connection);
+
+    let day = Duration::from_secs(24 * 60 * 60);
+    // One row per batch: expire goes on until nothing old is left.
+    let output = idemflow_cli::expire(&pool, Format::Human, day, 1).await;
+    assert_stdout(
+        output,
+        0,
+        "
+deleted 2 finished keys created more than 1d 0h ago
+",
+    );
+    let output = idemflow_cli::expire(&pool, Format::Json, day, 1000).await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "deleted": 0,
+  "older_than_seconds": 86400,
+  "batch_size": 1000
+}
+"#,
+    );
+
+    let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys ORDER BY key")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, ["order-2", "order-3", "order-8"]);
+
+    let output = idemflow_cli::expire(&pool, Format::Human, Duration::from_secs(60), 1000).await;
+    assert_stdout(
+        output,
+        0,
+        "
+deleted 1 finished key created more than 1m 0s ago
+",
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// stats
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn stats_counts_keys_and_measures_the_resumer_lag(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed_all(&mut tx, &[DONE, LIVE, EXPIRED, RETRIED]).await;
+
+    let output = idemflow_cli::stats(&mut tx, Format::Human).await;
+    assert_stdout(
+        output,
+        0,
+        "
+WORKFLOW     STATE    KEYS
+checkout.v1  done     1
+checkout.v1  started  2
+refund.v1    started  1
+
+oldest started key  3d 0h
+resumer lag         1h 0m
+",
+    );
+    let output = idemflow_cli::stats(&mut tx, Format::Json).await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "counts": [
+    [
+      "checkout.v1",
+      "done",
+      1
+    ],
+    [
+      "checkout.v1",
+      "started",
+      2
+    ],
+    [
+      "refund.v1",
+      "started",
+      1
+    ]
+  ],
+  "oldest_started_seconds": 259200,
+  "resumer_lag_ms": 3600000
+}
+"#,
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn stats_of_an_empty_table(pool: PgPool) {
+    let mut connection = pool.acquire().await.unwrap();
+    let output = idemflow_cli::stats(&mut connection, Format::Human).await;
+    assert_stdout(
+        output,
+        0,
+        "
+no keys
+
+oldest started key  - (no started key)
+resumer lag         0s (no key is due)
+",
+    );
+    let output = idemflow_cli::stats(&mut connection, Format::Json).await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "counts": [],
+  "oldest_started_seconds": null,
+  "resumer_lag_ms": 0
+}
+"#,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// migrate
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn migrate_again_changes_nothing_and_lists_the_migrations(pool: PgPool) {
+    let output = idemflow_cli::migrate(&pool, Format::Human).await;
+    assert_stdout(
+        output,
+        0,
+        "
+schema up to date; migrations applied:
+  20261130000001  create idempotency keys
+",
+    );
+    let output = idemflow_cli::migrate(&pool, Format::Json).await;
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "migrations": [
+    {
+      "description": "create idempotency keys",
+      "version": 20261130000001
+    }
+  ]
+}
+"#,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// fingerprint (no database)
+
+#[test]
+fn fingerprint_is_the_same_for_bodies_that_differ_only_in_form() {
+    let compact = br#"{"amount":1200,"currency":"EUR"}"#;
+    let shuffled = b"{ \"currency\": \"EUR\",\n  \"amount\": 12e2 }\n";
+    let expected = "
+method       POST
+path         /v1/checkouts
+canonical    {\"amount\":1200,\"currency\":\"EUR\"}
+fingerprint  5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
+";
+    for body in [&compact[..], &shuffled[..]] {
+        let output = idemflow_cli::fingerprint(Format::Human, "POST", "/v1/checkouts", body);
+        assert_stdout(output, 0, expected);
+    }
+    let output = idemflow_cli::fingerprint(Format::Json, "POST", "/v1/checkouts", shuffled);
+    assert_stdout(
+        output,
+        0,
+        r#"
+{
+  "method": "POST",
+  "path": "/v1/checkouts",
+  "canonical": "{\"amount\":1200,\"currency\":\"EUR\"}",
+  "fingerprint": "5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051"
+}
+"#,
+    );
+
+    // Another value, path or method is another request.
+    let other = idemflow_cli::fingerprint(
+        Format::Human,
+        "POST",
+        "/v1/checkouts",
+        br#"{"amount":1201,"currency":"EUR"}"#,
+    );
+    assert!(!other.stdout.contains("5a674104820e"), "{}", other.stdout);
+    let other = idemflow_cli::fingerprint(Format::Human, "PUT", "/v1/checkouts", compact);
+    assert!(!other.stdout.contains("5a674104820e"), "{}", other.stdout);
+}
+
+#[test]
+fn fingerprint_refuses_what_the_runner_refuses() {
+    let output = idemflow_cli::fingerprint(
+        Format::Human,
+        "POST",
+        "/v1/checkouts",
+        br#"{"amount":1,"amount":2}"#,
+    );
+    assert_stderr(
+        output,
+        1,
+        "error: the object key \"amount\" appears twice\n",
+    );
+    let output = idemflow_cli::fingerprint(Format::Human, "POST", "/v1/checkouts", b"{\"a\":");
+    assert_eq!(output.code, 1);
+    assert!(
+        output
+            .stderr
+            .starts_with("error: the body is not valid JSON: "),
+        "{}",
+        output.stderr
+    );
+    let output = idemflow_cli::fingerprint(Format::Json, "POST", "/v1/checkouts", b"\xff");
+    assert_stdout(
+        output,
+        1,
+        r#"
+{
+  "error": {
+    "kind": "invalid_body",
+    "message": "the body is not valid UTF-8"
+  }
+}
+"#,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// the binary
+
+/// The URL of the test's own database: DATABASE_URL with its database name replaced.
+async fn test_database_url(pool: &PgPool) -> String {
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let base = std::env::var("DATABASE_URL").unwrap();
+    let (base, query) = match base.split_once('?') {
+        Some((base, query)) => (base.to_owned(), format!("?{query}")),
+        None => (base, String::new()),
+    };
+    let authority_start = base.find("://").map_or(0, |at| at + 3);
+    let server = match base[authority_start..].find('/') {
+        Some(slash) => &base[..authority_start + slash],
+        None => &base,
+    };
+    format!("{server}/{name}{query}")
+}
+
+/// Runs the real `idemflow` binary; returns (exit code, stdout, stderr).
+fn idemflow(args: &[&str], stdin: &[u8], database_url: Option<&str>) -> (i32, String, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idemflow"));
+    command
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    match database_url {
+        Some(url) => command.env("DATABASE_URL", url),
+        None => command.env_remove("DATABASE_URL"),
+    };
+    let mut child = command.spawn().unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.code().unwrap(),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn the_binary_reads_stdin_connects_and_exits_with_the_right_codes(pool: PgPool) {
+    seed_all(&mut pool.acquire().await.unwrap(), &[DONE, LIVE]).await;
+    let url = test_database_url(&pool).await;
+
+    // fingerprint: the body on stdin, no database needed.
+    let fingerprint = |body: &[u8]| {
+        idemflow(
+            &["fingerprint", "--method", "POST", "--path", "/v1/checkouts"],
+            body,
+            None,
+        )
+    };
+    let expected = (
+        0,
+        golden(
+            "
+method       POST
+path         /v1/checkouts
+canonical    {\"amount\":1200,\"currency\":\"EUR\"}
+fingerprint  5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
+",
+        ),
+        String::new(),
+    );
+    assert_eq!(
+        fingerprint(br#"{"amount":1200,"currency":"EUR"}"#),
+        expected
+    );
+    assert_eq!(
+        fingerprint(b"{\"currency\":\"EUR\", \"amount\":1200.0}"),
+        expected
+    );
+    assert_eq!(
+        fingerprint(b"[1,]"),
+        (
+            1,
+            String::new(),
+            "error: the body is not valid JSON: expected a JSON value at byte 3\n".to_owned()
+        )
+    );
+
+    // inspect, on the real clock, with --database-url (DATABASE_URL unset) or DATABASE_URL.
+    let (code, stdout, stderr) = idemflow(
+        &[
+            "inspect",
+            "--tenant",
+            "acme",
+            "--key",
+            "order-2",
+            "--database-url",
+            &url,
+        ],
+        b"",
+        None,
+    );
+    assert_eq!((code, stderr.as_str()), (0, ""));
+    assert_eq!(
+        stdout,
+        golden(
+            "
+tenant          acme
+key             order-2
+workflow        checkout.v1
+state           started
+recovery point  create_order
+lease           1h 0m left
+lock_version    0
+attempts        1
+last error      -
+response        -
+fingerprint     f399a9d0d5e72c64ae0de7acbd817c0492fac5032a56e669d0e5e53b96f1d33c
+age             2d 0h
+"
+        )
+    );
+    let (code, stdout, stderr) = idemflow(
+        &["--json", "inspect", "--tenant", "acme", "--key", "order-1"],
+        b"",
+        Some(&url),
+    );
+    assert_eq!((code, stderr.as_str()), (0, ""));
+    assert!(
+        stdout.contains("\n  \"response_status\": 201,\n"),
+        "{stdout}"
+    );
+
+    // A missing key: exit 1, the reason on stderr.
+    assert_eq!(
+        idemflow(
+            &["inspect", "--tenant", "acme", "--key", "order-9"],
+            b"",
+            Some(&url)
+        ),
+        (
+            1,
+            String::new(),
+            "error: no key \"order-9\" for tenant \"acme\"\n".to_owned()
+        )
+    );
+    // No database: exit 2.
+    assert_eq!(
+        idemflow(&["stats"], b"", None),
+        (
+            2,
+            String::new(),
+            "error: no database: pass --database-url postgres://... or set DATABASE_URL\n"
+                .to_owned()
+        )
+    );
+    // A bad duration is refused before connecting: exit 2 (clap's usage error).
+    let (code, stdout, stderr) = idemflow(&["expire", "--older-than", "24"], b"", Some(&url));
+    assert_eq!((code, stdout.as_str()), (2, ""));
+    assert!(
+        stderr.contains("invalid duration \"24\": the unit is missing"),
+        "{stderr}"
+    );
+    // Nothing was deleted by all this.
+    let (code, stdout, _) = idemflow(&["stats"], b"", Some(&url));
+    assert_eq!(code, 0);
+    assert!(
+        stdout.starts_with(
+            "WORKFLOW     STATE    KEYS\ncheckout.v1  done     1\ncheckout.v1  started  1\n"
+        ),
+        "{stdout}"
+    );
+}

@@ -1,0 +1,27 @@
+//! idemflow's HTTP face: the `Idempotency-Key` header (draft-ietf-httpapi-idempotency-key-header)
+//! for axum and tower, with problem+json errors.
+//!
+//! Two ways in:
+//! - [`WorkflowService`]: a route that runs a multi-phase workflow; its JSON body is the
+//!   workflow's request.
+//! - [`IdempotencyLayer`]: wraps any handler; the handler's response is stored and replayed.
+//!
+//! Both answer: missing or malformed key → 400; another request under the same key → 422; in
+//! progress → 409 with `Retry-After`; finished → the stored status, headers and body with
+//! `Idempotent-Replayed: true`; body too large → 413; a JSON route given another content type →
+//! 415. Nothing is stored for a request refused before execution. See docs/http.md.
+
+mod config;
+mod key_header;
+mod layer;
+mod prepare;
+mod problem;
+mod route;
+mod tenant;
+
+pub use config::HttpConfig;
+pub use key_header::{KeyHeaderError, idempotency_key};
+pub use layer::{IdempotencyLayer, IdempotencyService, RecordedRequest};
+pub use problem::{Problem, REPLAYED_HEADER, respond, stored_response};
+pub use route::WorkflowService;
+pub use tenant::{BearerTenant, TenantResolver};

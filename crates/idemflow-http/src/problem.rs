@@ -1,0 +1,168 @@
+//! Every answer the layer makes itself: RFC 9457 problem documents, and the one function that
+//! maps an outcome or an error to a response. Database text never reaches a client.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use idemflow_core::StoredResponse;
+use idemflow_runner::{Outcome, Rejection, RunError};
+
+/// The header a replayed response carries.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// An RFC 9457 problem: `type` is `about:blank`, `code` says which one in a word.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub detail: String,
+    /// Seconds, for `Retry-After`.
+    pub retry_after: Option<u64>,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    pub fn retry_after(mut self, wait: Duration) -> Self {
+        self.retry_after = Some(seconds(wait));
+        self
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": self.status.canonical_reason().unwrap_or("Error"),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+            "code": self.code,
+        });
+        let mut response = (self.status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(retry_after) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
+        }
+        response
+    }
+}
+
+/// Whole seconds for `Retry-After`, rounded up and at least 1: a client told 0 would retry at
+/// once and be told the same.
+fn seconds(wait: Duration) -> u64 {
+    let whole = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    whole.max(1)
+}
+
+/// The response for what the runner made of a request.
+pub fn respond(result: Result<Outcome, RunError>) -> Response {
+    match result {
+        Ok(Outcome::Executed(stored) | Outcome::Released(stored)) => {
+            stored_response(&stored, false)
+        }
+        Ok(Outcome::Replayed(stored)) => stored_response(&stored, true),
+        Ok(Outcome::InProgress { retry_after }) => Problem::new(
+            StatusCode::CONFLICT,
+            "request_in_progress",
+            "a request with this idempotency key is in progress; retry later",
+        )
+        .retry_after(retry_after)
+        .into_response(),
+        Ok(Outcome::Mismatch) => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency_key_reused",
+            "this idempotency key was used for a different request",
+        )
+        .into_response(),
+        Ok(Outcome::Rejected(rejection)) => rejected(&rejection).into_response(),
+        Ok(Outcome::Interrupted { retry_after, .. }) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "interrupted",
+            "the request started and will be finished; retry with the same idempotency key",
+        )
+        .retry_after(retry_after)
+        .into_response(),
+        Err(RunError::Fenced) => Problem::new(
+            StatusCode::CONFLICT,
+            "request_in_progress",
+            "another attempt took this request over; retry later",
+        )
+        .retry_after(Duration::from_secs(1))
+        .into_response(),
+        Err(error) => {
+            // Logged in full here, answered in general terms: no database text leaves.
+            tracing::error!(%error, "request failed");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the service could not process the request",
+            )
+            .retry_after(Duration::from_secs(1))
+            .into_response()
+        }
+    }
+}
+
+fn rejected(rejection: &Rejection) -> Problem {
+    match rejection {
+        Rejection::InvalidKey(error) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "idempotency_key_invalid",
+            error.to_string(),
+        ),
+        Rejection::InvalidBody(error) => {
+            Problem::new(StatusCode::BAD_REQUEST, "body_invalid", error.to_string())
+        }
+        Rejection::InvalidInput(why) => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "request_invalid",
+            why.clone(),
+        ),
+    }
+}
+
+/// A stored response, as it was stored, plus the replay marker on replays.
+pub fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
+    let mut response = Response::new(Body::from(stored.body.clone()));
+    *response.status_mut() =
+        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            header::HeaderName::try_from(name.as_str()),
+            HeaderValue::try_from(value.as_str()),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    if replayed {
+        headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        assert_eq!(seconds(Duration::from_millis(1)), 1);
+        assert_eq!(seconds(Duration::ZERO), 1);
+        assert_eq!(seconds(Duration::from_millis(2001)), 3);
+        assert_eq!(seconds(Duration::from_secs(2)), 2);
+    }
+}

@@ -1,0 +1,124 @@
+//! A route that runs a registered multi-phase workflow: its JSON body is the workflow's request.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use idemflow_runner::{Request as RunRequest, Runner, Workflow};
+
+use crate::config::HttpConfig;
+use crate::prepare::{Refusal, prepare, target};
+use crate::problem::{Problem, respond};
+use crate::tenant::TenantResolver;
+
+/// A tower service (use with `Router::route_service`) that runs `workflow` for each covered
+/// request under its `Idempotency-Key`, and answers with the outcome.
+#[derive(Clone)]
+pub struct WorkflowService {
+    runner: Runner,
+    workflow: Arc<Workflow>,
+    resolver: Arc<dyn TenantResolver>,
+    config: Arc<HttpConfig>,
+}
+
+impl std::fmt::Debug for WorkflowService {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("WorkflowService")
+            .field("workflow", &self.workflow.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkflowService {
+    pub fn new(
+        runner: Runner,
+        workflow: impl Into<Arc<Workflow>>,
+        resolver: impl TenantResolver,
+    ) -> Self {
+        Self::with_config(runner, workflow, resolver, HttpConfig::default())
+    }
+
+    pub fn with_config(
+        runner: Runner,
+        workflow: impl Into<Arc<Workflow>>,
+        resolver: impl TenantResolver,
+        config: HttpConfig,
+    ) -> Self {
+        Self {
+            runner,
+            workflow: workflow.into(),
+            resolver: Arc::new(resolver),
+            config: Arc::new(config),
+        }
+    }
+
+    async fn handle(self, request: Request<Body>) -> Response {
+        if !self.config.covers(request.method()) {
+            let allow = self
+                .config
+                .methods
+                .iter()
+                .map(|method| method.as_str())
+                .collect::<Vec<_>>()
+                .join(", ");
+            let mut response = Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                format!("this endpoint takes {allow}"),
+            )
+            .into_response();
+            if let Ok(allow) = HeaderValue::try_from(allow) {
+                response.headers_mut().insert(header::ALLOW, allow);
+            }
+            return response;
+        }
+        let prepared = match prepare(request, &self.config, self.resolver.as_ref(), true).await {
+            Ok(prepared) => prepared,
+            Err(Refusal::Answer(problem)) => return problem.into_response(),
+            Err(Refusal::PassThrough(_)) => {
+                return Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "idempotency_key_missing",
+                    "the Idempotency-Key header is required for this request",
+                )
+                .into_response();
+            }
+        };
+        let run_request = RunRequest {
+            method: prepared.parts.method.as_str(),
+            path: target(&prepared.parts),
+            body: &prepared.body,
+        };
+        let result = self
+            .runner
+            .run(
+                &self.workflow,
+                &prepared.tenant,
+                prepared.key.as_str(),
+                run_request,
+            )
+            .await;
+        respond(result)
+    }
+}
+
+impl tower::Service<Request<Body>> for WorkflowService {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let service = self.clone();
+        Box::pin(async move { Ok(service.handle(request).await) })
+    }
+}
