@@ -127,7 +127,8 @@ fn spell_value(value: &Json, rng: &mut Rng, out: &mut String) {
         Json::Int(int) => match rng.below(5) {
             0 => write!(out, "{int}.0"),
             1 => write!(out, "{int}e0"),
-            2 => write!(out, "{int}00E-2"),
+            // Not for zero: "000E-2" has leading zeros, which JSON forbids.
+            2 if *int != 0 => write!(out, "{int}00E-2"),
             3 => write!(out, "{int}.000e+0"),
             _ => write!(out, "{int}"),
         }
@@ -364,7 +365,7 @@ fn fingerprint(body: &str) -> Fingerprint {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::with_cases(256) })]
 
     /// Key order, whitespace, escapes and number spelling do not change the fingerprint.
     #[test]
