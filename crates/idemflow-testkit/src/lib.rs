@@ -32,5 +32,6 @@
 //!
 //! The faults, and what a caller sees for each, are described in `docs/mock-provider.md`.
 
+pub mod explorer;
 pub mod provider;
 pub mod provider_client;

@@ -1,0 +1,165 @@
+//! When to try again: exponential backoff with jitter, bounded by a deadline.
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// How a call is retried.
+///
+/// The wait before retry `n` (1 for the first) is `initial_backoff × multiplierⁿ⁻¹`, at most
+/// `max_backoff`, then multiplied by a random factor in `[1 − jitter, 1 + jitter]`, unless the
+/// answer carried a `Retry-After`, which is waited exactly. The call gives up with
+/// [`ClientError::DeadlineExceeded`] when the next attempt could not start before `deadline`
+/// (counted from the start of the call) or when an attempt is still running at the deadline.
+///
+/// ```
+/// use std::time::Duration;
+/// use idemflow_client::RetryPolicy;
+///
+/// let policy = RetryPolicy { deadline: Duration::from_secs(5), ..RetryPolicy::default() };
+/// assert_eq!(policy.initial_backoff, Duration::from_millis(200));
+/// assert_eq!(policy.backoff(1), Duration::from_millis(200));
+/// assert_eq!(policy.backoff(3), Duration::from_millis(800));
+/// assert_eq!(policy.backoff(30), Duration::from_secs(10));
+/// ```
+///
+/// [`ClientError::DeadlineExceeded`]: crate::ClientError::DeadlineExceeded
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// The wait before the first retry. Default 200 ms.
+    pub initial_backoff: Duration,
+    /// The longest wait, before jitter. Default 10 s.
+    pub max_backoff: Duration,
+    /// How much each wait grows; below 1 (or not finite) counts as 1. Default 2.0.
+    pub multiplier: f64,
+    /// The random spread of each wait, as a fraction of it, clamped to `[0, 1]`. Default 0.2.
+    pub jitter: f64,
+    /// How long one call may take, all attempts and waits included. Default 60 s.
+    pub deadline: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            initial_backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(10),
+            multiplier: 2.0,
+            jitter: 0.2,
+            deadline: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait before retry `retry` (1 for the first), before jitter.
+    pub fn backoff(&self, retry: u32) -> Duration {
+        let multiplier = if self.multiplier.is_finite() && self.multiplier >= 1.0 {
+            self.multiplier
+        } else {
+            1.0
+        };
+        let exponent = i32::try_from(retry.saturating_sub(1)).unwrap_or(i32::MAX);
+        let seconds = self.initial_backoff.as_secs_f64() * multiplier.powi(exponent);
+        Duration::try_from_secs_f64(seconds)
+            .map_or(self.max_backoff, |wait| wait.min(self.max_backoff))
+    }
+
+    /// `wait` spread by the jitter, given `unit` uniform in `[0, 1)`.
+    pub(crate) fn jittered(&self, wait: Duration, unit: f64) -> Duration {
+        let jitter = if self.jitter.is_nan() {
+            0.0
+        } else {
+            self.jitter.clamp(0.0, 1.0)
+        };
+        let factor = 1.0 + jitter * (2.0 * unit - 1.0);
+        Duration::try_from_secs_f64(wait.as_secs_f64() * factor).unwrap_or(wait)
+    }
+}
+
+/// Uniform numbers in `[0, 1)` for jitter: SplitMix64 seeded from the standard library's random
+/// hasher keys. Not for anything that needs to be unpredictable.
+#[derive(Debug)]
+pub(crate) struct JitterSource {
+    state: AtomicU64,
+}
+
+const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+impl JitterSource {
+    pub(crate) fn new() -> Self {
+        let seed = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+        Self {
+            state: AtomicU64::new(seed),
+        }
+    }
+
+    pub(crate) fn next_unit(&self) -> f64 {
+        let mut z = self
+            .state
+            .fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
+            .wrapping_add(GOLDEN_GAMMA);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        // The top 53 bits, as a fraction of 2^53: exactly representable, below 1.
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped_and_survives_odd_settings() {
+        let policy = RetryPolicy::default();
+        let waits: Vec<_> = (1..=8).map(|retry| policy.backoff(retry)).collect();
+        let millis: Vec<_> = waits.iter().map(Duration::as_millis).collect();
+        assert_eq!(millis, [200, 400, 800, 1600, 3200, 6400, 10_000, 10_000]);
+        assert_eq!(policy.backoff(u32::MAX), Duration::from_secs(10));
+        assert_eq!(policy.backoff(0), Duration::from_millis(200));
+
+        let odd = RetryPolicy {
+            multiplier: f64::NAN,
+            max_backoff: Duration::MAX,
+            ..policy
+        };
+        assert_eq!(odd.backoff(50), Duration::from_millis(200));
+        let huge = RetryPolicy {
+            multiplier: 1e300,
+            max_backoff: Duration::MAX,
+            ..policy
+        };
+        assert_eq!(huge.backoff(50), Duration::MAX);
+    }
+
+    #[test]
+    fn jitter_stays_within_its_spread() {
+        let policy = RetryPolicy::default();
+        let source = JitterSource::new();
+        let wait = Duration::from_secs(1);
+        let mut seen_low = false;
+        let mut seen_high = false;
+        for _ in 0..1000 {
+            let unit = source.next_unit();
+            assert!((0.0..1.0).contains(&unit));
+            let jittered = policy.jittered(wait, unit);
+            assert!(
+                jittered >= Duration::from_millis(800) && jittered <= Duration::from_millis(1200)
+            );
+            seen_low |= jittered < Duration::from_millis(900);
+            seen_high |= jittered > Duration::from_millis(1100);
+        }
+        assert!(seen_low && seen_high, "the jitter spreads both ways");
+        let none = RetryPolicy {
+            jitter: f64::NAN,
+            ..policy
+        };
+        assert_eq!(none.jittered(wait, 0.99), wait);
+        let wide = RetryPolicy {
+            jitter: 7.0,
+            ..policy
+        };
+        assert_eq!(wide.jittered(wait, 0.0), Duration::ZERO);
+    }
+}

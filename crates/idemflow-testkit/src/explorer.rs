@@ -1,0 +1,553 @@
+//! The explorer: proves a workflow crash-safe by crashing it at every step boundary (and by
+//! breaking its provider calls the ways networks break), recovering each case twice over (by a
+//! resumer, and by a client retry with the same key), and checking what must hold.
+//!
+//! For every case it checks:
+//! - **nothing left started**: the key finished (its response stored);
+//! - **replay**: a further retry returns the stored response, byte for byte;
+//! - **one charge per derived key**: every charge the provider made during the case carries one of
+//!   the request's derived keys, and no derived key was charged twice;
+//! - **your invariants**: checks you add, such as "exactly one order row for this key" (local
+//!   effects exactly once).
+//!
+//! It prints a table of scenario × recovery path × outcome; [`Report::assert_all_passed`] fails
+//! with the exact case that broke.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use idemflow_core::{DerivedKey, Key, PhaseName, TenantId};
+use idemflow_runner::{
+    CrashHook, CrashPoint, Outcome, Registry, Request, Resumer, ResumerConfig, RunError, Runner,
+    Workflow,
+};
+use sqlx::PgPool;
+
+use crate::provider::{Fault, MockProvider};
+
+/// How an abandoned case is finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recovery {
+    /// A resumer takes the key over once its lease is rewound.
+    Resumer,
+    /// The client retries with the same key once the lease is rewound.
+    ClientRetry,
+}
+
+impl fmt::Display for Recovery {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(match self {
+            Self::Resumer => "resumer",
+            Self::ClientRetry => "client retry",
+        })
+    }
+}
+
+/// What goes wrong in a case.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scenario {
+    /// The first attempt stops at this crash point, as if its process died.
+    Crash(CrashPoint),
+    /// The first provider call of the first attempt meets this fault.
+    Fault(Fault),
+}
+
+impl fmt::Display for Scenario {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Crash(point) => write!(formatter, "crash {point}"),
+            Self::Fault(fault) => write!(formatter, "fault {fault:?}"),
+        }
+    }
+}
+
+/// One case: its key, what went wrong and how it was recovered.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub tenant: TenantId,
+    pub key: String,
+    pub scenario: Scenario,
+    pub recovery: Recovery,
+}
+
+/// What a case came to.
+#[derive(Debug, Clone)]
+pub struct CaseResult {
+    pub case: Case,
+    /// What the first attempt returned.
+    pub first_attempt: String,
+    /// Every check that failed; empty when the case passed.
+    pub failures: Vec<String>,
+}
+
+impl CaseResult {
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// Every case's result.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub results: Vec<CaseResult>,
+}
+
+impl Report {
+    pub fn failed(&self) -> Vec<&CaseResult> {
+        self.results
+            .iter()
+            .filter(|result| !result.passed())
+            .collect()
+    }
+
+    /// Panics, printing the table and the first case that broke, unless every case passed.
+    #[track_caller]
+    pub fn assert_all_passed(&self) {
+        if let Some(broken) = self.failed().first() {
+            panic!(
+                "{self}\n{} of {} cases failed; the first: {} / {} (key {:?}): {}",
+                self.failed().len(),
+                self.results.len(),
+                broken.case.scenario,
+                broken.case.recovery,
+                broken.case.key,
+                broken.failures.join("; ")
+            );
+        }
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scenario_width = self
+            .results
+            .iter()
+            .map(|result| result.case.scenario.to_string().len())
+            .max()
+            .unwrap_or(8)
+            .max(8);
+        let first_width = self
+            .results
+            .iter()
+            .map(|result| result.first_attempt.len())
+            .max()
+            .unwrap_or(13)
+            .max(13);
+        writeln!(
+            formatter,
+            "{:<scenario_width$}  {:<12}  {:<first_width$}  outcome",
+            "scenario", "recovery", "first attempt"
+        )?;
+        for result in &self.results {
+            let outcome = if result.passed() {
+                "ok".to_owned()
+            } else {
+                format!("FAIL: {}", result.failures.join("; "))
+            };
+            writeln!(
+                formatter,
+                "{:<scenario_width$}  {:<12}  {:<first_width$}  {outcome}",
+                result.case.scenario.to_string(),
+                result.case.recovery.to_string(),
+                result.first_attempt,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A check of your own, run after each case: `Err(why)` fails it.
+pub type Check = Box<dyn for<'a> Fn(&'a PgPool, &'a Case) -> CheckFuture<'a> + Send + Sync>;
+pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
+
+/// Explores one workflow with one request.
+pub struct Explorer {
+    pool: PgPool,
+    workflow: Arc<Workflow>,
+    tenant: TenantId,
+    method: String,
+    path: String,
+    body: Vec<u8>,
+    checks: Vec<(String, Check)>,
+    faults: Vec<Fault>,
+    recovery_rounds: usize,
+}
+
+impl fmt::Debug for Explorer {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("Explorer")
+            .field("workflow", &self.workflow.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Explorer {
+    /// Explores `workflow` with a JSON `body` sent as `POST path` by `tenant`. Each case uses a
+    /// fresh key, so one database serves every case.
+    pub fn new(
+        pool: PgPool,
+        workflow: impl Into<Arc<Workflow>>,
+        tenant: TenantId,
+        path: &str,
+        body: &[u8],
+    ) -> Self {
+        Self {
+            pool,
+            workflow: workflow.into(),
+            tenant,
+            method: "POST".to_owned(),
+            path: path.to_owned(),
+            body: body.to_vec(),
+            checks: Vec::new(),
+            faults: Self::network_faults(),
+            recovery_rounds: 8,
+        }
+    }
+
+    /// The faults explored by default: a 5xx, a 429, a timeout, a reset before execution, and a
+    /// charge whose response is lost.
+    pub fn network_faults() -> Vec<Fault> {
+        vec![
+            Fault::ServerError(503),
+            Fault::TooManyRequests {
+                retry_after: std::time::Duration::from_secs(1),
+            },
+            Fault::Timeout,
+            Fault::ConnectionReset,
+            Fault::ExecuteThenDrop,
+        ]
+    }
+
+    /// Adds an invariant of yours, checked after every case (e.g. exactly one order row).
+    pub fn check<F>(mut self, name: &str, check: F) -> Self
+    where
+        F: for<'a> Fn(&'a PgPool, &'a Case) -> CheckFuture<'a> + Send + Sync + 'static,
+    {
+        self.checks.push((name.to_owned(), Box::new(check)));
+        self
+    }
+
+    /// Replaces the provider faults explored (none: crash points only).
+    pub fn faults(mut self, faults: Vec<Fault>) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// Every case this explorer runs: each crash point, then each fault, by each recovery path.
+    pub fn cases(&self) -> Vec<(Scenario, Recovery)> {
+        let mut scenarios: Vec<Scenario> = CrashPoint::all(&self.workflow)
+            .into_iter()
+            .map(Scenario::Crash)
+            .collect();
+        scenarios.extend(self.faults.iter().cloned().map(Scenario::Fault));
+        scenarios
+            .into_iter()
+            .flat_map(|scenario| {
+                [Recovery::Resumer, Recovery::ClientRetry]
+                    .map(|recovery| (scenario.clone(), recovery))
+            })
+            .collect()
+    }
+
+    /// Runs every case, one after another. `provider` is the mock the workflow charges through
+    /// (faults are pushed to it and its ledger checked); without one, only crash points run.
+    pub async fn run(&self, provider: Option<&MockProvider>) -> Report {
+        let mut report = Report::default();
+        for (index, (scenario, recovery)) in self.cases().into_iter().enumerate() {
+            if matches!(scenario, Scenario::Fault(_)) && provider.is_none() {
+                continue;
+            }
+            let key = format!("explore-{index}-{}-{}", slug(&scenario), slug(&recovery));
+            let case = Case {
+                tenant: self.tenant.clone(),
+                key,
+                scenario,
+                recovery,
+            };
+            let result = self.run_case(case, provider).await;
+            tracing::info!(
+                scenario = %result.case.scenario, recovery = %result.case.recovery,
+                passed = result.passed(), "explored a case"
+            );
+            report.results.push(result);
+        }
+        report
+    }
+
+    async fn run_case(&self, case: Case, provider: Option<&MockProvider>) -> CaseResult {
+        let mut failures = Vec::new();
+        let charges_before = provider.map_or(0, |provider| provider.charges().len());
+        let first_attempt = self.first_attempt(&case, provider, &mut failures).await;
+
+        // Recover: rewind the lease (never sleep for it) and let the recovery path finish it.
+        let plain = Runner::new(self.pool.clone());
+        let mut finished = false;
+        for _ in 0..self.recovery_rounds {
+            let recovered = match self.state(&case).await {
+                Ok(Some((state, _))) if state == "done" => {
+                    finished = true;
+                    break;
+                }
+                // No key: the crash came before the claim committed, so nothing happened and
+                // there is nothing to resume. The client, never answered, retries: by either
+                // path, that is the recovery.
+                Ok(None) => plain
+                    .run(&self.workflow, &case.tenant, &case.key, self.request())
+                    .await
+                    .map(|_| ()),
+                Ok(Some(_)) => {
+                    if let Err(error) = self.rewind_lease(&case).await {
+                        failures.push(format!("rewinding the lease: {error}"));
+                        break;
+                    }
+                    match case.recovery {
+                        Recovery::Resumer => self.resumer().drain().await.map(|_| ()),
+                        Recovery::ClientRetry => plain
+                            .run(&self.workflow, &case.tenant, &case.key, self.request())
+                            .await
+                            .map(|_| ()),
+                    }
+                }
+                Err(error) => {
+                    failures.push(format!("reading the key: {error}"));
+                    break;
+                }
+            };
+            if let Err(error) = recovered {
+                failures.push(format!("recovery failed: {error}"));
+            }
+        }
+        if !finished {
+            match self.state(&case).await {
+                Ok(Some((state, recovery_point))) => failures.push(format!(
+                    "left {state} at {recovery_point} after {} recovery rounds",
+                    self.recovery_rounds
+                )),
+                Ok(None) => failures
+                    .push("no key row: the request was never claimed, or was lost".to_owned()),
+                Err(error) => failures.push(format!("reading the key: {error}")),
+            }
+        }
+
+        if finished {
+            self.check_replay(&case, &plain, &mut failures).await;
+        }
+        if let Some(provider) = provider {
+            self.check_charges(&case, provider, charges_before, &mut failures);
+        }
+        for (name, check) in &self.checks {
+            if let Err(why) = check(&self.pool, &case).await {
+                failures.push(format!("{name}: {why}"));
+            }
+        }
+        CaseResult {
+            case,
+            first_attempt,
+            failures,
+        }
+    }
+
+    async fn first_attempt(
+        &self,
+        case: &Case,
+        provider: Option<&MockProvider>,
+        failures: &mut Vec<String>,
+    ) -> String {
+        let runner = match &case.scenario {
+            Scenario::Crash(point) => {
+                let hook = Arc::new(CrashOnce {
+                    point: point.clone(),
+                    key: case.key.clone(),
+                    fired: AtomicBool::new(false),
+                });
+                let runner = Runner::new(self.pool.clone()).with_crash_hook(hook.clone());
+                let result = runner
+                    .run(&self.workflow, &case.tenant, &case.key, self.request())
+                    .await;
+                if !hook.fired.load(Ordering::SeqCst) {
+                    failures.push(format!("the run never reached {point}"));
+                }
+                return describe(&result);
+            }
+            Scenario::Fault(fault) => {
+                if let Some(provider) = provider {
+                    provider.push_fault(fault.clone());
+                }
+                Runner::new(self.pool.clone())
+            }
+        };
+        let result = runner
+            .run(&self.workflow, &case.tenant, &case.key, self.request())
+            .await;
+        if let Some(provider) = provider
+            && provider.pending_faults() > 0
+        {
+            failures.push(
+                "the scripted fault was never met: the workflow made no provider call".to_owned(),
+            );
+        }
+        describe(&result)
+    }
+
+    fn request(&self) -> Request<'_> {
+        Request {
+            method: &self.method,
+            path: &self.path,
+            body: &self.body,
+        }
+    }
+
+    fn resumer(&self) -> Resumer {
+        let mut registry = Registry::new();
+        registry
+            .register(self.workflow.clone())
+            .unwrap_or_else(|_| unreachable!("one workflow"));
+        let config = ResumerConfig {
+            retention: None,
+            ..ResumerConfig::default()
+        };
+        Resumer::with_config(Runner::new(self.pool.clone()), registry, config)
+    }
+
+    async fn state(&self, case: &Case) -> Result<Option<(String, String)>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT state, recovery_point FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+        )
+        .bind(case.tenant.as_str())
+        .bind(&case.key)
+        .fetch_optional(&self.pool)
+        .await
+    }
+
+    async fn rewind_lease(&self, case: &Case) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
+             WHERE tenant = $1 AND key = $2 AND state = 'started'",
+        )
+        .bind(case.tenant.as_str())
+        .bind(&case.key)
+        .execute(&self.pool)
+        .await
+        .map(|_| ())
+    }
+
+    /// A further retry must return the stored response, byte for byte.
+    async fn check_replay(&self, case: &Case, runner: &Runner, failures: &mut Vec<String>) {
+        let stored: Result<(i16, sqlx::types::Json<Vec<(String, String)>>, Vec<u8>), _> =
+            sqlx::query_as(
+                "SELECT response_status, response_headers, response_body FROM idempotency_keys \
+             WHERE tenant = $1 AND key = $2",
+            )
+            .bind(case.tenant.as_str())
+            .bind(&case.key)
+            .fetch_one(&self.pool)
+            .await;
+        let Ok((status, headers, body)) = stored else {
+            failures.push("no stored response".to_owned());
+            return;
+        };
+        match runner
+            .run(&self.workflow, &case.tenant, &case.key, self.request())
+            .await
+        {
+            Ok(Outcome::Replayed(replayed)) => {
+                if i32::from(replayed.status) != i32::from(status)
+                    || replayed.headers != headers.0
+                    || replayed.body != body
+                {
+                    failures.push("the replay differs from the stored response".to_owned());
+                }
+            }
+            other => failures.push(format!(
+                "a further retry was not a replay: {}",
+                describe(&other)
+            )),
+        }
+    }
+
+    /// Every charge made during the case carries one of this request's derived keys, once.
+    fn check_charges(
+        &self,
+        case: &Case,
+        provider: &MockProvider,
+        before: usize,
+        failures: &mut Vec<String>,
+    ) {
+        let Ok(key) = Key::parse(&case.key) else {
+            return;
+        };
+        let derived: Vec<String> = self
+            .workflow
+            .phase_names()
+            .into_iter()
+            .filter_map(|name| PhaseName::new(name).ok())
+            .map(|phase| {
+                DerivedKey::new(&case.tenant, &key, phase)
+                    .as_str()
+                    .to_owned()
+            })
+            .collect();
+        let charges = provider.charges();
+        let made = &charges[before.min(charges.len())..];
+        let mut seen = std::collections::HashSet::new();
+        for charge in made {
+            if !derived.contains(&charge.idempotency_key) {
+                failures.push(format!(
+                    "charged under {:?}, not a derived key of this request",
+                    charge.idempotency_key
+                ));
+            } else if !seen.insert(charge.idempotency_key.clone()) {
+                failures.push(format!("charged twice under {:?}", charge.idempotency_key));
+            }
+        }
+    }
+}
+
+/// Crashes the first run of one key at one point.
+#[derive(Debug)]
+struct CrashOnce {
+    point: CrashPoint,
+    key: String,
+    fired: AtomicBool,
+}
+
+impl CrashHook for CrashOnce {
+    fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
+        *point == self.point && key.as_str() == self.key && !self.fired.swap(true, Ordering::SeqCst)
+    }
+}
+
+fn describe(result: &Result<Outcome, RunError>) -> String {
+    match result {
+        Ok(Outcome::Executed(response)) => format!("executed {}", response.status),
+        Ok(Outcome::Replayed(response)) => format!("replayed {}", response.status),
+        Ok(Outcome::InProgress { .. }) => "in progress".to_owned(),
+        Ok(Outcome::Mismatch) => "mismatch".to_owned(),
+        Ok(Outcome::Rejected(rejection)) => format!("rejected: {rejection}"),
+        Ok(Outcome::Interrupted { .. }) => "interrupted".to_owned(),
+        Ok(Outcome::Released(response)) => format!("released {}", response.status),
+        Err(RunError::Crashed(point)) => format!("crashed at {point}"),
+        Err(error) => format!("error: {error}"),
+    }
+}
+
+fn slug(thing: &impl fmt::Display) -> String {
+    thing
+        .to_string()
+        .chars()
+        .map(|character| {
+            if character.is_ascii_alphanumeric() {
+                character
+            } else {
+                '-'
+            }
+        })
+        .collect::<String>()
+        .chars()
+        .take(60)
+        .collect()
+}
