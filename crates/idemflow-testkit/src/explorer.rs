@@ -19,7 +19,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use idemflow_core::{DerivedKey, Key, PhaseName, TenantId};
+use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
 use idemflow_runner::{
     CrashHook, CrashPoint, Outcome, Registry, Request, Resumer, ResumerConfig, RunError, Runner,
     Workflow,
@@ -437,36 +437,37 @@ impl Explorer {
 
     /// A further retry must return the stored response, byte for byte.
     async fn check_replay(&self, case: &Case, runner: &Runner, failures: &mut Vec<String>) {
-        let stored: Result<(i16, sqlx::types::Json<Vec<(String, String)>>, Vec<u8>), _> =
-            sqlx::query_as(
-                "SELECT response_status, response_headers, response_body FROM idempotency_keys \
-             WHERE tenant = $1 AND key = $2",
-            )
-            .bind(case.tenant.as_str())
-            .bind(&case.key)
-            .fetch_one(&self.pool)
-            .await;
-        let Ok((status, headers, body)) = stored else {
-            failures.push("no stored response".to_owned());
-            return;
+        let stored = match self.stored_response(case).await {
+            Ok(Some(stored)) => stored,
+            Ok(None) => return failures.push("no stored response".to_owned()),
+            Err(error) => return failures.push(format!("reading the key: {error}")),
         };
         match runner
             .run(&self.workflow, &case.tenant, &case.key, self.request())
             .await
         {
-            Ok(Outcome::Replayed(replayed)) => {
-                if i32::from(replayed.status) != i32::from(status)
-                    || replayed.headers != headers.0
-                    || replayed.body != body
-                {
-                    failures.push("the replay differs from the stored response".to_owned());
-                }
+            Ok(Outcome::Replayed(replayed)) if replayed == stored => {}
+            Ok(Outcome::Replayed(_)) => {
+                failures.push("the replay differs from the stored response".to_owned())
             }
             other => failures.push(format!(
                 "a further retry was not a replay: {}",
                 describe(&other)
             )),
         }
+    }
+
+    async fn stored_response(&self, case: &Case) -> Result<Option<StoredResponse>, String> {
+        let key = Key::parse(&case.key).map_err(|error| error.to_string())?;
+        let mut connection = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|error| error.to_string())?;
+        let row = idemflow_pg::inspect(&mut connection, &case.tenant, &key)
+            .await
+            .map_err(|error| error.to_string())?;
+        Ok(row.and_then(|row| row.response))
     }
 
     /// Every charge made during the case carries one of this request's derived keys, once.
