@@ -633,6 +633,7 @@ async fn a_terminal_error_can_release_the_key_instead(pool: PgPool) {
     harness.finish.fail_terminally.store(true, Ordering::SeqCst);
     let config = RunnerConfig {
         terminal_errors: TerminalPolicy::Release,
+        ..RunnerConfig::default()
     };
     let (runner, workflow) = (
         Runner::with_config(pool.clone(), config),
@@ -756,4 +757,37 @@ async fn a_request_failing_the_workflows_check_is_rejected_before_its_claim(pool
     );
     assert_eq!(harness.create.runs.load(Ordering::SeqCst), 0);
     executed(&run(&runner, &workflow, &tenant(1), "k", &body(3)).await);
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn looking_up_first_answers_duplicates_and_still_claims_and_takes_over(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let config = RunnerConfig {
+        lookup_first: true,
+        ..RunnerConfig::default()
+    };
+    let (runner, workflow) = (
+        Runner::with_config(pool.clone(), config),
+        harness.checkout(),
+    );
+    let first = executed(&run(&runner, &workflow, &tenant(1), "k", &body(1)).await).clone();
+    assert_eq!(
+        run(&runner, &workflow, &tenant(1), "k", &body(1)).await,
+        Outcome::Replayed(first)
+    );
+    assert_eq!(
+        run(&runner, &workflow, &tenant(1), "k", &body(2)).await,
+        Outcome::Mismatch
+    );
+
+    harness.provider.script.fail_next.store(1, Ordering::SeqCst);
+    let interrupted = run(&runner, &workflow, &tenant(1), "flaky", &body(1)).await;
+    assert!(matches!(interrupted, Outcome::Interrupted { .. }));
+    let busy = run(&runner, &workflow, &tenant(1), "flaky", &body(1)).await;
+    assert!(matches!(busy, Outcome::InProgress { .. }), "{busy:?}");
+    expire_lease(&pool, "flaky").await;
+    executed(&run(&runner, &workflow, &tenant(1), "flaky", &body(1)).await);
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 2);
+    assert_eq!(harness.provider.charge_count(), 2);
 }

@@ -44,6 +44,9 @@ async fn measure(
     key: &str,
 ) -> (Outcome, Counts) {
     run(runner, workflow, &tenant(1), warm_up, &body(1)).await;
+    // A released connection is pinged (and a dropped transaction rolled back) in the
+    // background: let the warm-up's settle before counting.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     let before = counts.snapshot();
     let outcome = run(runner, workflow, &tenant(1), key, &body(1)).await;
     // The pool pings a released connection in the background; let that settle before reading.

@@ -11,8 +11,14 @@ pub enum TerminalPolicy {
     Release,
 }
 
-/// How a [`crate::Runner`] treats failures. Retries are per phase ([`crate::RetryPolicy`]).
+/// How a [`crate::Runner`] claims keys and treats failures. Retries are per phase
+/// ([`crate::RetryPolicy`]).
 #[derive(Debug, Clone, Default)]
 pub struct RunnerConfig {
     pub terminal_errors: TerminalPolicy,
+    /// Look the key up (one primary-key read, outside any transaction) before claiming it.
+    /// A retry of a finished key is then answered in one round trip instead of three, and a new
+    /// request pays one round trip more. Worth it where retries are common (mobile clients,
+    /// flaky networks); off by default, which favours new requests.
+    pub lookup_first: bool,
 }

@@ -180,6 +180,11 @@ impl Runner {
             request,
             mut input,
         } = accepted;
+        if self.config.lookup_first
+            && let Some(outcome) = self.look_up(workflow, tenant, &key, &fingerprint).await?
+        {
+            return Ok(outcome);
+        }
         for _ in 0..CLAIM_ROUNDS {
             let mut tx = begin(&self.pool).await?;
             let claim = ClaimRequest {
@@ -227,27 +232,14 @@ impl Runner {
                 workflow: &row.workflow,
                 state,
             };
-            match decide(&stored, &fingerprint, workflow.name()) {
-                Decision::Replay => {
-                    tx.rollback().await?;
-                    let response = row
-                        .response
-                        .ok_or_else(|| RunError::Corrupt("a done key without a response".into()))?;
-                    metrics::count(metrics::REPLAYS, workflow.name());
-                    tracing::debug!(status = response.status, "replayed");
-                    return Ok(Outcome::Replayed(response));
-                }
-                Decision::InProgress { retry_after } => {
-                    tx.rollback().await?;
-                    metrics::count(metrics::CONFLICTS, workflow.name());
-                    tracing::debug!(?retry_after, "in progress");
-                    return Ok(Outcome::InProgress { retry_after });
-                }
-                Decision::Mismatch => {
-                    tx.rollback().await?;
-                    metrics::count(metrics::MISMATCHES, workflow.name());
-                    tracing::debug!("mismatch");
-                    return Ok(Outcome::Mismatch);
+            let decision = decide(&stored, &fingerprint, workflow.name());
+            match decision {
+                Decision::Replay | Decision::InProgress { .. } | Decision::Mismatch => {
+                    // Not ours: nothing was written. The transaction is dropped rather than
+                    // rolled back here; sqlx sends the ROLLBACK when the connection goes back to
+                    // the pool, so the client does not wait for that round trip.
+                    drop(tx);
+                    return answer(workflow, decision, row.response);
                 }
                 Decision::TakeOver => {
                     let lease = workflow.lease();
@@ -300,6 +292,69 @@ impl Runner {
         Ok(Outcome::InProgress {
             retry_after: Duration::from_secs(1),
         })
+    }
+}
+
+impl Runner {
+    /// The cheap duplicate path: one primary-key read outside any transaction. Answers a retry of
+    /// a finished key (and a 409 or a 422) in one round trip; `None` when the key is new or must
+    /// be taken over, and the claim goes on as usual.
+    async fn look_up(
+        &self,
+        workflow: &Workflow,
+        tenant: &TenantId,
+        key: &Key,
+        fingerprint: &Fingerprint,
+    ) -> Result<Option<Outcome>, RunError> {
+        let mut connection = self.pool.acquire().await?;
+        let Some(row) = store::inspect(&mut connection, tenant, key).await? else {
+            return Ok(None);
+        };
+        drop(connection);
+        let state = if row.done {
+            KeyState::Done
+        } else {
+            KeyState::Started {
+                lease_left: row.lease_left,
+            }
+        };
+        let stored = StoredKey {
+            fingerprint: &row.fingerprint,
+            workflow: &row.workflow,
+            state,
+        };
+        match decide(&stored, fingerprint, workflow.name()) {
+            Decision::TakeOver => Ok(None),
+            decision => answer(workflow, decision, row.response).map(Some),
+        }
+    }
+}
+
+/// The answer to a request whose key is someone else's: a replay, a 409 or a 422.
+fn answer(
+    workflow: &Workflow,
+    decision: Decision,
+    response: Option<idemflow_core::StoredResponse>,
+) -> Result<Outcome, RunError> {
+    match decision {
+        Decision::Replay => {
+            let response = response
+                .ok_or_else(|| RunError::Corrupt("a done key without a response".into()))?;
+            metrics::count(metrics::REPLAYS, workflow.name());
+            tracing::debug!(status = response.status, "replayed");
+            Ok(Outcome::Replayed(response))
+        }
+        Decision::InProgress { retry_after } => {
+            metrics::count(metrics::CONFLICTS, workflow.name());
+            tracing::debug!(?retry_after, "in progress");
+            Ok(Outcome::InProgress { retry_after })
+        }
+        Decision::Mismatch => {
+            metrics::count(metrics::MISMATCHES, workflow.name());
+            tracing::debug!("mismatch");
+            Ok(Outcome::Mismatch)
+        }
+        Decision::TakeOver => unreachable!("a takeover makes the request ours"),
     }
 }
 
