@@ -1,219 +1,455 @@
-//! The checkout example: a three-phase workflow against PostgreSQL, run the ways a client would
-//! run it — a first attempt, a retry, a reused key with another amount, a declined card — and
-//! printed as it goes.
+//! The checkout example as a service: `POST /v1/checkouts` runs a three-phase workflow
+//! (create_order, local → charge, foreign → finish, local) under the request's `Idempotency-Key`,
+//! against PostgreSQL and a payment provider (the testkit's mock, in this process by default).
 //!
-//! Run it with `scripts/checkout` (which finds or starts a PostgreSQL), or
-//! `DATABASE_URL=postgres://... cargo run --example checkout`.
+//! `scripts/checkout` (or `DATABASE_URL=postgres://... cargo run --example checkout`) starts the
+//! service with its provider and a resumer, runs the demo against it, prints a curl line to try,
+//! and serves until Ctrl-C. The other commands run one piece each:
+//!
+//! ```text
+//! checkout [all] [--bind ADDR] [--demo-only] ...   service + resumer + metrics, then the demo
+//! checkout serve [--bind ADDR] [--allow-crash-header] ...   the HTTP service only
+//! checkout worker [--metrics-bind ADDR] ...        the resumer, /metrics and /healthz
+//! checkout demo [--url URL]                        the demo against a running service
+//! ```
 
-mod psp;
+mod demo;
+mod service;
 mod worker;
 mod workflow;
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::future::Future;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idemflow::{Outcome, Request, Runner, TenantId};
+use clap::{Args, Parser, Subcommand};
+use idemflow::Runner;
+use idemflow_testkit::provider::MockProvider;
+use idemflow_testkit::provider_client::ProviderClient;
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::service::HeaderCrashes;
+
+/// The example's error type.
+pub type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "checkout",
+    about = "The idemflow checkout example: an Idempotency-Key checkout service on PostgreSQL",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Without a command: `all`.
+    #[command(flatten)]
+    all: AllArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The service, its mock provider, a resumer and /metrics + /healthz; runs the demo against
+    /// itself, then serves until Ctrl-C (the default)
+    All(AllArgs),
+    /// The HTTP service only
+    Serve(ServeArgs),
+    /// The resumer, with /metrics (Prometheus) and /healthz
+    Worker(WorkerArgs),
+    /// The demo, against a running service
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+struct Database {
+    /// PostgreSQL URL [default: $DATABASE_URL]
+    #[arg(long, value_name = "URL")]
+    database_url: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct Provider {
+    /// The payment provider (e.g. a standalone idemflow-mock-psp); without it, the testkit's mock
+    /// provider is started in this process
+    #[arg(long, value_name = "URL")]
+    psp_url: Option<String>,
+    /// The checkout workflow's lease: how long a crashed request waits before a retry or the
+    /// resumer finishes it. The provider call's timeout is a few seconds shorter
+    #[arg(long, value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(2..=3600))]
+    lease_seconds: u64,
+}
+
+#[derive(Debug, Args)]
+struct AllArgs {
+    #[command(flatten)]
+    database: Database,
+    #[command(flatten)]
+    provider: Provider,
+    /// Where the service listens (port 0: any free port)
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    bind: SocketAddr,
+    /// Exit after the demo: 0 if every step behaved as expected, 1 otherwise
+    #[arg(long)]
+    demo_only: bool,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    database: Database,
+    #[command(flatten)]
+    provider: Provider,
+    /// Where the service listens (port 0: any free port)
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    bind: SocketAddr,
+    /// Honour `X-Crash-At: <crash point>` (e.g. after_call:charge): the request's run stops
+    /// there as a crash would. For demonstrations only
+    #[arg(long)]
+    allow_crash_header: bool,
+}
+
+#[derive(Debug, Args)]
+struct WorkerArgs {
+    #[command(flatten)]
+    database: Database,
+    #[command(flatten)]
+    provider: Provider,
+    /// Where /metrics and /healthz are served
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9464")]
+    metrics_bind: SocketAddr,
+}
+
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// The running service
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// The tenant the demo's requests are made for (sent as `Authorization: Bearer <tenant>`)
+    #[arg(long, default_value = "acme")]
+    tenant: String,
+}
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> ExitCode {
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("warn,idemflow_runner::resumer=info")
+                tracing_subscriber::EnvFilter::new(
+                    "warn,idemflow_runner::resumer=info,idemflow_client=error",
+                )
             }),
         )
         .init();
-    let database_url = std::env::var("DATABASE_URL")
-        .map_err(|_| "DATABASE_URL is not set (scripts/checkout sets it for you)")?;
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .test_before_acquire(false)
-        .connect(&database_url)
-        .await?;
-    idemflow::migrate(&pool).await?;
-    sqlx::query(workflow::ORDERS_TABLE).execute(&pool).await?;
-
-    let arguments: Vec<String> = std::env::args().skip(1).collect();
-    match arguments
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
-        [] | ["tour"] => tour(pool).await,
-        ["worker"] => {
-            worker::run(
-                pool,
-                workflow::checkout(psp::PaymentProvider::default()),
-                default_metrics_bind(),
-            )
-            .await
+    let cli = Cli::parse();
+    let result = match cli.command {
+        None => all(cli.all).await,
+        Some(Command::All(args)) => all(args).await,
+        Some(Command::Serve(args)) => serve(args).await,
+        Some(Command::Worker(args)) => run_worker(args).await,
+        Some(Command::Demo(args)) => run_demo(args).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("checkout: {error}");
+            ExitCode::FAILURE
         }
-        ["worker", "--metrics-bind", bind] => {
-            worker::run(
-                pool,
-                workflow::checkout(psp::PaymentProvider::default()),
-                bind.parse()?,
-            )
-            .await
-        }
-        _ => Err("usage: checkout [tour | worker [--metrics-bind ADDRESS]]".into()),
     }
 }
 
-fn default_metrics_bind() -> std::net::SocketAddr {
-    std::net::SocketAddr::from(([127, 0, 0, 1], 9464))
-}
+/// The default: everything in one process, the demo, then serving until Ctrl-C.
+async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
+    let pool = connect(&args.database).await?;
+    let lease = Duration::from_secs(args.provider.lease_seconds);
+    let listener = bind(args.bind, "--bind").await?;
+    let (provider, mock) = provider(&args.provider).await?;
+    let metrics = worker::install_metrics()?;
+    let url = format!("http://{}", listener.local_addr()?);
 
-/// Runs the workflow the ways a client would, printing each outcome.
-async fn tour(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-    let orders_before: i64 = sqlx::query_scalar("SELECT coalesce(max(id), 0) FROM checkout_orders")
-        .fetch_one(&pool)
-        .await?;
-    let provider = psp::PaymentProvider::default();
-    let checkout = workflow::checkout(provider.clone());
-    let runner = Runner::new(pool.clone());
-    let tenant = TenantId::new("acme")?;
-    // A fresh key per run of the example, as a client makes one per purchase.
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();
-    let key = format!("checkout-{nanos}");
-    let body = br#"{"amount": 2500, "currency": "usd", "source": "tok_visa"}"#;
-    let post = |body: &'static [u8]| Request {
-        method: "POST",
-        path: "/v1/checkouts",
-        body,
+    let checkout = workflow::checkout(provider.clone(), lease);
+    let crashes = HeaderCrashes::new(&checkout);
+    let runner = crashes.runner(Runner::new(pool.clone()));
+    let app = service::router(pool.clone(), runner, checkout, Some(crashes))
+        .merge(worker::routes(pool.clone(), metrics));
+    let stop = Stop::on_signal();
+    let server = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop.stopped())
+            .into_future(),
+    );
+    println!(
+        "checkout: listening on {url} (lease {} s, provider timeout {:?}); /metrics and /healthz there too",
+        lease.as_secs(),
+        provider.timeout()
+    );
+    let resumer = worker::resumer(pool, workflow::checkout(provider.clone(), lease))?;
+    let resumer = tokio::spawn(resumer.run(stop.stopped()));
+    println!("checkout: resumer running (it finishes keys whose lease ended)\n");
+
+    let demo = demo::run(demo::Target {
+        url: url.clone(),
+        tenant: "acme".to_owned(),
+        provider: mock.as_ref(),
+        delay: demo_delay(&provider),
+    });
+    let passed = tokio::select! {
+        result = demo => match result {
+            Ok(passed) => passed,
+            Err(error) => {
+                println!("== demo FAILED: {error} ==");
+                false
+            }
+        },
+        () = stop.stopped() => {
+            println!("== demo interrupted ==");
+            false
+        }
     };
 
-    println!(
-        "idemflow checkout example: workflow {} with phases {:?}",
-        checkout.name(),
-        checkout.phase_names()
-    );
-    println!("tenant {tenant}, key {key}\n");
-
-    println!("1. first attempt");
-    let first = runner.run(&checkout, &tenant, &key, post(body)).await?;
-    show(&first);
-
-    println!("2. the client retries (its response was lost): the stored response comes back");
-    let retry = runner
-        .run(
-            &checkout,
-            &tenant,
-            &key,
-            post(br#"{"source":"tok_visa","currency":"usd","amount":2500}"#),
-        )
-        .await?;
-    show(&retry);
-    if let (Outcome::Executed(original), Outcome::Replayed(replayed)) = (&first, &retry) {
-        println!(
-            "   byte-identical to the first response: {}\n",
-            original == replayed
-        );
+    let code = if args.demo_only || stop.is_stopped() {
+        stop.stop();
+        if passed {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
     } else {
-        return Err("the retry was not a replay of the first attempt".into());
+        if !passed {
+            println!("(the service keeps running; see the steps above for what went wrong)");
+        }
+        print_try_it(&url);
+        ExitCode::SUCCESS
+    };
+    server.await??;
+    resumer.await?;
+    if let Some(mock) = mock {
+        mock.shutdown().await;
     }
-
-    println!("3. the same key with another amount: refused, nothing runs");
-    let mismatch = runner
-        .run(
-            &checkout,
-            &tenant,
-            &key,
-            post(br#"{"amount": 9900, "currency": "usd", "source": "tok_visa"}"#),
-        )
-        .await?;
-    show(&mismatch);
-
-    println!("4. a declined card, under a new key: a 402 stored and replayed like any response");
-    let declined_key = format!("{key}-declined");
-    let declined = br#"{"amount": 1200, "currency": "usd", "source": "tok_chargeDeclined"}"#;
-    show(
-        &runner
-            .run(&checkout, &tenant, &declined_key, post(declined))
-            .await?,
-    );
-    show(
-        &runner
-            .run(&checkout, &tenant, &declined_key, post(declined))
-            .await?,
-    );
-
-    println!("5. a malformed body: rejected before execution, no key stored");
-    show(
-        &runner
-            .run(
-                &checkout,
-                &tenant,
-                &format!("{key}-bad"),
-                post(b"{\"amount\": 1,"),
-            )
-            .await?,
-    );
-
-    println!("6. the provider is down: the key stays started, resumable from its recovery point");
-    let outage_key = format!("{key}-outage");
-    provider.fail_next_call();
-    let outage = br#"{"amount": 700, "currency": "usd", "source": "tok_visa"}"#;
-    show(
-        &runner
-            .run(&checkout, &tenant, &outage_key, post(outage))
-            .await?,
-    );
-    println!(
-        "   ... the client retries once the retry time has passed: no second order, one charge"
-    );
-    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-    show(
-        &runner
-            .run(&checkout, &tenant, &outage_key, post(outage))
-            .await?,
-    );
-    let derived = format!("{tenant}:{outage_key}:charge");
-    println!(
-        "   provider calls with derived key {derived}: {}\n",
-        provider.calls_with(&derived)
-    );
-
-    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM checkout_orders WHERE id > $1")
-        .bind(orders_before)
-        .fetch_one(&pool)
-        .await?;
-    println!(
-        "orders written by this run: {orders}; charges made at the provider: {}",
-        provider.charges_made()
-    );
-    Ok(())
+    println!("checkout: stopped");
+    Ok(code)
 }
 
-fn show(outcome: &Outcome) {
-    match outcome {
-        Outcome::Executed(response) => {
+fn print_try_it(url: &str) {
+    let stamp = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|since| since.as_secs())
+        .unwrap_or_default();
+    println!("\nThe checkout service is running at {url}. Try it:\n");
+    println!(
+        "  curl -i {url}/v1/checkouts -H 'Authorization: Bearer acme' -H 'Content-Type: application/json' -H 'Idempotency-Key: try-{stamp}' -d '{{\"amount\": 2500, \"currency\": \"usd\", \"source\": \"tok_visa\"}}'\n"
+    );
+    println!(
+        "Send it twice: the second answer is the stored one (Idempotent-Replayed: true). Change the amount: 422."
+    );
+    println!(
+        "With a new key and -H 'X-Crash-At: after_call:charge': 503, then finished after the lease."
+    );
+    println!(
+        "Read an order back: curl -s {url}/v1/checkouts/<order_id> -H 'Authorization: Bearer acme'"
+    );
+    println!("Metrics: {url}/metrics, health: {url}/healthz. Ctrl-C or SIGTERM stops it.");
+}
+
+/// `serve`: the HTTP service only.
+async fn serve(args: ServeArgs) -> Result<ExitCode, Failure> {
+    let pool = connect(&args.database).await?;
+    let lease = Duration::from_secs(args.provider.lease_seconds);
+    let listener = bind(args.bind, "--bind").await?;
+    let (provider, mock) = provider(&args.provider).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let checkout = workflow::checkout(provider, lease);
+    let runner = Runner::new(pool.clone());
+    let (runner, crashes) = if args.allow_crash_header {
+        let crashes = HeaderCrashes::new(&checkout);
+        (crashes.runner(runner), Some(crashes))
+    } else {
+        (runner, None)
+    };
+    let app = service::router(pool, runner, checkout, crashes);
+    println!(
+        "serve: listening on {url} (POST /v1/checkouts, GET /v1/checkouts/{{order_id}}){}; Ctrl-C stops it",
+        if args.allow_crash_header {
+            ", X-Crash-At honoured"
+        } else {
+            ""
+        }
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(idemflow::shutdown_signal())
+        .await?;
+    if let Some(mock) = mock {
+        mock.shutdown().await;
+    }
+    println!("serve: stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `worker`: the resumer, with metrics and health.
+async fn run_worker(args: WorkerArgs) -> Result<ExitCode, Failure> {
+    let pool = connect(&args.database).await?;
+    let lease = Duration::from_secs(args.provider.lease_seconds);
+    let (provider, mock) = provider(&args.provider).await?;
+    worker::run(
+        pool,
+        workflow::checkout(provider, lease),
+        args.metrics_bind,
+        idemflow::shutdown_signal(),
+    )
+    .await?;
+    if let Some(mock) = mock {
+        mock.shutdown().await;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `demo`: against a running service, whose provider is out of reach.
+async fn run_demo(args: DemoArgs) -> Result<ExitCode, Failure> {
+    let passed = demo::run(demo::Target {
+        url: args.url,
+        tenant: args.tenant,
+        provider: None,
+        delay: Duration::ZERO,
+    })
+    .await?;
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Connects, runs idemflow's migrations and creates the example's table.
+async fn connect(database: &Database) -> Result<PgPool, Failure> {
+    let url = match &database.database_url {
+        Some(url) => url.clone(),
+        None => std::env::var("DATABASE_URL")
+            .ok()
+            .filter(|url| !url.is_empty())
+            .ok_or(
+                "no database: pass --database-url or set DATABASE_URL (scripts/checkout finds one for you)",
+            )?,
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(24)
+        .acquire_timeout(Duration::from_secs(10))
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .map_err(|error| {
+            format!(
+                "cannot connect to PostgreSQL at {}: {error}",
+                redact_password(&url)
+            )
+        })?;
+    idemflow::migrate(&pool).await?;
+    sqlx::query(workflow::ORDERS_TABLE).execute(&pool).await?;
+    Ok(pool)
+}
+
+/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`.
+fn redact_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => match rest[..at].split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+/// The provider client, and the in-process mock provider when no `--psp-url` is given.
+async fn provider(args: &Provider) -> Result<(ProviderClient, Option<MockProvider>), Failure> {
+    let timeout = provider_timeout(Duration::from_secs(args.lease_seconds));
+    match &args.psp_url {
+        Some(url) => Ok((
+            ProviderClient::builder(url.clone())
+                .timeout(timeout)
+                .build(),
+            None,
+        )),
+        None => {
+            let mock = MockProvider::builder().start().await?;
             println!(
-                "   executed -> {} {}\n",
-                response.status,
-                String::from_utf8_lossy(&response.body)
+                "checkout: mock payment provider on {} (in this process)",
+                mock.url()
             );
+            let client = ProviderClient::builder(mock.url()).timeout(timeout).build();
+            Ok((client, Some(mock)))
         }
-        Outcome::Replayed(response) => {
-            println!(
-                "   replayed -> {} {}\n",
-                response.status,
-                String::from_utf8_lossy(&response.body)
-            );
+    }
+}
+
+/// The provider call's timeout: a few seconds shorter than the lease (the charge phase's own
+/// timeout, one second longer, must stay below it).
+fn provider_timeout(lease: Duration) -> Duration {
+    if lease >= Duration::from_secs(4) {
+        lease - Duration::from_secs(3)
+    } else {
+        lease / 4
+    }
+}
+
+/// How long the demo's concurrent step holds a charge at the in-process provider.
+fn demo_delay(provider: &ProviderClient) -> Duration {
+    (provider.timeout() / 2).min(Duration::from_millis(1500))
+}
+
+/// Binds `address`, saying clearly when it is taken.
+pub async fn bind(address: SocketAddr, flag: &str) -> Result<TcpListener, Failure> {
+    TcpListener::bind(address).await.map_err(|error| {
+        if error.kind() == std::io::ErrorKind::AddrInUse {
+            format!(
+                "cannot listen on {address}: the address is already in use (another checkout still running?). \
+                 Stop it, or choose another address: {flag} 127.0.0.1:8081, or {flag} 127.0.0.1:0 for any free port"
+            )
+            .into()
+        } else {
+            format!("cannot listen on {address}: {error}").into()
         }
-        Outcome::Mismatch => {
-            println!("   mismatch -> 422: this key was used for a different request\n")
-        }
-        Outcome::InProgress { retry_after } => {
-            println!("   in progress -> 409, retry after {retry_after:?}\n")
-        }
-        Outcome::Rejected(rejection) => println!("   rejected -> 400: {rejection}\n"),
-        Outcome::Interrupted { retry_after, error } => {
-            println!("   interrupted -> 503 ({error}); resumable after {retry_after:?}\n");
-        }
-        Outcome::Released(response) => {
-            println!("   released -> {} (not stored)\n", response.status)
+    })
+}
+
+/// A shutdown shared by the server and the resumer: Ctrl-C, SIGTERM, or [`Stop::stop`].
+#[derive(Clone)]
+struct Stop(Arc<watch::Sender<bool>>);
+
+impl Stop {
+    fn on_signal() -> Self {
+        let stop = Self(Arc::new(watch::channel(false).0));
+        let on_signal = stop.clone();
+        tokio::spawn(async move {
+            idemflow::shutdown_signal().await;
+            println!("\ncheckout: stopping (finishing requests in flight)");
+            on_signal.stop();
+        });
+        stop
+    }
+
+    fn stop(&self) {
+        self.0.send_replace(true);
+    }
+
+    fn is_stopped(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut receiver = self.0.subscribe();
+        async move {
+            let _ = receiver.wait_for(|stopped| *stopped).await;
         }
     }
 }

@@ -1,6 +1,7 @@
-//! The worker process: a resumer for the checkout workflow, with its metrics for Prometheus and
-//! a health endpoint.
+//! The worker: a resumer for the checkout workflow, with its metrics for Prometheus and a health
+//! endpoint. `worker` runs it alone; the `all` command runs the same pieces next to the service.
 
+use std::future::Future;
 use std::net::SocketAddr;
 
 use axum::Router;
@@ -11,41 +12,53 @@ use idemflow::{Registry, Resumer, Runner, Workflow};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::PgPool;
 
+use crate::Failure;
+
 #[derive(Clone)]
 struct Observed {
     pool: PgPool,
     metrics: PrometheusHandle,
 }
 
-/// Runs the resumer until Ctrl-C or SIGTERM, serving `/metrics` and `/healthz` on `bind`.
+/// Installs the process-wide Prometheus recorder (once per process).
+pub fn install_metrics() -> Result<PrometheusHandle, Failure> {
+    PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|error| format!("cannot install the metrics recorder: {error}").into())
+}
+
+/// `/metrics` (Prometheus text) and `/healthz` (200 while the database answers).
+pub fn routes(pool: PgPool, metrics: PrometheusHandle) -> Router {
+    Router::new()
+        .route("/metrics", get(render_metrics))
+        .route("/healthz", get(health))
+        .with_state(Observed { pool, metrics })
+}
+
+/// A resumer that finishes abandoned checkouts.
+pub fn resumer(pool: PgPool, checkout: Workflow) -> Result<Resumer, Failure> {
+    let mut registry = Registry::new();
+    registry.register(checkout)?;
+    Ok(Resumer::new(Runner::new(pool), registry))
+}
+
+/// The `worker` command: the resumer until `shutdown`, with `/metrics` and `/healthz` on `bind`.
 pub async fn run(
     pool: PgPool,
     checkout: Workflow,
     bind: SocketAddr,
-) -> Result<(), Box<dyn std::error::Error>> {
-    let metrics = PrometheusBuilder::new().install_recorder()?;
-    let observed = Observed {
-        pool: pool.clone(),
-        metrics,
-    };
-    let app = Router::new()
-        .route("/metrics", get(render_metrics))
-        .route("/healthz", get(health))
-        .with_state(observed);
-    let listener = tokio::net::TcpListener::bind(bind).await?;
-    println!(
-        "worker: metrics on http://{}/metrics, health on http://{}/healthz",
-        listener.local_addr()?,
-        listener.local_addr()?
-    );
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
-
-    let mut registry = Registry::new();
-    registry.register(checkout)?;
-    let resumer = Resumer::new(Runner::new(pool), registry);
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Failure> {
+    let metrics = install_metrics()?;
+    let listener = crate::bind(bind, "--metrics-bind").await?;
+    let address = listener.local_addr()?;
+    println!("worker: metrics on http://{address}/metrics, health on http://{address}/healthz");
+    let server = tokio::spawn(axum::serve(listener, routes(pool.clone(), metrics)).into_future());
+    let resumer = resumer(pool, checkout)?;
     println!("worker: resuming abandoned checkouts; Ctrl-C or SIGTERM stops it gracefully");
-    resumer.run(idemflow::shutdown_signal()).await;
+    resumer.run(shutdown).await;
     server.abort();
+    println!("worker: stopped");
     Ok(())
 }
 

@@ -8,12 +8,14 @@ use idemflow::{
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
 
-use crate::psp::{ChargeResult, PaymentProvider};
+use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 
 /// The example's own table. A real service would create it in its own migrations.
 pub const ORDERS_TABLE: &str = "CREATE TABLE IF NOT EXISTS checkout_orders (
     id         bigserial PRIMARY KEY,
     tenant     text   NOT NULL,
+    -- The idempotency key of the request that created it: which request an order belongs to.
+    request_key text  NOT NULL,
     amount     bigint NOT NULL CHECK (amount > 0),
     currency   text   NOT NULL,
     status     text   NOT NULL DEFAULT 'created',
@@ -69,9 +71,11 @@ impl LocalPhase for CreateOrder {
         context: &PhaseContext,
     ) -> Result<OrderCreated, PhaseError> {
         let (order_id,): (i64,) = sqlx::query_as(
-            "INSERT INTO checkout_orders (tenant, amount, currency) VALUES ($1, $2, $3) RETURNING id",
+            "INSERT INTO checkout_orders (tenant, request_key, amount, currency) \
+             VALUES ($1, $2, $3, $4) RETURNING id",
         )
         .bind(context.tenant.as_str())
+        .bind(context.key.as_str())
         .bind(request.amount)
         .bind(&request.currency)
         .fetch_one(connection)
@@ -85,8 +89,9 @@ impl LocalPhase for CreateOrder {
     }
 }
 
+/// Charges the card at the payment provider, with the derived key as its idempotency key.
 pub struct Charge {
-    pub provider: PaymentProvider,
+    pub provider: ProviderClient,
 }
 
 #[idemflow::async_trait]
@@ -95,8 +100,9 @@ impl ForeignPhase for Charge {
     type Input = OrderCreated;
     type Output = ChargeOutcome;
 
+    /// Shorter than the workflow's lease (checked when it is built).
     fn timeout(&self) -> Duration {
-        Duration::from_secs(10)
+        self.provider.timeout() + Duration::from_secs(1)
     }
 
     async fn call(
@@ -109,24 +115,43 @@ impl ForeignPhase for Charge {
         // charge instead of charging again.
         let result = self
             .provider
-            .charge(key.as_str(), order.amount, &order.currency, &order.source)
-            .await
-            // Unavailable: retryable, so the key stays started and resumes at this phase.
-            .map_err(|unavailable| {
-                PhaseError::retry_after(unavailable, Duration::from_millis(200))
-            })?;
-        Ok(match result {
-            ChargeResult::Succeeded { charge_id } => ChargeOutcome::Paid {
+            .charge(
+                key.as_str(),
+                // Positive: checked by `validate` before the key was claimed.
+                order.amount.unsigned_abs(),
+                &order.currency,
+                &order.source,
+            )
+            .await;
+        match result {
+            Ok(ChargeResult::Succeeded { charge_id }) => Ok(ChargeOutcome::Paid {
                 order_id: order.order_id,
                 amount: order.amount,
                 currency: order.currency,
                 charge_id,
-            },
-            ChargeResult::Declined { reason } => ChargeOutcome::Declined {
+            }),
+            Ok(ChargeResult::Declined { message, .. }) => Ok(ChargeOutcome::Declined {
                 order_id: order.order_id,
-                reason,
-            },
-        })
+                reason: message,
+            }),
+            // Unavailable, rate limited, timed out, connection lost: the same key finds out
+            // later whether the charge happened. Retryable, at the provider's pace if it said.
+            Err(error) if error.is_retryable() => Err(match error.retry_after() {
+                Some(wait) => PhaseError::retry_after(error.to_string(), wait),
+                None => PhaseError::retryable(error.to_string()),
+            }),
+            // The provider refused the request itself: retrying cannot help.
+            Err(error) => {
+                let problem = serde_json::json!({
+                    "type": "about:blank", "title": "Bad Gateway", "status": 502,
+                    "detail": "the payment provider refused the charge request", "order_id": order.order_id,
+                });
+                Err(PhaseError::terminal_with(
+                    StoredResponse::problem(502, &problem),
+                    error.to_string(),
+                ))
+            }
+        }
     }
 }
 
@@ -199,12 +224,14 @@ fn validate(request: &CheckoutRequest) -> Result<(), String> {
     Ok(())
 }
 
-pub fn checkout(provider: PaymentProvider) -> Workflow {
+/// The checkout workflow, charging through `provider`; `lease` must exceed the provider's timeout.
+pub fn checkout(provider: ProviderClient, lease: Duration) -> Workflow {
     Workflow::builder::<CheckoutRequest>("checkout.v1")
         .validate(validate)
         .local(CreateOrder)
         .foreign(Charge { provider })
         .local(Finish)
+        .lease(lease)
         .build()
         .expect("the checkout workflow is valid")
 }
