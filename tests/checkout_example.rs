@@ -4,11 +4,13 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::Read;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::example::{database_url, example_binary};
+
+mod support;
 
 /// The lease the demo runs with: its crash step waits for it to end. 5 s gives the provider call a
 /// 2 s timeout, so the concurrent step's held charge (1 s) leaves room on a loaded machine.
@@ -16,58 +18,6 @@ const LEASE_SECONDS: &str = "5";
 
 /// How long the demo may take.
 const DEMO_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// Builds the example (examples get no `CARGO_BIN_EXE_*`) and returns its path, next to this
-/// test binary's target directory (`<target>/<profile>/deps/<this test>`), so `CARGO_TARGET_DIR`
-/// and the profile are respected.
-fn example_binary() -> PathBuf {
-    let test_binary = std::env::current_exe().unwrap();
-    let profile_dir = test_binary
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let profile = match profile_dir.file_name().and_then(|name| name.to_str()) {
-        Some("debug") | None => "dev".to_owned(),
-        Some(name) => name.to_owned(),
-    };
-    let target_dir = profile_dir.parent().unwrap();
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", "checkout", "--profile"])
-        .arg(&profile)
-        .arg("--target-dir")
-        .arg(target_dir)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .unwrap();
-    assert!(status.success(), "building the checkout example failed");
-    profile_dir
-        .join("examples")
-        .join(format!("checkout{}", std::env::consts::EXE_SUFFIX))
-}
-
-/// The URL of the test's own database; the password, if any, comes from `DATABASE_URL` (the
-/// connect options do not give it back).
-fn database_url(connect: &PgConnectOptions) -> String {
-    let password = std::env::var("DATABASE_URL").ok().and_then(|url| {
-        let (_, rest) = url.split_once("://")?;
-        let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
-        let (user_info, _) = authority.rsplit_once('@')?;
-        let (_, password) = user_info.split_once(':')?;
-        Some(password.to_owned())
-    });
-    let user = match password {
-        Some(password) => format!("{}:{password}", connect.get_username()),
-        None => connect.get_username().to_owned(),
-    };
-    format!(
-        "postgres://{user}@{}:{}/{}",
-        connect.get_host(),
-        connect.get_port(),
-        connect.get_database().unwrap()
-    )
-}
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn the_demo_runs_every_step_as_described(options: PgPoolOptions, connect: PgConnectOptions) {

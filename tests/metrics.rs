@@ -6,7 +6,7 @@ mod support;
 
 use std::sync::atomic::Ordering;
 
-use idemflow::{Outcome, Runner};
+use idemflow::{Outcome, RetryPolicy, Runner};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use sqlx::PgPool;
 use support::*;
@@ -24,7 +24,10 @@ async fn every_protocol_event_is_counted(pool: PgPool) {
     let metrics = PrometheusBuilder::new().install_recorder().unwrap();
     create_orders(&pool).await;
     let harness = Harness::default();
-    *harness.provider.retry.lock().unwrap() = Some(quick_retries(2));
+    *harness.provider.retry.lock().unwrap() = Some(RetryPolicy {
+        max_attempts: 2,
+        ..patient()
+    });
     let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
     let one = tenant(1);
 

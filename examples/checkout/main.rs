@@ -274,6 +274,11 @@ async fn serve(args: ServeArgs) -> Result<ExitCode, Failure> {
     } else {
         (runner, None)
     };
+    // IDEMFLOW_CRASH_AT=<crash point>: the process stops there for real (tests kill it).
+    let runner = match service::ProcessCrash::from_env() {
+        Some(hook) => runner.with_crash_hook(hook),
+        None => runner,
+    };
     let app = service::router(pool, runner, checkout, crashes);
     println!(
         "serve: listening on {url} (POST /v1/checkouts, GET /v1/checkouts/{{order_id}}){}; Ctrl-C stops it",

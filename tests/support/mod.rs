@@ -2,7 +2,11 @@
 //! in-memory stand-in for a payment provider, and helpers to look at the key table.
 #![allow(dead_code, clippy::unwrap_used)]
 
-pub mod wire;
+pub mod example;
+
+// The wire-counting proxy lives in the testkit (the benchmark uses it too); only some tests count.
+#[allow(unused_imports)]
+pub use idemflow_testkit::wire;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -90,6 +94,10 @@ impl LocalPhase for CreateOrder {
     type Input = CheckoutRequest;
     type Output = OrderCreated;
 
+    fn retry_policy(&self) -> RetryPolicy {
+        patient()
+    }
+
     async fn run(
         &self,
         connection: &mut PgConnection,
@@ -153,7 +161,7 @@ impl ForeignPhase for Charge {
     }
 
     fn retry_policy(&self) -> RetryPolicy {
-        self.0.retry.lock().unwrap().unwrap_or_default()
+        self.0.retry.lock().unwrap().unwrap_or_else(patient)
     }
 
     async fn call(
@@ -223,6 +231,10 @@ impl LocalPhase for MarkPaid {
     type Input = Charged;
     type Output = StoredResponse;
 
+    fn retry_policy(&self) -> RetryPolicy {
+        patient()
+    }
+
     async fn run(
         &self,
         connection: &mut PgConnection,
@@ -253,6 +265,10 @@ impl LocalPhase for PlaceOrder {
     const NAME: &'static str = "place_order";
     type Input = CheckoutRequest;
     type Output = StoredResponse;
+
+    fn retry_policy(&self) -> RetryPolicy {
+        patient()
+    }
 
     async fn run(
         &self,
@@ -454,4 +470,16 @@ pub fn logs() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
+}
+
+/// The tests' default retry policy: a failed attempt waits a minute, so a test that looks at a key
+/// right after a failure finds it in progress however slow the machine is, and moves on by
+/// rewinding the lease in SQL, never by waiting.
+pub fn patient() -> RetryPolicy {
+    RetryPolicy {
+        initial_backoff: Duration::from_secs(60),
+        max_backoff: Duration::from_secs(60),
+        jitter: 0.0,
+        ..RetryPolicy::default()
+    }
 }

@@ -35,3 +35,4 @@
 pub mod explorer;
 pub mod provider;
 pub mod provider_client;
+pub mod wire;

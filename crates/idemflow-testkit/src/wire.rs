@@ -1,5 +1,6 @@
-//! A loopback TCP proxy in front of PostgreSQL that counts what the client sends, so tests can
-//! assert round trips and commits per request from the wire rather than from the engine's word.
+//! A loopback TCP proxy in front of PostgreSQL that counts what the client sends, so tests (and
+//! the `idemflow-bench` tool) can assert round trips and commits per request from the wire rather
+//! than from the engine's word.
 //!
 //! Frontend protocol: a startup packet without a type byte (possibly preceded by an SSL or GSS
 //! encryption request, answered with one byte), then typed messages `type, int32 length, body`.
@@ -56,7 +57,8 @@ impl WireCounts {
     }
 }
 
-/// Starts the proxy; returns its port and the shared counts. It runs until the test ends.
+/// Starts the proxy; returns its port and the shared counts. It runs until the tokio runtime it
+/// was started on shuts down (the end of the test).
 pub async fn start_proxy(upstream: std::net::SocketAddr) -> (u16, Arc<WireCounts>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
     let port = listener.local_addr().expect("proxy address").port();
