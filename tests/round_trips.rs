@@ -112,3 +112,29 @@ async fn a_replay_commits_nothing(options: PgPoolOptions, connect: PgConnectOpti
     // BEGIN, claim (conflict), inspect, ROLLBACK.
     assert_eq!(used.round_trips, 4, "{used:?}");
 }
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn looking_up_first_answers_a_replay_in_one_round_trip(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, counts) = counted_pool(options, connect).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let config = idemflow::RunnerConfig {
+        lookup_first: true,
+        ..idemflow::RunnerConfig::default()
+    };
+    let runner = Runner::with_config(pool.clone(), config);
+    let workflow = harness.local_only();
+    executed(&run(&runner, &workflow, &tenant(1), "k", &body(1)).await);
+    executed(&run(&runner, &workflow, &tenant(1), "warm-up", &body(1)).await);
+    let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up", "k").await;
+    assert!(matches!(outcome, Outcome::Replayed(_)), "{outcome:?}");
+    assert_eq!((used.round_trips, used.commits), (1, 0), "{used:?}");
+
+    // A new request pays one round trip more: the look-up that found nothing.
+    let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up-2", "new").await;
+    executed(&outcome);
+    assert_eq!((used.round_trips, used.commits), (1 + 4 + 1, 1), "{used:?}");
+}
