@@ -382,6 +382,13 @@ fn accept(
     (fingerprint, value): (Fingerprint, Value),
 ) -> Result<Accepted, Rejection> {
     let key = Key::parse(key)?;
+    if holds_nul(&value) {
+        // PostgreSQL's jsonb cannot store U+0000: refuse it here, before anything is stored,
+        // rather than fail the claim with a database error.
+        return Err(Rejection::InvalidInput(
+            "strings may not contain U+0000".to_owned(),
+        ));
+    }
     let input = workflow
         .decode_request(value.clone())
         .map_err(|error| Rejection::InvalidInput(error.to_string()))?;
@@ -392,6 +399,17 @@ fn accept(
         request: value,
         input,
     })
+}
+
+fn holds_nul(value: &Value) -> bool {
+    match value {
+        Value::String(text) => text.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(members) => members
+            .iter()
+            .any(|(name, member)| name.contains('\0') || holds_nul(member)),
+        _ => false,
+    }
 }
 
 fn position_after(workflow: &Workflow, recovery_point: &str) -> Result<usize, RunError> {
