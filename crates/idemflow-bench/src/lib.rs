@@ -1,0 +1,58 @@
+//! idemflow-bench: measures idemflow the way its users judge it — requests per second, latency,
+//! commits and round trips per request — against a raw sqlx baseline (the same statements with
+//! no engine) and pgbench (the same statements from C) run in the same invocation, on a scratch
+//! database of its own. See docs/benchmarks.md.
+//!
+//! The binary is a thin shell over [`run`]; the CI smoke test calls [`run`] with
+//! [`Config::quick`].
+
+mod config;
+mod db;
+mod http;
+mod load;
+mod pgbench;
+mod raw;
+pub mod report;
+mod wire_counts;
+mod workflows;
+mod workloads;
+
+use std::time::Instant;
+
+pub use config::Config;
+pub use db::ServerCounts;
+pub use load::LatencySummary;
+pub use report::Report;
+pub use wire_counts::WireCount;
+
+/// Any failure: the benchmark stops at the first one (a run with failed requests means nothing).
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The commits and engine round trips per request that docs/protocol.md documents and
+/// tests/round_trips.rs asserts, phase statements included (one per local phase here):
+/// (commits, round trips).
+pub const DOCUMENTED_CHECKOUT: (u64, u64) = (2, 7 + 2);
+pub const DOCUMENTED_LOCAL_ONLY: (u64, u64) = (1, 4 + 1);
+pub const DOCUMENTED_REPLAY: (u64, u64) = (0, 4);
+/// The same with `RunnerConfig::lookup_first`: a new request pays the look-up that found nothing
+/// (one round trip more), a replay is that one look-up.
+pub const DOCUMENTED_CHECKOUT_LOOKUP_FIRST: (u64, u64) = (2, 1 + 7 + 2);
+pub const DOCUMENTED_LOCAL_ONLY_LOOKUP_FIRST: (u64, u64) = (1, 1 + 4 + 1);
+pub const DOCUMENTED_REPLAY_LOOKUP_FIRST: (u64, u64) = (0, 1);
+
+/// Runs every workload against a scratch database on `config.database_url`, which is dropped
+/// at the end whatever happens.
+pub async fn run(config: &Config) -> Result<Report, Error> {
+    let started = Instant::now();
+    let load_start = workloads::load_average();
+    let scratch = db::Scratch::create(&config.database_url).await?;
+    eprintln!("idemflow-bench: scratch database {}", scratch.name);
+    let result = workloads::all(config, &scratch).await;
+    let dropped = scratch.drop_database().await;
+    let mut report = result?;
+    dropped?;
+    report.machine.load_average_start = load_start;
+    report.machine.load_average_end = workloads::load_average();
+    report.seconds = started.elapsed().as_secs_f64();
+    Ok(report)
+}

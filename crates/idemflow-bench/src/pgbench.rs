@@ -1,0 +1,214 @@
+//! pgbench, where installed: the same statements from a C client (libpq, prepared statements),
+//! as the physical limit of this machine. Scripts are written into a temporary directory.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::Error;
+use crate::raw::LEASE_MS;
+use crate::report::{
+    CHECKOUT as CHECKOUT_ID, LOCAL_ONLY, PGBENCH_ENGINE, PGBENCH_RAW_SELECT, PGBENCH_REFERENCE,
+    REPLAY,
+};
+use crate::workflows::{CHECKOUT, PLACE, TENANT};
+
+/// pgbench's version line, or `None` when it is not installed.
+pub fn version() -> Option<String> {
+    let output = Command::new("pgbench").arg("--version").output().ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// A script and what it stands for.
+#[derive(Debug, Clone)]
+pub struct Script {
+    pub workload: &'static str,
+    pub variant: &'static str,
+    pub path: PathBuf,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+fn sql_text(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// Writes the scripts: workload 1 as the engine sends it (which is also the raw shape), the
+/// reference shape (the claim committed alone, then one transaction per phase: 3 commits);
+/// workload 2's statements; workload 3 as the engine sends it (BEGIN, claim, inspect,
+/// ROLLBACK) and the raw primary-key select.
+pub fn write_scripts(
+    dir: &Path,
+    fingerprint: &[u8],
+    request: &serde_json::Value,
+    replay_keys: u64,
+) -> Result<Vec<Script>, Error> {
+    std::fs::create_dir_all(dir)?;
+    let tenant = sql_text(TENANT);
+    let fingerprint = format!("'\\x{}'::bytea", hex(fingerprint));
+    let request = format!("{}::jsonb", sql_text(&request.to_string()));
+    let lease = format!("now() + {LEASE_MS}::bigint * interval '1 millisecond'");
+    let key = "'pgb-' || :k::text";
+    let claim = |workflow: &str| {
+        format!(
+            "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
+             VALUES ({tenant}, {key}, {fingerprint}, {workflow}, {request}, {lease}) \
+             ON CONFLICT (tenant, key) DO NOTHING RETURNING lock_version;\n",
+            workflow = sql_text(workflow)
+        )
+    };
+    let insert_order = format!(
+        "INSERT INTO orders (tenant, key, amount) VALUES ({tenant}, {key}, 100) RETURNING id \\gset\n"
+    );
+    let advance = format!(
+        "UPDATE idempotency_keys SET recovery_point = 'create_order', \
+         phase_output = jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa'), \
+         attempts = 1, last_error = NULL, locked_until = {lease}, updated_at = now() \
+         WHERE tenant = {tenant} AND key = {key} AND lock_version = 0 AND state = 'started';\n"
+    );
+    let mark_paid =
+        "UPDATE orders SET status = 'paid', paid_by = 'attempt-1' WHERE id = :id::bigint;\n";
+    let finish = |point: &str, body: &str| {
+        format!(
+            "UPDATE idempotency_keys SET state = 'done', recovery_point = '{point}', phase_output = NULL, \
+             locked_until = NULL, response_status = 201, \
+             response_headers = '[[\"content-type\", \"application/json\"]]'::jsonb, \
+             response_body = convert_to({body}, 'UTF8'), updated_at = now() \
+             WHERE tenant = {tenant} AND key = {key} AND lock_version = 0 AND state = 'started';\n"
+        )
+    };
+    let paid_body = "'{\"charge_id\":\"ch_' || :id::text || '\",\"order_id\":' || :id::text || ',\"status\":\"paid\"}'";
+    let created_body = "'{\"order_id\":' || :id::text || ',\"status\":\"created\"}'";
+    let unique = "\\set k random(1, 1000000000000000)\n";
+
+    let checkout = format!(
+        "{unique}BEGIN;\n{claim}{insert_order}{advance}COMMIT;\nBEGIN;\n{mark_paid}{finish}COMMIT;\n",
+        claim = claim(CHECKOUT),
+        finish = finish("mark_paid", paid_body),
+    );
+    let reference = format!(
+        "{unique}{claim}BEGIN;\n{insert_order}{advance}COMMIT;\nBEGIN;\n{mark_paid}{finish}COMMIT;\n",
+        claim = claim(CHECKOUT),
+        finish = finish("mark_paid", paid_body),
+    );
+    let place = format!(
+        "{unique}BEGIN;\n{claim}{insert_order}{finish}COMMIT;\n",
+        claim = claim(PLACE),
+        finish = finish("place_order", created_body),
+    );
+    let replay_key = "'replay-' || :r::text";
+    let pick = format!("\\set r random(0, {})\n", replay_keys.saturating_sub(1));
+    let replay_engine = format!(
+        "{pick}BEGIN;\n\
+         INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
+         VALUES ({tenant}, {replay_key}, {fingerprint}, {workflow}, {request}, {lease}) \
+         ON CONFLICT (tenant, key) DO NOTHING RETURNING lock_version;\n\
+         SELECT fingerprint, workflow, state = 'done', recovery_point, \
+         CASE WHEN state = 'started' THEN greatest(0, ceil(extract(epoch FROM locked_until - now()) * 1000))::bigint ELSE 0 END, \
+         lock_version, attempts, last_error, response_status, response_headers, response_body \
+         FROM idempotency_keys WHERE tenant = {tenant} AND key = {replay_key};\n\
+         ROLLBACK;\n",
+        workflow = sql_text(CHECKOUT),
+    );
+    let replay_raw = format!(
+        "{pick}SELECT response_status, response_headers, response_body FROM idempotency_keys \
+         WHERE tenant = {tenant} AND key = {replay_key};\n"
+    );
+
+    let scripts = [
+        // 2 commits, 9 round trips.
+        (CHECKOUT_ID, PGBENCH_ENGINE, "checkout.sql", checkout),
+        // 3 commits, 9 round trips.
+        (CHECKOUT_ID, PGBENCH_REFERENCE, "reference.sql", reference),
+        // 1 commit, 5 round trips.
+        (LOCAL_ONLY, PGBENCH_ENGINE, "place.sql", place),
+        // 0 commits (a rollback), 4 round trips.
+        (REPLAY, PGBENCH_ENGINE, "replay-engine.sql", replay_engine),
+        // 1 implicit commit, 1 round trip.
+        (REPLAY, PGBENCH_RAW_SELECT, "replay-raw.sql", replay_raw),
+    ];
+    let mut written = Vec::new();
+    for (workload, variant, file, text) in scripts {
+        let path = dir.join(file);
+        std::fs::write(&path, text)?;
+        written.push(Script {
+            workload,
+            variant,
+            path,
+        });
+    }
+    Ok(written)
+}
+
+/// What one pgbench run reported.
+#[derive(Debug, Clone, Copy)]
+pub struct Tps {
+    pub transactions: u64,
+    pub tps: f64,
+    pub latency_ms: Option<f64>,
+}
+
+/// Runs `script` with `clients` clients for `duration` against `url`.
+pub async fn run(
+    script: &Script,
+    clients: usize,
+    duration: Duration,
+    url: &str,
+) -> Result<Tps, Error> {
+    let threads = clients.clamp(
+        1,
+        std::thread::available_parallelism().map_or(2, |n| n.get()),
+    );
+    let mut command = Command::new("pgbench");
+    command
+        .args(["-n", "-M", "prepared", "-c"])
+        .arg(clients.to_string())
+        .arg("-j")
+        .arg(threads.to_string())
+        .arg("-T")
+        .arg(duration.as_secs().max(1).to_string())
+        .arg("-f")
+        .arg(&script.path)
+        .arg(url);
+    let output = tokio::task::spawn_blocking(move || command.output()).await??;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        return Err(format!(
+            "pgbench {} failed: {}{}",
+            script.path.display(),
+            stdout,
+            String::from_utf8_lossy(&output.stderr)
+        )
+        .into());
+    }
+    let field = |prefix: &str| {
+        stdout.lines().find_map(|line| {
+            line.trim()
+                .strip_prefix(prefix)
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|number| number.parse::<f64>().ok())
+        })
+    };
+    let tps = field("tps = ").ok_or_else(|| format!("no tps in pgbench's output: {stdout}"))?;
+    let transactions = field("number of transactions actually processed: ").unwrap_or(0.0);
+    // pgbench counts failed transactions apart (PostgreSQL 15); any is a broken script.
+    if let Some(failed) = field("number of failed transactions: ")
+        && failed > 0.0
+    {
+        return Err(format!(
+            "pgbench {}: {failed} failed transactions: {stdout}",
+            script.path.display()
+        )
+        .into());
+    }
+    Ok(Tps {
+        transactions: transactions as u64,
+        tps,
+        latency_ms: field("latency average = "),
+    })
+}

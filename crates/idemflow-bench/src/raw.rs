@@ -1,0 +1,151 @@
+//! The raw baseline: the statements and commits a request needs at minimum, issued directly
+//! through sqlx with no engine (no canonical JSON, fingerprint, decision, typed phases, spans,
+//! metrics or spawned BEGIN). The SQL is the engine's own text (crates/idemflow-pg/src/store.rs),
+//! so the difference between the two is the engine's own cost. pgbench runs the same text.
+
+use sqlx::PgPool;
+use sqlx::types::Json;
+
+use crate::Error;
+use crate::workflows::{CHECKOUT, INSERT_ORDER, MARK_PAID, PLACE, TENANT};
+
+pub const LEASE_MS: i64 = 60_000;
+
+pub const CLAIM: &str = "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
+     VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond') \
+     ON CONFLICT (tenant, key) DO NOTHING \
+     RETURNING lock_version";
+
+pub const ADVANCE: &str = "UPDATE idempotency_keys \
+     SET recovery_point = $4, phase_output = $5, attempts = 1, last_error = NULL, \
+         locked_until = now() + $6::bigint * interval '1 millisecond', updated_at = now() \
+     WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+
+pub const FINISH: &str = "UPDATE idempotency_keys \
+     SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
+         response_status = $5, response_headers = $6, response_body = $7, updated_at = now() \
+     WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+
+/// The raw replay: one primary-key select of the stored response.
+pub const SELECT_RESPONSE: &str = "SELECT response_status, response_headers, response_body \
+     FROM idempotency_keys WHERE tenant = $1 AND key = $2";
+
+/// What the raw requests store, fixed: the engine computes these per request.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    pub fingerprint: Vec<u8>,
+    pub request: serde_json::Value,
+}
+
+fn headers() -> Json<Vec<(String, String)>> {
+    Json(vec![(
+        "content-type".to_owned(),
+        "application/json".to_owned(),
+    )])
+}
+
+async fn claim(
+    connection: &mut sqlx::PgConnection,
+    shape: &Shape,
+    workflow: &str,
+    key: &str,
+) -> Result<i64, Error> {
+    let row: Option<(i64,)> = sqlx::query_as(CLAIM)
+        .bind(TENANT)
+        .bind(key)
+        .bind(shape.fingerprint.as_slice())
+        .bind(workflow)
+        .bind(Json(&shape.request))
+        .bind(LEASE_MS)
+        .fetch_optional(connection)
+        .await?;
+    Ok(row
+        .ok_or_else(|| format!("raw claim of a fresh key {key} found it taken"))?
+        .0)
+}
+
+/// Workload 1, raw: BEGIN, claim, order insert, advance, COMMIT; (no-op); BEGIN, order update,
+/// finish, COMMIT.
+pub async fn checkout(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error> {
+    let mut tx = pool.begin().await?;
+    let lock_version = claim(&mut tx, shape, CHECKOUT, key).await?;
+    let (order_id,): (i64,) = sqlx::query_as(INSERT_ORDER)
+        .bind(TENANT)
+        .bind(key)
+        .bind(100_i64)
+        .fetch_one(&mut *tx)
+        .await?;
+    let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
+    sqlx::query(ADVANCE)
+        .bind(TENANT)
+        .bind(key)
+        .bind(lock_version)
+        .bind("create_order")
+        .bind(Json(&output))
+        .bind(LEASE_MS)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+
+    let mut tx = pool.begin().await?;
+    sqlx::query(MARK_PAID)
+        .bind(order_id)
+        .bind("paid")
+        .bind("attempt-1")
+        .execute(&mut *tx)
+        .await?;
+    let body = format!(r#"{{"charge_id":"ch_{order_id}","order_id":{order_id},"status":"paid"}}"#);
+    sqlx::query(FINISH)
+        .bind(TENANT)
+        .bind(key)
+        .bind(lock_version)
+        .bind("mark_paid")
+        .bind(201_i16)
+        .bind(headers())
+        .bind(body.as_bytes())
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Workload 2, raw: BEGIN, claim, order insert, finish, COMMIT.
+pub async fn place(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error> {
+    let mut tx = pool.begin().await?;
+    let lock_version = claim(&mut tx, shape, PLACE, key).await?;
+    let (order_id,): (i64,) = sqlx::query_as(INSERT_ORDER)
+        .bind(TENANT)
+        .bind(key)
+        .bind(100_i64)
+        .fetch_one(&mut *tx)
+        .await?;
+    let body = format!(r#"{{"order_id":{order_id},"status":"created"}}"#);
+    sqlx::query(FINISH)
+        .bind(TENANT)
+        .bind(key)
+        .bind(lock_version)
+        .bind("place_order")
+        .bind(201_i16)
+        .bind(headers())
+        .bind(body.as_bytes())
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// A stored response: status, headers, body.
+type StoredRow = (i16, Json<Vec<(String, String)>>, Vec<u8>);
+
+/// Workload 3, raw: the primary-key select of the stored response, on a pooled connection.
+pub async fn replay(pool: &PgPool, key: &str) -> Result<(), Error> {
+    let row: Option<StoredRow> = sqlx::query_as(SELECT_RESPONSE)
+        .bind(TENANT)
+        .bind(key)
+        .fetch_optional(pool)
+        .await?;
+    match row {
+        Some((201, _, _)) => Ok(()),
+        other => Err(format!("raw replay of {key}: {other:?}").into()),
+    }
+}

@@ -1,0 +1,472 @@
+//! The result: everything measured (written as JSON) and the tables printed from it.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::db::ServerCounts;
+use crate::load::LatencySummary;
+use crate::wire_counts::WireCount;
+
+/// Workload identifiers, as they appear in the JSON and the tables.
+pub const CHECKOUT: &str = "1-checkout";
+pub const LOCAL_ONLY: &str = "2-local-only";
+pub const REPLAY: &str = "3-replay";
+pub const STORM: &str = "4-storm";
+pub const DRAIN: &str = "5-drain";
+pub const RETENTION: &str = "6-retention";
+pub const HTTP_CHECKOUT: &str = "7-http-checkout";
+pub const HTTP_REPLAY: &str = "7-http-replay";
+
+/// Variants of a workload.
+pub const ENGINE: &str = "engine";
+pub const ENGINE_HOOK: &str = "engine + never-firing crash hook";
+pub const ENGINE_LOOKUP: &str = "engine, lookup_first";
+pub const RAW: &str = "raw sqlx";
+pub const HTTP: &str = "engine over HTTP";
+pub const PGBENCH_ENGINE: &str = "pgbench: engine statements";
+pub const PGBENCH_REFERENCE: &str = "pgbench: reference shape";
+pub const PGBENCH_RAW_SELECT: &str = "pgbench: raw select";
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub quick: bool,
+    pub machine: Machine,
+    pub settings: Settings,
+    /// Every timed run.
+    pub runs: Vec<Run>,
+    /// Commits and round trips per request, counted on the wire (single client).
+    pub wire: Vec<WireCount>,
+    /// How often a crash hook is consulted per checkout request (a counting hook, on the wire
+    /// run), and what one consultation costs (in process).
+    pub hook_calls_per_request: Option<f64>,
+    pub hook_nanos_per_call: Option<f64>,
+    pub storm: Option<Storm>,
+    pub drain: Vec<Drain>,
+    pub retention: Option<Retention>,
+    pub targets: Vec<Target>,
+    /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
+    pub load_trace: Vec<(String, String)>,
+    pub notes: Vec<String>,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub cpu_model: Option<String>,
+    pub memory_gib: Option<f64>,
+    pub kernel: Option<String>,
+    pub load_average_start: Option<String>,
+    pub load_average_end: Option<String>,
+    /// server_version, fsync, synchronous_commit, …
+    pub postgres: Vec<(String, String)>,
+    /// "available", or why not.
+    pub pg_stat_statements: String,
+    /// pgbench's version, when installed (and used).
+    pub pgbench: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Settings {
+    pub clients: Vec<usize>,
+    pub duration_secs: f64,
+    pub warm_up_secs: f64,
+    pub replay_keys: u64,
+    pub reference_clients: usize,
+}
+
+/// One timed run of one variant at one concurrency.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    pub workload: String,
+    pub variant: String,
+    pub clients: usize,
+    pub requests: u64,
+    pub seconds: f64,
+    pub per_second: f64,
+    /// Whole-request latency (pgbench: only its mean).
+    pub latency: LatencySummary,
+    /// Request start to the first local phase (BEGIN and the claim done), where measured.
+    pub claim: Option<LatencySummary>,
+    /// From pg_stat_database (and pg_stat_statements), warm-up included.
+    pub server: Option<ServerCounts>,
+    /// How far apart the rates of this variant's two halves were (|a - b| / mean): the noise
+    /// floor of a comparison between variants.
+    pub spread: Option<f64>,
+    /// This process's CPU time per request during the run (user + system, 10 ms resolution
+    /// over the run): the client side's own cost — engine, sqlx, tokio (and for HTTP rows the
+    /// server and the client too). Not measured for pgbench.
+    pub client_cpu_us_per_request: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Storm {
+    pub clients: usize,
+    pub keys_per_round: usize,
+    pub rounds: usize,
+    pub requests: u64,
+    pub executed: u64,
+    pub replayed: u64,
+    pub in_progress: u64,
+    pub other: u64,
+    /// Every key ran each phase exactly once (orders rows, foreign calls, finished keys).
+    pub one_execution_per_key: bool,
+    pub winners: LatencySummary,
+    pub in_progress_latency: LatencySummary,
+    pub replayed_latency: LatencySummary,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Drain {
+    pub resumers: usize,
+    pub concurrency_per_resumer: usize,
+    pub keys: u64,
+    pub finished: u64,
+    pub seconds: f64,
+    pub keys_per_second: f64,
+    pub keys_per_second_per_resumer: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Retention {
+    pub rows: u64,
+    pub batch: i64,
+    pub deleted: u64,
+    pub seconds: f64,
+    pub rows_per_second: f64,
+    pub seed_seconds: f64,
+    /// Workload 1 just before, and while retention ran.
+    pub idle: Run,
+    pub during: Run,
+    /// The same rows again, deleted by the same statement paced to a budget (what the engine's
+    /// `expire` does not do).
+    pub paced: Option<Paced>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Paced {
+    pub budget_rows_per_second: f64,
+    pub deleted: u64,
+    pub seconds: f64,
+    pub rows_per_second: f64,
+    pub during: Run,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    pub name: String,
+    pub measured: String,
+    pub target: String,
+    /// `None`: not measured in this run.
+    pub met: Option<bool>,
+}
+
+impl Report {
+    pub fn run(&self, workload: &str, variant: &str, clients: usize) -> Option<&Run> {
+        self.runs.iter().find(|run| {
+            run.workload == workload && run.variant == variant && run.clients == clients
+        })
+    }
+
+    pub fn wire(&self, workload: &str, variant: &str) -> Option<&WireCount> {
+        self.wire
+            .iter()
+            .find(|count| count.workload == workload && count.variant == variant)
+    }
+
+    /// The ratio printed beside a run: engine variants against the raw baseline of the same
+    /// workload; pgbench runs as the engine's rate over theirs.
+    fn ratio(&self, run: &Run) -> Option<f64> {
+        let base = match run.workload.as_str() {
+            HTTP_CHECKOUT => CHECKOUT,
+            HTTP_REPLAY => REPLAY,
+            other => other,
+        };
+        if run.variant.starts_with("pgbench") {
+            let engine = self.run(base, ENGINE, run.clients)?;
+            Some(engine.per_second / run.per_second)
+        } else if run.variant == RAW {
+            None
+        } else {
+            let raw = self.run(base, RAW, run.clients)?;
+            Some(run.per_second / raw.per_second)
+        }
+    }
+
+    fn target_for(&self, run: &Run) -> Option<&Target> {
+        let name = target_name(&run.workload, &run.variant, run.clients)?;
+        self.targets.iter().find(|target| target.name == name)
+    }
+
+    /// The tables, as printed.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let m = &self.machine;
+        let _ = writeln!(
+            out,
+            "machine: {} cpus ({}), {:.1} GiB, load {} → {}; PostgreSQL {}",
+            m.cpus,
+            m.cpu_model.as_deref().unwrap_or("?"),
+            m.memory_gib.unwrap_or(0.0),
+            m.load_average_start.as_deref().unwrap_or("?"),
+            m.load_average_end.as_deref().unwrap_or("?"),
+            m.postgres
+                .iter()
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+        );
+        let _ = writeln!(
+            out,
+            "pg_stat_statements: {}; pgbench: {}; {} s per run after {} s warm-up{}",
+            m.pg_stat_statements,
+            m.pgbench.as_deref().unwrap_or("not used"),
+            self.settings.duration_secs,
+            self.settings.warm_up_secs,
+            if self.quick {
+                " (quick: smoke test, figures not meaningful)"
+            } else {
+                ""
+            },
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "{:<16} {:<33} {:>3} {:>9} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
+            "workload",
+            "variant",
+            "cl",
+            "req/s",
+            "p50 ms",
+            "p95 ms",
+            "p99 ms",
+            "ratio",
+            "cpu µs",
+            "xc/req",
+            "st/req",
+            "target",
+            "met?"
+        );
+        for run in &self.runs {
+            let target = self.target_for(run);
+            let _ = writeln!(
+                out,
+                "{:<16} {:<33} {:>3} {:>9.0} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
+                run.workload,
+                run.variant,
+                run.clients,
+                run.per_second,
+                ms(run.latency.p50_ms.or(run.latency.mean_ms)),
+                ms(run.latency.p95_ms),
+                ms(run.latency.p99_ms),
+                self.ratio(run)
+                    .map_or("".to_owned(), |ratio| format!("{ratio:.2}")),
+                run.client_cpu_us_per_request
+                    .map_or("".to_owned(), |us| format!("{us:.0}")),
+                run.server
+                    .map_or("".to_owned(), |s| format!("{:.2}", s.commits_per_request)),
+                run.server
+                    .and_then(|s| s.statements_per_request)
+                    .map_or("".to_owned(), |s| format!("{s:.2}")),
+                target.map_or("", |target| target.target.as_str()),
+                target.map_or("", |target| met(target.met)),
+            );
+        }
+        let _ = writeln!(
+            out,
+            "ratio: engine rows ÷ raw sqlx at the same clients; pgbench rows: engine ÷ pgbench. \
+             cpu µs: this process's CPU time per request (engine + sqlx + tokio; HTTP rows: + server and client). \
+             xc/req: pg_stat_database xact_commit per request (read-only transactions included); \
+             st/req: pg_stat_statements calls per request."
+        );
+
+        let _ = writeln!(out, "\ncounted on the wire (one client, after a warm-up):");
+        let _ = writeln!(
+            out,
+            "{:<16} {:<33} {:>5} {:>8} {:>12} {:>6} {:>10}",
+            "workload", "variant", "reqs", "commits", "round trips", "pings", "documented"
+        );
+        for count in &self.wire {
+            let documented = match (count.expected_commits, count.expected_round_trips) {
+                (Some(commits), Some(trips)) => format!(
+                    "{commits}/{trips} {}",
+                    if count.as_documented() {
+                        "ok"
+                    } else {
+                        "DIFFERS"
+                    }
+                ),
+                _ => String::new(),
+            };
+            let _ = writeln!(
+                out,
+                "{:<16} {:<33} {:>5} {:>8.2} {:>12.2} {:>6.2} {:>10}",
+                count.workload,
+                count.variant,
+                count.requests,
+                count.commits_per_request,
+                count.round_trips_per_request,
+                count.pings_per_request,
+                documented
+            );
+        }
+        if let Some(calls) = self.hook_calls_per_request {
+            let _ = writeln!(
+                out,
+                "crash hook consulted {calls:.1} times per checkout request"
+            );
+        }
+
+        if let Some(storm) = &self.storm {
+            let _ = writeln!(
+                out,
+                "\nduplicate storm: {} clients on {} keys × {} rounds: {} executed, {} answered 409 in progress, \
+                 {} replayed, {} other; one execution per key: {}",
+                storm.clients,
+                storm.keys_per_round,
+                storm.rounds,
+                storm.executed,
+                storm.in_progress,
+                storm.replayed,
+                storm.other,
+                storm.one_execution_per_key
+            );
+            let _ = writeln!(
+                out,
+                "  latency p50/p99/max ms: winners {}, 409 losers {}, replayed losers {}",
+                triple(&storm.winners),
+                triple(&storm.in_progress_latency),
+                triple(&storm.replayed_latency)
+            );
+        }
+        if !self.drain.is_empty() {
+            let _ = writeln!(out, "\nresumer drain:");
+            for drain in &self.drain {
+                let _ = writeln!(
+                    out,
+                    "  {} resumer(s) × concurrency {}: {} keys in {:.2} s = {:.0} keys/s ({:.0} per resumer)",
+                    drain.resumers,
+                    drain.concurrency_per_resumer,
+                    drain.finished,
+                    drain.seconds,
+                    drain.keys_per_second,
+                    drain.keys_per_second_per_resumer
+                );
+            }
+        }
+        if let Some(retention) = &self.retention {
+            let _ = writeln!(
+                out,
+                "\nretention: {} of {} finished keys deleted in batches of {} in {:.2} s = {:.0} rows/s \
+                 (seeded in {:.1} s), with workload 1 at {} clients:",
+                retention.deleted,
+                retention.rows,
+                retention.batch,
+                retention.seconds,
+                retention.rows_per_second,
+                retention.seed_seconds,
+                retention.idle.clients
+            );
+            let mut rows = vec![("idle", &retention.idle), ("during", &retention.during)];
+            if let Some(paced) = &retention.paced {
+                let _ = writeln!(
+                    out,
+                    "  paced to {:.0} rows/s (expire_batch + pause, bench-side): {} rows in {:.2} s = {:.0} rows/s",
+                    paced.budget_rows_per_second,
+                    paced.deleted,
+                    paced.seconds,
+                    paced.rows_per_second
+                );
+                rows.push(("paced", &paced.during));
+            }
+            for (label, run) in rows {
+                let _ = writeln!(
+                    out,
+                    "  {label:<6} {:>7.0} req/s, request p99 {} ms, claim p50/p99/max {} ms",
+                    run.per_second,
+                    ms(run.latency.p99_ms),
+                    run.claim.as_ref().map_or("-".to_owned(), triple)
+                );
+            }
+        }
+
+        let _ = writeln!(
+            out,
+            "\ntargets (judged at {} clients):",
+            self.settings.reference_clients
+        );
+        let _ = writeln!(
+            out,
+            "{:<58} {:>22} {:>14} {:>5}",
+            "target", "measured", "target", "met?"
+        );
+        for target in &self.targets {
+            let _ = writeln!(
+                out,
+                "{:<58} {:>22} {:>14} {:>5}",
+                target.name,
+                target.measured,
+                target.target,
+                met(target.met)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "load average by section: {}",
+            self.load_trace
+                .iter()
+                .map(|(section, load)| format!("{section}: {load}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+        for note in &self.notes {
+            let _ = writeln!(out, "note: {note}");
+        }
+        out
+    }
+}
+
+/// The target shown on a run's row, by the name it has in the targets table.
+pub fn target_name(workload: &str, variant: &str, clients: usize) -> Option<String> {
+    let name = match (workload, variant) {
+        (CHECKOUT, ENGINE) => "1 checkout: engine ÷ raw sqlx",
+        (CHECKOUT, PGBENCH_ENGINE) => "1 checkout: engine ÷ pgbench (engine statements)",
+        (CHECKOUT, PGBENCH_REFERENCE) => "1 checkout: engine ÷ pgbench (reference shape)",
+        (CHECKOUT, ENGINE_HOOK) => "crash hook: throughput lost in workload 1",
+        (CHECKOUT, ENGINE_LOOKUP) => "1 checkout, lookup_first: engine ÷ raw sqlx",
+        (LOCAL_ONLY, ENGINE) => "2 one local phase: engine ÷ raw sqlx",
+        (LOCAL_ONLY, ENGINE_LOOKUP) => "2 one local phase, lookup_first: engine ÷ raw sqlx",
+        (REPLAY, ENGINE) => "3 replay: engine ÷ raw primary-key select",
+        (REPLAY, ENGINE_LOOKUP) => "3 replay, lookup_first: engine ÷ raw primary-key select",
+        _ => return None,
+    };
+    Some(format!("{name} @{clients}"))
+}
+
+fn ms(value: Option<f64>) -> String {
+    value.map_or("-".to_owned(), |ms| {
+        if ms < 10.0 {
+            format!("{ms:.2}")
+        } else {
+            format!("{ms:.1}")
+        }
+    })
+}
+
+fn triple(summary: &LatencySummary) -> String {
+    format!(
+        "{}/{}/{}",
+        ms(summary.p50_ms),
+        ms(summary.p99_ms),
+        ms(summary.max_ms)
+    )
+}
+
+fn met(met: Option<bool>) -> &'static str {
+    match met {
+        Some(true) => "yes",
+        Some(false) => "NO",
+        None => "n/a",
+    }
+}

@@ -1,0 +1,99 @@
+//! The CI smoke test: the benchmark's quick mode runs every workload against DATABASE_URL and
+//! counts exactly the documented commits and round trips per request (docs/protocol.md,
+//! tests/round_trips.rs). Times are asserted nowhere.
+#![allow(clippy::unwrap_used)]
+
+use idemflow_bench::report::{
+    CHECKOUT, ENGINE, ENGINE_HOOK, ENGINE_LOOKUP, HTTP, HTTP_CHECKOUT, HTTP_REPLAY, LOCAL_ONLY,
+    RAW, REPLAY,
+};
+use idemflow_bench::{Config, Report};
+
+fn assert_counts(report: &Report, workload: &str, variant: &str, commits: u64, round_trips: u64) {
+    let count = report
+        .wire(workload, variant)
+        .unwrap_or_else(|| panic!("no wire count for {workload} / {variant}"));
+    assert!(count.requests > 0, "{count:?}");
+    assert_eq!(count.total_commits, commits * count.requests, "{count:?}");
+    assert_eq!(
+        count.total_round_trips,
+        round_trips * count.requests,
+        "{count:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quick_mode_completes_with_the_documented_counts() {
+    let url = std::env::var("DATABASE_URL")
+        .expect("DATABASE_URL must name a PostgreSQL server (scripts/test finds one)");
+    let report = idemflow_bench::run(&Config::quick(url)).await.unwrap();
+
+    // The numbers of docs/protocol.md, as tests/round_trips.rs asserts them: new local →
+    // foreign → local: 2 commits, BEGIN, claim, advance, COMMIT; BEGIN, finish, COMMIT (7) + its
+    // two phase statements; one local phase: 1 commit, 4 + 1; a replay: no commit, BEGIN,
+    // claim, inspect, ROLLBACK.
+    assert_eq!(idemflow_bench::DOCUMENTED_CHECKOUT, (2, 9));
+    assert_eq!(idemflow_bench::DOCUMENTED_LOCAL_ONLY, (1, 5));
+    assert_eq!(idemflow_bench::DOCUMENTED_REPLAY, (0, 4));
+    assert_counts(&report, CHECKOUT, ENGINE, 2, 7 + 2);
+    assert_counts(&report, CHECKOUT, ENGINE_HOOK, 2, 7 + 2);
+    assert_counts(&report, LOCAL_ONLY, ENGINE, 1, 4 + 1);
+    assert_counts(&report, REPLAY, ENGINE, 0, 4);
+    // With RunnerConfig::lookup_first (tests/round_trips.rs, docs/protocol.md): a replay is the
+    // one look-up; a new request pays it on top.
+    assert_eq!(
+        idemflow_bench::DOCUMENTED_CHECKOUT_LOOKUP_FIRST,
+        (2, 1 + 7 + 2)
+    );
+    assert_eq!(
+        idemflow_bench::DOCUMENTED_LOCAL_ONLY_LOOKUP_FIRST,
+        (1, 1 + 4 + 1)
+    );
+    assert_eq!(idemflow_bench::DOCUMENTED_REPLAY_LOOKUP_FIRST, (0, 1));
+    assert_counts(&report, CHECKOUT, ENGINE_LOOKUP, 2, 1 + 7 + 2);
+    assert_counts(&report, LOCAL_ONLY, ENGINE_LOOKUP, 1, 1 + 4 + 1);
+    assert_counts(&report, REPLAY, ENGINE_LOOKUP, 0, 1);
+    assert_counts(&report, HTTP_CHECKOUT, HTTP, 2, 7 + 2);
+    assert_counts(&report, HTTP_REPLAY, HTTP, 0, 4);
+    // The raw baseline: the same statements for new requests, one select for a replay.
+    assert_counts(&report, CHECKOUT, RAW, 2, 9);
+    assert_counts(&report, LOCAL_ONLY, RAW, 1, 5);
+    assert_counts(&report, REPLAY, RAW, 0, 1);
+    assert_eq!(report.hook_calls_per_request, Some(6.0));
+
+    // The server agrees: xact_commit per request (read-only autocommit selects count as commits).
+    for (workload, variant, commits) in [
+        (CHECKOUT, ENGINE, 2.0),
+        (LOCAL_ONLY, ENGINE, 1.0),
+        (REPLAY, ENGINE, 0.0),
+        (REPLAY, ENGINE_LOOKUP, 1.0),
+        (REPLAY, RAW, 1.0),
+    ] {
+        for &clients in &report.settings.clients {
+            let run = report.run(workload, variant, clients).unwrap();
+            assert!(run.requests > 0, "{run:?}");
+            let server = run.server.unwrap();
+            // Autovacuum may add a transaction or two to the database's count.
+            assert!(
+                (server.commits_per_request - commits).abs() < 0.1,
+                "{workload} {variant} at {clients}: {server:?}"
+            );
+        }
+    }
+
+    let storm = report.storm.as_ref().unwrap();
+    assert!(storm.one_execution_per_key);
+    assert_eq!(storm.executed as usize, storm.rounds * storm.keys_per_round);
+    assert_eq!(
+        storm.executed + storm.in_progress + storm.replayed,
+        storm.requests
+    );
+    for drain in &report.drain {
+        assert_eq!(drain.finished, drain.keys, "{drain:?}");
+    }
+    let retention = report.retention.as_ref().unwrap();
+    assert_eq!(retention.deleted, retention.rows);
+    assert!(!report.targets.is_empty());
+    assert!(!report.table().is_empty());
+    serde_json::to_string(&report).unwrap();
+}
