@@ -73,9 +73,13 @@ async fn quick_mode_completes_with_the_documented_counts() {
             let run = report.run(workload, variant, clients).unwrap();
             assert!(run.requests > 0, "{run:?}");
             let server = run.server.unwrap();
-            // Autovacuum may add a transaction or two to the database's count.
+            // A sanity check only (the exact counts are the wire's, above): the server also
+            // counts each new connection's setup and whatever autovacuum did, which in a
+            // quick run of a few dozen requests on a loaded machine can add a tenth or more.
+            let slack = 0.1 + (4.0 * clients as f64 + 4.0) / run.requests as f64;
             assert!(
-                (server.commits_per_request - commits).abs() < 0.1,
+                server.commits_per_request >= commits - 0.1
+                    && server.commits_per_request <= commits + slack,
                 "{workload} {variant} at {clients}: {server:?}"
             );
         }
