@@ -137,4 +137,6 @@ async fn looking_up_first_answers_a_replay_in_one_round_trip(
     let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up-2", "new").await;
     executed(&outcome);
     assert_eq!((used.round_trips, used.commits), (1 + 4 + 1, 1), "{used:?}");
+    // The look-up's connection goes on to hold the claim: one connection, one release ping.
+    assert_eq!(used.pings, 1, "{used:?}");
 }

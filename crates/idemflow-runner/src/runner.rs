@@ -16,7 +16,7 @@ use crate::error::{RunError, corrupt};
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
 use crate::phase::PhaseContext;
-use crate::transaction::begin;
+use crate::transaction::{begin, begin_on};
 use crate::workflow::{Carry, Workflow};
 
 /// A request as the runner fingerprints it: method, path and a JSON body.
@@ -180,13 +180,20 @@ impl Runner {
             request,
             mut input,
         } = accepted;
-        if self.config.lookup_first
-            && let Some(outcome) = self.look_up(workflow, tenant, &key, &fingerprint).await?
-        {
-            return Ok(outcome);
+        // With lookup_first, the connection that found nothing goes on to hold the claim: no
+        // second acquisition, no second release ping.
+        let mut looked_up = None;
+        if self.config.lookup_first {
+            match self.look_up(workflow, tenant, &key, &fingerprint).await? {
+                LookUp::Answered(outcome) => return Ok(outcome),
+                LookUp::Claim(connection) => looked_up = connection,
+            }
         }
         for _ in 0..CLAIM_ROUNDS {
-            let mut tx = begin(&self.pool).await?;
+            let mut tx = match looked_up.take() {
+                Some(connection) => begin_on(connection).await?,
+                None => begin(&self.pool).await?,
+            };
             let claim = ClaimRequest {
                 tenant,
                 key: &key,
@@ -305,10 +312,10 @@ impl Runner {
         tenant: &TenantId,
         key: &Key,
         fingerprint: &Fingerprint,
-    ) -> Result<Option<Outcome>, RunError> {
+    ) -> Result<LookUp, RunError> {
         let mut connection = self.pool.acquire().await?;
         let Some(row) = store::inspect(&mut connection, tenant, key).await? else {
-            return Ok(None);
+            return Ok(LookUp::Claim(Some(connection)));
         };
         drop(connection);
         let state = if row.done {
@@ -324,10 +331,18 @@ impl Runner {
             state,
         };
         match decide(&stored, fingerprint, workflow.name()) {
-            Decision::TakeOver => Ok(None),
-            decision => answer(workflow, decision, row.response).map(Some),
+            Decision::TakeOver => Ok(LookUp::Claim(None)),
+            decision => answer(workflow, decision, row.response).map(LookUp::Answered),
         }
     }
+}
+
+/// What the look-up before a claim found.
+enum LookUp {
+    /// Someone else's key: the answer.
+    Answered(Outcome),
+    /// Claim (or take over) as usual, on this connection if there is one.
+    Claim(Option<sqlx::pool::PoolConnection<sqlx::Postgres>>),
 }
 
 /// The answer to a request whose key is someone else's: a replay, a 409 or a 422.
