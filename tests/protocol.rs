@@ -98,7 +98,7 @@ async fn fifty_concurrent_attempts_run_each_phase_once(
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn concurrent_duplicates_of_a_local_only_workflow_wait_and_replay(
+async fn concurrent_duplicates_of_a_local_only_workflow_get_409_or_the_replay(
     options: PgPoolOptions,
     connect: PgConnectOptions,
 ) {
@@ -124,12 +124,12 @@ async fn concurrent_duplicates_of_a_local_only_workflow_wait_and_replay(
         .filter(|outcome| matches!(outcome, Outcome::Executed(_)))
         .count();
     assert_eq!(executed_count, 1);
-    // One transaction holds the claim and the effect: the others wait on it and replay.
-    assert!(
-        outcomes
-            .iter()
-            .all(|outcome| matches!(outcome, Outcome::Executed(_) | Outcome::Replayed(_)))
-    );
+    // One transaction holds the claim and the effect. A duplicate that arrives while it is open
+    // is told so at once (409), without waiting on it; one that arrives after gets the replay.
+    assert!(outcomes.iter().all(|outcome| matches!(
+        outcome,
+        Outcome::Executed(_) | Outcome::Replayed(_) | Outcome::InProgress { .. }
+    )));
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 1);
 }
 
@@ -635,7 +635,6 @@ async fn a_terminal_error_can_release_the_key_instead(pool: PgPool) {
     harness.finish.fail_terminally.store(true, Ordering::SeqCst);
     let config = RunnerConfig {
         terminal_errors: TerminalPolicy::Release,
-        ..RunnerConfig::default()
     };
     let (runner, workflow) = (
         Runner::with_config(pool.clone(), config),
@@ -762,17 +761,10 @@ async fn a_request_failing_the_workflows_check_is_rejected_before_its_claim(pool
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn looking_up_first_answers_duplicates_and_still_claims_and_takes_over(pool: PgPool) {
+async fn the_look_up_answers_duplicates_and_still_claims_and_takes_over(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
-    let config = RunnerConfig {
-        lookup_first: true,
-        ..RunnerConfig::default()
-    };
-    let (runner, workflow) = (
-        Runner::with_config(pool.clone(), config),
-        harness.checkout(),
-    );
+    let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
     let first = executed(&run(&runner, &workflow, &tenant(1), "k", &body(1)).await).clone();
     assert_eq!(
         run(&runner, &workflow, &tenant(1), "k", &body(1)).await,

@@ -3,7 +3,8 @@
 //! The rule: a new request commits 1 + (number of foreign phases) times. The claim commits with
 //! the local phases before the first foreign call; each foreign result commits with the local
 //! phases after it (and with finish). Round trips are the engine's statements plus BEGIN and
-//! COMMIT; the phases' own statements are counted separately (one each here).
+//! COMMIT; the phases' own statements are counted separately (one each here). A new key's claim
+//! shares its message with the BEGIN of its transaction.
 #![allow(clippy::unwrap_used)]
 
 mod support;
@@ -66,8 +67,10 @@ async fn a_local_only_request_is_one_transaction(
     let (outcome, used) = measure(&runner, &harness.local_only(), &counts, "warm-up", "k").await;
     executed(&outcome);
     assert_eq!(used.commits, 1, "{used:?}");
-    // BEGIN, claim, place_order's insert, finish, COMMIT.
+    // Look-up, BEGIN with the claim, place_order's insert, finish, COMMIT.
     assert_eq!(used.round_trips, 4 + 1, "{used:?}");
+    // The look-up's connection goes on to hold the claim: one acquisition, one release ping.
+    assert_eq!(used.pings, 1, "{used:?}");
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
@@ -79,8 +82,8 @@ async fn local_foreign_local_commits_twice(options: PgPoolOptions, connect: PgCo
     let (outcome, used) = measure(&runner, &harness.checkout(), &counts, "warm-up", "k").await;
     executed(&outcome);
     assert_eq!(used.commits, 2, "{used:?}");
-    // BEGIN, claim, create_order's insert, advance, COMMIT; the charge; BEGIN, mark_paid's
-    // update, finish, COMMIT.
+    // Look-up, BEGIN with the claim, create_order's insert, advance, COMMIT; the charge; BEGIN,
+    // mark_paid's update, finish, COMMIT.
     assert_eq!(used.round_trips, 7 + 2, "{used:?}");
 }
 
@@ -109,34 +112,53 @@ async fn a_replay_commits_nothing(options: PgPoolOptions, connect: PgConnectOpti
     let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up", "k").await;
     assert!(matches!(outcome, Outcome::Replayed(_)), "{outcome:?}");
     assert_eq!(used.commits, 0, "{used:?}");
-    // BEGIN, claim (conflict), inspect, ROLLBACK.
-    assert_eq!(used.round_trips, 4, "{used:?}");
+    // The look-up alone, outside any transaction.
+    assert_eq!(used.round_trips, 1, "{used:?}");
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn looking_up_first_answers_a_replay_in_one_round_trip(
+async fn a_key_resumed_before_a_foreign_phase_calls_out_at_once(
     options: PgPoolOptions,
     connect: PgConnectOptions,
 ) {
     let (pool, counts) = counted_pool(options, connect).await;
     create_orders(&pool).await;
     let harness = Harness::default();
-    let config = idemflow::RunnerConfig {
-        lookup_first: true,
-        ..idemflow::RunnerConfig::default()
-    };
-    let runner = Runner::with_config(pool.clone(), config);
-    let workflow = harness.local_only();
-    executed(&run(&runner, &workflow, &tenant(1), "k", &body(1)).await);
+    let runner = Runner::new(pool.clone());
+    let workflow = harness.checkout();
     executed(&run(&runner, &workflow, &tenant(1), "warm-up", &body(1)).await);
-    let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up", "k").await;
-    assert!(matches!(outcome, Outcome::Replayed(_)), "{outcome:?}");
-    assert_eq!((used.round_trips, used.commits), (1, 0), "{used:?}");
+    // The charge fails once: the key stays at create_order, released for a retry.
+    harness
+        .provider
+        .script
+        .fail_next
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let interrupted = run(&runner, &workflow, &tenant(1), "k", &body(1)).await;
+    assert!(
+        matches!(interrupted, Outcome::Interrupted { .. }),
+        "{interrupted:?}"
+    );
+    expire_lease(&pool, "k").await;
+    let mut connection = pool.acquire().await.unwrap();
+    let due = idemflow::store::take_over_due(
+        &mut connection,
+        &[workflow.name().to_owned()],
+        10,
+        workflow.lease(),
+    )
+    .await
+    .unwrap();
+    drop(connection);
+    let taken = due.into_iter().next().unwrap().taken;
+    assert_eq!(taken.recovery_point, "create_order");
 
-    // A new request pays one round trip more: the look-up that found nothing.
-    let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up-2", "new").await;
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let before = counts.snapshot();
+    let outcome = runner.resume(&workflow, taken).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let used = counts.snapshot() - before;
     executed(&outcome);
-    assert_eq!((used.round_trips, used.commits), (1 + 4 + 1, 1), "{used:?}");
-    // The look-up's connection goes on to hold the claim: one connection, one release ping.
-    assert_eq!(used.pings, 1, "{used:?}");
+    // The takeover is already committed, so nothing is committed before the charge: the charge;
+    // BEGIN, mark_paid's update, finish, COMMIT.
+    assert_eq!((used.commits, used.round_trips), (1, 3 + 1), "{used:?}");
 }

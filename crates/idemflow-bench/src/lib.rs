@@ -33,12 +33,7 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 /// (commits, round trips).
 pub const DOCUMENTED_CHECKOUT: (u64, u64) = (2, 7 + 2);
 pub const DOCUMENTED_LOCAL_ONLY: (u64, u64) = (1, 4 + 1);
-pub const DOCUMENTED_REPLAY: (u64, u64) = (0, 4);
-/// The same with `RunnerConfig::lookup_first`: a new request pays the look-up that found nothing
-/// (one round trip more), a replay is that one look-up.
-pub const DOCUMENTED_CHECKOUT_LOOKUP_FIRST: (u64, u64) = (2, 1 + 7 + 2);
-pub const DOCUMENTED_LOCAL_ONLY_LOOKUP_FIRST: (u64, u64) = (1, 1 + 4 + 1);
-pub const DOCUMENTED_REPLAY_LOOKUP_FIRST: (u64, u64) = (0, 1);
+pub const DOCUMENTED_REPLAY: (u64, u64) = (0, 1);
 
 /// Runs every workload against a scratch database on `config.database_url`, which is dropped
 /// at the end whatever happens.

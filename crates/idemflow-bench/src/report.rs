@@ -21,7 +21,6 @@ pub const HTTP_REPLAY: &str = "7-http-replay";
 /// Variants of a workload.
 pub const ENGINE: &str = "engine";
 pub const ENGINE_HOOK: &str = "engine + never-firing crash hook";
-pub const ENGINE_LOOKUP: &str = "engine, lookup_first";
 pub const RAW: &str = "raw sqlx";
 pub const HTTP: &str = "engine over HTTP";
 pub const PGBENCH_ENGINE: &str = "pgbench: engine statements";
@@ -434,11 +433,8 @@ pub fn target_name(workload: &str, variant: &str, clients: usize) -> Option<Stri
         (CHECKOUT, PGBENCH_ENGINE) => "1 checkout: engine ÷ pgbench (engine statements)",
         (CHECKOUT, PGBENCH_REFERENCE) => "1 checkout: engine ÷ pgbench (reference shape)",
         (CHECKOUT, ENGINE_HOOK) => "crash hook: throughput lost in workload 1",
-        (CHECKOUT, ENGINE_LOOKUP) => "1 checkout, lookup_first: engine ÷ raw sqlx",
         (LOCAL_ONLY, ENGINE) => "2 one local phase: engine ÷ raw sqlx",
-        (LOCAL_ONLY, ENGINE_LOOKUP) => "2 one local phase, lookup_first: engine ÷ raw sqlx",
         (REPLAY, ENGINE) => "3 replay: engine ÷ raw primary-key select",
-        (REPLAY, ENGINE_LOOKUP) => "3 replay, lookup_first: engine ÷ raw primary-key select",
         _ => return None,
     };
     Some(format!("{name} @{clients}"))

@@ -18,17 +18,13 @@ use crate::db::{Mark, Scratch, ServerCounts};
 use crate::load::{Latencies, LatencySummary, Measured, Until, closed_loop, process_cpu};
 use crate::raw::{self, Shape};
 use crate::report::{
-    self, CHECKOUT, DRAIN, Drain, ENGINE, ENGINE_HOOK, ENGINE_LOOKUP, HTTP, HTTP_CHECKOUT,
-    HTTP_REPLAY, LOCAL_ONLY, Machine, PGBENCH_ENGINE, PGBENCH_REFERENCE, Paced, RAW, REPLAY,
-    Report, Retention, Run, Settings, Storm, Target,
+    self, CHECKOUT, DRAIN, Drain, ENGINE, ENGINE_HOOK, HTTP, HTTP_CHECKOUT, HTTP_REPLAY,
+    LOCAL_ONLY, Machine, PGBENCH_ENGINE, PGBENCH_REFERENCE, Paced, RAW, REPLAY, Report, Retention,
+    Run, Settings, Storm, Target,
 };
 use crate::wire_counts::{self, WireCount, counted_pool, settle};
 use crate::workflows::{self, CLAIMED_AT, CountingHook, Ledger, NeverCrash, TENANT};
-use crate::{
-    DOCUMENTED_CHECKOUT, DOCUMENTED_CHECKOUT_LOOKUP_FIRST, DOCUMENTED_LOCAL_ONLY,
-    DOCUMENTED_LOCAL_ONLY_LOOKUP_FIRST, DOCUMENTED_REPLAY, DOCUMENTED_REPLAY_LOOKUP_FIRST, Error,
-    http, pgbench,
-};
+use crate::{DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, http, pgbench};
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, Error>> + Send>>;
 /// One request of a workload: `(client, sequence)` → the request's claim time, if it has one.
@@ -126,18 +122,9 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
     for &clients in &config.clients {
         trace(&format!("workloads 1-3 at {clients} clients"));
         let plans: [&[(&str, &str)]; 3] = [
-            &[
-                (CHECKOUT, ENGINE),
-                (CHECKOUT, ENGINE_HOOK),
-                (CHECKOUT, ENGINE_LOOKUP),
-                (CHECKOUT, RAW),
-            ],
-            &[
-                (LOCAL_ONLY, ENGINE),
-                (LOCAL_ONLY, ENGINE_LOOKUP),
-                (LOCAL_ONLY, RAW),
-            ],
-            &[(REPLAY, ENGINE), (REPLAY, ENGINE_LOOKUP), (REPLAY, RAW)],
+            &[(CHECKOUT, ENGINE), (CHECKOUT, ENGINE_HOOK), (CHECKOUT, RAW)],
+            &[(LOCAL_ONLY, ENGINE), (LOCAL_ONLY, RAW)],
+            &[(REPLAY, ENGINE), (REPLAY, RAW)],
         ];
         for plan in plans {
             runs.extend(interleaved(&ctx, clients, plan).await?);
@@ -295,13 +282,9 @@ fn seed_started_sql(ctx: &Ctx<'_>, prefix: &str, keys: u64) -> String {
 
 // -------------------------------------------------------------- operations --
 
-/// The runner a variant runs: `lookup_first` for that variant, `hook` installed for the hook's.
+/// The runner a variant runs: `hook` installed for the hook's.
 fn runner_for(variant: &str, pool: PgPool, hook: Arc<dyn idemflow::CrashHook>) -> Runner {
-    let config = RunnerConfig {
-        lookup_first: variant == ENGINE_LOOKUP,
-        ..RunnerConfig::default()
-    };
-    let runner = Runner::with_config(pool, config);
+    let runner = Runner::with_config(pool, RunnerConfig::default());
     if variant == ENGINE_HOOK {
         runner.with_crash_hook(hook)
     } else {
@@ -652,19 +635,8 @@ async fn wire_counts(ctx: &Ctx<'_>) -> Result<(Vec<WireCount>, Option<f64>), Err
     for (workload, variant, expected) in [
         (CHECKOUT, ENGINE, Some(DOCUMENTED_CHECKOUT)),
         (CHECKOUT, ENGINE_HOOK, Some(DOCUMENTED_CHECKOUT)),
-        (
-            CHECKOUT,
-            ENGINE_LOOKUP,
-            Some(DOCUMENTED_CHECKOUT_LOOKUP_FIRST),
-        ),
         (LOCAL_ONLY, ENGINE, Some(DOCUMENTED_LOCAL_ONLY)),
-        (
-            LOCAL_ONLY,
-            ENGINE_LOOKUP,
-            Some(DOCUMENTED_LOCAL_ONLY_LOOKUP_FIRST),
-        ),
         (REPLAY, ENGINE, Some(DOCUMENTED_REPLAY)),
-        (REPLAY, ENGINE_LOOKUP, Some(DOCUMENTED_REPLAY_LOOKUP_FIRST)),
     ] {
         let (pool, counts) = counted_pool(ctx.scratch).await?;
         let hook = Arc::new(CountingHook::default());
@@ -1206,18 +1178,8 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
             .map(|(engine, raw)| engine <= raw),
     });
     targets.push(ratio_target(
-        name(CHECKOUT, ENGINE_LOOKUP),
-        over(rate(CHECKOUT, ENGINE_LOOKUP), rate(CHECKOUT, RAW)),
-        0.8,
-    ));
-    targets.push(ratio_target(
         name(LOCAL_ONLY, ENGINE),
         over(rate(LOCAL_ONLY, ENGINE), rate(LOCAL_ONLY, RAW)),
-        0.85,
-    ));
-    targets.push(ratio_target(
-        name(LOCAL_ONLY, ENGINE_LOOKUP),
-        over(rate(LOCAL_ONLY, ENGINE_LOOKUP), rate(LOCAL_ONLY, RAW)),
         0.85,
     ));
     targets.push(exact(
@@ -1234,16 +1196,6 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
     targets.push(exact(
         "3 replay: round trips per request",
         replay_trips,
-        1.0,
-    ));
-    targets.push(ratio_target(
-        name(REPLAY, ENGINE_LOOKUP),
-        over(rate(REPLAY, ENGINE_LOOKUP), rate(REPLAY, RAW)),
-        0.9,
-    ));
-    targets.push(exact(
-        "3 replay, lookup_first: round trips per request",
-        wire(REPLAY, ENGINE_LOOKUP).map(|count| count.round_trips_per_request),
         1.0,
     ));
     if let Some(storm) = &report.storm {

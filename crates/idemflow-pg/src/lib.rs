@@ -2,11 +2,17 @@
 //!
 //! The store knows keys, leases and fencing tokens; it knows nothing of workflows beyond their
 //! names. Each function is one statement (one round trip) on a connection the caller provides, so
-//! the caller decides which statements share a transaction. docs/protocol.md explains why each is
+//! the caller decides which statements share a transaction; [`begin_claim`] is the one exception,
+//! a `BEGIN` and the claim in one message. docs/protocol.md explains why each is
 //! safe at Read Committed.
 
+mod claim;
 mod maintenance;
 mod store;
+mod transaction;
+
+pub use claim::{Claimed, begin_claim};
+pub use transaction::Transaction;
 
 pub use maintenance::{
     DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, expire_batch, key_report,
@@ -14,8 +20,8 @@ pub use maintenance::{
 };
 
 pub use store::{
-    ClaimRequest, KeyRow, Owner, StoreError, TakenOver, advance, claim, delete_owned, finish,
-    inspect, release, renew_lease, take_over,
+    ClaimRequest, KeyRow, LookUp, Owner, StoreError, TakenOver, advance, claim, delete_owned,
+    finish, inspect, look_up, release, renew_lease, take_over,
 };
 
 /// The schema migrations, embedded at build time from the workspace's `migrations/` folder.

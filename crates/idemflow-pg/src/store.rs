@@ -2,7 +2,46 @@ use std::time::Duration;
 
 use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
 use serde_json::Value;
+use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
+
+use crate::claim::claim_lock;
+
+/// The columns [`key_row`] decodes, in its order, of the table aliased `$t` (`k.`), or not (``).
+/// A macro so every statement stays one `&'static str`, prepared once per connection.
+macro_rules! key_row_columns {
+    ($t:literal) => {
+        concat!(
+            $t,
+            "fingerprint, ",
+            $t,
+            "workflow, ",
+            $t,
+            "state = 'done', ",
+            $t,
+            "recovery_point, ",
+            "CASE WHEN ",
+            $t,
+            "state = 'started' ",
+            "THEN greatest(0, ceil(extract(epoch FROM ",
+            $t,
+            "locked_until - now()) * 1000))::bigint ",
+            "ELSE 0 END, ",
+            $t,
+            "lock_version, ",
+            $t,
+            "attempts, ",
+            $t,
+            "last_error, ",
+            $t,
+            "response_status, ",
+            $t,
+            "response_headers, ",
+            $t,
+            "response_body"
+        )
+    };
+}
 
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
@@ -115,19 +154,65 @@ pub async fn inspect(
     tenant: &TenantId,
     key: &Key,
 ) -> Result<Option<KeyRow>, StoreError> {
-    let row = sqlx::query(
-        "SELECT fingerprint, workflow, state = 'done', recovery_point, \
-                CASE WHEN state = 'started' \
-                     THEN greatest(0, ceil(extract(epoch FROM locked_until - now()) * 1000))::bigint \
-                     ELSE 0 END, \
-                lock_version, attempts, last_error, response_status, response_headers, response_body \
-         FROM idempotency_keys WHERE tenant = $1 AND key = $2",
-    )
+    let row = sqlx::query(concat!(
+        "SELECT ",
+        key_row_columns!(""),
+        " FROM idempotency_keys WHERE tenant = $1 AND key = $2"
+    ))
     .bind(tenant.as_str())
     .bind(key.as_str())
     .fetch_optional(connection)
     .await?;
-    let Some(row) = row else { return Ok(None) };
+    row.as_ref().map(key_row).transpose()
+}
+
+/// What [`look_up`] found.
+#[derive(Debug, Clone)]
+pub enum LookUp {
+    /// The key exists (committed).
+    Found(KeyRow),
+    /// No committed row, but a claim of this key is in flight: its transaction has not
+    /// committed yet. The request is concurrent with it.
+    Claiming,
+    /// No row and no claim in flight: the key is new.
+    Absent,
+}
+
+/// The first statement of every request: reads the key outside any transaction, in one round
+/// trip. A retry of a finished key, a concurrent duplicate and a reused key all get their answer
+/// from it alone. A claim in flight is invisible to this snapshot, so the statement also tries
+/// the claim's advisory lock (shared, released as the statement ends): if a claim holds it, the
+/// key is being claimed right now.
+pub async fn look_up(
+    connection: &mut PgConnection,
+    tenant: &TenantId,
+    key: &Key,
+) -> Result<LookUp, StoreError> {
+    let row = sqlx::query(concat!(
+        "SELECT ",
+        key_row_columns!("k."),
+        ", CASE WHEN k.key IS NULL THEN NOT pg_try_advisory_xact_lock_shared($3) ELSE false END \
+         FROM (SELECT) AS one \
+         LEFT JOIN idempotency_keys AS k ON k.tenant = $1 AND k.key = $2"
+    ))
+    .bind(tenant.as_str())
+    .bind(key.as_str())
+    .bind(claim_lock(tenant, key))
+    .fetch_one(connection)
+    .await?;
+    let absent: Option<Vec<u8>> = row.get(0);
+    if absent.is_some() {
+        return key_row(&row).map(LookUp::Found);
+    }
+    let claiming: bool = row.get(11);
+    Ok(if claiming {
+        LookUp::Claiming
+    } else {
+        LookUp::Absent
+    })
+}
+
+fn key_row(row: &PgRow) -> Result<KeyRow, StoreError> {
     let fingerprint_bytes: Vec<u8> = row.get(0);
     let fingerprint = Fingerprint::from_slice(&fingerprint_bytes).ok_or_else(|| {
         StoreError::Corrupt(format!("fingerprint of {} bytes", fingerprint_bytes.len()))
@@ -148,7 +233,7 @@ pub async fn inspect(
     } else {
         None
     };
-    Ok(Some(KeyRow {
+    Ok(KeyRow {
         fingerprint,
         workflow: row.get(1),
         done,
@@ -158,7 +243,7 @@ pub async fn inspect(
         attempts: row.get(6),
         last_error: row.get(7),
         response,
-    }))
+    })
 }
 
 /// Takes over a started key whose lease expired, by compare-and-set on the fencing token the

@@ -16,9 +16,4 @@ pub enum TerminalPolicy {
 #[derive(Debug, Clone, Default)]
 pub struct RunnerConfig {
     pub terminal_errors: TerminalPolicy,
-    /// Look the key up (one primary-key read, outside any transaction) before claiming it.
-    /// A retry of a finished key is then answered in one round trip instead of three, and a new
-    /// request pays one round trip more. Worth it where retries are common (mobile clients,
-    /// flaky networks); off by default, which favours new requests.
-    pub lookup_first: bool,
 }

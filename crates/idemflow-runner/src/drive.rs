@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use idemflow_core::{DerivedKey, Fingerprint, StoredResponse};
 use idemflow_pg::{self as store, ClaimRequest, Owner, StoreError};
 use serde_json::Value;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
 use tracing::Instrument;
 
 use crate::config::TerminalPolicy;
@@ -17,15 +17,16 @@ use crate::metrics;
 use crate::outcome::Outcome;
 use crate::phase::{PhaseContext, PhaseError, PhaseErrorKind};
 use crate::runner::Runner;
-use crate::transaction::begin;
 use crate::workflow::{Carry, GiveUp, Step, Workflow};
 
-pub(crate) type Tx = Transaction<'static, Postgres>;
+pub(crate) type Tx = idemflow_pg::Transaction;
 
-/// Where a drive starts: an owned key, its open transaction, and the next phase to run.
+/// Where a drive starts: an owned key, its open transaction if any, and the next phase to run.
 pub(crate) struct Start {
     pub owner: Owner,
-    pub tx: Tx,
+    /// The claim's transaction (`Some`) or none yet: a resumed key begins one only when a local
+    /// phase or a record needs it, so a key resumed before a foreign phase calls out at once.
+    pub tx: Option<Tx>,
     pub position: usize,
     pub carry: Carry,
     /// The recovery point the row holds.
@@ -81,18 +82,14 @@ impl Runner {
 
         loop {
             while let Some(Step::Local(local)) = workflow.steps.get(position) {
+                let open = opened(&mut tx, &self.pool).await?;
                 let span =
                     tracing::debug_span!("idemflow.phase", phase = local.name(), kind = "local");
                 let started = Instant::now();
                 // An uncommitted claim cannot be taken over (nobody else sees it): no heartbeat.
                 let heartbeat = claim.is_none();
                 let ran = self
-                    .with_heartbeat(
-                        heartbeat,
-                        &owner,
-                        lease,
-                        local.run(&mut tx, carry, &context),
-                    )
+                    .with_heartbeat(heartbeat, &owner, lease, local.run(open, carry, &context))
                     .await;
                 metrics::phase_duration(workflow.name(), local.name(), "local", started.elapsed());
                 match ran {
@@ -102,7 +99,7 @@ impl Runner {
                         position += 1;
                     }
                     Ok(Err(error)) => {
-                        tx.rollback().await?;
+                        rolled_back(tx).await?;
                         let failure = Failure {
                             phase: local.name(),
                             retry_policy: local.retry_policy(),
@@ -118,7 +115,7 @@ impl Runner {
                             .await;
                     }
                     Err(lost) => {
-                        tx.rollback().await?;
+                        rolled_back(tx).await?;
                         metrics::count(metrics::FENCED, workflow.name());
                         return Err(lost);
                     }
@@ -129,15 +126,19 @@ impl Runner {
                 // The chain ended: its output is the response, stored with the last effects.
                 let last = &workflow.steps[position - 1];
                 let response = downcast_response(carry)?;
+                let mut open = match tx {
+                    Some(open) => open,
+                    None => Tx::begin(&self.pool).await?,
+                };
                 if let Err(error) =
-                    store::finish(&mut tx, &owner, last.name().as_str(), &response).await
+                    store::finish(&mut open, &owner, last.name().as_str(), &response).await
                 {
-                    tx.rollback().await?;
+                    open.rollback().await?;
                     return Err(self.fenced_or(workflow, error));
                 }
                 self.crash_points
                     .check(|| CrashPoint::BeforeFinish, &owner.key)?;
-                tx.commit().await?;
+                open.commit().await?;
                 self.crash_points
                     .check(|| CrashPoint::AfterFinish, &owner.key)?;
                 metrics::count(metrics::FINISHED, workflow.name());
@@ -145,7 +146,8 @@ impl Runner {
                 return Ok(Outcome::Executed(response));
             };
 
-            // Make everything so far durable before calling out.
+            // Make everything so far durable before calling out. A key resumed right before this
+            // phase has nothing to make durable, and no transaction: it calls out at once.
             let mut committed = "claim";
             if let Some(index) = unrecorded.take() {
                 let step = &workflow.steps[index];
@@ -153,22 +155,25 @@ impl Runner {
                     Some((name, output)) if name == step.name().as_str() => output,
                     _ => step.encode_output(&carry).map_err(corrupt)?,
                 };
+                let open = opened(&mut tx, &self.pool).await?;
                 if let Err(error) =
-                    store::advance(&mut tx, &owner, step.name().as_str(), &output, lease).await
+                    store::advance(open, &owner, step.name().as_str(), &output, lease).await
                 {
-                    tx.rollback().await?;
+                    rolled_back(tx).await?;
                     return Err(self.fenced_or(workflow, error));
                 }
                 recorded_point = step.name().as_str().to_owned();
                 context.attempt = 1;
                 committed = step.name().as_str();
             }
-            self.crash_points
-                .check(|| CrashPoint::BeforeCommit { phase: committed }, &owner.key)?;
-            tx.commit().await?;
-            claim = None;
-            self.crash_points
-                .check(|| CrashPoint::AfterCommit { phase: committed }, &owner.key)?;
+            if let Some(open) = tx.take() {
+                self.crash_points
+                    .check(|| CrashPoint::BeforeCommit { phase: committed }, &owner.key)?;
+                open.commit().await?;
+                claim = None;
+                self.crash_points
+                    .check(|| CrashPoint::AfterCommit { phase: committed }, &owner.key)?;
+            }
             self.crash_points.check(
                 || CrashPoint::BeforeCall {
                     phase: foreign.name(),
@@ -211,7 +216,6 @@ impl Runner {
                     pending_foreign = Some((foreign.name(), encoded));
                     unrecorded = Some(position);
                     position += 1;
-                    tx = begin(&self.pool).await?;
                     continue;
                 }
                 Ok(Ok(Err(error))) => error,
@@ -300,14 +304,14 @@ impl Runner {
             (&terminal_response, self.config.terminal_errors)
         {
             if claim.is_none() {
-                let mut tx = begin(&self.pool).await?;
+                let mut tx = Tx::begin(&self.pool).await?;
                 let deleted = store::delete_owned(&mut tx, owner).await;
                 fenced(deleted, tx).await?.commit().await?;
             }
             return Ok(Outcome::Released(response.clone()));
         }
 
-        let mut tx = begin(&self.pool).await?;
+        let mut tx = Tx::begin(&self.pool).await?;
         // The claim rolled back with the failed phase: claim again so the key stays resumable
         // (or holds its final response).
         let owner = match &claim {
@@ -435,6 +439,23 @@ async fn heartbeat(pool: &PgPool, owner: &Owner, lease: Duration) -> RunError {
             Err(error) => tracing::warn!(%error, "lease renewal failed"),
         }
     }
+}
+
+/// The open transaction, begun now if there is none yet.
+async fn opened<'t>(tx: &'t mut Option<Tx>, pool: &PgPool) -> Result<&'t mut Tx, RunError> {
+    let open = match tx.take() {
+        Some(open) => open,
+        None => Tx::begin(pool).await?,
+    };
+    Ok(tx.insert(open))
+}
+
+/// Rolls back the transaction, if one was begun.
+async fn rolled_back(tx: Option<Tx>) -> Result<(), RunError> {
+    if let Some(open) = tx {
+        open.rollback().await?;
+    }
+    Ok(())
 }
 
 /// Passes the transaction on after a successful fenced write; rolls it back on failure.

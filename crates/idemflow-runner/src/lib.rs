@@ -12,7 +12,6 @@ mod resumer;
 mod retention;
 mod retry;
 mod runner;
-mod transaction;
 mod workflow;
 
 pub use config::{RunnerConfig, TerminalPolicy};

@@ -4,19 +4,18 @@ use std::time::Duration;
 use idemflow_core::{
     Decision, Fingerprint, Key, KeyState, RecoveryPoint, StoredKey, TenantId, canonicalize, decide,
 };
-use idemflow_pg::{self as store, ClaimRequest, TakenOver};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, LookUp, TakenOver};
 use serde_json::Value;
 use sqlx::PgPool;
 use tracing::Instrument;
 
 use crate::config::RunnerConfig;
 use crate::crash::{CrashHook, CrashPoints};
-use crate::drive::Start;
+use crate::drive::{Start, Tx};
 use crate::error::{RunError, corrupt};
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
 use crate::phase::PhaseContext;
-use crate::transaction::{begin, begin_on};
 use crate::workflow::{Carry, Workflow};
 
 /// A request as the runner fingerprints it: method, path and a JSON body.
@@ -27,7 +26,7 @@ pub struct Request<'a> {
     pub body: &'a [u8],
 }
 
-/// How many times a claim is retried when the key vanishes or changes owner between statements.
+/// How many times a request looks its key up again when the key changes hands between statements.
 const CLAIM_ROUNDS: usize = 3;
 
 /// Executes workflows under idempotency keys.
@@ -146,7 +145,6 @@ impl Runner {
                     .map_err(corrupt)?
             };
             metrics::count(metrics::TAKEOVERS, workflow.name());
-            let tx = begin(&self.pool).await?;
             let context = PhaseContext {
                 tenant: taken.owner.tenant.clone(),
                 key: taken.owner.key.clone(),
@@ -154,7 +152,7 @@ impl Runner {
             };
             let start = Start {
                 owner: taken.owner,
-                tx,
+                tx: None,
                 position,
                 carry,
                 recorded_point: taken.recovery_point,
@@ -168,6 +166,11 @@ impl Runner {
         .await
     }
 
+    /// Looks the key up, then claims it, answers from its row, or takes it over.
+    ///
+    /// One round trip answers a retry, a 409 or a 422 (the look-up, outside any transaction).
+    /// A new key costs one more before the first phase runs: `BEGIN` and the claim travel in one
+    /// message ([`store::begin_claim`]), on the connection the look-up used.
     async fn claim_or_decide(
         &self,
         workflow: &Workflow,
@@ -180,52 +183,59 @@ impl Runner {
             request,
             mut input,
         } = accepted;
-        // With lookup_first, the connection that found nothing goes on to hold the claim: no
-        // second acquisition, no second release ping.
-        let mut looked_up = None;
-        if self.config.lookup_first {
-            match self.look_up(workflow, tenant, &key, &fingerprint).await? {
-                LookUp::Answered(outcome) => return Ok(outcome),
-                LookUp::Claim(connection) => looked_up = connection,
-            }
-        }
+        let mut held = None;
         for _ in 0..CLAIM_ROUNDS {
-            let mut tx = match looked_up.take() {
-                Some(connection) => begin_on(connection).await?,
-                None => begin(&self.pool).await?,
+            let mut connection = match held.take() {
+                Some(connection) => connection,
+                None => self.pool.acquire().await?,
             };
-            let claim = ClaimRequest {
-                tenant,
-                key: &key,
-                fingerprint: &fingerprint,
-                workflow: workflow.name(),
-                request: &request,
-                lease: workflow.lease(),
-            };
-            if let Some(owner) = store::claim(&mut tx, &claim).await? {
-                tracing::Span::current().record("lock_version", owner.lock_version);
-                metrics::count(metrics::CLAIMS, workflow.name());
-                let context = PhaseContext {
-                    tenant: tenant.clone(),
-                    key: key.clone(),
-                    attempt: 1,
-                };
-                let start = Start {
-                    owner,
-                    tx,
-                    position: 0,
-                    carry: input,
-                    recorded_point: RecoveryPoint::START.to_owned(),
-                    context,
-                    request,
-                    claim: Some(fingerprint),
-                };
-                return self.drive(workflow, start).await;
-            }
-            let Some(row) = store::inspect(&mut tx, tenant, &key).await? else {
-                // Deleted between the claim and the read (retention): claim again.
-                tx.rollback().await?;
-                continue;
+            let row = match store::look_up(&mut connection, tenant, &key).await? {
+                LookUp::Found(row) => row,
+                LookUp::Claiming => {
+                    // Another request holds this key's uncommitted claim: it is in flight.
+                    metrics::count(metrics::CONFLICTS, workflow.name());
+                    tracing::debug!("in progress: being claimed");
+                    return Ok(Outcome::InProgress {
+                        retry_after: CLAIMING_RETRY_AFTER,
+                    });
+                }
+                LookUp::Absent => {
+                    let claim = ClaimRequest {
+                        tenant,
+                        key: &key,
+                        fingerprint: &fingerprint,
+                        workflow: workflow.name(),
+                        request: &request,
+                        lease: workflow.lease(),
+                    };
+                    match store::begin_claim(connection, &claim).await? {
+                        Claimed::Owned(tx, owner) => {
+                            tracing::Span::current().record("lock_version", owner.lock_version);
+                            metrics::count(metrics::CLAIMS, workflow.name());
+                            let context = PhaseContext {
+                                tenant: tenant.clone(),
+                                key: key.clone(),
+                                attempt: 1,
+                            };
+                            let start = Start {
+                                owner,
+                                tx: Some(tx),
+                                position: 0,
+                                carry: input,
+                                recorded_point: RecoveryPoint::START.to_owned(),
+                                context,
+                                request,
+                                claim: Some(fingerprint),
+                            };
+                            return self.drive(workflow, start).await;
+                        }
+                        Claimed::Lost(connection) => {
+                            // A claim committed between the look-up and ours: look again.
+                            held = Some(connection);
+                            continue;
+                        }
+                    }
+                }
             };
             let state = if row.done {
                 KeyState::Done
@@ -240,110 +250,65 @@ impl Runner {
                 state,
             };
             let decision = decide(&stored, &fingerprint, workflow.name());
-            match decision {
-                Decision::Replay | Decision::InProgress { .. } | Decision::Mismatch => {
-                    // Not ours: nothing was written. The transaction is dropped rather than
-                    // rolled back here; sqlx sends the ROLLBACK when the connection goes back to
-                    // the pool, so the client does not wait for that round trip.
-                    drop(tx);
-                    return answer(workflow, decision, row.response);
-                }
-                Decision::TakeOver => {
-                    let lease = workflow.lease();
-                    let Some(taken) =
-                        store::take_over(&mut tx, tenant, &key, row.lock_version, lease).await?
-                    else {
-                        // Someone else took it over or finished it first: look again.
-                        tx.rollback().await?;
-                        continue;
-                    };
-                    tracing::Span::current().record("lock_version", taken.owner.lock_version);
-                    tracing::info!(recovery_point = %taken.recovery_point, "took over an expired lease");
-                    metrics::count(metrics::TAKEOVERS, workflow.name());
-                    let position = match position_after(workflow, &taken.recovery_point) {
-                        Ok(position) => position,
-                        Err(error) => {
-                            tx.rollback().await?;
-                            return Err(error);
-                        }
-                    };
-                    let carry = if position == 0 {
-                        // The request this call decoded is the stored one: same fingerprint.
-                        std::mem::replace(&mut input, Box::new(()))
-                    } else {
-                        let output = taken.phase_output.unwrap_or(Value::Null);
-                        workflow.steps[position - 1]
-                            .decode_output(output)
-                            .map_err(corrupt)?
-                    };
-                    let context = PhaseContext {
-                        tenant: tenant.clone(),
-                        key: key.clone(),
-                        attempt: u32::try_from(taken.attempts).unwrap_or(1),
-                    };
-                    let start = Start {
-                        owner: taken.owner,
-                        tx,
-                        position,
-                        carry,
-                        recorded_point: taken.recovery_point,
-                        context,
-                        request: taken.request,
-                        claim: None,
-                    };
-                    return self.drive(workflow, start).await;
-                }
+            if decision != Decision::TakeOver {
+                drop(connection);
+                return answer(workflow, decision, row.response);
             }
+            let mut tx = Tx::begin_on(connection).await?;
+            let lease = workflow.lease();
+            let Some(taken) =
+                store::take_over(&mut tx, tenant, &key, row.lock_version, lease).await?
+            else {
+                // Someone else took it over or finished it first: look again.
+                tx.rollback().await?;
+                continue;
+            };
+            tracing::Span::current().record("lock_version", taken.owner.lock_version);
+            tracing::info!(recovery_point = %taken.recovery_point, "took over an expired lease");
+            metrics::count(metrics::TAKEOVERS, workflow.name());
+            let position = match position_after(workflow, &taken.recovery_point) {
+                Ok(position) => position,
+                Err(error) => {
+                    tx.rollback().await?;
+                    return Err(error);
+                }
+            };
+            let carry = if position == 0 {
+                // The request this call decoded is the stored one: same fingerprint.
+                std::mem::replace(&mut input, Box::new(()))
+            } else {
+                let output = taken.phase_output.unwrap_or(Value::Null);
+                workflow.steps[position - 1]
+                    .decode_output(output)
+                    .map_err(corrupt)?
+            };
+            let context = PhaseContext {
+                tenant: tenant.clone(),
+                key: key.clone(),
+                attempt: u32::try_from(taken.attempts).unwrap_or(1),
+            };
+            let start = Start {
+                owner: taken.owner,
+                tx: Some(tx),
+                position,
+                carry,
+                recorded_point: taken.recovery_point,
+                context,
+                request: taken.request,
+                claim: None,
+            };
+            return self.drive(workflow, start).await;
         }
         // The key kept changing hands under us: tell the client to come back shortly.
         Ok(Outcome::InProgress {
-            retry_after: Duration::from_secs(1),
+            retry_after: CLAIMING_RETRY_AFTER,
         })
     }
 }
 
-impl Runner {
-    /// The cheap duplicate path: one primary-key read outside any transaction. Answers a retry of
-    /// a finished key (and a 409 or a 422) in one round trip; `None` when the key is new or must
-    /// be taken over, and the claim goes on as usual.
-    async fn look_up(
-        &self,
-        workflow: &Workflow,
-        tenant: &TenantId,
-        key: &Key,
-        fingerprint: &Fingerprint,
-    ) -> Result<LookUp, RunError> {
-        let mut connection = self.pool.acquire().await?;
-        let Some(row) = store::inspect(&mut connection, tenant, key).await? else {
-            return Ok(LookUp::Claim(Some(connection)));
-        };
-        drop(connection);
-        let state = if row.done {
-            KeyState::Done
-        } else {
-            KeyState::Started {
-                lease_left: row.lease_left,
-            }
-        };
-        let stored = StoredKey {
-            fingerprint: &row.fingerprint,
-            workflow: &row.workflow,
-            state,
-        };
-        match decide(&stored, fingerprint, workflow.name()) {
-            Decision::TakeOver => Ok(LookUp::Claim(None)),
-            decision => answer(workflow, decision, row.response).map(LookUp::Answered),
-        }
-    }
-}
-
-/// What the look-up before a claim found.
-enum LookUp {
-    /// Someone else's key: the answer.
-    Answered(Outcome),
-    /// Claim (or take over) as usual, on this connection if there is one.
-    Claim(Option<sqlx::pool::PoolConnection<sqlx::Postgres>>),
-}
+/// Retry-After for a key being claimed (or changing hands) right now: its lease is not visible
+/// yet, and the claim's first transaction is usually over in milliseconds.
+const CLAIMING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The answer to a request whose key is someone else's: a replay, a 409 or a 422.
 fn answer(

@@ -1,0 +1,135 @@
+//! A transaction that owns its pooled connection, whatever happens while it begins.
+//!
+//! Why not sqlx's `Transaction`: it takes the connection by value before `BEGIN` runs, so when
+//! the begin statement fails (or its future is dropped half-way) the connection goes back to the
+//! pool in whatever state the server left it, possibly inside an open or aborted transaction
+//! (sqlx issue 4393). The claim's begin statement is *meant* to fail on a conflict (see
+//! [`crate::begin_claim`]), so this type keeps the connection in hand and cleans it up:
+//!
+//! - while beginning, a dropped future closes the connection (the server then rolls back
+//!   whatever began), and a failed begin statement is rolled back explicitly;
+//! - once open, it behaves as sqlx's transaction does: `commit`/`rollback`, and on drop a
+//!   `ROLLBACK` is queued and sent when the connection returns to the pool. sqlx counts the
+//!   transaction, so a phase that calls `begin()` on the connection gets a savepoint.
+
+use std::ops::{Deref, DerefMut};
+
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::PgTransactionManager;
+use sqlx::{PgConnection, PgPool, Postgres, SqlStr};
+use sqlx_core::transaction::TransactionManager;
+
+/// An open transaction on a pooled connection. Dereferences to the connection, so store
+/// functions and phases run their statements inside it.
+#[derive(Debug)]
+pub struct Transaction {
+    connection: PoolConnection<Postgres>,
+    open: bool,
+}
+
+impl Transaction {
+    /// Takes a connection from the pool and begins a transaction on it.
+    pub async fn begin(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        Self::begin_on(pool.acquire().await?).await
+    }
+
+    /// Begins a transaction on a connection the caller already holds.
+    pub async fn begin_on(connection: PoolConnection<Postgres>) -> Result<Self, sqlx::Error> {
+        match Self::begin_with(connection, None).await {
+            Ok(transaction) => Ok(transaction),
+            Err((error, _connection)) => Err(error),
+        }
+    }
+
+    /// Begins with `statement` (a `BEGIN` followed by more statements in one message) or a plain
+    /// `BEGIN`. On failure the connection is handed back idle: the failed transaction was rolled
+    /// back (or, when even that failed, the connection will close rather than return to the pool).
+    pub(crate) async fn begin_with(
+        connection: PoolConnection<Postgres>,
+        statement: Option<SqlStr>,
+    ) -> Result<Self, (sqlx::Error, PoolConnection<Postgres>)> {
+        let mut beginning = Beginning(Some(connection));
+        let result = PgTransactionManager::begin(beginning.connection(), statement).await;
+        match result {
+            Ok(()) => Ok(Self {
+                connection: beginning.finish(),
+                open: true,
+            }),
+            Err(error) => {
+                // sqlx counts the transaction only once its begin statement succeeded; the server
+                // may still be inside it (aborted), so end it here before anyone reuses the
+                // connection. ROLLBACK outside a transaction only warns.
+                let rolled_back = sqlx::Executor::execute(beginning.connection(), "ROLLBACK").await;
+                let mut connection = beginning.finish();
+                if rolled_back.is_err() {
+                    connection.close_on_drop();
+                }
+                Err((error, connection))
+            }
+        }
+    }
+
+    /// Commits. If the commit fails the transaction counts as open, and dropping it rolls back.
+    pub async fn commit(mut self) -> Result<(), sqlx::Error> {
+        PgTransactionManager::commit(&mut self.connection).await?;
+        self.open = false;
+        Ok(())
+    }
+
+    /// Rolls back and waits for the server to confirm.
+    pub async fn rollback(mut self) -> Result<(), sqlx::Error> {
+        PgTransactionManager::rollback(&mut self.connection).await?;
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Deref for Transaction {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.connection
+    }
+}
+
+impl DerefMut for Transaction {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.connection
+    }
+}
+
+impl Drop for Transaction {
+    fn drop(&mut self) {
+        if self.open {
+            // Queued, not sent: it goes out with the connection's return to the pool, so a
+            // caller that drops a transaction it no longer needs does not wait for it.
+            PgTransactionManager::start_rollback(&mut self.connection);
+        }
+    }
+}
+
+/// A connection between `BEGIN` being sent and its outcome being known. Dropped there (the
+/// caller's future cancelled), the connection is closed: its transaction state is unknown.
+struct Beginning(Option<PoolConnection<Postgres>>);
+
+impl Beginning {
+    fn connection(&mut self) -> &mut PgConnection {
+        self.0
+            .as_mut()
+            .expect("a beginning transaction holds its connection until finished")
+    }
+
+    fn finish(mut self) -> PoolConnection<Postgres> {
+        self.0
+            .take()
+            .expect("a beginning transaction holds its connection until finished")
+    }
+}
+
+impl Drop for Beginning {
+    fn drop(&mut self) {
+        if let Some(connection) = &mut self.0 {
+            connection.close_on_drop();
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! The claim's message (`BEGIN`, advisory lock and insert in one round trip) and the look-up
+//! before it, at their edges: a lost race, a claim in flight, a failing insert, a resumed key
+//! with nothing to commit. Every connection must come back clean (no transaction left open or
+//! aborted), so most tests run on a pool of one connection and use it again afterwards.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use idemflow::store::{self, ClaimRequest, Claimed, LookUp};
+use idemflow::{Fingerprint, Key, Outcome, Runner, TenantId};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::*;
+
+fn claim_of<'a>(
+    tenant: &'a TenantId,
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+    request: &'a Value,
+) -> ClaimRequest<'a> {
+    ClaimRequest {
+        tenant,
+        key,
+        fingerprint,
+        workflow: "checkout.v1",
+        request,
+        lease: Duration::from_secs(30),
+    }
+}
+
+/// True when the connection is idle, outside any transaction: there, and only there, a
+/// savepoint is refused as "no active transaction" (inside an open transaction it succeeds,
+/// inside an aborted one it is refused as such).
+async fn idle(connection: &mut sqlx::PgConnection) -> bool {
+    match sqlx::Executor::execute(connection, "SAVEPOINT probe").await {
+        Err(sqlx::Error::Database(error)) => error.code().as_deref() == Some("25P01"),
+        _ => false,
+    }
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_commits_with_its_transaction_and_stores_every_value(pool: PgPool) {
+    let tenant = TenantId::new("tenant-7").unwrap();
+    let key = Key::parse("key with 'quotes' \\ and $$").unwrap();
+    let fingerprint = Fingerprint::from_slice(&[7; 32]).unwrap();
+    let request = json!({"note": "it's \u{e9}t\u{e9} \\ $$", "amount": 100});
+    let claim = claim_of(&tenant, &key, &fingerprint, &request);
+    let connection = pool.acquire().await.unwrap();
+    let Claimed::Owned(tx, owner) = store::begin_claim(connection, &claim).await.unwrap() else {
+        panic!("a new key is ours");
+    };
+    assert_eq!(owner.lock_version, 0);
+    tx.commit().await.unwrap();
+
+    let (stored_tenant, stored_key, stored_fingerprint, stored_request, lease_left): (
+        String,
+        String,
+        Vec<u8>,
+        Value,
+        f64,
+    ) = sqlx::query_as(
+        "SELECT tenant, key, fingerprint, request, \
+                extract(epoch FROM locked_until - now())::float8 FROM idempotency_keys",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(stored_tenant, tenant.as_str());
+    assert_eq!(stored_key, key.as_str());
+    assert_eq!(stored_fingerprint, fingerprint.as_bytes().to_vec());
+    assert_eq!(stored_request, request);
+    assert!(lease_left > 25.0 && lease_left <= 30.0, "{lease_left}");
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_that_loses_the_race_hands_back_an_idle_connection(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = options
+        .max_connections(1)
+        .connect_with(connect)
+        .await
+        .unwrap();
+    let tenant = tenant(1);
+    let key = Key::parse("raced").unwrap();
+    let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
+    let request = json!({"amount": 1});
+    let claim = claim_of(&tenant, &key, &fingerprint, &request);
+    let Claimed::Owned(tx, _) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("first claim");
+    };
+    tx.commit().await.unwrap();
+
+    // As if the look-up had found nothing just before the winner committed.
+    let Claimed::Lost(mut connection) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("the second claim must lose");
+    };
+    assert!(idle(&mut connection).await);
+    assert!(matches!(
+        store::look_up(&mut connection, &tenant, &key)
+            .await
+            .unwrap(),
+        LookUp::Found(_)
+    ));
+    drop(connection);
+    // The pool's only connection is fine for whoever takes it next.
+    let mut again = pool.acquire().await.unwrap();
+    assert!(idle(&mut again).await);
+    drop(again);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        1
+    );
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_that_fails_otherwise_is_an_error_and_stores_nothing(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = options
+        .max_connections(1)
+        .connect_with(connect)
+        .await
+        .unwrap();
+    let tenant = tenant(1);
+    let key = Key::parse("nul").unwrap();
+    let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
+    // jsonb cannot hold U+0000 (the runner refuses such requests before claiming; the store
+    // itself must still fail cleanly).
+    let request = json!({"note": "a\u{0}b"});
+    let claim = claim_of(&tenant, &key, &fingerprint, &request);
+    let error = store::begin_claim(pool.acquire().await.unwrap(), &claim)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, store::StoreError::Database(_)), "{error:?}");
+    let mut connection = pool.acquire().await.unwrap();
+    assert!(idle(&mut connection).await);
+    drop(connection);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        0
+    );
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_in_flight_makes_a_duplicate_in_progress_at_once(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let workflow = harness.checkout();
+    let tenant = tenant(1);
+    let key = Key::parse("in-flight").unwrap();
+    let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
+    let request = json!({"amount": 1, "source": "tok_visa"});
+    let claim = claim_of(&tenant, &key, &fingerprint, &request);
+    let Claimed::Owned(held, _) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("first claim");
+    };
+
+    let mut connection = pool.acquire().await.unwrap();
+    assert!(matches!(
+        store::look_up(&mut connection, &tenant, &key)
+            .await
+            .unwrap(),
+        LookUp::Claiming
+    ));
+    drop(connection);
+    // The duplicate is answered from the look-up alone: it never waits on the open claim (if it
+    // did, this would not return before `held` is rolled back below).
+    let duplicate = tokio::time::timeout(
+        Duration::from_secs(30),
+        run(&runner, &workflow, &tenant, "in-flight", &body(1)),
+    )
+    .await
+    .expect("the duplicate waited on the claim in flight");
+    assert!(
+        matches!(duplicate, Outcome::InProgress { .. }),
+        "{duplicate:?}"
+    );
+
+    // The claim rolls back (its request failed before any commit): the key is new again.
+    held.rollback().await.unwrap();
+    let mut connection = pool.acquire().await.unwrap();
+    assert!(matches!(
+        store::look_up(&mut connection, &tenant, &key)
+            .await
+            .unwrap(),
+        LookUp::Absent
+    ));
+    drop(connection);
+    executed(&run(&runner, &workflow, &tenant, "in-flight", &body(1)).await);
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_racing_an_uncommitted_one_waits_and_loses(pool: PgPool) {
+    let tenant = tenant(1);
+    let key = Key::parse("racing").unwrap();
+    let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
+    let request = json!({"amount": 1});
+    let claim = claim_of(&tenant, &key, &fingerprint, &request);
+    let Claimed::Owned(first, _) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("first claim");
+    };
+    let second = {
+        let pool = pool.clone();
+        let (tenant, key, request) = (tenant.clone(), key.clone(), request.clone());
+        tokio::spawn(async move {
+            let claim = claim_of(&tenant, &key, &fingerprint, &request);
+            match store::begin_claim(pool.acquire().await.unwrap(), &claim)
+                .await
+                .unwrap()
+            {
+                Claimed::Owned(..) => "owned",
+                Claimed::Lost(_) => "lost",
+            }
+        })
+    };
+    // The second claim blocks on the first's advisory lock until it commits.
+    eventually(
+        &pool,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        1,
+    )
+    .await;
+    first.commit().await.unwrap();
+    assert_eq!(second.await.unwrap(), "lost");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        1
+    );
+}
