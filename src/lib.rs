@@ -19,7 +19,7 @@ pub use idemflow_runner::{
     BuildError, CrashHook, CrashPoint, DrainReport, DuplicateWorkflow, Failure, FailurePhase,
     ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseValue,
     Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner,
-    RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder, expire, shutdown_signal,
+    RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder, expire, expire_paced, shutdown_signal,
 };
 
 /// Re-exported so phases can name the connection type without a direct sqlx dependency.

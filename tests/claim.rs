@@ -246,3 +246,33 @@ async fn a_claim_racing_an_uncommitted_one_waits_and_loses(pool: PgPool) {
         1
     );
 }
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_connection_whose_prepared_claim_was_discarded_prepares_it_again(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = options
+        .max_connections(1)
+        .connect_with(connect)
+        .await
+        .unwrap();
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let workflow = harness.local_only();
+    executed(&run(&runner, &workflow, &tenant(1), "first", &body(1)).await);
+    // As a `DISCARD ALL` (from a pooler, say) would, for the claim's statement.
+    sqlx::query("DEALLOCATE idemflow_claim_v1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    executed(&run(&runner, &workflow, &tenant(1), "second", &body(1)).await);
+    let mut connection = pool.acquire().await.unwrap();
+    assert!(idle(&mut connection).await);
+    drop(connection);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        2
+    );
+}

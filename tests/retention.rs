@@ -87,6 +87,7 @@ async fn the_worker_runs_retention_periodically(pool: PgPool) {
     let retention = Retention {
         keep_for: Duration::from_secs(3600),
         batch_size: 7,
+        max_rows_per_second: Some(1000),
         every: Duration::from_millis(20),
     };
     let config = ResumerConfig {

@@ -162,3 +162,54 @@ async fn a_key_resumed_before_a_foreign_phase_calls_out_at_once(
     // BEGIN, mark_paid's update, finish, COMMIT.
     assert_eq!((used.commits, used.round_trips), (1, 3 + 1), "{used:?}");
 }
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_duplicate_of_a_key_being_claimed_is_answered_in_one_round_trip(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let direct = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(connect.clone())
+        .await
+        .unwrap();
+    let (pool, counts) = counted_pool(options, connect).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let workflow = harness.checkout();
+    executed(&run(&runner, &workflow, &tenant(1), "warm-up", &body(1)).await);
+
+    // Another request's claim of "k", open (uncommitted) on a connection of its own.
+    let (key, fingerprint, request) = (
+        idemflow::Key::parse("k").unwrap(),
+        idemflow::Fingerprint::from_slice(&[1; 32]).unwrap(),
+        serde_json::json!({"amount": 1, "source": "tok_visa"}),
+    );
+    let tenant = tenant(1);
+    let claim = idemflow::store::ClaimRequest {
+        tenant: &tenant,
+        key: &key,
+        fingerprint: &fingerprint,
+        workflow: workflow.name(),
+        request: &request,
+        lease: workflow.lease(),
+    };
+    let idemflow::store::Claimed::Owned(held, _) =
+        idemflow::store::begin_claim(direct.acquire().await.unwrap(), &claim)
+            .await
+            .unwrap()
+    else {
+        panic!("the key is new");
+    };
+
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let before = counts.snapshot();
+    let outcome = run(&runner, &workflow, &tenant, "k", &body(1)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let used = counts.snapshot() - before;
+    assert!(matches!(outcome, Outcome::InProgress { .. }), "{outcome:?}");
+    // The look-up alone: it sees the claim's advisory lock and never waits on the claim.
+    assert_eq!((used.round_trips, used.commits), (1, 0), "{used:?}");
+    held.rollback().await.unwrap();
+}

@@ -1,11 +1,12 @@
 //! pgbench, where installed: the same statements from a C client (libpq), as the physical limit
 //! of this machine. Scripts are written into a temporary directory.
 //!
-//! The engine's scripts send the engine's very messages, so they run in pgbench's simple query
-//! mode: the claim is `BEGIN; SELECT pg_advisory_xact_lock(…); INSERT …` in one message, which
+//! The engine's new-request scripts send the engine's very messages, so they run in pgbench's
+//! simple query mode: the claim is `BEGIN; EXECUTE idemflow_claim_v1(…)` in one message, which
 //! prepared mode refuses. In simple mode the server also parses the statements the engine sends
-//! prepared, so these figures understate what a C client could do (the engine's ratio to them
-//! flatters the engine a little); the reference shape and the raw select run prepared.
+//! prepared (the look-up, the phases' statements, advance and finish), so these figures
+//! understate what a C client could do, and the engine's ratio to them flatters the engine; the
+//! reference shape, the engine's replay (the look-up) and the raw select run prepared.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -79,13 +80,19 @@ pub fn write_scripts(
              FROM (SELECT) AS one LEFT JOIN idempotency_keys AS k ON k.tenant = {tenant} AND k.key = {key};\n"
         )
     };
-    // The engine's claim message: BEGIN, the advisory lock and the insert, values as hex.
+    // The engine's claim message: BEGIN and the connection's prepared claim (the advisory lock
+    // and the insert), values as hex; prepared once per pgbench connection, as the engine does.
     let begin_claim = |workflow: &str, fingerprint_hex: &str| {
         format!(
-            "BEGIN \\; SELECT pg_advisory_xact_lock(:k) \\; \
+            "\\if :prepared = 0\n\
+             PREPARE idemflow_claim_v1 (bigint, text, text, bytea, text, jsonb, bigint) AS \
              INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
-             VALUES ({tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), {workflow_hex}, {request_hex}::jsonb, \
-             now() + {LEASE_MS} * interval '1 millisecond');\n",
+             SELECT $2, $3, $4, $5, $6, now() + $7 * interval '1 millisecond' \
+             FROM (SELECT pg_advisory_xact_lock($1)) AS locked;\n\
+             \\set prepared 1\n\
+             \\endif\n\
+             BEGIN \\; EXECUTE idemflow_claim_v1(:k, {tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), \
+             {workflow_hex}, {request_hex}::jsonb, {LEASE_MS});\n",
             tenant_hex = text_hex(TENANT),
             workflow_hex = text_hex(workflow),
             request_hex = text_hex(&request_json),
@@ -219,7 +226,8 @@ pub async fn run(
     );
     let mut command = Command::new("pgbench");
     command
-        .args(["-n", "-M", script.protocol, "-c"])
+        // `prepared`: the engine's scripts prepare the claim once per connection (see above).
+        .args(["-n", "-D", "prepared=0", "-M", script.protocol, "-c"])
         .arg(clients.to_string())
         .arg("-j")
         .arg(threads.to_string())

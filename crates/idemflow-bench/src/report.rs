@@ -138,13 +138,13 @@ pub struct Retention {
     /// Workload 1 just before, and while retention ran.
     pub idle: Run,
     pub during: Run,
-    /// The same rows again, deleted by the same statement paced to a budget (what the engine's
-    /// `expire` does not do).
+    /// The same rows again, deleted by the engine's paced retention (`expire_paced`).
     pub paced: Option<Paced>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Paced {
+    pub batch: i64,
     pub budget_rows_per_second: f64,
     pub deleted: u64,
     pub seconds: f64,
@@ -371,7 +371,8 @@ impl Report {
             if let Some(paced) = &retention.paced {
                 let _ = writeln!(
                     out,
-                    "  paced to {:.0} rows/s (expire_batch + pause, bench-side): {} rows in {:.2} s = {:.0} rows/s",
+                    "  paced (expire_paced, batches of {}, at most {:.0} rows/s): {} rows in {:.2} s = {:.0} rows/s",
+                    paced.batch,
                     paced.budget_rows_per_second,
                     paced.deleted,
                     paced.seconds,

@@ -984,28 +984,15 @@ async fn seed_old_keys(ctx: &Ctx<'_>, rows: u64) -> Result<f64, Error> {
     Ok(seconds)
 }
 
-/// The engine's retention (`idemflow::expire`: batches back to back), or, with a budget, the
-/// same statement (`expire_batch`) paced to that many rows per second.
+/// The engine's retention: `idemflow::expire` (batches of `batch` back to back), or, with a
+/// budget, `idemflow::expire_paced` (batches of [`PACED_BATCH`], at most that many rows/s).
 async fn delete_old_keys(pool: PgPool, batch: i64, budget: Option<f64>) -> Result<u64, Error> {
     let keep_for = Duration::from_secs(24 * 60 * 60);
     let Some(rows_per_second) = budget else {
         return Ok(idemflow::expire(&pool, keep_for, batch).await?);
     };
-    let mut total = 0;
-    loop {
-        let started = Instant::now();
-        let mut connection = pool.acquire().await?;
-        let deleted = idemflow::store::expire_batch(&mut connection, keep_for, batch).await?;
-        drop(connection);
-        total += deleted;
-        if deleted < u64::try_from(batch)? {
-            return Ok(total);
-        }
-        let slot = Duration::from_secs_f64(batch as f64 / rows_per_second);
-        if let Some(rest) = slot.checked_sub(started.elapsed()) {
-            tokio::time::sleep(rest).await;
-        }
-    }
+    let rate = u32::try_from(rows_per_second as u64).unwrap_or(u32::MAX);
+    Ok(idemflow::expire_paced(&pool, keep_for, PACED_BATCH, Some(rate)).await?)
 }
 
 /// Workload 1 while the old keys are deleted; returns (rows deleted, seconds, workload 1).
@@ -1063,7 +1050,7 @@ async fn retention(ctx: &Ctx<'_>) -> Result<Retention, Error> {
     let idle = run_loop(clients, Until::Elapsed(config.duration), &idle_op).await?;
     let (deleted, seconds, during) = under_retention(ctx, &op, clients, None).await?;
 
-    // The same rows again, deleted at the target rate instead of flat out.
+    // The same rows again, deleted by the engine's pacing instead of flat out.
     seed_old_keys(ctx, rows).await?;
     let budget = PACED_ROWS_PER_SECOND;
     let (paced_deleted, paced_seconds, paced) =
@@ -1086,6 +1073,7 @@ async fn retention(ctx: &Ctx<'_>) -> Result<Retention, Error> {
             None,
         ),
         paced: Some(Paced {
+            batch: PACED_BATCH,
             budget_rows_per_second: budget,
             deleted: paced_deleted,
             seconds: paced_seconds,
@@ -1115,8 +1103,10 @@ async fn retention(ctx: &Ctx<'_>) -> Result<Retention, Error> {
     Ok(retention)
 }
 
-/// The paced variant's budget: the retention target.
-const PACED_ROWS_PER_SECOND: f64 = 50_000.0;
+/// The paced variant: `expire_paced` with batches of 250 at most 60,000 rows/s (above the
+/// 50,000 rows/s target, with short bursts so the requests in between keep their latency).
+const PACED_ROWS_PER_SECOND: f64 = 60_000.0;
+const PACED_BATCH: i64 = 250;
 
 // ----------------------------------------------------------------- targets --
 
@@ -1241,23 +1231,41 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
         1.1,
     ));
     if let Some(retention) = &report.retention {
+        let p99 = |run: &Run| run.claim.and_then(|claim| claim.p99_ms);
         targets.push(Target {
-            name: "6 retention: rows deleted per second".to_owned(),
+            name: "6 retention, back to back: rows deleted per second".to_owned(),
             measured: format!("{:.0}", retention.rows_per_second),
             target: "≥ 50000".to_owned(),
             met: Some(retention.rows_per_second >= 50_000.0),
         });
-        let p99 = |run: &Run| run.claim.and_then(|claim| claim.p99_ms);
         let ratio = over(p99(&retention.during), p99(&retention.idle));
         targets.push(Target {
             name: format!(
-                "6 retention: claim p99 during ÷ idle (workload 1 @{})",
+                "6 retention, back to back: claim p99 during ÷ idle (workload 1 @{})",
                 retention.idle.clients
             ),
             measured: ratio.map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
             target: "≤ 2×".to_owned(),
             met: ratio.map(|ratio| ratio <= 2.0),
         });
+        if let Some(paced) = &retention.paced {
+            targets.push(Target {
+                name: "6 retention, paced: rows deleted per second".to_owned(),
+                measured: format!("{:.0}", paced.rows_per_second),
+                target: "≥ 50000".to_owned(),
+                met: Some(paced.rows_per_second >= 50_000.0),
+            });
+            let ratio = over(p99(&paced.during), p99(&retention.idle));
+            targets.push(Target {
+                name: format!(
+                    "6 retention, paced: claim p99 during ÷ idle (workload 1 @{})",
+                    retention.idle.clients
+                ),
+                measured: ratio.map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
+                target: "≤ 2×".to_owned(),
+                met: ratio.map(|ratio| ratio <= 2.0),
+            });
+        }
     }
     // End to end, the difference drowns in the run-to-run noise (shown as the larger half-to-half
     // spread of the two variants); the direct estimate is calls × cost per call over the

@@ -24,7 +24,7 @@ pub use phase::{
 };
 pub use registry::{DuplicateWorkflow, Registry};
 pub use resumer::{DrainReport, Resumer, ResumerConfig, shutdown_signal};
-pub use retention::{Retention, expire};
+pub use retention::{Retention, expire, expire_paced};
 pub use retry::RetryPolicy;
 pub use runner::{Request, Runner};
 pub use workflow::{BuildError, Workflow, WorkflowBuilder};

@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 use crate::error::RunError;
 use crate::outcome::Outcome;
 use crate::registry::Registry;
-use crate::retention::{Retention, expire};
+use crate::retention::Retention;
 use crate::runner::Runner;
 
 /// How a [`Resumer`] scans and how much it runs at once.
@@ -163,9 +163,7 @@ impl Resumer {
             {
                 let pool = self.runner.pool().clone();
                 retention_task = Some(tokio::spawn(async move {
-                    if let Err(error) =
-                        expire(&pool, retention.keep_for, retention.batch_size).await
-                    {
+                    if let Err(error) = retention.expire(&pool).await {
                         tracing::error!(%error, "retention failed; it runs again next time");
                     }
                 }));
