@@ -73,11 +73,12 @@ pub fn write_scripts(
     };
     let look_up = |key: &str, lock: &str| {
         format!(
-            "SELECT k.fingerprint, k.workflow, k.state = 'done', k.recovery_point, \
-             CASE WHEN k.state = 'started' THEN greatest(0, ceil(extract(epoch FROM k.locked_until - now()) * 1000))::bigint ELSE 0 END, \
-             k.lock_version, k.attempts, k.last_error, k.response_status, k.response_headers, k.response_body, \
-             CASE WHEN k.key IS NULL THEN NOT pg_try_advisory_xact_lock_shared({lock}) ELSE false END \
-             FROM (SELECT) AS one LEFT JOIN idempotency_keys AS k ON k.tenant = {tenant} AND k.key = {key};\n"
+            "(SELECT fingerprint, workflow, state = 'done', \
+             ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint, \
+             lock_version, response_status, response_headers, response_body, false \
+             FROM idempotency_keys WHERE tenant = {tenant} AND key = {key}) \
+             UNION ALL (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
+             NOT pg_try_advisory_xact_lock_shared({lock})) LIMIT 1;\n"
         )
     };
     // The engine's claim message: BEGIN and the connection's prepared claim (the advisory lock
