@@ -516,11 +516,15 @@ async fn every_kind_of_stale_write_is_fenced(pool: PgPool) {
         request: &request,
         lease: Duration::from_secs(60),
     };
+    let store::Claimed::Owned(claimed, stale) =
+        store::begin_claim(pool.acquire().await.unwrap(), &claim)
+            .await
+            .unwrap()
+    else {
+        panic!("a new key is ours");
+    };
+    claimed.commit().await.unwrap();
     let mut connection = pool.acquire().await.unwrap();
-    let stale = store::claim(&mut connection, &claim)
-        .await
-        .unwrap()
-        .unwrap();
 
     // A live lease cannot be taken over.
     let too_early = store::take_over(

@@ -20,8 +20,8 @@ pub use maintenance::{
 };
 
 pub use store::{
-    ClaimRequest, FoundKey, KeyRow, LookUp, Owner, StoreError, TakenOver, advance, claim,
-    delete_owned, finish, inspect, look_up, release, renew_lease, take_over,
+    ClaimRequest, FoundKey, KeyRow, LookUp, Owner, StoreError, TakenOver, advance, delete_owned,
+    finish, inspect, look_up, release, renew_lease, take_over,
 };
 
 /// The schema migrations, embedded at build time from the workspace's `migrations/` folder.

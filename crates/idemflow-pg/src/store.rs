@@ -80,36 +80,6 @@ fn fenced(rows_affected: u64) -> Result<(), StoreError> {
     }
 }
 
-/// Claims a key: inserts it as started, leased to the caller. `Some(lock_version)` when this call
-/// created the row and so owns the key; `None` when the key already existed.
-///
-/// Run inside the transaction that also holds the leading local phases: a concurrent claim of
-/// the same key waits on the uncommitted unique-index entry and sees the outcome once it commits.
-pub async fn claim(
-    connection: &mut PgConnection,
-    claim: &ClaimRequest<'_>,
-) -> Result<Option<Owner>, StoreError> {
-    let row = sqlx::query(
-        "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
-         VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond') \
-         ON CONFLICT (tenant, key) DO NOTHING \
-         RETURNING lock_version",
-    )
-    .bind(claim.tenant.as_str())
-    .bind(claim.key.as_str())
-    .bind(claim.fingerprint.as_bytes().as_slice())
-    .bind(claim.workflow)
-    .bind(sqlx::types::Json(claim.request))
-    .bind(millis(claim.lease))
-    .fetch_optional(connection)
-    .await?;
-    Ok(row.map(|row| Owner {
-        tenant: claim.tenant.clone(),
-        key: claim.key.clone(),
-        lock_version: row.get(0),
-    }))
-}
-
 /// Reads a key row with every column an operator (or a test tool) looks at; `None` if there is
 /// none. Requests use [`look_up`].
 pub async fn inspect(

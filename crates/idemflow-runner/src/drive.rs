@@ -5,7 +5,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use idemflow_core::{DerivedKey, Fingerprint, StoredResponse};
-use idemflow_pg::{self as store, ClaimRequest, Owner, StoreError};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner, StoreError};
 use serde_json::Value;
 use sqlx::PgPool;
 use tracing::Instrument;
@@ -311,10 +311,9 @@ impl Runner {
             return Ok(Outcome::Released(response.clone()));
         }
 
-        let mut tx = Tx::begin(&self.pool).await?;
         // The claim rolled back with the failed phase: claim again so the key stays resumable
         // (or holds its final response).
-        let owner = match &claim {
+        let (mut tx, owner) = match &claim {
             Some(fingerprint) => {
                 let claim_request = ClaimRequest {
                     tenant: &owner.tenant,
@@ -324,18 +323,18 @@ impl Runner {
                     request: &request,
                     lease: workflow.lease(),
                 };
-                match store::claim(&mut tx, &claim_request).await? {
-                    Some(owner) => owner,
-                    None => {
+                let connection = self.pool.acquire().await?;
+                match store::begin_claim(connection, &claim_request).await? {
+                    Claimed::Owned(tx, owner) => (tx, owner),
+                    Claimed::Lost(_) => {
                         // Another request claimed the key meanwhile; it owns the outcome.
-                        tx.rollback().await?;
                         return Ok(Outcome::InProgress {
                             retry_after: Duration::from_secs(1),
                         });
                     }
                 }
             }
-            None => owner.clone(),
+            None => (Tx::begin(&self.pool).await?, owner.clone()),
         };
         let mut recovery_point = recorded_point;
         let mut recovery_output = None;
