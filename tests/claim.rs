@@ -31,6 +31,26 @@ fn claim_of<'a>(
     }
 }
 
+/// A pool of one connection: a test that uses it again sees the very connection a claim used.
+async fn one_connection(options: PgPoolOptions, connect: PgConnectOptions) -> PgPool {
+    options
+        .max_connections(1)
+        .connect_with(connect)
+        .await
+        .unwrap()
+}
+
+/// Claims a key that must be new; the claim's transaction, still open.
+async fn owned(pool: &PgPool, claim: &ClaimRequest<'_>) -> idemflow::store::Transaction {
+    match store::begin_claim(pool.acquire().await.unwrap(), claim)
+        .await
+        .unwrap()
+    {
+        Claimed::Owned(transaction, _) => transaction,
+        Claimed::Lost(_) => panic!("the key is new"),
+    }
+}
+
 /// True when the connection is idle, outside any transaction: there, and only there, a
 /// savepoint is refused as "no active transaction" (inside an open transaction it succeeds,
 /// inside an aborted one it is refused as such).
@@ -80,22 +100,13 @@ async fn a_claim_that_loses_the_race_hands_back_an_idle_connection(
     options: PgPoolOptions,
     connect: PgConnectOptions,
 ) {
-    let pool = options
-        .max_connections(1)
-        .connect_with(connect)
-        .await
-        .unwrap();
+    let pool = one_connection(options, connect).await;
     let tenant = tenant(1);
     let key = Key::parse("raced").unwrap();
     let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
     let request = json!({"amount": 1});
     let claim = claim_of(&tenant, &key, &fingerprint, &request);
-    let Claimed::Owned(tx, _) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
-        .await
-        .unwrap()
-    else {
-        panic!("first claim");
-    };
+    let tx = owned(&pool, &claim).await;
     tx.commit().await.unwrap();
 
     // As if the look-up had found nothing just before the winner committed.
@@ -128,11 +139,7 @@ async fn a_claim_that_fails_otherwise_is_an_error_and_stores_nothing(
     options: PgPoolOptions,
     connect: PgConnectOptions,
 ) {
-    let pool = options
-        .max_connections(1)
-        .connect_with(connect)
-        .await
-        .unwrap();
+    let pool = one_connection(options, connect).await;
     let tenant = tenant(1);
     let key = Key::parse("nul").unwrap();
     let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
@@ -164,12 +171,7 @@ async fn a_claim_in_flight_makes_a_duplicate_in_progress_at_once(pool: PgPool) {
     let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
     let request = json!({"amount": 1, "source": "tok_visa"});
     let claim = claim_of(&tenant, &key, &fingerprint, &request);
-    let Claimed::Owned(held, _) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
-        .await
-        .unwrap()
-    else {
-        panic!("first claim");
-    };
+    let held = owned(&pool, &claim).await;
 
     let mut connection = pool.acquire().await.unwrap();
     assert!(matches!(
@@ -212,12 +214,7 @@ async fn a_claim_racing_an_uncommitted_one_waits_and_loses(pool: PgPool) {
     let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
     let request = json!({"amount": 1});
     let claim = claim_of(&tenant, &key, &fingerprint, &request);
-    let Claimed::Owned(first, _) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
-        .await
-        .unwrap()
-    else {
-        panic!("first claim");
-    };
+    let first = owned(&pool, &claim).await;
     let second = {
         let pool = pool.clone();
         let (tenant, key, request) = (tenant.clone(), key.clone(), request.clone());
@@ -252,11 +249,7 @@ async fn a_connection_whose_prepared_claim_was_discarded_prepares_it_again(
     options: PgPoolOptions,
     connect: PgConnectOptions,
 ) {
-    let pool = options
-        .max_connections(1)
-        .connect_with(connect)
-        .await
-        .unwrap();
+    let pool = one_connection(options, connect).await;
     create_orders(&pool).await;
     let harness = Harness::default();
     let runner = Runner::new(pool.clone());

@@ -1232,39 +1232,27 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
     ));
     if let Some(retention) = &report.retention {
         let p99 = |run: &Run| run.claim.and_then(|claim| claim.p99_ms);
-        targets.push(Target {
-            name: "6 retention, back to back: rows deleted per second".to_owned(),
-            measured: format!("{:.0}", retention.rows_per_second),
-            target: "≥ 50000".to_owned(),
-            met: Some(retention.rows_per_second >= 50_000.0),
-        });
-        let ratio = over(p99(&retention.during), p99(&retention.idle));
-        targets.push(Target {
-            name: format!(
-                "6 retention, back to back: claim p99 during ÷ idle (workload 1 @{})",
-                retention.idle.clients
-            ),
-            measured: ratio.map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
-            target: "≤ 2×".to_owned(),
-            met: ratio.map(|ratio| ratio <= 2.0),
-        });
-        if let Some(paced) = &retention.paced {
+        let mut judge = |how: &str, rows_per_second: f64, during: &Run| {
             targets.push(Target {
-                name: "6 retention, paced: rows deleted per second".to_owned(),
-                measured: format!("{:.0}", paced.rows_per_second),
+                name: format!("6 retention, {how}: rows deleted per second"),
+                measured: format!("{rows_per_second:.0}"),
                 target: "≥ 50000".to_owned(),
-                met: Some(paced.rows_per_second >= 50_000.0),
+                met: Some(rows_per_second >= 50_000.0),
             });
-            let ratio = over(p99(&paced.during), p99(&retention.idle));
+            let ratio = over(p99(during), p99(&retention.idle));
             targets.push(Target {
                 name: format!(
-                    "6 retention, paced: claim p99 during ÷ idle (workload 1 @{})",
+                    "6 retention, {how}: claim p99 during ÷ idle (workload 1 @{})",
                     retention.idle.clients
                 ),
                 measured: ratio.map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
                 target: "≤ 2×".to_owned(),
                 met: ratio.map(|ratio| ratio <= 2.0),
             });
+        };
+        judge("back to back", retention.rows_per_second, &retention.during);
+        if let Some(paced) = &retention.paced {
+            judge("paced", paced.rows_per_second, &paced.during);
         }
     }
     // End to end, the difference drowns in the run-to-run noise (shown as the larger half-to-half
