@@ -24,6 +24,7 @@ fn claim_of<'a>(
     ClaimRequest {
         tenant,
         key,
+        lock_version: 1 << 40,
         fingerprint,
         workflow: "checkout.v1",
         request,
@@ -42,7 +43,7 @@ async fn one_connection(options: PgPoolOptions, connect: PgConnectOptions) -> Pg
 
 /// Claims a key that must be new; the claim's transaction, still open.
 async fn owned(pool: &PgPool, claim: &ClaimRequest<'_>) -> idemflow::store::Transaction {
-    match store::begin_claim(pool.acquire().await.unwrap(), claim)
+    match store::begin_claim(pool.acquire().await.unwrap(), claim, &Default::default())
         .await
         .unwrap()
     {
@@ -69,10 +70,13 @@ async fn a_claim_commits_with_its_transaction_and_stores_every_value(pool: PgPoo
     let request = json!({"note": "it's \u{e9}t\u{e9} \\ $$", "amount": 100});
     let claim = claim_of(&tenant, &key, &fingerprint, &request);
     let connection = pool.acquire().await.unwrap();
-    let Claimed::Owned(tx, owner) = store::begin_claim(connection, &claim).await.unwrap() else {
+    let Claimed::Owned(tx, owner) = store::begin_claim(connection, &claim, &Default::default())
+        .await
+        .unwrap()
+    else {
         panic!("a new key is ours");
     };
-    assert_eq!(owner.lock_version, 0);
+    assert_eq!(owner.lock_version, 1 << 40);
     tx.commit().await.unwrap();
 
     let (stored_tenant, stored_key, stored_fingerprint, stored_request, lease_left): (
@@ -110,9 +114,10 @@ async fn a_claim_that_loses_the_race_hands_back_an_idle_connection(
     tx.commit().await.unwrap();
 
     // As if the look-up had found nothing just before the winner committed.
-    let Claimed::Lost(mut connection) = store::begin_claim(pool.acquire().await.unwrap(), &claim)
-        .await
-        .unwrap()
+    let Claimed::Lost(mut connection) =
+        store::begin_claim(pool.acquire().await.unwrap(), &claim, &Default::default())
+            .await
+            .unwrap()
     else {
         panic!("the second claim must lose");
     };
@@ -147,7 +152,7 @@ async fn a_claim_that_fails_otherwise_is_an_error_and_stores_nothing(
     // itself must still fail cleanly).
     let request = json!({"note": "a\u{0}b"});
     let claim = claim_of(&tenant, &key, &fingerprint, &request);
-    let error = store::begin_claim(pool.acquire().await.unwrap(), &claim)
+    let error = store::begin_claim(pool.acquire().await.unwrap(), &claim, &Default::default())
         .await
         .unwrap_err();
     assert!(matches!(error, store::StoreError::Database(_)), "{error:?}");
@@ -201,7 +206,7 @@ async fn a_claim_in_flight_makes_a_duplicate_in_progress_at_once(pool: PgPool) {
         store::look_up(&mut connection, &tenant, &key)
             .await
             .unwrap(),
-        LookUp::Absent
+        LookUp::Absent { .. }
     ));
     drop(connection);
     executed(&run(&runner, &workflow, &tenant, "in-flight", &body(1)).await);
@@ -220,7 +225,7 @@ async fn a_claim_racing_an_uncommitted_one_waits_and_loses(pool: PgPool) {
         let (tenant, key, request) = (tenant.clone(), key.clone(), request.clone());
         tokio::spawn(async move {
             let claim = claim_of(&tenant, &key, &fingerprint, &request);
-            match store::begin_claim(pool.acquire().await.unwrap(), &claim)
+            match store::begin_claim(pool.acquire().await.unwrap(), &claim, &Default::default())
                 .await
                 .unwrap()
             {
@@ -256,7 +261,7 @@ async fn a_connection_whose_prepared_claim_was_discarded_prepares_it_again(
     let workflow = harness.local_only();
     executed(&run(&runner, &workflow, &tenant(1), "first", &body(1)).await);
     // As a `DISCARD ALL` (from a pooler, say) would, for the claim's statement.
-    sqlx::query("DEALLOCATE idemflow_claim_v1")
+    sqlx::query("DEALLOCATE idemflow_claim_v2")
         .execute(&pool)
         .await
         .unwrap();
@@ -268,4 +273,49 @@ async fn a_connection_whose_prepared_claim_was_discarded_prepares_it_again(
         count(&pool, "SELECT count(*) FROM idempotency_keys").await,
         2
     );
+}
+
+/// A takeover in flight (uncommitted, its first local phase running) holds the key's row lock;
+/// a duplicate that finds the lease expired must not wait on it for as long as that phase runs.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_takeover_in_flight_makes_a_duplicate_in_progress_at_once(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    harness
+        .create
+        .fail_next
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let runner = Runner::new(pool.clone());
+    let workflow = std::sync::Arc::new(harness.checkout());
+    let first = run(&runner, &workflow, &tenant(1), "k", &body(1)).await;
+    assert!(matches!(first, Outcome::Interrupted { .. }), "{first:?}");
+    expire_lease(&pool, "k").await;
+
+    // A takes the key over and stalls in create_order, its takeover uncommitted.
+    harness
+        .create
+        .hang_next
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let taking = {
+        let (runner, workflow) = (runner.clone(), workflow.clone());
+        tokio::spawn(async move {
+            runner
+                .run(&workflow, &tenant(1), "k", request(&body(1)))
+                .await
+        })
+    };
+    harness.create.entered.notified().await;
+
+    let duplicate = tokio::time::timeout(
+        Duration::from_secs(3),
+        runner.run(&workflow, &tenant(1), "k", request(&body(1))),
+    )
+    .await
+    .expect("the duplicate waited on the takeover in flight");
+    assert!(
+        matches!(duplicate, Ok(Outcome::InProgress { .. })),
+        "{duplicate:?}"
+    );
+    harness.create.resume.notify_one();
+    executed(&taking.await.unwrap().unwrap());
 }

@@ -182,7 +182,7 @@ async fn four_concurrent_resumers_over_500_due_keys_never_run_a_key_twice(
     assert_eq!(
         count(
             &pool,
-            "SELECT count(*) FROM idempotency_keys WHERE lock_version <> 1"
+            "SELECT count(*) FROM idempotency_keys WHERE attempts <> 2"
         )
         .await,
         0
@@ -508,4 +508,193 @@ async fn the_worker_carries_on_after_its_connections_are_killed(pool: PgPool) {
     .await;
     stop.notify_one();
     running.await.unwrap();
+}
+
+/// Leaves `keys` at `create_order` (the charge failed once), with expired leases.
+async fn keys_before_the_charge(pool: &PgPool, harness: &Harness, keys: &[&str]) {
+    let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
+    for key in keys {
+        harness.provider.script.fail_next.store(1, Ordering::SeqCst);
+        let outcome = run(&runner, &workflow, &tenant(1), key, &body(1)).await;
+        assert!(
+            matches!(outcome, Outcome::Interrupted { .. }),
+            "{outcome:?}"
+        );
+    }
+    expire_all_leases(pool).await;
+}
+
+/// A resumer takes over only the keys it can start now. Keys taken over and left waiting for a
+/// slot would lose their lease while they wait, be taken by another owner, and be run anyway.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_resumer_takes_over_only_what_it_can_start(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    keys_before_the_charge(&pool, &harness, &["k1", "k2", "k3"]).await;
+    let lease = Duration::from_secs(1);
+    *harness.provider.timeout.lock().unwrap() = Some(Duration::from_millis(900));
+    *harness.provider.delay.lock().unwrap() = Some(Duration::from_millis(800));
+    let mut registry = Registry::new();
+    registry.register(harness.checkout_leased(lease)).unwrap();
+    let config = ResumerConfig {
+        batch_size: 3,
+        concurrency: 1,
+        ..quick_config()
+    };
+    let worker = Resumer::with_config(Runner::new(pool.clone()), registry, config);
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+
+    // While the resumer's first charge runs, a client retries a key it has not called again.
+    while harness.provider.call_count() < 4 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let calls = harness.provider.calls.lock().unwrap().clone();
+    let other = ["k1", "k2", "k3"]
+        .into_iter()
+        .find(|key| calls[&format!("1:{key}:charge")] == 1)
+        .unwrap();
+    expire_lease(&pool, other).await;
+    let workflow = harness.checkout_leased(lease);
+    let outcome = run(
+        &Runner::new(pool.clone()),
+        &workflow,
+        &tenant(1),
+        other,
+        &body(1),
+    )
+    .await;
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+
+    eventually(
+        &pool,
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
+        3,
+    )
+    .await;
+    // A resumer that had taken the key over before the client did, and kept it waiting for a
+    // slot, would call it within one more charge's time: give it that time.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.notify_one();
+    running.await.unwrap();
+    let calls = harness.provider.calls.lock().unwrap().clone();
+    for key in ["k1", "k2", "k3"] {
+        assert_eq!(
+            calls[&format!("1:{key}:charge")],
+            2,
+            "{key}: its failed first call and one more: {calls:?}"
+        );
+    }
+}
+
+/// A resumed key whose next phase is foreign confirms its fence before calling out: a takeover
+/// handed over late (after a wait in a queue, a pause) must not call as a stale owner.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_resumed_key_confirms_its_fence_before_calling_out(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    keys_before_the_charge(&pool, &harness, &["k"]).await;
+    let workflow = harness.checkout();
+    let names = vec![workflow.name().to_owned()];
+    let lease = Duration::from_secs(60);
+    let mut connection = pool.acquire().await.unwrap();
+    let stale = idemflow::store::take_over_due(&mut connection, &names, 10, lease)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    // Before it starts, the key is taken over by another owner.
+    expire_all_leases(&pool).await;
+    let current = idemflow::store::take_over_due(&mut connection, &names, 10, lease)
+        .await
+        .unwrap();
+    assert_eq!(current.len(), 1);
+
+    let outcome = Runner::new(pool.clone())
+        .resume(&workflow, stale.taken)
+        .await;
+    assert!(
+        matches!(outcome, Err(idemflow::RunError::Fenced)),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        harness.provider.call_count(),
+        1,
+        "only the first, failed call: the stale owner never called"
+    );
+}
+
+/// A panic in a phase a resumer runs is a failed attempt: recorded, retried, and the worker
+/// carries on.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_panicking_phase_in_a_resumed_key_is_retried_and_the_worker_carries_on(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    *harness.provider.retry.lock().unwrap() = Some(quick_retries(5));
+    keys_before_the_charge(&pool, &harness, &["k"]).await;
+    harness
+        .provider
+        .script
+        .panic_next
+        .store(true, Ordering::SeqCst);
+    let worker = resumer(&pool, &harness, quick_config());
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    eventually(
+        &pool,
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
+        1,
+    )
+    .await;
+    stop.notify_one();
+    running.await.unwrap();
+    assert_eq!(
+        harness.provider.call_count(),
+        3,
+        "failed, panicked, charged"
+    );
+    assert_eq!(harness.provider.charge_count(), 1);
+}
+
+/// A hook that panics at one crash point, once.
+#[derive(Debug)]
+struct PanicOnce(std::sync::atomic::AtomicBool);
+
+#[async_trait::async_trait]
+impl idemflow::CrashHook for PanicOnce {
+    async fn crash_at(&self, point: &idemflow::CrashPoint, _: &idemflow::Key) -> bool {
+        if point.to_string() == "before_call:charge" && !self.0.swap(true, Ordering::SeqCst) {
+            panic!("a bug in the engine's own code");
+        }
+        false
+    }
+}
+
+/// A panic outside any phase (here, in a crash hook) ends the task that resumed the key; the
+/// worker gives that key's lease back at once (its attempt counts) and keeps no record of it.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_key_whose_task_panicked_is_given_back_at_once(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    keys_before_the_charge(&pool, &harness, &["k"]).await;
+    let mut registry = Registry::new();
+    registry.register(harness.checkout()).unwrap();
+    let hook = Arc::new(PanicOnce(std::sync::atomic::AtomicBool::new(false)));
+    let runner = Runner::new(pool.clone()).with_crash_hook(hook);
+    let worker = Resumer::with_config(runner, registry, quick_config());
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    // The lease is 60 s: only a key given back at once is finished within the wait.
+    eventually(
+        &pool,
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
+        1,
+    )
+    .await;
+    stop.notify_one();
+    running.await.unwrap();
+    assert_eq!(harness.provider.charge_count(), 1);
 }

@@ -5,6 +5,7 @@
 mod support;
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use idemflow::{Registry, Resumer, ResumerConfig, Retention, Runner};
@@ -15,11 +16,12 @@ use support::*;
 async fn seed(pool: &PgPool, prefix: &str, count: i64, state: &str, age: &str) {
     sqlx::query(
         "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, state, locked_until, \
-             response_status, response_headers, response_body, created_at) \
+             response_status, response_headers, response_body, created_at, finished_at) \
          SELECT '1', $1 || '-' || n, sha256(n::text::bytea), 'checkout.v1', '{}', $3, \
                 CASE WHEN $3 = 'started' THEN now() + interval '1 hour' END, \
                 CASE WHEN $3 = 'done' THEN 201 END, CASE WHEN $3 = 'done' THEN '[]'::jsonb END, \
-                CASE WHEN $3 = 'done' THEN '{}'::bytea END, now() - $4::interval \
+                CASE WHEN $3 = 'done' THEN '{}'::bytea END, now() - $4::interval, \
+                CASE WHEN $3 = 'done' THEN now() - $4::interval END \
          FROM generate_series(1, $2) AS n",
     )
     .bind(prefix)
@@ -109,4 +111,44 @@ async fn the_worker_runs_retention_periodically(pool: PgPool) {
         .await,
         2
     );
+}
+
+/// The window starts when the response is stored, not when the key was claimed: a key that
+/// stayed started for longer than the window (resumers down for a day) and finished just now is
+/// kept, or a client that only ever saw 409s would run the request again on its next retry.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_key_is_kept_for_the_window_after_it_finished_however_old_its_claim(pool: PgPool) {
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    harness.provider.script.fail_next.store(1, Ordering::SeqCst);
+    let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
+    let outcome = run(&runner, &workflow, &tenant(1), "late", &body(5)).await;
+    assert!(
+        matches!(outcome, idemflow::Outcome::Interrupted { .. }),
+        "{outcome:?}"
+    );
+    // A day and an hour pass before it is finished.
+    sqlx::query(
+        "UPDATE idempotency_keys SET created_at = now() - interval '25 hours', \
+                locked_until = now() - interval '1 hour'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let response = executed(&run(&runner, &workflow, &tenant(1), "late", &body(5)).await).clone();
+
+    let day = Duration::from_secs(24 * 60 * 60);
+    assert_eq!(idemflow::expire(&pool, day, 100).await.unwrap(), 0);
+    assert_eq!(
+        run(&runner, &workflow, &tenant(1), "late", &body(5)).await,
+        idemflow::Outcome::Replayed(response)
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 1);
+
+    // A day after it finished, it goes.
+    sqlx::query("UPDATE idempotency_keys SET finished_at = now() - interval '25 hours'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(idemflow::expire(&pool, day, 100).await.unwrap(), 1);
 }

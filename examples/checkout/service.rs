@@ -131,8 +131,9 @@ impl HeaderCrashes {
     }
 }
 
+#[async_trait::async_trait]
 impl CrashHook for HeaderCrashes {
-    fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
+    async fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
         let mut state = self.state();
         let wanted = state
             .armed
@@ -209,8 +210,9 @@ impl ProcessCrash {
     }
 }
 
+#[async_trait::async_trait]
 impl CrashHook for ProcessCrash {
-    fn crash_at(&self, point: &CrashPoint, _: &Key) -> bool {
+    async fn crash_at(&self, point: &CrashPoint, _: &Key) -> bool {
         if point.to_string() != self.point {
             return false;
         }

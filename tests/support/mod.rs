@@ -58,6 +58,8 @@ pub struct Script {
     pub fail_terminally: std::sync::atomic::AtomicBool,
     /// When set, the next run waits for `resume` (or forever) before doing anything.
     pub hang_next: std::sync::atomic::AtomicBool,
+    /// When set, the next run panics.
+    pub panic_next: std::sync::atomic::AtomicBool,
     pub entered: Notify,
     pub resume: Notify,
     /// Runs begun.
@@ -70,6 +72,9 @@ impl Script {
         if self.hang_next.swap(false, Ordering::SeqCst) {
             self.entered.notify_one();
             self.resume.notified().await;
+        }
+        if self.panic_next.swap(false, Ordering::SeqCst) {
+            panic!("scripted panic");
         }
         if self.fail_terminally.swap(false, Ordering::SeqCst) {
             return Err(PhaseError::terminal_with(
@@ -132,6 +137,8 @@ pub struct Provider {
     pub delay: Mutex<Option<Duration>>,
     /// The charge phase's retry policy (the default unless a test sets one).
     pub retry: Mutex<Option<RetryPolicy>>,
+    /// The charge phase's timeout (10 s unless a test sets one).
+    pub timeout: Mutex<Option<Duration>>,
 }
 
 impl Provider {
@@ -157,7 +164,11 @@ impl ForeignPhase for Charge {
     type Output = Charged;
 
     fn timeout(&self) -> Duration {
-        Duration::from_secs(10)
+        self.0
+            .timeout
+            .lock()
+            .unwrap()
+            .unwrap_or(Duration::from_secs(10))
     }
 
     fn retry_policy(&self) -> RetryPolicy {
@@ -333,6 +344,17 @@ impl Harness {
             .local(CreateOrder(self.create.clone()))
             .foreign(Charge(self.provider.clone()))
             .local(MarkPaid(self.finish.clone()))
+            .build()
+            .unwrap()
+    }
+
+    /// The checkout with another lease (set the charge's timeout below it first).
+    pub fn checkout_leased(&self, lease: Duration) -> Workflow {
+        Workflow::builder::<CheckoutRequest>("checkout.v1")
+            .local(CreateOrder(self.create.clone()))
+            .foreign(Charge(self.provider.clone()))
+            .local(MarkPaid(self.finish.clone()))
+            .lease(lease)
             .build()
             .unwrap()
     }

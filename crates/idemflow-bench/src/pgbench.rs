@@ -2,7 +2,7 @@
 //! of this machine. Scripts are written into a temporary directory.
 //!
 //! The engine's new-request scripts send the engine's very messages, so they run in pgbench's
-//! simple query mode: the claim is `BEGIN; EXECUTE idemflow_claim_v1(…)` in one message, which
+//! simple query mode: the claim is `BEGIN; EXECUTE idemflow_claim_v2(…)` in one message, which
 //! prepared mode refuses. In simple mode the server also parses the statements the engine sends
 //! prepared (the look-up, the phases' statements, advance and finish), so these figures
 //! understate what a C client could do, and the engine's ratio to them flatters the engine; the
@@ -63,7 +63,9 @@ pub fn write_scripts(
     let fingerprint_hex = hex(fingerprint);
     let fingerprint = format!("'\\x{}'::bytea", hex(fingerprint));
     let request = format!("{}::jsonb", sql_text(&request.to_string()));
-    let lease = format!("now() + {LEASE_MS}::bigint * interval '1 millisecond'");
+    let lease = format!("clock_timestamp() + {LEASE_MS}::bigint * interval '1 millisecond'");
+    // The fencing token the look-up drew for this session's claim (the engine binds it).
+    let token = "currval('idempotency_keys_fence')";
     let key = "'pgb-' || :k::text";
     let text_hex = |text: &str| {
         format!(
@@ -75,10 +77,11 @@ pub fn write_scripts(
         format!(
             "(SELECT fingerprint, workflow, state = 'done', \
              ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint, \
-             lock_version, response_status, response_headers, response_body, false \
+             lock_version, response_status, response_headers, response_body, false, NULL \
              FROM idempotency_keys WHERE tenant = {tenant} AND key = {key}) \
              UNION ALL (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
-             NOT pg_try_advisory_xact_lock_shared({lock})) LIMIT 1;\n"
+             NOT pg_try_advisory_xact_lock_shared({lock}), nextval('idempotency_keys_fence')) \
+             LIMIT 1;\n"
         )
     };
     // The engine's claim message: BEGIN and the connection's prepared claim (the advisory lock
@@ -86,14 +89,15 @@ pub fn write_scripts(
     let begin_claim = |workflow: &str, fingerprint_hex: &str| {
         format!(
             "\\if :prepared = 0\n\
-             PREPARE idemflow_claim_v1 (bigint, text, text, bytea, text, jsonb, bigint) AS \
-             INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
-             SELECT $2, $3, $4, $5, $6, now() + $7 * interval '1 millisecond' \
+             PREPARE idemflow_claim_v2 (bigint, text, text, bytea, text, jsonb, bigint, bigint) AS \
+             INSERT INTO idempotency_keys \
+             (tenant, key, fingerprint, workflow, request, locked_until, lock_version) \
+             SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8 \
              FROM (SELECT pg_advisory_xact_lock($1)) AS locked;\n\
              \\set prepared 1\n\
              \\endif\n\
-             BEGIN \\; EXECUTE idemflow_claim_v1(:k, {tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), \
-             {workflow_hex}, {request_hex}::jsonb, {LEASE_MS});\n",
+             BEGIN \\; EXECUTE idemflow_claim_v2(:k, {tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), \
+             {workflow_hex}, {request_hex}::jsonb, {LEASE_MS}, {token});\n",
             tenant_hex = text_hex(TENANT),
             workflow_hex = text_hex(workflow),
             request_hex = text_hex(&request_json),
@@ -113,8 +117,9 @@ pub fn write_scripts(
     let advance = format!(
         "UPDATE idempotency_keys SET recovery_point = 'create_order', \
          phase_output = jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa'), \
-         attempts = 1, last_error = NULL, locked_until = {lease}, updated_at = now() \
-         WHERE tenant = {tenant} AND key = {key} AND lock_version = 0 AND state = 'started';\n"
+         attempts = 1, last_error = NULL, locked_until = greatest(locked_until, {lease}), \
+         updated_at = now() \
+         WHERE tenant = {tenant} AND key = {key} AND lock_version = {token} AND state = 'started';\n"
     );
     let mark_paid =
         "UPDATE orders SET status = 'paid', paid_by = 'attempt-1' WHERE id = :id::bigint;\n";
@@ -123,8 +128,9 @@ pub fn write_scripts(
             "UPDATE idempotency_keys SET state = 'done', recovery_point = '{point}', phase_output = NULL, \
              locked_until = NULL, response_status = 201, \
              response_headers = '[[\"content-type\", \"application/json\"]]'::jsonb, \
-             response_body = convert_to({body}, 'UTF8'), updated_at = now() \
-             WHERE tenant = {tenant} AND key = {key} AND lock_version = 0 AND state = 'started';\n"
+             response_body = convert_to({body}, 'UTF8'), finished_at = clock_timestamp(), \
+             updated_at = now() \
+             WHERE tenant = {tenant} AND key = {key} AND lock_version = {token} AND state = 'started';\n"
         )
     };
     let paid_body = "'{\"charge_id\":\"ch_' || :id::text || '\",\"order_id\":' || :id::text || ',\"status\":\"paid\"}'";

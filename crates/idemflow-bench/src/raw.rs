@@ -12,18 +12,21 @@ use crate::workflows::{CHECKOUT, INSERT_ORDER, MARK_PAID, PLACE, TENANT};
 pub const LEASE_MS: i64 = 60_000;
 
 pub const CLAIM: &str = "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
-     VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond') \
+     VALUES ($1, $2, $3, $4, $5, clock_timestamp() + $6::bigint * interval '1 millisecond') \
      ON CONFLICT (tenant, key) DO NOTHING \
      RETURNING lock_version";
 
 pub const ADVANCE: &str = "UPDATE idempotency_keys \
      SET recovery_point = $4, phase_output = $5, attempts = 1, last_error = NULL, \
-         locked_until = now() + $6::bigint * interval '1 millisecond', updated_at = now() \
+         locked_until = greatest(locked_until, \
+                                 clock_timestamp() + $6::bigint * interval '1 millisecond'), \
+         updated_at = now() \
      WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
 
 pub const FINISH: &str = "UPDATE idempotency_keys \
      SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
-         response_status = $5, response_headers = $6, response_body = $7, updated_at = now() \
+         response_status = $5, response_headers = $6, response_body = $7, \
+         finished_at = clock_timestamp(), updated_at = now() \
      WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
 
 /// The raw replay: one primary-key select of the stored response.

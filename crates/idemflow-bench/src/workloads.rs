@@ -189,7 +189,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         runs,
         wire,
         hook_calls_per_request,
-        hook_nanos_per_call: Some(workflows::hook_nanos_per_call()),
+        hook_nanos_per_call: Some(workflows::hook_nanos_per_call().await),
         storm: Some(storm),
         drain: drains,
         retention: Some(retention),
@@ -218,11 +218,11 @@ fn seed_done_sql(ctx: &Ctx<'_>, prefix: &str, first: u64, last: u64, age: &str) 
     format!(
         "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, state, \
              recovery_point, locked_until, response_status, response_headers, response_body, \
-             created_at, updated_at) \
+             created_at, updated_at, finished_at) \
          SELECT {tenant}, {prefix} || g, '\\x{fingerprint}'::bytea, {workflow}, {request}::jsonb, \
              'done', 'mark_paid', NULL, 201, '[[\"content-type\", \"application/json\"]]'::jsonb, \
              convert_to('{{\"charge_id\":\"ch_' || g || '\",\"order_id\":' || g || ',\"status\":\"paid\"}}', 'UTF8'), \
-             now() - interval '{age}', now() - interval '{age}' \
+             now() - interval '{age}', now() - interval '{age}', now() - interval '{age}' \
          FROM generate_series({first}, {last}) AS g",
         tenant = literal(TENANT),
         prefix = literal(prefix),

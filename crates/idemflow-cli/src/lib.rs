@@ -591,7 +591,7 @@ struct ExpireReport {
     batch_size: i64,
 }
 
-/// `idemflow expire --older-than D`: deletes every finished key created more than `older_than`
+/// `idemflow expire --older-than D`: deletes every key finished more than `older_than`
 /// ago, `batch_size` rows per transaction. Started keys are never deleted.
 pub async fn expire(
     pool: &PgPool,
@@ -610,7 +610,7 @@ async fn expire_answer(
     let deleted = idemflow_runner::expire(pool, older_than, batch_size).await?;
     let noun = if deleted == 1 { "key" } else { "keys" };
     let human = format!(
-        "deleted {deleted} finished {noun} created more than {} ago\n",
+        "deleted {deleted} {noun} finished more than {} ago\n",
         human(older_than.as_secs())
     );
     let report = ExpireReport {

@@ -64,7 +64,7 @@ enum Command {
     },
     /// Delete finished keys older than a retention window (started keys are never deleted).
     Expire {
-        /// Delete finished keys created longer ago than this: 90s, 30m, 24h, 7d.
+        /// Delete keys finished longer ago than this: 90s, 30m, 24h, 7d.
         #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
         older_than: Duration,
         /// Rows deleted per transaction.

@@ -33,7 +33,7 @@ struct Seed<'a> {
     last_error: Option<&'a str>,
     /// Status and body of a done key's response.
     response: Option<(i16, &'a str)>,
-    /// `created_at = now() - age`.
+    /// `created_at = now() - age` (and `finished_at`, for a done key).
     age: &'a str,
 }
 
@@ -94,10 +94,10 @@ async fn seed(connection: &mut PgConnection, seed: Seed<'_>) {
     sqlx::query(
         "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, state, \
              recovery_point, locked_until, lock_version, attempts, last_error, response_status, \
-             response_headers, response_body, created_at, updated_at) \
+             response_headers, response_body, created_at, updated_at, finished_at) \
          VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, now() + $8::interval, $9, $10, $11, $12, \
                  CASE WHEN $6 = 'done' THEN '[]'::jsonb END, $13, now() - $14::interval, \
-                 now() - $14::interval)",
+                 now() - $14::interval, CASE WHEN $6 = 'done' THEN now() - $14::interval END)",
     )
     .bind(seed.tenant)
     .bind(seed.key)
@@ -684,7 +684,7 @@ async fn expire_deletes_only_old_finished_keys(pool: PgPool) {
         output,
         0,
         "
-deleted 2 finished keys created more than 1d 0h ago
+deleted 2 keys finished more than 1d 0h ago
 ",
     );
     let output = idemflow_cli::expire(&pool, Format::Json, day, 1000).await;
@@ -711,7 +711,7 @@ deleted 2 finished keys created more than 1d 0h ago
         output,
         0,
         "
-deleted 1 finished key created more than 1m 0s ago
+deleted 1 key finished more than 1m 0s ago
 ",
     );
 }
@@ -808,6 +808,8 @@ async fn migrate_again_changes_nothing_and_lists_the_migrations(pool: PgPool) {
         "
 schema up to date; migrations applied:
   20261130000001  create idempotency keys
+  20261201000001  retention from finish
+  20261201000002  fence sequence
 ",
     );
     let output = idemflow_cli::migrate(&pool, Format::Json).await;
@@ -820,6 +822,14 @@ schema up to date; migrations applied:
     {
       "description": "create idempotency keys",
       "version": 20261130000001
+    },
+    {
+      "description": "retention from finish",
+      "version": 20261201000001
+    },
+    {
+      "description": "fence sequence",
+      "version": 20261201000002
     }
   ]
 }

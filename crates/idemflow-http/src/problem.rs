@@ -102,6 +102,17 @@ pub fn respond(result: Result<Outcome, RunError>) -> Response {
         )
         .retry_after(Duration::from_secs(1))
         .into_response(),
+        Err(RunError::Panicked { phase, message }) => {
+            // A bug: recorded as a failed attempt (the key resumes by its retry policy), and
+            // answered in general terms.
+            tracing::error!(phase, message, "a phase panicked");
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "the request failed on an internal error; retry with the same idempotency key",
+            )
+            .into_response()
+        }
         Err(error) => {
             // Logged in full here, answered in general terms: no database text leaves.
             tracing::error!(%error, "request failed");

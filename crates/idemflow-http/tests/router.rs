@@ -59,6 +59,7 @@ impl LocalPhase for CreateOrder {
 struct Provider {
     calls: AtomicUsize,
     fail_next: AtomicUsize,
+    panic_next: AtomicUsize,
     delay_ms: AtomicUsize,
 }
 
@@ -81,6 +82,9 @@ impl ForeignPhase for Charge {
         self.0.calls.fetch_add(1, Ordering::SeqCst);
         let delay = self.0.delay_ms.load(Ordering::SeqCst) as u64;
         tokio::time::sleep(Duration::from_millis(delay)).await;
+        if self.0.panic_next.swap(0, Ordering::SeqCst) > 0 {
+            panic!("a bug in the charge phase");
+        }
         if self.0.fail_next.swap(0, Ordering::SeqCst) > 0 {
             return Err(PhaseError::retry_after(
                 "provider unavailable",
@@ -306,6 +310,42 @@ async fn reuse_conflict_and_interruption_have_their_statuses(pool: PgPool) {
         .parse()
         .unwrap();
     assert!((1..=5).contains(&retry_after), "{retry_after}");
+}
+
+/// A phase that panics is answered 500 (a bug, not a state to wait out); the attempt was
+/// recorded, the key stays resumable, and a later retry finishes it.
+#[sqlx::test]
+async fn a_panicking_phase_is_a_500_problem_and_the_key_stays_resumable(pool: PgPool) {
+    setup(&pool).await;
+    let provider = Arc::new(Provider::default());
+    provider.panic_next.store(1, Ordering::SeqCst);
+    let router = checkout_router(&pool, &provider, HttpConfig::default());
+    let (status, _, body) = send(&router, post_request(Some("p"), r#"{"amount": 1}"#)).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::INTERNAL_SERVER_ERROR, Some("internal_error"))
+    );
+    let (state, last_error): (String, Option<String>) =
+        sqlx::query_as("SELECT state, last_error FROM idempotency_keys WHERE key = 'p'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "started");
+    assert!(
+        last_error
+            .unwrap()
+            .contains("panicked: a bug in the charge phase")
+    );
+    sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 second'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        send(&router, post_request(Some("p"), r#"{"amount": 1}"#))
+            .await
+            .0,
+        StatusCode::CREATED
+    );
 }
 
 #[sqlx::test]

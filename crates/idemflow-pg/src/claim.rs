@@ -2,12 +2,12 @@
 //!
 //! A new request's first transaction is `BEGIN`, the claim, the leading local phases, and the
 //! commit. Sent one by one, `BEGIN` costs a round trip of its own; here it shares one with the
-//! claim: the message is `BEGIN; EXECUTE idemflow_claim_v1(…)` in PostgreSQL's simple query
+//! claim: the message is `BEGIN; EXECUTE idemflow_claim_v2(…)` in PostgreSQL's simple query
 //! protocol. That protocol takes no bind parameters, so the values travel as hex literals
 //! (`decode('…', 'hex')`): only the digits 0-9a-f and integers this module formats ever enter the
 //! SQL text, whatever the key, tenant or request holds.
 //!
-//! `idemflow_claim_v1` is a prepared statement of the connection (SQL `PREPARE`): the advisory
+//! `idemflow_claim_v2` is a prepared statement of the connection (SQL `PREPARE`): the advisory
 //! lock and the insert in one statement, so the server parses and plans the insert once per
 //! connection rather than once per request (measured with pgbench: 8% more claims per second).
 //! It is created on first use: on a connection without it the message fails with "prepared
@@ -22,6 +22,9 @@
 //! The advisory lock (on a 64-bit hash of tenant and key, held until the claim's transaction
 //! ends) is what lets [`crate::look_up`] tell "no such key" from "being claimed right now"
 //! without waiting: a concurrent duplicate gets its 409 from one statement.
+//!
+//! The message can also carry the transaction's [`Limits`] (`SET LOCAL …`), still in one round
+//! trip.
 
 use std::fmt::Write;
 
@@ -31,11 +34,8 @@ use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr};
 
 use idemflow_core::{Key, TenantId};
 
-use crate::store::{ClaimRequest, Owner, StoreError};
-use crate::transaction::Transaction;
-
-/// The lock_version a freshly claimed key starts at (the column's default).
-const FIRST_LOCK_VERSION: i64 = 0;
+use crate::store::{ClaimRequest, Owner, StoreError, millis};
+use crate::transaction::{Limits, Transaction};
 
 /// What [`begin_claim`] did.
 #[derive(Debug)]
@@ -47,20 +47,24 @@ pub enum Claimed {
     Lost(PoolConnection<Postgres>),
 }
 
-/// The connection's prepared claim: the advisory lock and the insert in one statement.
-const PREPARE: &str = "PREPARE idemflow_claim_v1 (bigint, text, text, bytea, text, jsonb, bigint) AS \
-     INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
-     SELECT $2, $3, $4, $5, $6, now() + $7 * interval '1 millisecond' \
+/// The connection's prepared claim: the advisory lock and the insert in one statement. The lease
+/// is measured from the insert itself (`clock_timestamp()`), not from the transaction's start.
+const PREPARE: &str = "PREPARE idemflow_claim_v2 (bigint, text, text, bytea, text, jsonb, bigint, bigint) AS \
+     INSERT INTO idempotency_keys \
+         (tenant, key, fingerprint, workflow, request, locked_until, lock_version) \
+     SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8 \
      FROM (SELECT pg_advisory_xact_lock($1)) AS locked";
 
-/// Begins a transaction holding the claim of a new key, in one round trip.
+/// Begins a transaction holding the claim of a new key, in one round trip, under `limits`.
 pub async fn begin_claim(
     connection: PoolConnection<Postgres>,
     claim: &ClaimRequest<'_>,
+    limits: &Limits,
 ) -> Result<Claimed, StoreError> {
     begin_claim_in(
         connection,
         claim,
+        limits,
         &[Form::Prepared, Form::Prepared, Form::Inline],
     )
     .await
@@ -71,12 +75,13 @@ pub async fn begin_claim(
 async fn begin_claim_in(
     connection: PoolConnection<Postgres>,
     claim: &ClaimRequest<'_>,
+    limits: &Limits,
     forms: &[Form],
 ) -> Result<Claimed, StoreError> {
     let mut connection = connection;
     let mut last_error = None;
     for &form in forms {
-        let statement = AssertSqlSafe(claim_statement(claim, form)).into_sql_str();
+        let statement = AssertSqlSafe(claim_statement(claim, limits, form)).into_sql_str();
         match Transaction::begin_with(connection, Some(statement)).await {
             Ok(transaction) => {
                 return Ok(Claimed::Owned(
@@ -84,7 +89,7 @@ async fn begin_claim_in(
                     Owner {
                         tenant: claim.tenant.clone(),
                         key: claim.key.clone(),
-                        lock_version: FIRST_LOCK_VERSION,
+                        lock_version: claim.lock_version,
                     },
                 ));
             }
@@ -114,7 +119,7 @@ async fn begin_claim_in(
 /// How the claim's message carries the insert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Form {
-    /// `EXECUTE idemflow_claim_v1(…)`.
+    /// `EXECUTE idemflow_claim_v2(…)`.
     Prepared,
     /// The statement in full.
     Inline,
@@ -154,20 +159,23 @@ pub(crate) fn claim_lock(tenant: &TenantId, key: &Key) -> i64 {
     i64::from_be_bytes(first)
 }
 
-/// `BEGIN; EXECUTE idemflow_claim_v1(…)` (or the insert in full), every value a hex literal.
-fn claim_statement(claim: &ClaimRequest<'_>, form: Form) -> String {
+/// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v2(…)` (or the insert in full), every value a
+/// hex literal or an integer formatted here.
+fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> String {
     let request = serde_json::to_string(claim.request).unwrap_or_else(|_| "null".to_owned());
-    let lease_ms = i64::try_from(claim.lease.as_millis()).unwrap_or(i64::MAX);
+    let lease_ms = millis(claim.lease);
     let lock = claim_lock(claim.tenant, claim.key);
-    let mut sql = String::with_capacity(320 + 2 * request.len());
+    let token = claim.lock_version;
+    let mut sql = limits.begin_statement();
+    sql.reserve(320 + 2 * request.len());
     match form {
         Form::Prepared => {
-            let _ = write!(sql, "BEGIN; EXECUTE idemflow_claim_v1({lock}, ");
+            let _ = write!(sql, "; EXECUTE idemflow_claim_v2({lock}, ");
         }
         Form::Inline => {
             sql.push_str(
-                "BEGIN; INSERT INTO idempotency_keys \
-                 (tenant, key, fingerprint, workflow, request, locked_until) SELECT ",
+                "; INSERT INTO idempotency_keys \
+                 (tenant, key, fingerprint, workflow, request, locked_until, lock_version) SELECT ",
             );
         }
     }
@@ -182,12 +190,12 @@ fn claim_statement(claim: &ClaimRequest<'_>, form: Form) -> String {
     text_literal(&mut sql, &request);
     match form {
         Form::Prepared => {
-            let _ = write!(sql, "::jsonb, {lease_ms})");
+            let _ = write!(sql, "::jsonb, {lease_ms}, {token})");
         }
         Form::Inline => {
             let _ = write!(
                 sql,
-                "::jsonb, now() + {lease_ms} * interval '1 millisecond' \
+                "::jsonb, clock_timestamp() + {lease_ms} * interval '1 millisecond', {token} \
                  FROM (SELECT pg_advisory_xact_lock({lock})) AS locked"
             );
         }
@@ -232,13 +240,18 @@ mod tests {
         let claim = ClaimRequest {
             tenant: &tenant,
             key: &key,
+            lock_version: 4_294_967_296,
             fingerprint: &fingerprint,
             workflow: "checkout'v1",
             request: &request,
             lease: Duration::from_millis(30_000),
         };
+        let limits = Limits {
+            statement_timeout: Some(Duration::from_millis(1500)),
+            idle_timeout: Some(Duration::from_secs(2)),
+        };
         for form in [Form::Prepared, Form::Inline] {
-            let sql = claim_statement(&claim, form);
+            let sql = claim_statement(&claim, &limits, form);
             // Every quoted span is hex digits or one of the fixed words.
             let quoted: Vec<&str> = sql.split('\'').skip(1).step_by(2).collect();
             for span in &quoted {
@@ -250,6 +263,11 @@ mod tests {
             }
             assert!(!sql.contains("DROP"));
             assert!(sql.contains("30000"));
+            assert!(sql.contains("4294967296"));
+            assert!(sql.starts_with(
+                "BEGIN; SET LOCAL statement_timeout = 1500; \
+                 SET LOCAL idle_in_transaction_session_timeout = 2000; "
+            ));
         }
     }
 
@@ -264,22 +282,24 @@ mod tests {
         let claim = ClaimRequest {
             tenant: &tenant,
             key: &key,
+            lock_version: 4_294_967_296,
             fingerprint: &fingerprint,
             workflow: "w.v1",
             request: &request,
             lease: Duration::from_secs(30),
         };
+        let limits = Limits::default();
         let connection = pool.acquire().await.expect("connection");
         let Ok(Claimed::Owned(transaction, owner)) =
-            begin_claim_in(connection, &claim, &[Form::Inline]).await
+            begin_claim_in(connection, &claim, &limits, &[Form::Inline]).await
         else {
             panic!("a new key is ours");
         };
-        assert_eq!(owner.lock_version, FIRST_LOCK_VERSION);
+        assert_eq!(owner.lock_version, claim.lock_version);
         transaction.commit().await.expect("commit");
         let connection = pool.acquire().await.expect("connection");
         assert!(matches!(
-            begin_claim_in(connection, &claim, &[Form::Inline]).await,
+            begin_claim_in(connection, &claim, &limits, &[Form::Inline]).await,
             Ok(Claimed::Lost(_))
         ));
         let stored: (Vec<u8>, serde_json::Value) =

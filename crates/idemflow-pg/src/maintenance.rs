@@ -7,14 +7,10 @@ use idemflow_core::{Key, TenantId};
 use serde_json::Value;
 use sqlx::{PgConnection, Row};
 
-use crate::store::{Owner, StoreError, TakenOver};
+use crate::store::{Owner, StoreError, TakenOver, millis};
 
 /// The channel on which a released key is announced, so an idle resumer wakes early.
 pub const DUE_CHANNEL: &str = "idemflow_due";
-
-fn millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
 
 /// A key a resumer took over, with the workflow that must finish it.
 #[derive(Debug, Clone)]
@@ -42,11 +38,12 @@ pub async fn take_over_due(
              FOR UPDATE SKIP LOCKED \
          ) \
          UPDATE idempotency_keys AS keys \
-         SET lock_version = keys.lock_version + 1, attempts = keys.attempts + 1, \
-             locked_until = now() + $3::bigint * interval '1 millisecond', updated_at = now() \
+         SET lock_version = nextval('idempotency_keys_fence'), attempts = keys.attempts + 1, \
+             locked_until = clock_timestamp() + $3::bigint * interval '1 millisecond', \
+             updated_at = now() \
          FROM due WHERE keys.tenant = due.tenant AND keys.key = due.key \
          RETURNING keys.tenant, keys.key, keys.workflow, keys.lock_version, keys.recovery_point, \
-                   keys.phase_output, keys.request, keys.attempts",
+                   keys.phase_output, keys.request, keys.attempts, keys.last_error",
     )
     .bind(workflows)
     .bind(batch_size)
@@ -74,6 +71,7 @@ pub async fn take_over_due(
                     recovery_point: row.get(4),
                     phase_output: phase_output.map(|json| json.0),
                     request: request.0,
+                    last_error: row.get(8),
                 },
             })
         })
@@ -117,9 +115,10 @@ pub async fn notify_due(connection: &mut PgConnection) -> Result<(), StoreError>
     Ok(())
 }
 
-/// Deletes up to `batch_size` finished keys created more than `older_than` ago; returns how many.
-/// Never a started key. Rows are chosen through the `created_at` index and deleted by primary
-/// key (no `ctid`, so it also works where tuple ids are not stable, as on distributed
+/// Deletes up to `batch_size` keys finished more than `older_than` ago; returns how many. The
+/// window starts at the finish, not the claim: a key that stayed started for a long time is kept
+/// as long as any other after its response was stored. Never a started key. Rows are chosen
+/// through the `finished_at` index and deleted by primary key (no `ctid`, so it also works where tuple ids are not stable, as on distributed
 /// PostgreSQL); `SKIP LOCKED` keeps it off rows a retry is reading for update.
 pub async fn expire_batch(
     connection: &mut PgConnection,
@@ -129,8 +128,8 @@ pub async fn expire_batch(
     let result = sqlx::query(
         "DELETE FROM idempotency_keys AS keys USING ( \
              SELECT tenant, key FROM idempotency_keys \
-             WHERE state = 'done' AND created_at < now() - $1::bigint * interval '1 millisecond' \
-             ORDER BY created_at \
+             WHERE state = 'done' AND finished_at < now() - $1::bigint * interval '1 millisecond' \
+             ORDER BY finished_at \
              LIMIT $2 \
              FOR UPDATE SKIP LOCKED \
          ) AS old \
@@ -161,29 +160,6 @@ pub async fn release_now(
     .execute(connection)
     .await?;
     Ok(result.rows_affected() == 1)
-}
-
-/// Gives back a key a resumer took over but never started (it is shutting down): the lease ends
-/// now and the attempt it counted is uncounted, so another resumer takes it at once. Fenced.
-pub async fn return_unstarted(
-    connection: &mut PgConnection,
-    owner: &Owner,
-) -> Result<(), StoreError> {
-    let result = sqlx::query(
-        "UPDATE idempotency_keys \
-         SET locked_until = now(), attempts = greatest(attempts - 1, 0), updated_at = now() \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
-    )
-    .bind(owner.tenant.as_str())
-    .bind(owner.key.as_str())
-    .bind(owner.lock_version)
-    .execute(connection)
-    .await?;
-    if result.rows_affected() == 0 {
-        Err(StoreError::Fenced)
-    } else {
-        Ok(())
-    }
 }
 
 /// Everything about one key, for operators.

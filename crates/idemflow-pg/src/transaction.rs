@@ -12,12 +12,47 @@
 //!   `ROLLBACK` is queued and sent when the connection returns to the pool. sqlx counts the
 //!   transaction, so a phase that calls `begin()` on the connection gets a savepoint.
 
+use std::fmt::Write;
 use std::ops::{Deref, DerefMut};
+use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgTransactionManager;
-use sqlx::{PgConnection, PgPool, Postgres, SqlStr};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr};
 use sqlx_core::transaction::TransactionManager;
+
+/// What the server enforces on one transaction: `SET LOCAL` in the message that begins it (no
+/// round trip of its own), gone when it ends, so pooled connections keep their own settings.
+///
+/// These hold where the application cannot: a statement stuck in a lock wait, or a process that
+/// stopped sending anything while it holds the transaction (and with it the claim's advisory
+/// lock and the key's row lock), are ended by the server.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// `statement_timeout`: a statement of the transaction running longer is cancelled.
+    pub statement_timeout: Option<Duration>,
+    /// `idle_in_transaction_session_timeout`: a session idle inside the transaction this long is
+    /// ended by the server.
+    pub idle_timeout: Option<Duration>,
+}
+
+impl Limits {
+    /// `BEGIN`, then a `SET LOCAL` per limit: integers formatted here, nothing else.
+    pub(crate) fn begin_statement(&self) -> String {
+        let mut sql = String::from("BEGIN");
+        for (setting, limit) in [
+            ("statement_timeout", self.statement_timeout),
+            ("idle_in_transaction_session_timeout", self.idle_timeout),
+        ] {
+            if let Some(limit) = limit {
+                // 0 would mean "no limit": the shortest limit is a millisecond.
+                let millis = crate::store::millis(limit).clamp(1, i64::from(i32::MAX));
+                let _ = write!(sql, "; SET LOCAL {setting} = {millis}");
+            }
+        }
+        sql
+    }
+}
 
 /// An open transaction on a pooled connection. Dereferences to the connection, so store
 /// functions and phases run their statements inside it.
@@ -39,6 +74,27 @@ impl Transaction {
             Ok(transaction) => Ok(transaction),
             Err((error, _connection)) => Err(error),
         }
+    }
+
+    /// Begins a transaction under `limits`, on a connection the caller holds.
+    pub async fn begin_limited(
+        connection: PoolConnection<Postgres>,
+        limits: &Limits,
+    ) -> Result<Self, sqlx::Error> {
+        let statement = (*limits != Limits::default())
+            .then(|| AssertSqlSafe(limits.begin_statement()).into_sql_str());
+        match Self::begin_with(connection, statement).await {
+            Ok(transaction) => Ok(transaction),
+            Err((error, _connection)) => Err(error),
+        }
+    }
+
+    /// Gives the connection up rather than back: it closes instead of returning to the pool. For
+    /// a transaction abandoned while a statement may still be running on it (a phase that
+    /// overran its time limit), whose state nobody can vouch for; the server rolls back.
+    pub fn abandon(mut self) {
+        self.connection.close_on_drop();
+        self.open = false;
     }
 
     /// Begins with `statement` (a `BEGIN` followed by more statements in one message) or a plain

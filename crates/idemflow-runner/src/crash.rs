@@ -4,6 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use async_trait::async_trait;
 use idemflow_core::Key;
 
 use crate::workflow::{Step, Workflow};
@@ -70,12 +71,14 @@ impl fmt::Display for CrashPoint {
     }
 }
 
-/// Decides, at each crash point, whether the run stops there.
+/// Decides, at each crash point, whether the run stops there. It may also take its time: a
+/// schedule explorer holds a run at a point while others act.
+#[async_trait]
 pub trait CrashHook: Send + Sync + fmt::Debug {
     /// `true`: the run stops at once as if its process died: it writes nothing more, its open
     /// transaction rolls back, its lease is left as it was, and `run` returns
     /// [`crate::RunError::Crashed`].
-    fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool;
+    async fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool;
 }
 
 /// The hook a runner holds: none in production.
@@ -88,7 +91,7 @@ impl CrashPoints {
     }
 
     #[inline]
-    pub(crate) fn check(
+    pub(crate) async fn check(
         &self,
         point: impl FnOnce() -> CrashPoint,
         key: &Key,
@@ -97,7 +100,7 @@ impl CrashPoints {
             None => Ok(()),
             Some(hook) => {
                 let point = point();
-                if hook.crash_at(&point, key) {
+                if hook.crash_at(&point, key).await {
                     tracing::warn!(%point, "crash point: stopping as a crash would");
                     Err(crate::RunError::Crashed(point.to_string()))
                 } else {

@@ -9,20 +9,16 @@ pub enum RunError {
     /// new owner finishes the request (answer 409).
     #[error("fenced: the lease on this key was taken over by another owner")]
     Fenced,
+    /// A phase panicked. The panic was caught and recorded as a failed attempt (the key stays
+    /// resumable, its retry policy applies), so this is a bug to fix, not a request to repeat
+    /// at once (answer 500).
+    #[error("phase {phase} panicked: {message}")]
+    Panicked { phase: String, message: String },
     /// A crash hook stopped the run at this crash point (tests only).
     #[error("crashed at {0}")]
     Crashed(String),
     #[error("corrupt key row: {0}")]
     Corrupt(String),
-    /// The key is left at a recovery point this workflow does not have (a phase was renamed or
-    /// removed while keys were left at it).
-    #[error(
-        "the key is left at recovery point {recovery_point:?}, which workflow {workflow:?} does not have"
-    )]
-    UnknownRecoveryPoint {
-        workflow: String,
-        recovery_point: String,
-    },
 }
 
 impl From<StoreError> for RunError {
@@ -33,8 +29,4 @@ impl From<StoreError> for RunError {
             StoreError::Corrupt(message) => Self::Corrupt(message),
         }
     }
-}
-
-pub(crate) fn corrupt(error: serde_json::Error) -> RunError {
-    RunError::Corrupt(format!("a stored value does not decode: {error}"))
 }

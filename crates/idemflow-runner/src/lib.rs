@@ -6,12 +6,14 @@ mod drive;
 mod error;
 mod metrics;
 mod outcome;
+mod panic;
 mod phase;
 mod registry;
 mod resumer;
 mod retention;
 mod retry;
 mod runner;
+mod storable;
 mod workflow;
 
 pub use config::{RunnerConfig, TerminalPolicy};

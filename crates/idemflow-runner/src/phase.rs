@@ -43,6 +43,14 @@ pub trait LocalPhase: Send + Sync + 'static {
         RetryPolicy::default()
     }
 
+    /// The longest this phase may run; past it the attempt fails (retryably) and its transaction
+    /// rolls back. `None`: half the workflow's lease. The database enforces it too, on every
+    /// statement (`statement_timeout`), so a phase stuck in a lock wait cannot hold the key, its
+    /// claim and its locks any longer.
+    fn timeout(&self) -> Option<Duration> {
+        None
+    }
+
     async fn run(
         &self,
         connection: &mut PgConnection,

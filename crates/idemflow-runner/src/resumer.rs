@@ -1,7 +1,7 @@
 //! The resumer: finds started keys whose lease expired (their owner crashed, or a retryable error
 //! set the lease to the next attempt time) and finishes them from their recovery point.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -97,40 +97,89 @@ impl Resumer {
     }
 
     /// Takes over due keys until none is left and finishes them; for tests and one-shot jobs.
+    /// Like [`Resumer::run`], it takes over only as many keys as it has free slots.
     pub async fn drain(&self) -> Result<DrainReport, RunError> {
         let mut report = DrainReport::default();
+        let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
+        let mut owners: HashMap<tokio::task::Id, Owner> = HashMap::new();
         loop {
-            let due = self.scan(self.config.batch_size).await?;
-            if due.is_empty() {
+            let free = self.free_slots(running.len());
+            let due = if free > 0 {
+                self.scan(free).await?
+            } else {
+                Vec::new()
+            };
+            if due.is_empty() && running.is_empty() {
                 return Ok(report);
             }
             report.taken += due.len();
-            let mut running = JoinSet::new();
-            let mut queue: VecDeque<DueKey> = due.into();
-            while !queue.is_empty() || !running.is_empty() {
-                while running.len() < self.config.concurrency.max(1) {
-                    let Some(due) = queue.pop_front() else { break };
-                    let resumer = self.clone();
-                    running.spawn(async move { resumer.resume_one(due).await });
+            for due in due {
+                self.start(&mut running, &mut owners, due);
+            }
+            if let Some(joined) = running.join_next_with_id().await {
+                let outcome = self.joined(&mut owners, joined).await;
+                tally(&mut report, outcome);
+            }
+        }
+    }
+
+    /// How many keys a scan may take over now: as many as can start at once, at most a batch.
+    /// A key taken over and left waiting for a slot would lose its lease while it waits.
+    fn free_slots(&self, running: usize) -> i64 {
+        let free = self.config.concurrency.max(1).saturating_sub(running);
+        i64::try_from(free)
+            .unwrap_or(i64::MAX)
+            .min(self.config.batch_size.max(1))
+    }
+
+    /// Starts resuming a key taken over, remembering whose it is until its task ends.
+    fn start(
+        &self,
+        running: &mut JoinSet<Option<Outcome>>,
+        owners: &mut HashMap<tokio::task::Id, Owner>,
+        due: DueKey,
+    ) {
+        let owner = due.taken.owner.clone();
+        let resumer = self.clone();
+        let handle = running.spawn(async move { resumer.resume_one(due).await });
+        owners.insert(handle.id(), owner);
+    }
+
+    /// Forgets a finished task's key. A task that panicked (a bug outside any phase: phases'
+    /// panics are caught and recorded) left its key leased: its lease ends now, its attempt
+    /// counted, so another attempt can run (and the attempt budget bounds how often).
+    async fn joined(
+        &self,
+        owners: &mut HashMap<tokio::task::Id, Owner>,
+        joined: Result<(tokio::task::Id, Option<Outcome>), tokio::task::JoinError>,
+    ) -> Option<Outcome> {
+        match joined {
+            Ok((id, outcome)) => {
+                owners.remove(&id);
+                outcome
+            }
+            Err(error) => {
+                if let Some(owner) = owners.remove(&error.id()) {
+                    tracing::error!(tenant = %owner.tenant, key = %owner.key, %error, "a resumed key's task ended abnormally");
+                    metrics::counter!("idemflow_resume_errors_total").increment(1);
+                    self.release_stopped(&owner, "stopped: its task panicked")
+                        .await;
                 }
-                if let Some(joined) = running.join_next().await {
-                    tally(&mut report, joined.ok().flatten());
-                }
+                None
             }
         }
     }
 
     /// Runs until `shutdown` completes: scans, resumes with bounded concurrency, backs off while
     /// idle or while the database is unreachable, runs retention. On shutdown it stops scanning,
-    /// gives back the keys it took but had not started, lets keys in flight finish within the
-    /// grace period, and gives back those that did not.
+    /// lets keys in flight finish within the grace period, and gives back those that did not
+    /// (it never holds a key it has not started: it takes over only as many as it can start).
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let listener = tokio::spawn(listen_for_due_keys(
             self.runner.pool().clone(),
             self.wake.clone(),
         ));
-        let mut queue: VecDeque<DueKey> = VecDeque::new();
         let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
         let mut owners: HashMap<tokio::task::Id, Owner> = HashMap::new();
         let mut idle = self.config.idle_min;
@@ -143,14 +192,6 @@ impl Resumer {
         tracing::info!(workflows = ?self.registry.names(), concurrency, "resumer started");
 
         loop {
-            // Start what the queue holds, up to the concurrency.
-            while running.len() < concurrency {
-                let Some(due) = queue.pop_front() else { break };
-                let owner = due.taken.owner.clone();
-                let resumer = self.clone();
-                let handle = running.spawn(async move { resumer.resume_one(due).await });
-                owners.insert(handle.id(), owner);
-            }
             if due(last_report, self.config.report_every) {
                 self.report().await;
                 last_report = Some(Instant::now());
@@ -170,16 +211,19 @@ impl Resumer {
                 last_retention = Some(Instant::now());
             }
 
-            // Refill the queue when it runs low and a scan is due.
-            if queue.len() < concurrency && Instant::now() >= next_scan_at {
-                match self.scan(self.config.batch_size).await {
+            // Take over what can start now, when a scan is due: never more than the free slots.
+            let free = self.free_slots(running.len());
+            if free > 0 && Instant::now() >= next_scan_at {
+                match self.scan(free).await {
                     Ok(due) if due.is_empty() => {
                         next_scan_at = Instant::now() + idle;
                         idle = (idle * 2).min(self.config.idle_max);
                         error_backoff = self.config.idle_min;
                     }
                     Ok(due) => {
-                        queue.extend(due);
+                        for due in due {
+                            self.start(&mut running, &mut owners, due);
+                        }
                         next_scan_at = Instant::now();
                         idle = self.config.idle_min;
                         error_backoff = self.config.idle_min;
@@ -196,8 +240,6 @@ impl Resumer {
             // Wait for a free slot, the next scan, a wake-up, or shutdown.
             let wait = if running.len() >= concurrency {
                 Duration::MAX
-            } else if !queue.is_empty() {
-                Duration::ZERO
             } else {
                 next_scan_at.saturating_duration_since(Instant::now())
             };
@@ -205,9 +247,7 @@ impl Resumer {
                 biased;
                 () = &mut shutdown => break,
                 Some(joined) = running.join_next_with_id(), if !running.is_empty() => {
-                    if let Ok((id, _)) = &joined {
-                        owners.remove(id);
-                    }
+                    self.joined(&mut owners, joined).await;
                 }
                 () = self.wake.notified() => {
                     idle = self.config.idle_min;
@@ -217,23 +257,14 @@ impl Resumer {
             }
         }
 
-        tracing::info!(
-            queued = queue.len(),
-            running = running.len(),
-            "resumer shutting down"
-        );
+        tracing::info!(running = running.len(), "resumer shutting down");
         listener.abort();
-        for due in queue {
-            self.give_back(&due.taken.owner).await;
-        }
         let grace = tokio::time::sleep(self.config.shutdown_grace);
         tokio::pin!(grace);
         while !running.is_empty() {
             tokio::select! {
                 Some(joined) = running.join_next_with_id() => {
-                    if let Ok((id, _)) = joined {
-                        owners.remove(&id);
-                    }
+                    self.joined(&mut owners, joined).await;
                 }
                 () = &mut grace => {
                     tracing::warn!(running = running.len(), "grace period over: stopping keys in flight");
@@ -246,7 +277,8 @@ impl Resumer {
         // Whatever was stopped rolled back its open transaction; its lease ends now too. Its
         // attempt counts: it had started.
         for owner in owners.values() {
-            self.release_stopped(owner).await;
+            self.release_stopped(owner, "stopped: the resumer shut down")
+                .await;
         }
         if let Some(task) = retention_task {
             task.abort();
@@ -291,17 +323,10 @@ impl Resumer {
         }
     }
 
-    async fn release_stopped(&self, owner: &Owner) {
+    /// Ends the lease of a key whose run was stopped, now; its attempt counts (it had started).
+    async fn release_stopped(&self, owner: &Owner, why: &str) {
         let released = match self.runner.pool().acquire().await {
-            Ok(mut connection) => {
-                store::release(
-                    &mut connection,
-                    owner,
-                    Duration::ZERO,
-                    "stopped: the resumer shut down",
-                )
-                .await
-            }
+            Ok(mut connection) => store::release(&mut connection, owner, Duration::ZERO, why).await,
             Err(error) => Err(error.into()),
         };
         match released {
@@ -310,19 +335,6 @@ impl Resumer {
             }
             Err(error) => {
                 tracing::warn!(tenant = %owner.tenant, key = %owner.key, %error, "stopped key not released")
-            }
-        }
-    }
-
-    async fn give_back(&self, owner: &Owner) {
-        let returned = match self.runner.pool().acquire().await {
-            Ok(mut connection) => store::return_unstarted(&mut connection, owner).await,
-            Err(error) => Err(error.into()),
-        };
-        match returned {
-            Ok(()) => tracing::info!(tenant = %owner.tenant, key = %owner.key, "lease given back"),
-            Err(error) => {
-                tracing::warn!(tenant = %owner.tenant, key = %owner.key, %error, "lease not given back")
             }
         }
     }

@@ -11,11 +11,12 @@ use tracing::Instrument;
 
 use crate::config::RunnerConfig;
 use crate::crash::{CrashHook, CrashPoints};
-use crate::drive::{Start, Tx};
-use crate::error::{RunError, corrupt};
+use crate::drive::{Entry, Hold, Start, Tx};
+use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
 use crate::phase::PhaseContext;
+use crate::storable::holds_nul;
 use crate::workflow::{Carry, Workflow};
 
 /// A request as the runner fingerprints it: method, path and a JSON body.
@@ -122,7 +123,8 @@ impl Runner {
     }
 
     /// Finishes a key a resumer took over (see [`idemflow_pg::take_over_due`]), from its
-    /// recovery point. The takeover is already committed.
+    /// recovery point. The takeover is already committed; however long ago that was, the key's
+    /// fence is confirmed before any call to another system.
     pub async fn resume(&self, workflow: &Workflow, taken: TakenOver) -> Result<Outcome, RunError> {
         let span = tracing::info_span!(
             "idemflow.resume",
@@ -133,32 +135,26 @@ impl Runner {
             attempt = taken.attempts,
         );
         async {
-            let position = position_after(workflow, &taken.recovery_point)?;
-            let carry = if position == 0 {
-                workflow
-                    .decode_request(taken.request.clone())
-                    .map_err(corrupt)?
-            } else {
-                let output = taken.phase_output.clone().unwrap_or(Value::Null);
-                workflow.steps[position - 1]
-                    .decode_output(output)
-                    .map_err(corrupt)?
-            };
             metrics::count(metrics::TAKEOVERS, workflow.name());
             let context = PhaseContext {
                 tenant: taken.owner.tenant.clone(),
                 key: taken.owner.key.clone(),
-                attempt: u32::try_from(taken.attempts).unwrap_or(1),
+                attempt: u32::try_from(taken.attempts).unwrap_or(u32::MAX),
             };
             let start = Start {
                 owner: taken.owner,
                 tx: None,
-                position,
-                carry,
+                hold: Hold::Committed,
+                entry: Entry::Stored {
+                    recovery_point: taken.recovery_point.clone(),
+                    output: taken.phase_output,
+                },
                 recorded_point: taken.recovery_point,
                 context,
                 request: taken.request,
-                claim: None,
+                last_error: taken.last_error,
+                // Taken over in a batch and handed over after however long it waited.
+                fresh_lease: false,
             };
             self.drive(workflow, start).await
         }
@@ -199,16 +195,17 @@ impl Runner {
                         retry_after: CLAIMING_RETRY_AFTER,
                     });
                 }
-                LookUp::Absent => {
+                LookUp::Absent { lock_version } => {
                     let claim = ClaimRequest {
                         tenant,
                         key: &key,
+                        lock_version,
                         fingerprint: &fingerprint,
                         workflow: workflow.name(),
                         request: &request,
                         lease: workflow.lease(),
                     };
-                    match store::begin_claim(connection, &claim).await? {
+                    match store::begin_claim(connection, &claim, workflow.limits()).await? {
                         Claimed::Owned(tx, owner) => {
                             tracing::Span::current().record("lock_version", owner.lock_version);
                             metrics::count(metrics::CLAIMS, workflow.name());
@@ -220,12 +217,13 @@ impl Runner {
                             let start = Start {
                                 owner,
                                 tx: Some(tx),
-                                position: 0,
-                                carry: input,
+                                hold: Hold::Claim(fingerprint),
+                                entry: Entry::Decoded { position: 0, input },
                                 recorded_point: RecoveryPoint::START.to_owned(),
                                 context,
                                 request,
-                                claim: Some(fingerprint),
+                                last_error: None,
+                                fresh_lease: true,
                             };
                             return self.drive(workflow, start).await;
                         }
@@ -254,48 +252,48 @@ impl Runner {
                 drop(connection);
                 return answer(workflow, decision, row.response);
             }
-            let mut tx = Tx::begin_on(connection).await?;
+            let mut tx = Tx::begin_limited(connection, workflow.limits()).await?;
             let lease = workflow.lease();
             let Some(taken) =
                 store::take_over(&mut tx, tenant, &key, row.lock_version, lease).await?
             else {
-                // Someone else took it over or finished it first: look again.
+                // Someone else took it over, finished it, or is taking it over right now: look
+                // again.
                 tx.rollback().await?;
                 continue;
             };
             tracing::Span::current().record("lock_version", taken.owner.lock_version);
             tracing::info!(recovery_point = %taken.recovery_point, "took over an expired lease");
             metrics::count(metrics::TAKEOVERS, workflow.name());
-            let position = match position_after(workflow, &taken.recovery_point) {
-                Ok(position) => position,
-                Err(error) => {
-                    tx.rollback().await?;
-                    return Err(error);
-                }
-            };
-            let carry = if position == 0 {
+            let entry = if taken.recovery_point == RecoveryPoint::START {
                 // The request this call decoded is the stored one: same fingerprint.
-                std::mem::replace(&mut input, Box::new(()))
+                Entry::Decoded {
+                    position: 0,
+                    input: std::mem::replace(&mut input, Box::new(())),
+                }
             } else {
-                let output = taken.phase_output.unwrap_or(Value::Null);
-                workflow.steps[position - 1]
-                    .decode_output(output)
-                    .map_err(corrupt)?
+                Entry::Stored {
+                    recovery_point: taken.recovery_point.clone(),
+                    output: taken.phase_output,
+                }
             };
             let context = PhaseContext {
                 tenant: tenant.clone(),
                 key: key.clone(),
-                attempt: u32::try_from(taken.attempts).unwrap_or(1),
+                attempt: u32::try_from(taken.attempts).unwrap_or(u32::MAX),
             };
             let start = Start {
                 owner: taken.owner,
                 tx: Some(tx),
-                position,
-                carry,
+                hold: Hold::TakeOver {
+                    seen: row.lock_version,
+                },
+                entry,
                 recorded_point: taken.recovery_point,
                 context,
                 request: taken.request,
-                claim: None,
+                last_error: taken.last_error,
+                fresh_lease: true,
             };
             return self.drive(workflow, start).await;
         }
@@ -379,24 +377,4 @@ fn accept(
         request: value,
         input,
     })
-}
-
-fn holds_nul(value: &Value) -> bool {
-    match value {
-        Value::String(text) => text.contains('\0'),
-        Value::Array(items) => items.iter().any(holds_nul),
-        Value::Object(members) => members
-            .iter()
-            .any(|(name, member)| name.contains('\0') || holds_nul(member)),
-        _ => false,
-    }
-}
-
-fn position_after(workflow: &Workflow, recovery_point: &str) -> Result<usize, RunError> {
-    workflow
-        .position_after(recovery_point)
-        .ok_or_else(|| RunError::UnknownRecoveryPoint {
-            workflow: workflow.name().to_owned(),
-            recovery_point: recovery_point.to_owned(),
-        })
 }

@@ -5,9 +5,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_core::{DerivedKey, PhaseName, PhaseNameError, StoredResponse};
+use idemflow_pg::Limits;
 use serde_json::Value;
 use sqlx::PgConnection;
 
+use crate::drive::overrun_grace;
 use crate::phase::{
     Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValue,
 };
@@ -105,6 +107,8 @@ pub struct Workflow {
     name: String,
     pub(crate) steps: Vec<Step>,
     lease: Duration,
+    /// What the server enforces on this workflow's transactions (from its local time limits).
+    limits: Limits,
     decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
     pub(crate) failure: Option<Box<dyn ErasedFailure>>,
@@ -154,6 +158,33 @@ impl Workflow {
     /// The phase names in order.
     pub fn phase_names(&self) -> Vec<&'static str> {
         self.steps.iter().map(|step| step.name().as_str()).collect()
+    }
+
+    /// A local phase's time limit when it sets none: half the lease.
+    pub fn default_local_timeout(&self) -> Duration {
+        self.lease / 2
+    }
+
+    /// The time limit of a local phase.
+    pub(crate) fn local_timeout(&self, local: &dyn ErasedLocal) -> Duration {
+        local
+            .timeout()
+            .unwrap_or_else(|| self.default_local_timeout())
+    }
+
+    pub(crate) fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The name of the phase at `position` (the last one past the end).
+    pub(crate) fn step_name(&self, position: usize) -> &'static str {
+        self.steps[position.min(self.steps.len() - 1)].raw_name()
+    }
+
+    /// The retry policy that judges attempts at the phase at `position` (the last one past the
+    /// end).
+    pub(crate) fn retry_policy_at(&self, position: usize) -> RetryPolicy {
+        self.steps[position.min(self.steps.len() - 1)].retry_policy()
     }
 
     pub(crate) fn decode_request(&self, request: Value) -> Result<Carry, serde_json::Error> {
@@ -301,10 +332,26 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
                 }
             }
         }
+        let longest_local = self
+            .steps
+            .iter()
+            .filter_map(|step| match step {
+                Step::Local(local) => Some(local.timeout().unwrap_or(self.lease / 2)),
+                Step::Foreign(_) => None,
+            })
+            .max();
+        // Statements are cancelled at the longest local limit (no single statement of a phase
+        // may outlast the phase); a session left idle inside a transaction for longer than the
+        // runner itself waits is ended by the server.
+        let limits = Limits {
+            statement_timeout: longest_local,
+            idle_timeout: longest_local.map(|limit| limit + 2 * overrun_grace(limit)),
+        };
         Ok(Workflow {
             name: self.name,
             steps: self.steps,
             lease: self.lease,
+            limits,
             decode_request: self.decode_request,
             validate: self.validate,
             failure: self.failure,
@@ -341,7 +388,7 @@ pub(crate) enum Step {
 }
 
 impl Step {
-    fn raw_name(&self) -> &'static str {
+    pub(crate) fn raw_name(&self) -> &'static str {
         match self {
             Self::Local(local) => local.name(),
             Self::Foreign(foreign) => foreign.name(),
@@ -352,6 +399,13 @@ impl Step {
     pub(crate) fn name(&self) -> PhaseName {
         PhaseName::new(self.raw_name())
             .unwrap_or_else(|_| unreachable!("checked by WorkflowBuilder::build"))
+    }
+
+    pub(crate) fn retry_policy(&self) -> RetryPolicy {
+        match self {
+            Self::Local(local) => local.retry_policy(),
+            Self::Foreign(foreign) => foreign.retry_policy(),
+        }
     }
 
     pub(crate) fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
@@ -373,6 +427,7 @@ impl Step {
 pub(crate) trait ErasedLocal: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     fn retry_policy(&self) -> RetryPolicy;
+    fn timeout(&self) -> Option<Duration>;
     async fn run(
         &self,
         connection: &mut PgConnection,
@@ -417,6 +472,10 @@ impl<P: LocalPhase> ErasedLocal for LocalStep<P> {
 
     fn retry_policy(&self) -> RetryPolicy {
         self.phase.retry_policy()
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        self.phase.timeout()
     }
 
     async fn run(

@@ -516,8 +516,9 @@ struct CrashOnce {
     fired: AtomicBool,
 }
 
+#[async_trait::async_trait]
 impl CrashHook for CrashOnce {
-    fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
+    async fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
         *point == self.point && key.as_str() == self.key && !self.fired.swap(true, Ordering::SeqCst)
     }
 }

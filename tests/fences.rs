@@ -1,0 +1,244 @@
+//! Fencing tokens and leases at the store's level: a token never repeats for a key, a lease is
+//! measured from the statement that writes it, and an owner never shortens its own lease.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use idemflow::store::{self, ClaimRequest, Claimed, Owner, StoreError};
+use idemflow::{Fingerprint, Key, StoredResponse, TenantId};
+use serde_json::json;
+use sqlx::PgPool;
+use support::*;
+
+/// Claims a new key and commits the claim; its owner.
+async fn claim_committed(pool: &PgPool, tenant: &TenantId, key: &Key, amount: i64) -> Owner {
+    let fingerprint = Fingerprint::of_json("POST", "/x", amount.to_string().as_bytes()).unwrap();
+    let request = json!({ "amount": amount });
+    let lock_version = store::next_lock_version(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    let claim = ClaimRequest {
+        tenant,
+        key,
+        lock_version,
+        fingerprint: &fingerprint,
+        workflow: "w.v1",
+        request: &request,
+        lease: Duration::from_secs(60),
+    };
+    let Claimed::Owned(tx, owner) =
+        store::begin_claim(pool.acquire().await.unwrap(), &claim, &Default::default())
+            .await
+            .unwrap()
+    else {
+        panic!("the key is new");
+    };
+    tx.commit().await.unwrap();
+    owner
+}
+
+/// Seconds left on a key's lease, by the database's clock at this statement.
+async fn lease_left(pool: &PgPool, key: &str) -> f64 {
+    sqlx::query_scalar(
+        "SELECT extract(epoch FROM locked_until - clock_timestamp())::float8 \
+         FROM idempotency_keys WHERE key = $1",
+    )
+    .bind(key)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A key deleted by its owner (the release policy) and claimed again is a new life: no owner of
+/// the old life, however long it slept, can write to the new one.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
+    let tenant = TenantId::new("t").unwrap();
+    let key = Key::parse("reused").unwrap();
+    let long = Duration::from_secs(60);
+    let mut connection = pool.acquire().await.unwrap();
+
+    // Life 1: claimed, its owner stalls, the lease expires, a takeover deletes the key.
+    let claimer = claim_committed(&pool, &tenant, &key, 1).await;
+    expire_lease(&pool, "reused").await;
+    let taker = store::take_over(&mut connection, &tenant, &key, claimer.lock_version, long)
+        .await
+        .unwrap()
+        .expect("the expired lease is taken over");
+    store::delete_owned(&mut connection, &taker.owner)
+        .await
+        .unwrap();
+
+    // Life 2: the same key, another request.
+    let new_owner = claim_committed(&pool, &tenant, &key, 2).await;
+    assert_ne!(new_owner.lock_version, claimer.lock_version);
+    assert_ne!(new_owner.lock_version, taker.owner.lock_version);
+
+    // Both owners of life 1 wake up: every write they try is fenced, the row unchanged.
+    let response = StoredResponse::new(200, "from an earlier life");
+    for stale in [&claimer, &taker.owner] {
+        let results = [
+            store::finish(&mut connection, stale, "phase", &response).await,
+            store::advance(&mut connection, stale, "phase", &json!({}), long).await,
+            store::renew_lease(&mut connection, stale, long).await,
+            store::release(&mut connection, stale, Duration::ZERO, "stale").await,
+        ];
+        for result in results {
+            assert!(matches!(result, Err(StoreError::Fenced)), "{result:?}");
+        }
+    }
+    let (state, request): (String, serde_json::Value) =
+        sqlx::query_as("SELECT state, request FROM idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), request), ("started", json!({"amount": 2})));
+    // The new owner's writes still land.
+    store::finish(&mut connection, &new_owner, "phase", &response)
+        .await
+        .unwrap();
+}
+
+/// A lease is measured from the statement that writes it, not from the start of its
+/// transaction: a transaction that ran for a while still commits a whole lease.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_lease_written_late_in_a_transaction_is_a_whole_lease(pool: PgPool) {
+    let tenant = TenantId::new("t").unwrap();
+    let key = Key::parse("slow").unwrap();
+    let owner = claim_committed(&pool, &tenant, &key, 1).await;
+    let lease = Duration::from_secs(3);
+
+    let mut tx = store::Transaction::begin(&pool).await.unwrap();
+    sqlx::query("SELECT pg_sleep(1.2)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    store::advance(&mut tx, &owner, "phase", &json!({}), lease)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let left = lease_left(&pool, "slow").await;
+    assert!(
+        left > 2.7,
+        "the lease left right after commit is {left:.2} s of 3 s"
+    );
+}
+
+/// An owner's own writes never shorten the lease it holds (a heartbeat's renewal is not undone
+/// by an advance that asks for less).
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn an_owner_never_shortens_its_own_lease(pool: PgPool) {
+    let tenant = TenantId::new("t").unwrap();
+    let key = Key::parse("long").unwrap();
+    let owner = claim_committed(&pool, &tenant, &key, 1).await;
+    let mut connection = pool.acquire().await.unwrap();
+    store::renew_lease(&mut connection, &owner, Duration::from_secs(60))
+        .await
+        .unwrap();
+    store::advance(
+        &mut connection,
+        &owner,
+        "phase",
+        &json!({}),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    store::renew_lease(&mut connection, &owner, Duration::from_secs(1))
+        .await
+        .unwrap();
+    let left = lease_left(&pool, "long").await;
+    assert!(left > 58.0, "the lease was shortened to {left:.2} s");
+}
+
+mod slow {
+    //! A workflow whose first local phase is slow, and whose foreign phase reads the lease its
+    //! owner holds as the call starts.
+    use super::*;
+    use idemflow::{DerivedKey, ForeignPhase, LocalPhase, PhaseContext, PhaseError};
+    use sqlx::PgConnection;
+
+    pub struct Slow;
+
+    #[async_trait::async_trait]
+    impl LocalPhase for Slow {
+        const NAME: &'static str = "slow";
+        type Input = serde_json::Value;
+        type Output = f64;
+
+        async fn run(
+            &self,
+            connection: &mut PgConnection,
+            _: serde_json::Value,
+            _: &PhaseContext,
+        ) -> Result<f64, PhaseError> {
+            sqlx::query("SELECT pg_sleep(1.2)")
+                .execute(connection)
+                .await?;
+            Ok(0.0)
+        }
+    }
+
+    pub struct Probe(pub PgPool);
+
+    #[async_trait::async_trait]
+    impl ForeignPhase for Probe {
+        const NAME: &'static str = "probe";
+        type Input = f64;
+        type Output = f64;
+
+        fn timeout(&self) -> Duration {
+            Duration::from_secs(1)
+        }
+
+        async fn call(
+            &self,
+            _: f64,
+            _: &DerivedKey,
+            ctx: &PhaseContext,
+        ) -> Result<f64, PhaseError> {
+            Ok(lease_left(&self.0, ctx.key.as_str()).await)
+        }
+    }
+
+    pub struct Answer;
+
+    #[async_trait::async_trait]
+    impl LocalPhase for Answer {
+        const NAME: &'static str = "answer";
+        type Input = f64;
+        type Output = StoredResponse;
+
+        async fn run(
+            &self,
+            _: &mut PgConnection,
+            left: f64,
+            _: &PhaseContext,
+        ) -> Result<StoredResponse, PhaseError> {
+            Ok(StoredResponse::new(200, format!("{left:.3}")))
+        }
+    }
+}
+
+/// The defect seen from outside: a slow first transaction used to commit a lease shortened by
+/// its own length, so a duplicate could take the key over while its owner was still calling the
+/// provider. The lease the owner holds as its call starts is a whole one.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn an_owner_calls_out_holding_a_whole_lease_after_a_slow_transaction(pool: PgPool) {
+    let workflow = idemflow::Workflow::builder::<serde_json::Value>("slow.v1")
+        .local(slow::Slow)
+        .foreign(slow::Probe(pool.clone()))
+        .local(slow::Answer)
+        .lease(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let runner = idemflow::Runner::new(pool.clone());
+    let response = executed(&run(&runner, &workflow, &tenant(1), "k", b"{}").await).clone();
+    let left: f64 = String::from_utf8(response.body).unwrap().parse().unwrap();
+    assert!(
+        left > 2.7,
+        "the owner called out with {left:.2} s of its 3 s lease left"
+    );
+}
