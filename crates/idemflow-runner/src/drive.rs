@@ -569,7 +569,12 @@ impl Drive<'_> {
             ),
             PhaseErrorKind::Retryable { .. } => None,
         };
-        let message = format!("{phase}: {}", error.message);
+        // A give-up for a spent budget carries the last recorded error, already named.
+        let message = if spent {
+            error.message.clone()
+        } else {
+            format!("{phase}: {}", error.message)
+        };
 
         if let (Some(response), TerminalPolicy::Release) =
             (&terminal_response, self.runner.config.terminal_errors)

@@ -21,6 +21,9 @@ pub struct PhaseContext {
     /// Executions begun at the key's current recovery point, this one included: 1 for the first,
     /// +1 for each takeover (by a client retry or a resumer).
     pub attempt: u32,
+    /// The fencing token this execution holds the key with (unique: it never repeats for the
+    /// key). A downstream system that can refuse stale writers may be given it.
+    pub lock_version: i64,
 }
 
 /// A phase whose effects are statements in this database.

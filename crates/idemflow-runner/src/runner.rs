@@ -140,6 +140,7 @@ impl Runner {
                 tenant: taken.owner.tenant.clone(),
                 key: taken.owner.key.clone(),
                 attempt: u32::try_from(taken.attempts).unwrap_or(u32::MAX),
+                lock_version: taken.owner.lock_version,
             };
             let start = Start {
                 owner: taken.owner,
@@ -213,6 +214,7 @@ impl Runner {
                                 tenant: tenant.clone(),
                                 key: key.clone(),
                                 attempt: 1,
+                                lock_version: owner.lock_version,
                             };
                             let start = Start {
                                 owner,
@@ -281,6 +283,7 @@ impl Runner {
                 tenant: tenant.clone(),
                 key: key.clone(),
                 attempt: u32::try_from(taken.attempts).unwrap_or(u32::MAX),
+                lock_version: taken.owner.lock_version,
             };
             let start = Start {
                 owner: taken.owner,

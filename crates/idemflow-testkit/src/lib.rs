@@ -35,4 +35,5 @@
 pub mod explorer;
 pub mod provider;
 pub mod provider_client;
+pub mod simulation;
 pub mod wire;

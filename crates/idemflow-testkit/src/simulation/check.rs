@@ -1,0 +1,252 @@
+//! The end of a schedule: every finished key answers a retry with its stored response, and what
+//! must hold of the whole history is checked.
+//!
+//! - local effects: at most once per key, life and phase; exactly once for each local phase of a
+//!   key that finished normally (its 201);
+//! - the provider: every execution under a derived key of one of the schedule's keys, at most one
+//!   per derived key;
+//! - every response a client was given as executed, and every replay, is the stored one, byte for
+//!   byte; a further retry replays it;
+//! - a stored response was made for the request its key holds (its life);
+//! - an owner told it was fenced had held the key (its token was committed): otherwise its own
+//!   attempt was lost without a trace;
+//! - attempts never above the policy's, plus the one takeover that gives up.
+//!
+//! Checked as they happen (world.rs and workflow.rs): a lease is whole right after its owner's
+//! commit; a foreign call starts only by the key's owner on a live lease, before its result was
+//! recorded; no two calls with one derived key overlap; retention deletes no key within its window;
+//! every actor ends; client retries alone bring every key to an end within its attempt budget.
+
+use std::collections::HashMap;
+
+use idemflow_core::{Key, StoredResponse};
+use idemflow_runner::{Outcome, Request};
+
+use super::scheduler::ACTOR;
+use super::workflow::{self, SimRequest};
+use super::world::World;
+
+pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
+    let ending = world.ending();
+    let shared = ending.shared;
+    let tenant = &shared.tenant;
+
+    // The rows as they ended.
+    let mut stored: HashMap<String, (StoredResponse, Option<i64>)> = HashMap::new();
+    for (key, _, retired) in &ending.keys {
+        if *retired {
+            continue;
+        }
+        let Ok(parsed) = Key::parse(key) else {
+            continue;
+        };
+        let Ok(mut connection) = shared.observer.acquire().await else {
+            shared.violation("the observer could not connect".to_owned());
+            return;
+        };
+        let row = idemflow_pg::inspect(&mut connection, tenant, &parsed).await;
+        let connection: &mut sqlx::PgConnection = &mut connection;
+        let life: Option<i64> = sqlx::query_scalar(
+            "SELECT (request->>'life')::bigint FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .fetch_optional(connection)
+        .await
+        .ok()
+        .flatten()
+        .flatten();
+        if let Ok(Some(row)) = row
+            && let Some(response) = row.response
+        {
+            stored.insert(key.to_string(), (response, life));
+        }
+    }
+
+    // A further retry of each finished key replays its stored response.
+    for (key, life, _) in &ending.keys {
+        let Some((response, Some(stored_life))) = stored.get(key) else {
+            continue;
+        };
+        let amount = 1000
+            + key
+                .trim_start_matches('k')
+                .parse::<u64>()
+                .unwrap_or_default();
+        let body = serde_json::to_vec(&SimRequest {
+            amount,
+            life: u32::try_from(*stored_life).unwrap_or(*life),
+        })
+        .unwrap_or_default();
+        let actor = shared.scheduler.new_actor();
+        let request = Request {
+            method: "POST",
+            path: "/v1/sim",
+            body: &body,
+        };
+        // A connection the schedule killed fails its next use once: not what is checked here.
+        let mut replay = Err(idemflow_runner::RunError::Crashed(String::new()));
+        for _ in 0..3 {
+            replay = ACTOR
+                .scope(
+                    actor,
+                    ending.runner.run(ending.workflow, tenant, key, request),
+                )
+                .await;
+            if !matches!(replay, Err(idemflow_runner::RunError::Database(_))) {
+                break;
+            }
+        }
+        match replay {
+            Ok(Outcome::Replayed(replayed)) if replayed == *response => {}
+            other => shared.violation(format!(
+                "a retry of finished key {key} was not the replay of its stored response: {other:?}"
+            )),
+        }
+    }
+
+    // Responses given are the stored ones; stored responses belong to their request.
+    let mismatched: Vec<String> = {
+        let log = shared.log();
+        log.executed
+            .iter()
+            .chain(log.replayed.iter())
+            .filter_map(|(key, life, given)| {
+                let (response, stored_life) = stored.get(key)?;
+                (Some(i64::from(*life)) == *stored_life && given != response).then(|| {
+                    format!(
+                        "key {key} (life {life}) answered {} but stored {}",
+                        text(given),
+                        text(response)
+                    )
+                })
+            })
+            .collect()
+    };
+    for mismatch in mismatched {
+        shared.violation(format!("an answer is not the stored response: {mismatch}"));
+    }
+    for (key, (response, stored_life)) in &stored {
+        let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
+        if let Some(made_for) = body.get("life").and_then(serde_json::Value::as_i64)
+            && Some(made_for) != *stored_life
+        {
+            shared.violation(format!(
+                "key {key} holds the request of life {stored_life:?} but a response made for \
+                 life {made_for}: {}",
+                text(response)
+            ));
+        }
+    }
+
+    // Local effects.
+    // Per claim: under the release policy a deleted key's request may be claimed and run again
+    // (there are no clock jumps then, so a claim's time names it).
+    let per_claim = ending.release_policy;
+    let duplicated: Vec<(String, i64, String, i64)> = sqlx::query_as(
+        "SELECT key, life, phase, count(*) FROM sim_effects WHERE tenant = $1 \
+         GROUP BY key, life, phase, CASE WHEN $2 THEN claimed_at END HAVING count(*) > 1",
+    )
+    .bind(tenant.as_str())
+    .bind(per_claim)
+    .fetch_all(&shared.observer)
+    .await
+    .unwrap_or_default();
+    for (key, life, phase, times) in duplicated {
+        shared.violation(format!(
+            "{phase} of key {key} (life {life}) committed {times} times"
+        ));
+    }
+    for (key, (response, stored_life)) in &stored {
+        if response.status != 201 {
+            continue;
+        }
+        for phase in ["reserve", "price", "complete"] {
+            let times: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM sim_effects \
+                 WHERE tenant = $1 AND key = $2 AND life = $3 AND phase = $4 \
+                   AND (NOT $5 OR claimed_at = (SELECT created_at::text FROM idempotency_keys \
+                                               WHERE tenant = $1 AND key = $2))",
+            )
+            .bind(tenant.as_str())
+            .bind(key)
+            .bind(stored_life.unwrap_or_default())
+            .bind(phase)
+            .bind(per_claim)
+            .fetch_one(&shared.observer)
+            .await
+            .unwrap_or_default();
+            if times != 1 {
+                shared.violation(format!(
+                    "key {key} finished, but its {phase} committed {times} times"
+                ));
+            }
+        }
+    }
+
+    // The provider's ledger.
+    let prefix = format!("{}:", tenant.as_str());
+    let mut executions: HashMap<String, usize> = HashMap::new();
+    for charge in shared.provider.charges() {
+        if charge.idempotency_key.starts_with(&prefix) {
+            *executions.entry(charge.idempotency_key).or_default() += 1;
+        }
+    }
+    for (derived, times) in executions {
+        let known = ending
+            .keys
+            .iter()
+            .any(|(key, _, _)| derived == format!("{prefix}{key}:charge"));
+        if !known {
+            shared.violation(format!(
+                "the provider charged under {derived:?}, no derived key"
+            ));
+        }
+        if times > 1 {
+            shared.violation(format!("the provider charged {derived} {times} times"));
+        }
+    }
+
+    // Fenced owners had held their key; attempts within the budget.
+    let (fenced, most) = {
+        let log = shared.log();
+        let fenced: Vec<String> = log
+            .fenced
+            .iter()
+            .filter_map(|(actor, key)| {
+                let (ran_on, token) = log.tokens_of.get(actor)?;
+                let committed = log
+                    .committed
+                    .get(ran_on)
+                    .is_some_and(|tokens| tokens.contains(token));
+                (ran_on == key && !committed).then(|| {
+                    format!(
+                        "{actor} was told it was fenced on key {key}, but its token {token} was \
+                         never committed: its attempt went unrecorded"
+                    )
+                })
+            })
+            .collect();
+        (fenced, log.most_attempts.clone())
+    };
+    for line in fenced {
+        shared.violation(line);
+    }
+    let allowed = i32::try_from(workflow::policy().max_attempts).unwrap_or(i32::MAX) + 1;
+    for (key, attempts) in most {
+        if attempts > allowed {
+            shared.violation(format!(
+                "key {key} reached {attempts} attempts; the policy allows {}",
+                allowed - 1
+            ));
+        }
+    }
+}
+
+fn text(response: &StoredResponse) -> String {
+    format!(
+        "{} {}",
+        response.status,
+        String::from_utf8_lossy(&response.body)
+    )
+}

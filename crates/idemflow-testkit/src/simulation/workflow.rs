@@ -1,0 +1,384 @@
+//! The scripted workflow the schedules run: `reserve` (local) → `price` (local) → `charge`
+//! (foreign, the mock provider over HTTP) → `complete` (local), with a failure path `cancel`.
+//!
+//! Each phase waits at its start for the schedule, which says what it does this time ([`Act`]):
+//! succeed, take its time, fail (retryable or terminal), panic, hang, return an output the store
+//! cannot hold, break its transaction's commit, or (the charge) meet a provider fault. Every local
+//! phase records its effect in `sim_effects` in the phase's own transaction, so the effects that
+//! committed are exactly the rows there. The charge checks, as it starts, that its caller owns
+//! the key (and registers the call, so two overlapping calls with one derived key are seen).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow_core::{DerivedKey, StoredResponse};
+use idemflow_runner::{
+    Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, RetryPolicy,
+    Workflow,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+
+use super::scheduler::{Point, Verdict};
+use super::world::Shared;
+use crate::provider::Fault;
+use crate::provider_client::{ChargeResult, ProviderError};
+
+/// The workflow's name.
+pub const WORKFLOW: &str = "sim.checkout.v1";
+
+/// What a phase does on one run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Act {
+    Succeed,
+    /// Takes this long (really: the rest of the schedule goes on meanwhile).
+    Slow(Duration),
+    Retryable,
+    Terminal,
+    Panic,
+    /// Never returns by itself: the phase's time limit stops it.
+    Hang,
+    /// Returns an output holding U+0000, which the store cannot hold.
+    Unstorable,
+    /// Inserts a row that breaks a deferred constraint: its transaction's commit fails.
+    BreakCommit,
+    /// The provider meets this fault on the call (the charge only).
+    Provider(ProviderFault),
+}
+
+/// The provider faults a schedule uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum ProviderFault {
+    Unavailable,
+    Timeout,
+    Reset,
+    ExecuteThenDrop,
+    Delay(Duration),
+}
+
+impl ProviderFault {
+    fn fault(self) -> Fault {
+        match self {
+            Self::Unavailable => Fault::ServerError(503),
+            Self::Timeout => Fault::Timeout,
+            Self::Reset => Fault::ConnectionReset,
+            Self::ExecuteThenDrop => Fault::ExecuteThenDrop,
+            Self::Delay(delay) => Fault::Delay(delay),
+        }
+    }
+}
+
+/// The request: what to charge, and which life of the key it is (a key deleted by the release
+/// policy may be sent again as a new request).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SimRequest {
+    pub amount: u64,
+    pub life: u32,
+}
+
+/// What flows from phase to phase.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Progress {
+    pub amount: u64,
+    pub life: u32,
+    pub note: String,
+    pub charge: Option<String>,
+}
+
+/// Every sim response carries the life and amount it was made for.
+fn response(status: u16, life: u32, amount: u64, what: serde_json::Value) -> StoredResponse {
+    StoredResponse::json(
+        status,
+        &serde_json::json!({"life": life, "amount": amount, "what": what}),
+    )
+}
+
+/// The retry policy of every phase: quick, so keys come back at once.
+pub(crate) fn policy() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 3,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(1),
+        multiplier: 1.0,
+        jitter: 0.0,
+    }
+}
+
+/// The time limit of the local phases (a hung one costs this much).
+pub(crate) const LOCAL_TIMEOUT: Duration = Duration::from_millis(600);
+
+/// How long the engine waits for the charge.
+pub(crate) const CHARGE_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub(crate) fn workflow(shared: &Arc<Shared>, lease: Duration) -> Workflow {
+    Workflow::builder::<SimRequest>(WORKFLOW)
+        .local(Reserve(shared.clone()))
+        .local(Price(shared.clone()))
+        .foreign(Charge(shared.clone()))
+        .local(Complete(shared.clone()))
+        .on_failure(Cancel(shared.clone()))
+        .lease(lease)
+        .build()
+        .unwrap_or_else(|error| unreachable!("the sim workflow is valid: {error}"))
+}
+
+/// Waits for the schedule at the start of `phase` and says what this run does.
+async fn act_for(shared: &Shared, phase: &'static str, context: &PhaseContext) -> Act {
+    let actor = shared.scheduler.current();
+    shared.note_token(actor, context);
+    let key = context.key.as_str();
+    match shared.scheduler.park(actor, key, Point::Phase(phase)).await {
+        Verdict::Act(act) => act,
+        _ => shared.settled_act(key, phase),
+    }
+}
+
+/// Records a local phase's effect in its transaction.
+async fn effect(
+    connection: &mut PgConnection,
+    context: &PhaseContext,
+    life: u32,
+    phase: &str,
+) -> Result<(), PhaseError> {
+    sqlx::query(
+        "INSERT INTO sim_effects (tenant, key, life, phase, lock_version, claimed_at) \
+         SELECT $1, $2, $3, $4, $5, \
+                (SELECT created_at::text FROM idempotency_keys WHERE tenant = $1 AND key = $2)",
+    )
+    .bind(context.tenant.as_str())
+    .bind(context.key.as_str())
+    .bind(i64::from(life))
+    .bind(phase)
+    .bind(context.lock_version)
+    .execute(connection)
+    .await?;
+    Ok(())
+}
+
+/// What a local phase's act makes of its run: the note it passes on, or its failure.
+async fn local_act(
+    act: Act,
+    connection: &mut PgConnection,
+    phase: &str,
+    life: u32,
+    amount: u64,
+) -> Result<String, PhaseError> {
+    match act {
+        Act::Succeed | Act::Provider(_) => Ok(format!("{phase} ok")),
+        Act::Slow(wait) => {
+            tokio::time::sleep(wait).await;
+            Ok(format!("{phase} slow"))
+        }
+        Act::Retryable => Err(PhaseError::retryable("scripted failure")),
+        Act::Terminal => Err(PhaseError::terminal_with(
+            response(409, life, amount, serde_json::json!({"refused": phase})),
+            "scripted refusal",
+        )),
+        Act::Panic => panic!("scripted panic in {phase}"),
+        Act::Hang => {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(format!("{phase} woke"))
+        }
+        Act::Unstorable => Ok(format!("{phase} \u{0} unstorable")),
+        Act::BreakCommit => {
+            sqlx::query("INSERT INTO sim_orphans (parent) VALUES (1)")
+                .execute(connection)
+                .await?;
+            Ok(format!("{phase} broke"))
+        }
+    }
+}
+
+struct Reserve(Arc<Shared>);
+
+#[async_trait]
+impl LocalPhase for Reserve {
+    const NAME: &'static str = "reserve";
+    type Input = SimRequest;
+    type Output = Progress;
+
+    fn retry_policy(&self) -> RetryPolicy {
+        policy()
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(LOCAL_TIMEOUT)
+    }
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        request: SimRequest,
+        context: &PhaseContext,
+    ) -> Result<Progress, PhaseError> {
+        let act = act_for(&self.0, Self::NAME, context).await;
+        effect(connection, context, request.life, Self::NAME).await?;
+        let note = local_act(act, connection, Self::NAME, request.life, request.amount).await?;
+        Ok(Progress {
+            amount: request.amount,
+            life: request.life,
+            note,
+            charge: None,
+        })
+    }
+}
+
+struct Price(Arc<Shared>);
+
+#[async_trait]
+impl LocalPhase for Price {
+    const NAME: &'static str = "price";
+    type Input = Progress;
+    type Output = Progress;
+
+    fn retry_policy(&self) -> RetryPolicy {
+        policy()
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(LOCAL_TIMEOUT)
+    }
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        progress: Progress,
+        context: &PhaseContext,
+    ) -> Result<Progress, PhaseError> {
+        let act = act_for(&self.0, Self::NAME, context).await;
+        effect(connection, context, progress.life, Self::NAME).await?;
+        let note = local_act(act, connection, Self::NAME, progress.life, progress.amount).await?;
+        Ok(Progress { note, ..progress })
+    }
+}
+
+struct Charge(Arc<Shared>);
+
+#[async_trait]
+impl ForeignPhase for Charge {
+    const NAME: &'static str = "charge";
+    type Input = Progress;
+    type Output = Progress;
+
+    fn timeout(&self) -> Duration {
+        CHARGE_TIMEOUT
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        policy()
+    }
+
+    async fn call(
+        &self,
+        progress: Progress,
+        key: &DerivedKey,
+        context: &PhaseContext,
+    ) -> Result<Progress, PhaseError> {
+        let shared = &self.0;
+        let act = act_for(shared, Self::NAME, context).await;
+        let actor = shared.scheduler.current();
+        // Who may call out: the key's current owner, holding a live lease, before the charge's
+        // result was recorded, for this very request.
+        shared
+            .check_caller(actor, context, progress.life, Self::NAME)
+            .await;
+        let _call = shared.calls.begin(shared, actor, key.as_str());
+        match act {
+            Act::Retryable => return Err(PhaseError::retryable("scripted failure")),
+            Act::Panic => panic!("scripted panic in charge"),
+            Act::Slow(wait) => tokio::time::sleep(wait).await,
+            Act::Provider(fault) => shared.provider.push_fault_for(key.as_str(), fault.fault()),
+            _ => {}
+        }
+        let charged = shared
+            .provider_client
+            .charge(key.as_str(), progress.amount, "usd", "tok_visa")
+            .await;
+        let charge = match charged {
+            Ok(ChargeResult::Succeeded { charge_id }) => charge_id,
+            Ok(ChargeResult::Declined { code, .. }) => format!("declined:{code}"),
+            Err(error) => return Err(provider_error(&error)),
+        };
+        let note = if act == Act::Unstorable {
+            "charge \u{0} unstorable".to_owned()
+        } else {
+            progress.note.clone()
+        };
+        Ok(Progress {
+            note,
+            charge: Some(charge),
+            ..progress
+        })
+    }
+}
+
+fn provider_error(error: &ProviderError) -> PhaseError {
+    if error.is_retryable() {
+        PhaseError::retryable(error.to_string())
+    } else {
+        PhaseError::terminal(error.to_string())
+    }
+}
+
+struct Complete(Arc<Shared>);
+
+#[async_trait]
+impl LocalPhase for Complete {
+    const NAME: &'static str = "complete";
+    type Input = Progress;
+    type Output = StoredResponse;
+
+    fn retry_policy(&self) -> RetryPolicy {
+        policy()
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(LOCAL_TIMEOUT)
+    }
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        progress: Progress,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let act = act_for(&self.0, Self::NAME, context).await;
+        effect(connection, context, progress.life, Self::NAME).await?;
+        let act = if act == Act::Unstorable {
+            Act::Succeed
+        } else {
+            act
+        };
+        local_act(act, connection, Self::NAME, progress.life, progress.amount).await?;
+        Ok(response(
+            201,
+            progress.life,
+            progress.amount,
+            serde_json::json!({"charge": progress.charge}),
+        ))
+    }
+}
+
+struct Cancel(Arc<Shared>);
+
+#[async_trait]
+impl FailurePhase for Cancel {
+    type Request = SimRequest;
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        failure: Failure<SimRequest>,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let _ = &self.0;
+        effect(connection, context, failure.request.life, "cancel").await?;
+        Ok(response(
+            502,
+            failure.request.life,
+            failure.request.amount,
+            serde_json::json!({"gave_up": failure.phase, "attempts": failure.attempts}),
+        ))
+    }
+}

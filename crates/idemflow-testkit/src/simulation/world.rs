@@ -1,0 +1,1072 @@
+//! One schedule: its actors, the actions the seed picks, what is observed on the way, and the
+//! end: every actor let go, the keys brought to an end by client retries alone, replays read back,
+//! and the checks of `check.rs`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use idemflow_core::{Key, StoredResponse, TenantId};
+use idemflow_runner::{
+    CrashHook, CrashPoint, Outcome, PhaseContext, Registry, Request, Resumer, ResumerConfig,
+    RunError, Runner, RunnerConfig, TerminalPolicy,
+};
+use sqlx::PgPool;
+use tokio::task::JoinSet;
+
+use super::rng::Rng;
+use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict};
+use super::workflow::{self, Act, ProviderFault, SimRequest};
+use super::{ScheduleReport, Simulation};
+use crate::provider::MockProvider;
+use crate::provider_client::ProviderClient;
+
+/// The lease of the sim workflow: long, so that leases end only when the schedule says so.
+pub(crate) const LEASE: Duration = Duration::from_secs(30);
+
+/// How much shorter than a whole lease a lease may be right after its owner's commit: the time
+/// from the commit to the check, on a busy machine.
+const FRESH_TOLERANCE: Duration = Duration::from_millis(300);
+
+/// The retention window of the schedule's operator.
+const RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// How far a time jump moves the clock: past the retention window.
+const JUMP: &str = "25 hours";
+
+/// The schedule waits this long without an event before it acts again.
+const QUIET: Duration = Duration::from_millis(8);
+const LONGEST_SETTLE: Duration = Duration::from_millis(250);
+
+/// How long the actors get to end once nobody waits any more.
+const WIND_DOWN: Duration = Duration::from_secs(30);
+
+/// What the seed chose for a schedule.
+#[derive(Debug, Clone)]
+pub(crate) struct Setup {
+    pub keys: usize,
+    pub steps: usize,
+    pub terminal: TerminalPolicy,
+    /// (batch size, concurrency) of each resumer.
+    pub resumers: Vec<(i64, usize)>,
+    /// Keys whose one phase always fails the same way (a poison request): (key, phase, act).
+    pub poison: Vec<(usize, &'static str, Act)>,
+}
+
+impl Setup {
+    fn draw(rng: &mut Rng) -> Self {
+        let keys = rng.between(2, 4) as usize;
+        let resumers = (0..rng.between(1, 4))
+            .map(|_| (rng.between(1, 4) as i64, rng.between(1, 2) as usize))
+            .collect();
+        let terminal = if rng.chance(0.25) {
+            TerminalPolicy::Release
+        } else {
+            TerminalPolicy::Store
+        };
+        let mut poison = Vec::new();
+        for key in 0..keys {
+            if rng.chance(0.15) {
+                let (phase, act) = rng.weighted(&[
+                    (2, ("reserve", Act::Unstorable)),
+                    (2, ("charge", Act::Unstorable)),
+                    (1, ("complete", Act::Panic)),
+                    (1, ("price", Act::BreakCommit)),
+                    (1, ("charge", Act::Provider(ProviderFault::Unavailable))),
+                ]);
+                poison.push((key, phase, act));
+            }
+        }
+        Self {
+            keys,
+            steps: rng.between(45, 70) as usize,
+            terminal,
+            resumers,
+            poison,
+        }
+    }
+}
+
+/// What the actors and the hook share with the schedule.
+pub(crate) struct Shared {
+    pub scheduler: Scheduler,
+    pub observer: PgPool,
+    pub provider: Arc<MockProvider>,
+    pub provider_client: ProviderClient,
+    pub tenant: TenantId,
+    pub calls: Calls,
+    pub log: Mutex<Log>,
+    poison: HashMap<String, (&'static str, Act)>,
+    began: Instant,
+}
+
+/// What a schedule saw, for the checks.
+#[derive(Default)]
+pub(crate) struct Log {
+    pub history: Vec<String>,
+    pub violations: Vec<String>,
+    /// The token each actor last ran a phase with, and for which key.
+    pub tokens_of: HashMap<ActorId, (String, i64)>,
+    /// Tokens seen committed on each key.
+    pub committed: HashMap<String, HashSet<i64>>,
+    /// Responses clients were given, by key and life.
+    pub executed: Vec<(String, u32, StoredResponse)>,
+    pub replayed: Vec<(String, u32, StoredResponse)>,
+    /// Keys whose last answer was `Released` (deleted by the release policy), with that life.
+    pub released: HashMap<String, u32>,
+    /// Actors told they were fenced.
+    pub fenced: Vec<(ActorId, String)>,
+    pub most_attempts: HashMap<String, i32>,
+    pub counts: Counts,
+}
+
+/// How much of each thing a schedule did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Counts {
+    pub grants: u64,
+    pub crashes: u64,
+    pub requests: u64,
+    pub drains: u64,
+    pub lease_expiries: u64,
+    pub releases: u64,
+    pub expiries: u64,
+    pub time_jumps: u64,
+    pub kills: u64,
+    pub corruptions: u64,
+    pub calls: u64,
+}
+
+impl Shared {
+    pub(crate) fn log(&self) -> MutexGuard<'_, Log> {
+        self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn event(&self, actor: ActorId, what: impl std::fmt::Display) {
+        let line = format!(
+            "+{:>6} ms {actor:>4} {what}",
+            self.began.elapsed().as_millis()
+        );
+        self.log().history.push(line);
+    }
+
+    pub(crate) fn violation(&self, what: String) {
+        let line = format!("+{} ms: {what}", self.began.elapsed().as_millis());
+        self.log().history.push(format!("VIOLATION {what}"));
+        self.log().violations.push(line);
+    }
+
+    pub(crate) fn note_token(&self, actor: ActorId, context: &PhaseContext) {
+        self.log().tokens_of.insert(
+            actor,
+            (context.key.as_str().to_owned(), context.lock_version),
+        );
+    }
+
+    /// What a phase does when the schedule is winding down: it heals, unless the key is poison.
+    pub(crate) fn settled_act(&self, key: &str, phase: &'static str) -> Act {
+        match self.poison.get(key) {
+            Some((poisoned, act)) if *poisoned == phase => *act,
+            _ => Act::Succeed,
+        }
+    }
+
+    /// A foreign call may start only by the key's owner, on a live lease, before the phase's
+    /// result was recorded, for the request the key holds.
+    pub(crate) async fn check_caller(
+        &self,
+        actor: ActorId,
+        context: &PhaseContext,
+        life: u32,
+        phase: &str,
+    ) {
+        self.log().counts.calls += 1;
+        /// Token, state, recovery point, lease live, request life.
+        type Seen = (i64, String, String, bool, Option<i64>);
+        let row: Result<Option<Seen>, _> = sqlx::query_as(
+            "SELECT lock_version, state, recovery_point, locked_until > clock_timestamp(), \
+                    (request->>'life')::bigint \
+             FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+        )
+        .bind(context.tenant.as_str())
+        .bind(context.key.as_str())
+        .fetch_optional(&self.observer)
+        .await;
+        let key = context.key.as_str();
+        let problem = match row {
+            Err(error) => Some(format!("reading the key failed: {error}")),
+            Ok(None) => Some("the key does not exist".to_owned()),
+            Ok(Some((token, state, point, live, row_life))) => {
+                if state != "started" {
+                    Some(format!("the key is {state}"))
+                } else if token != context.lock_version {
+                    Some(format!(
+                        "the caller holds token {} but the key's is {token}",
+                        context.lock_version
+                    ))
+                } else if !live {
+                    Some("the caller's lease has expired".to_owned())
+                } else if !["start", "reserve", "price"].contains(&point.as_str()) {
+                    Some(format!(
+                        "the {phase} result is already recorded (at {point})"
+                    ))
+                } else if row_life != Some(i64::from(life)) {
+                    Some(format!(
+                        "the caller works for life {life}, the key holds life {row_life:?}"
+                    ))
+                } else {
+                    None
+                }
+            }
+        };
+        if let Some(problem) = problem {
+            self.violation(format!(
+                "{actor} called {phase} for key {key} as a stale owner: {problem}"
+            ));
+        }
+    }
+
+    /// At a commit before a call: the lease must be whole, measured from the commit.
+    async fn check_fresh_lease(&self, actor: ActorId, key: &str) {
+        let left: Result<Option<(f64, i64)>, _> = sqlx::query_as(
+            "SELECT extract(epoch FROM locked_until - clock_timestamp())::float8, lock_version \
+             FROM idempotency_keys WHERE tenant = $1 AND key = $2 AND state = 'started'",
+        )
+        .bind(self.tenant.as_str())
+        .bind(key)
+        .fetch_optional(&self.observer)
+        .await;
+        if let Ok(Some((left, token))) = left {
+            self.log()
+                .committed
+                .entry(key.to_owned())
+                .or_default()
+                .insert(token);
+            let least = (LEASE - FRESH_TOLERANCE).as_secs_f64();
+            if left < least {
+                self.violation(format!(
+                    "{actor} committed key {key} with {left:.2} s of its {} s lease left",
+                    LEASE.as_secs()
+                ));
+            }
+        }
+    }
+
+    async fn note_committed(&self, key: &str) {
+        let token: Result<Option<i64>, _> = sqlx::query_scalar(
+            "SELECT lock_version FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+        )
+        .bind(self.tenant.as_str())
+        .bind(key)
+        .fetch_optional(&self.observer)
+        .await;
+        if let Ok(Some(token)) = token {
+            self.log()
+                .committed
+                .entry(key.to_owned())
+                .or_default()
+                .insert(token);
+        }
+    }
+
+    fn record(&self, actor: ActorId, key: &str, life: u32, result: &Result<Outcome, RunError>) {
+        let what = describe(result);
+        self.event(actor, format!("answered {key} (life {life}): {what}"));
+        let mut log = self.log();
+        match result {
+            Ok(Outcome::Executed(response)) => {
+                log.executed.push((key.to_owned(), life, response.clone()));
+            }
+            Ok(Outcome::Replayed(response)) => {
+                log.replayed.push((key.to_owned(), life, response.clone()));
+            }
+            Ok(Outcome::Released(_)) => {
+                log.released.insert(key.to_owned(), life);
+            }
+            Err(RunError::Fenced) => log.fenced.push((actor, key.to_owned())),
+            _ => {}
+        }
+    }
+}
+
+/// Foreign calls in flight, by derived key: two at once with one key means two owners believed
+/// they held the key at the same time.
+#[derive(Default)]
+pub(crate) struct Calls {
+    in_flight: Mutex<Vec<(String, ActorId, u64)>>,
+    next: AtomicU64,
+}
+
+impl Calls {
+    pub(crate) fn begin<'s>(
+        &'s self,
+        shared: &'s Shared,
+        actor: ActorId,
+        derived_key: &str,
+    ) -> CallGuard<'s> {
+        let id = self.next.fetch_add(1, Ordering::SeqCst);
+        let overlapping: Vec<ActorId> = {
+            let mut in_flight = self
+                .in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let overlapping = in_flight
+                .iter()
+                .filter(|(key, other, _)| key == derived_key && *other != actor)
+                .map(|(_, other, _)| *other)
+                .collect();
+            in_flight.push((derived_key.to_owned(), actor, id));
+            overlapping
+        };
+        shared.event(actor, format!("calls {derived_key}"));
+        for other in overlapping {
+            shared.violation(format!(
+                "{actor} called {derived_key} while {other}'s call with it was in flight"
+            ));
+        }
+        CallGuard { shared, actor, id }
+    }
+}
+
+/// Ends a call's registration however the call ends (returned, failed, or dropped by a timeout
+/// or a lost lease); the caller no longer relies on its lease.
+pub(crate) struct CallGuard<'s> {
+    shared: &'s Shared,
+    actor: ActorId,
+    id: u64,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .calls
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(_, _, id)| *id != self.id);
+        self.shared.scheduler.conceal(self.actor);
+    }
+}
+
+/// The engine's crash points, as the schedule's yield points.
+#[derive(Debug)]
+struct Hook(Arc<Shared>);
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Shared")
+            .field("tenant", &self.tenant)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl CrashHook for Hook {
+    async fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
+        let shared = &self.0;
+        let actor = shared.scheduler.current();
+        let key = key.as_str();
+        match point {
+            CrashPoint::AfterCommit { .. } => {
+                // From here to the end of its call, the owner relies on the lease it just wrote.
+                shared.scheduler.expose(actor, key);
+                shared.check_fresh_lease(actor, key).await;
+            }
+            CrashPoint::BeforeCall { .. } => shared.scheduler.expose(actor, key),
+            CrashPoint::AfterCall { .. } => shared.scheduler.conceal(actor),
+            CrashPoint::AfterFinish => shared.note_committed(key).await,
+            _ => {}
+        }
+        let name = point.to_string();
+        shared.event(actor, format!("waits at {name} of {key}"));
+        let verdict = shared.scheduler.park(actor, key, Point::Engine(name)).await;
+        verdict == Verdict::Crash
+    }
+}
+
+/// A key as the schedule sees it.
+#[derive(Debug, Clone, Default)]
+struct KeySeen {
+    /// The request life its client sends now.
+    life: u32,
+    /// From the last sample: present, its state, token and lease end (as text, to compare).
+    row: Option<RowSeen>,
+    /// The token and lease end were the same in the sample before: no owner wrote its lease
+    /// just now. A lease written a moment ago may belong to an owner on its way to its call
+    /// (between the write and the point where it says it relies on it); expiring it then would
+    /// model an owner frozen between its check and its call.
+    settled: bool,
+    /// Deleted by retention once its window was over: nothing more is asked of it.
+    retired: bool,
+}
+
+#[derive(Debug, Clone)]
+struct RowSeen {
+    state: String,
+    lock_version: i64,
+    locked_until: Option<String>,
+    recovery_point: String,
+    created_at: String,
+    life: Option<i64>,
+}
+
+/// What the seed picks next.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    Grant,
+    Request,
+    Drain,
+    ExpireLease,
+    Release,
+    Retention,
+    TimeJump,
+    Kill,
+    Corrupt,
+}
+
+pub(crate) struct World<'s> {
+    sim: &'s Simulation,
+    shared: Arc<Shared>,
+    rng: Rng,
+    setup: Setup,
+    runner: Runner,
+    workflow: Arc<idemflow_runner::Workflow>,
+    resumers: Vec<(Resumer, Arc<AtomicBool>)>,
+    keys: Vec<KeySeen>,
+    actors: JoinSet<()>,
+}
+
+pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
+    let mut rng = Rng::new(seed);
+    let setup = Setup::draw(&mut rng);
+    let tenant = TenantId::new(format!("sim-{seed}"))
+        .unwrap_or_else(|error| unreachable!("a valid tenant: {error}"));
+    let poison = setup
+        .poison
+        .iter()
+        .map(|(key, phase, act)| (key_name(*key), (*phase, *act)))
+        .collect();
+    let shared = Arc::new(Shared {
+        scheduler: Scheduler::default(),
+        observer: sim.observer.clone(),
+        provider: sim.provider.clone(),
+        provider_client: ProviderClient::builder(sim.provider.url())
+            .timeout(Duration::from_millis(400))
+            .build(),
+        tenant,
+        calls: Calls::default(),
+        log: Mutex::new(Log::default()),
+        poison,
+        began: Instant::now(),
+    });
+    let hook = Arc::new(Hook(shared.clone()));
+    let config = RunnerConfig {
+        terminal_errors: setup.terminal,
+    };
+    let runner = Runner::with_config(sim.engine.clone(), config).with_crash_hook(hook);
+    let workflow = Arc::new(workflow::workflow(&shared, LEASE));
+    let resumers = setup
+        .resumers
+        .iter()
+        .map(|&(batch_size, concurrency)| {
+            let mut registry = Registry::new();
+            registry
+                .register(workflow.clone())
+                .unwrap_or_else(|_| unreachable!("one workflow"));
+            let config = ResumerConfig {
+                batch_size,
+                concurrency,
+                retention: None,
+                ..ResumerConfig::default()
+            };
+            (
+                Resumer::with_config(runner.clone(), registry, config),
+                Arc::new(AtomicBool::new(false)),
+            )
+        })
+        .collect();
+    shared.event(ActorId(0), format!("seed {seed}: {setup:?}"));
+    let mut world = World {
+        sim,
+        shared,
+        rng,
+        keys: vec![
+            KeySeen {
+                life: 1,
+                ..KeySeen::default()
+            };
+            setup.keys
+        ],
+        setup,
+        runner,
+        workflow,
+        resumers,
+        actors: JoinSet::new(),
+    };
+    for _ in 0..world.setup.steps {
+        world.shared.scheduler.settle(QUIET, LONGEST_SETTLE).await;
+        world.sample().await;
+        world.step().await;
+    }
+    world.wind_down().await;
+    world.finish(seed).await
+}
+
+pub(crate) fn key_name(index: usize) -> String {
+    format!("k{index}")
+}
+
+fn describe(result: &Result<Outcome, RunError>) -> String {
+    match result {
+        Ok(Outcome::Executed(response)) => format!("executed {}", response.status),
+        Ok(Outcome::Replayed(response)) => format!("replayed {}", response.status),
+        Ok(Outcome::InProgress { .. }) => "in progress".to_owned(),
+        Ok(Outcome::Mismatch) => "mismatch".to_owned(),
+        Ok(Outcome::Rejected(why)) => format!("rejected: {why}"),
+        Ok(Outcome::Interrupted { error, .. }) => format!("interrupted: {error}"),
+        Ok(Outcome::Released(response)) => format!("released {}", response.status),
+        Err(error) => format!("error: {error}"),
+    }
+}
+
+impl World<'_> {
+    /// Reads every key of the schedule: what the next action chooses from, the tokens seen
+    /// committed, the most attempts seen.
+    async fn sample(&mut self) {
+        type Row = (
+            String,
+            String,
+            i64,
+            i32,
+            Option<String>,
+            String,
+            String,
+            Option<i64>,
+        );
+        let rows: Vec<Row> = match sqlx::query_as(
+            "SELECT key, state, lock_version, attempts, locked_until::text, recovery_point, \
+                    created_at::text, (request->>'life')::bigint \
+             FROM idempotency_keys WHERE tenant = $1",
+        )
+        .bind(self.shared.tenant.as_str())
+        .fetch_all(&self.shared.observer)
+        .await
+        {
+            Ok(rows) => rows,
+            Err(_) => return,
+        };
+        let before: Vec<Option<RowSeen>> = self.keys.iter_mut().map(|key| key.row.take()).collect();
+        let mut log = self.shared.log();
+        for (key, state, lock_version, attempts, locked_until, recovery_point, created_at, life) in
+            rows
+        {
+            log.committed
+                .entry(key.clone())
+                .or_default()
+                .insert(lock_version);
+            let most = log.most_attempts.entry(key.clone()).or_default();
+            *most = (*most).max(attempts);
+            if let Some(index) = (0..self.keys.len()).find(|index| key_name(*index) == key) {
+                self.keys[index].row = Some(RowSeen {
+                    state,
+                    lock_version,
+                    locked_until,
+                    recovery_point,
+                    created_at,
+                    life,
+                });
+            }
+        }
+        drop(log);
+        for (seen, before) in self.keys.iter_mut().zip(before.iter()) {
+            seen.settled = match (&seen.row, before) {
+                (Some(now), Some(before)) => {
+                    now.lock_version == before.lock_version
+                        && now.locked_until == before.locked_until
+                }
+                _ => false,
+            };
+        }
+        // Under the release policy, a started key that is gone, or claimed anew, was deleted: its
+        // client's next request is a new one. (No other policy deletes a started key, and only
+        // the store policy's schedules move the clock.)
+        if self.setup.terminal != TerminalPolicy::Release {
+            return;
+        }
+        for (seen, before) in self.keys.iter_mut().zip(before) {
+            let Some(before) = before else { continue };
+            let claimed_anew = seen
+                .row
+                .as_ref()
+                .is_none_or(|row| row.created_at != before.created_at);
+            if before.state == "started" && claimed_anew && !seen.retired {
+                let highest = before.life.unwrap_or_default().max(i64::from(seen.life));
+                seen.life = u32::try_from(highest + 1).unwrap_or(seen.life);
+            }
+        }
+    }
+
+    async fn step(&mut self) {
+        let waiting = self.shared.scheduler.waiting().len() as u32;
+        let actions = [
+            (
+                if waiting > 0 { 12 + 2 * waiting } else { 0 },
+                Action::Grant,
+            ),
+            (4, Action::Request),
+            (2, Action::Drain),
+            (3, Action::ExpireLease),
+            (1, Action::Release),
+            (1, Action::Retention),
+            (
+                u32::from(self.setup.terminal == TerminalPolicy::Store),
+                Action::TimeJump,
+            ),
+            (1, Action::Kill),
+            (1, Action::Corrupt),
+        ];
+        match self.rng.weighted(&actions) {
+            Action::Grant => self.grant(),
+            Action::Request => self.request(),
+            Action::Drain => self.drain(),
+            Action::ExpireLease => self.expire_lease().await,
+            Action::Release => self.release().await,
+            Action::Retention => self.retention().await,
+            Action::TimeJump => self.time_jump().await,
+            Action::Kill => self.kill().await,
+            Action::Corrupt => self.corrupt().await,
+        }
+    }
+
+    fn grant(&mut self) {
+        let waiting = self.shared.scheduler.waiting();
+        if waiting.is_empty() {
+            return;
+        }
+        let chosen = &waiting[self.rng.below(waiting.len() as u64) as usize];
+        let verdict = match &chosen.point {
+            Point::Engine(_) => {
+                if self.rng.chance(0.1) {
+                    self.shared.log().counts.crashes += 1;
+                    Verdict::Crash
+                } else {
+                    Verdict::Go
+                }
+            }
+            Point::Phase(phase) => Verdict::Act(self.draw_act(&chosen.key, phase)),
+        };
+        self.shared.log().counts.grants += 1;
+        self.shared.event(
+            chosen.actor,
+            format!("granted at {} of {}: {verdict:?}", chosen.point, chosen.key),
+        );
+        self.shared.scheduler.grant(chosen.actor, verdict);
+    }
+
+    fn draw_act(&mut self, key: &str, phase: &'static str) -> Act {
+        if let Some((poisoned, act)) = self.shared.poison.get(key)
+            && *poisoned == phase
+        {
+            return *act;
+        }
+        let slow = Duration::from_millis(self.rng.between(350, 700));
+        let delay = Duration::from_millis(self.rng.between(100, 500));
+        if phase == "charge" {
+            self.rng.weighted(&[
+                (60, Act::Succeed),
+                (8, Act::Provider(ProviderFault::Delay(delay))),
+                (5, Act::Provider(ProviderFault::Unavailable)),
+                (2, Act::Provider(ProviderFault::Timeout)),
+                (3, Act::Provider(ProviderFault::Reset)),
+                (5, Act::Provider(ProviderFault::ExecuteThenDrop)),
+                (4, Act::Retryable),
+                (2, Act::Panic),
+                (3, Act::Unstorable),
+                (3, Act::Slow(slow)),
+            ])
+        } else {
+            self.rng.weighted(&[
+                (70, Act::Succeed),
+                (7, Act::Slow(slow)),
+                (8, Act::Retryable),
+                (3, Act::Terminal),
+                (3, Act::Panic),
+                (1, Act::Hang),
+                (if phase == "complete" { 0 } else { 3 }, Act::Unstorable),
+                (if phase == "complete" { 2 } else { 0 }, Act::BreakCommit),
+            ])
+        }
+    }
+
+    /// A client sends its request (a first attempt or a retry; after the key was released, the
+    /// next request under it).
+    fn request(&mut self) {
+        let index = self.rng.below(self.keys.len() as u64) as usize;
+        if self.keys[index].retired {
+            return;
+        }
+        let key = key_name(index);
+        let released = self.shared.log().released.remove(&key);
+        if released == Some(self.keys[index].life) {
+            self.keys[index].life += 1;
+        }
+        let life = self.keys[index].life;
+        self.shared.log().counts.requests += 1;
+        self.spawn_request(index, life);
+    }
+
+    fn spawn_request(&mut self, index: usize, life: u32) {
+        let actor = self.shared.scheduler.new_actor();
+        let (runner, workflow, shared) = (
+            self.runner.clone(),
+            self.workflow.clone(),
+            self.shared.clone(),
+        );
+        let key = key_name(index);
+        let body = serde_json::to_vec(&SimRequest {
+            amount: 1000 + index as u64,
+            life,
+        })
+        .unwrap_or_default();
+        shared.event(actor, format!("sends {key} (life {life})"));
+        self.actors.spawn(ACTOR.scope(actor, async move {
+            let request = Request {
+                method: "POST",
+                path: "/v1/sim",
+                body: &body,
+            };
+            let result = runner.run(&workflow, &shared.tenant, &key, request).await;
+            shared.record(actor, &key, life, &result);
+            shared.scheduler.ended(actor);
+        }));
+    }
+
+    fn drain(&mut self) {
+        let index = self.rng.below(self.resumers.len() as u64) as usize;
+        let (resumer, busy) = &self.resumers[index];
+        if busy.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (resumer, busy, shared) = (resumer.clone(), busy.clone(), self.shared.clone());
+        let actor = shared.scheduler.new_actor();
+        shared.log().counts.drains += 1;
+        shared.event(actor, format!("resumer {index} drains"));
+        self.actors.spawn(ACTOR.scope(actor, async move {
+            let report = resumer.drain().await;
+            shared.event(actor, format!("resumer {index} drained: {report:?}"));
+            busy.store(false, Ordering::SeqCst);
+            shared.scheduler.ended(actor);
+        }));
+    }
+
+    /// A started key no live owner relies on, chosen by the seed: its lease, row lock free, and
+    /// its lease end as last sampled (so a write since then is never undone).
+    fn unexposed_started(&mut self) -> Option<(usize, RowSeen)> {
+        let candidates: Vec<(usize, RowSeen)> = self
+            .keys
+            .iter()
+            .enumerate()
+            .filter(|(_, key)| key.settled)
+            .filter_map(|(index, key)| Some((index, key.row.clone()?)))
+            .filter(|(index, row)| {
+                row.state == "started" && !self.shared.scheduler.is_exposed(&key_name(*index))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let pick = self.rng.below(candidates.len() as u64) as usize;
+        Some(candidates[pick].clone())
+    }
+
+    /// The owner of a key is presumed gone: its lease is rewound, as if it had lapsed.
+    async fn expire_lease(&mut self) {
+        let Some((index, row)) = self.unexposed_started() else {
+            return;
+        };
+        let result = sqlx::query(
+            "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
+             WHERE (tenant, key) IN ( \
+                 SELECT tenant, key FROM idempotency_keys \
+                 WHERE tenant = $1 AND key = $2 AND state = 'started' AND lock_version = $3 \
+                   AND locked_until::text IS NOT DISTINCT FROM $4 \
+                 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(self.shared.tenant.as_str())
+        .bind(key_name(index))
+        .bind(row.lock_version)
+        .bind(&row.locked_until)
+        .execute(&self.shared.observer)
+        .await;
+        if matches!(&result, Ok(done) if done.rows_affected() == 1) {
+            self.shared.log().counts.lease_expiries += 1;
+            self.shared
+                .event(ActorId(0), format!("lease of {} expired", key_name(index)));
+        }
+    }
+
+    /// An operator runs `idemflow release` on a key whose owner it believes gone.
+    async fn release(&mut self) {
+        let Some((index, row)) = self.unexposed_started() else {
+            return;
+        };
+        let key = key_name(index);
+        let Ok(mut tx) = self.shared.observer.begin().await else {
+            return;
+        };
+        // Held while releasing, so no owner's write lands between the look and the release.
+        let unchanged: Result<Option<i64>, _> = sqlx::query_scalar(
+            "SELECT lock_version FROM idempotency_keys \
+             WHERE tenant = $1 AND key = $2 AND locked_until::text IS NOT DISTINCT FROM $3 \
+             FOR UPDATE SKIP LOCKED",
+        )
+        .bind(self.shared.tenant.as_str())
+        .bind(&key)
+        .bind(&row.locked_until)
+        .fetch_optional(&mut *tx)
+        .await;
+        if let Ok(Some(token)) = unchanged
+            && let Ok(true) =
+                idemflow_pg::release_now(&mut tx, self.shared.tenant.as_str(), &key, token).await
+            && tx.commit().await.is_ok()
+        {
+            self.shared.log().counts.releases += 1;
+            self.shared
+                .event(ActorId(0), format!("operator released {key}"));
+        }
+    }
+
+    /// An operator runs retention. Keys within their window must all be there afterwards.
+    async fn retention(&mut self) {
+        let protected: Vec<String> = sqlx::query_scalar(
+            "SELECT key FROM idempotency_keys WHERE tenant = $1 AND state = 'done' \
+               AND finished_at > now() - $2::bigint * interval '1 millisecond' + interval '1 minute'",
+        )
+        .bind(self.shared.tenant.as_str())
+        .bind(i64::try_from(RETENTION.as_millis()).unwrap_or(i64::MAX))
+        .fetch_all(&self.shared.observer)
+        .await
+        .unwrap_or_default();
+        let deleted = idemflow_runner::expire(&self.sim.engine, RETENTION, 100).await;
+        self.shared.log().counts.expiries += 1;
+        self.shared
+            .event(ActorId(0), format!("operator ran retention: {deleted:?}"));
+        let present: HashSet<String> =
+            sqlx::query_scalar("SELECT key FROM idempotency_keys WHERE tenant = $1")
+                .bind(self.shared.tenant.as_str())
+                .fetch_all(&self.shared.observer)
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .collect();
+        for key in protected {
+            if !present.contains(&key) {
+                self.shared.violation(format!(
+                    "retention deleted key {key} within its window after it finished"
+                ));
+            }
+        }
+        // Keys seen done and gone now ended their window: nothing more is asked of them.
+        for (index, seen) in self.keys.iter_mut().enumerate() {
+            let done = seen.row.as_ref().is_some_and(|row| row.state == "done");
+            if done && !present.contains(&key_name(index)) {
+                seen.retired = true;
+            }
+        }
+    }
+
+    /// A day passes for retention: the schedule's keys were claimed and finished a day earlier.
+    /// Leases are left alone (their owners' heartbeats would have kept them).
+    async fn time_jump(&mut self) {
+        let jumped = sqlx::query(
+            "UPDATE idempotency_keys SET created_at = created_at - $2::interval, \
+                    updated_at = updated_at - $2::interval, \
+                    finished_at = finished_at - $2::interval \
+             WHERE (tenant, key) IN (SELECT tenant, key FROM idempotency_keys \
+                                     WHERE tenant = $1 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(self.shared.tenant.as_str())
+        .bind(JUMP)
+        .execute(&self.shared.observer)
+        .await;
+        if jumped.is_ok() {
+            self.shared.log().counts.time_jumps += 1;
+            self.shared
+                .event(ActorId(0), format!("the clock jumped {JUMP}"));
+        }
+    }
+
+    /// One of the engine's connections is killed by the server.
+    async fn kill(&mut self) {
+        let offset = self.rng.below(8) as i64;
+        let killed: Result<Option<bool>, _> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = $1 AND datname = current_database() \
+             ORDER BY pid OFFSET $2 LIMIT 1",
+        )
+        .bind(super::ENGINE_APPLICATION)
+        .bind(offset)
+        .fetch_optional(&self.shared.observer)
+        .await;
+        if matches!(killed, Ok(Some(true))) {
+            self.shared.log().counts.kills += 1;
+            self.shared
+                .event(ActorId(0), "an engine connection was killed");
+        }
+    }
+
+    /// A deploy changes the type of the charge's input: the output stored at `price` no longer
+    /// decodes. The key can only end by giving up.
+    async fn corrupt(&mut self) {
+        let Some((index, row)) = self.unexposed_started() else {
+            return;
+        };
+        if row.recovery_point != "price" {
+            return;
+        }
+        let corrupted = sqlx::query(
+            "UPDATE idempotency_keys SET phase_output = '{\"amount\": \"a lot\"}' \
+             WHERE (tenant, key) IN (SELECT tenant, key FROM idempotency_keys \
+                 WHERE tenant = $1 AND key = $2 AND recovery_point = 'price' \
+                 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(self.shared.tenant.as_str())
+        .bind(key_name(index))
+        .execute(&self.shared.observer)
+        .await;
+        if matches!(&corrupted, Ok(done) if done.rows_affected() == 1) {
+            self.shared.log().counts.corruptions += 1;
+            self.shared.event(
+                ActorId(0),
+                format!(
+                    "the stored input of {}'s charge was corrupted",
+                    key_name(index)
+                ),
+            );
+        }
+    }
+
+    /// The end of the schedule: nobody waits any more, faults heal (poison stays), every actor
+    /// ends, and then client retries alone must bring every key to an end within its attempt
+    /// budget.
+    async fn wind_down(&mut self) {
+        self.shared.scheduler.run_free();
+        let deadline = tokio::time::sleep(WIND_DOWN);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                joined = self.actors.join_next() => match joined {
+                    None => break,
+                    Some(Err(error)) if error.is_panic() => {
+                        self.shared.violation(format!("an actor's task panicked: {error}"));
+                    }
+                    Some(_) => {}
+                },
+                () = &mut deadline => {
+                    self.shared.violation(format!(
+                        "{} actors still running {} s after the schedule ended (a hang)",
+                        self.actors.len(),
+                        WIND_DOWN.as_secs()
+                    ));
+                    self.actors.abort_all();
+                    while self.actors.join_next().await.is_some() {}
+                    break;
+                }
+            }
+        }
+        let rounds = workflow::policy().max_attempts + 2;
+        for _ in 0..rounds {
+            self.sample().await;
+            let open: Vec<usize> = (0..self.keys.len())
+                .filter(|index| self.needs_a_retry(*index))
+                .collect();
+            if open.is_empty() {
+                break;
+            }
+            for index in open {
+                let _ = sqlx::query(
+                    "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
+                     WHERE tenant = $1 AND key = $2 AND state = 'started'",
+                )
+                .bind(self.shared.tenant.as_str())
+                .bind(key_name(index))
+                .execute(&self.shared.observer)
+                .await;
+                let life = self.keys[index].life;
+                self.spawn_request(index, life);
+                while let Some(joined) = self.actors.join_next().await {
+                    if let Err(error) = joined
+                        && error.is_panic()
+                    {
+                        self.shared
+                            .violation(format!("an actor's task panicked: {error}"));
+                    }
+                }
+            }
+        }
+        self.sample().await;
+        for index in 0..self.keys.len() {
+            if self.needs_a_retry(index) {
+                let row = self.keys[index].row.clone();
+                self.shared.violation(format!(
+                    "key {} did not end within {rounds} client retries (its budget is {} \
+                     attempts): {row:?}",
+                    key_name(index),
+                    workflow::policy().max_attempts
+                ));
+            }
+        }
+    }
+
+    /// A key its client still waits on: not done, not retired, not released for good.
+    fn needs_a_retry(&self, index: usize) -> bool {
+        let seen = &self.keys[index];
+        if seen.retired {
+            return false;
+        }
+        let released = self.shared.log().released.get(&key_name(index)) == Some(&seen.life);
+        match &seen.row {
+            Some(row) => row.state != "done",
+            None => !released,
+        }
+    }
+
+    async fn finish(mut self, seed: u64) -> ScheduleReport {
+        super::check::replays_and_ends(&mut self).await;
+        let log = std::mem::take(&mut *self.shared.log());
+        ScheduleReport {
+            seed,
+            violations: log.violations,
+            history: log.history,
+            counts: log.counts,
+        }
+    }
+}
+
+/// What the final checks read of a world.
+pub(crate) struct Ending<'w> {
+    pub shared: &'w Shared,
+    pub release_policy: bool,
+    pub runner: &'w Runner,
+    pub workflow: &'w idemflow_runner::Workflow,
+    pub keys: Vec<(String, u32, bool)>,
+}
+
+impl World<'_> {
+    pub(crate) fn ending(&self) -> Ending<'_> {
+        Ending {
+            shared: &self.shared,
+            release_policy: self.setup.terminal == TerminalPolicy::Release,
+            runner: &self.runner,
+            workflow: &self.workflow,
+            keys: self
+                .keys
+                .iter()
+                .enumerate()
+                .map(|(index, seen)| (key_name(index), seen.life, seen.retired))
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! The schedule explorer over the engine (crates/idemflow-testkit/src/simulation): seeded
+//! schedules of concurrent clients, resumers, operators and faults, each checked. Every run of the
+//! suite explores a fixed set of seeds plus a few new ones; `scripts/simulate` explores more.
+//! A failing schedule prints its seed and the command that replays it.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use idemflow_testkit::simulation::Simulation;
+use sqlx::PgPool;
+
+/// Runs the schedules `seeds` names, one after another, and fails with every broken one.
+async fn explore(pool: &PgPool, seeds: impl IntoIterator<Item = u64>) {
+    support::logs();
+    let simulation = Simulation::new(pool).await.unwrap();
+    let mut failed = Vec::new();
+    for seed in seeds {
+        let report = simulation.run(seed).await;
+        println!("{}", report.to_string().lines().next().unwrap_or_default());
+        if !report.passed() {
+            failed.push(report);
+        }
+    }
+    if !failed.is_empty() {
+        for report in &failed {
+            eprintln!("{report}");
+        }
+        panic!(
+            "{} schedule(s) broke an invariant; replay with: {}",
+            failed.len(),
+            failed
+                .iter()
+                .map(|report| report.replay_command())
+                .collect::<Vec<_>>()
+                .join(" ; ")
+        );
+    }
+}
+
+/// Seeds from `IDEMFLOW_SIM_SEEDS` (`first..last`), for a run by hand.
+fn seeds_from_env(default: std::ops::Range<u64>) -> std::ops::Range<u64> {
+    std::env::var("IDEMFLOW_SIM_SEEDS")
+        .ok()
+        .and_then(|range| {
+            let (first, last) = range.split_once("..")?;
+            Some(first.parse().ok()?..last.parse().ok()?)
+        })
+        .unwrap_or(default)
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn schedules_a(pool: PgPool) {
+    explore(&pool, seeds_from_env(0..6)).await;
+}
