@@ -1,0 +1,170 @@
+//! `idemflow-simulate`: runs seeded schedules of the schedule explorer
+//! (`idemflow_testkit::simulation`) against a scratch database, and reports the ones that broke an
+//! invariant with the command that replays each.
+//!
+//! ```text
+//! idemflow-simulate [--schedules N] [--seed S] [--verbose]
+//! ```
+//!
+//! Needs `DATABASE_URL` (a server it may create a database on); `scripts/simulate` finds one the
+//! way the test suite does. Exit 0 when every schedule passed, 1 when one broke, 2 on bad usage or
+//! when the database cannot be reached.
+
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use idemflow_testkit::simulation::Simulation;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, Executor};
+
+const USAGE: &str = "usage: idemflow-simulate [--schedules N] [--seed S] [--verbose]
+
+  --schedules N   how many schedules to run (default 50)
+  --seed S        the first seed (default: one drawn from the clock); schedule i runs seed S+i
+  --verbose       print each schedule's line as it ends, and a failing one's whole history
+
+Needs DATABASE_URL; creates a scratch database there and drops it at the end.";
+
+#[derive(Debug)]
+struct Args {
+    schedules: u64,
+    seed: Option<u64>,
+    verbose: bool,
+}
+
+fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
+    let mut parsed = Args {
+        schedules: 50,
+        seed: None,
+        verbose: false,
+    };
+    while let Some(arg) = args.next() {
+        let mut number = |name: &str| -> Result<u64, String> {
+            let value = args.next().ok_or_else(|| format!("{name} needs a value"))?;
+            value
+                .parse()
+                .map_err(|_| format!("{name} {value}: not a whole number"))
+        };
+        match arg.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--schedules" => parsed.schedules = number("--schedules")?,
+            "--seed" => parsed.seed = Some(number("--seed")?),
+            "--verbose" => parsed.verbose = true,
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(Some(parsed))
+}
+
+/// The schedules' phases panic on purpose (the engine records each as a failed attempt): those
+/// are not worth a backtrace each.
+fn quiet_scripted_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let scripted = info
+            .payload()
+            .downcast_ref::<String>()
+            .is_some_and(|message| message.starts_with("scripted panic"));
+        if !scripted {
+            default(info);
+        }
+    }));
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    quiet_scripted_panics();
+    let args = match parse(std::env::args().skip(1)) {
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(why) => {
+            eprintln!("idemflow-simulate: {why}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(args).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(why) => {
+            eprintln!("idemflow-simulate: {why}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<bool, String> {
+    let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set".to_owned())?;
+    let server = PgConnectOptions::from_str(&url).map_err(|error| format!("DATABASE_URL: {error}"))?;
+    let scratch = format!(
+        "idemflow_simulate_{}_{}",
+        std::process::id(),
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs())
+    );
+    let mut admin = server
+        .connect()
+        .await
+        .map_err(|error| format!("cannot connect to DATABASE_URL: {error}"))?;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {scratch}")))
+        .await
+        .map_err(|error| format!("cannot create a scratch database: {error}"))?;
+    let result = explore(&server.clone().database(&scratch), &args).await;
+    let _ = admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {scratch} WITH (FORCE)"
+        )))
+        .await;
+    let _ = admin.close().await;
+    result
+}
+
+async fn explore(options: &PgConnectOptions, args: &Args) -> Result<bool, String> {
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.clone())
+        .await
+        .map_err(|error| format!("cannot connect to the scratch database: {error}"))?;
+    idemflow_pg::migrate(&pool)
+        .await
+        .map_err(|error| format!("migrating: {error}"))?;
+    let simulation = Simulation::new(&pool)
+        .await
+        .map_err(|error| format!("preparing the schedules: {error}"))?;
+    let first = args.seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(1, |since| since.as_secs())
+    });
+    let began = Instant::now();
+    let mut failed = Vec::new();
+    for seed in first..first.saturating_add(args.schedules) {
+        let report = simulation.run(seed).await;
+        if args.verbose || !report.passed() {
+            println!("{}", report.to_string().lines().next().unwrap_or_default());
+        }
+        if !report.passed() {
+            if args.verbose {
+                println!("{report}");
+            }
+            failed.push(report);
+        }
+    }
+    println!(
+        "{} schedules (seeds {first}..{}) in {:.1} s: {} broke an invariant",
+        args.schedules,
+        first.saturating_add(args.schedules),
+        began.elapsed().as_secs_f64(),
+        failed.len()
+    );
+    for report in &failed {
+        println!("  seed {}: {}", report.seed, report.violations.join(" | "));
+        println!("    replay: {}", report.replay_command());
+    }
+    Ok(failed.is_empty())
+}
