@@ -62,10 +62,12 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String>
 fn quiet_scripted_panics() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let scripted = info
-            .payload()
+        let payload = info.payload();
+        let message = payload
             .downcast_ref::<String>()
-            .is_some_and(|message| message.starts_with("scripted panic"));
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied());
+        let scripted = message.is_some_and(|message| message.starts_with("scripted panic"));
         if !scripted {
             default(info);
         }

@@ -428,6 +428,11 @@ enum Action {
 
 pub(crate) struct World<'s> {
     sim: &'s Simulation,
+    /// How readily each actor is granted a step: a few are sluggish (a paused process, a slow
+    /// machine), so others overtake them.
+    patience: HashMap<ActorId, u32>,
+    /// Keys whose lease the schedule expired lately: a client is likelier to retry them now.
+    lapsed: Vec<usize>,
     shared: Arc<Shared>,
     rng: Rng,
     setup: Setup,
@@ -490,6 +495,8 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
     shared.event(ActorId(0), format!("seed {seed}: {setup:?}"));
     let mut world = World {
         sim,
+        patience: HashMap::new(),
+        lapsed: Vec::new(),
         shared,
         rng,
         keys: vec![
@@ -645,7 +652,19 @@ impl World<'_> {
         if waiting.is_empty() {
             return;
         }
-        let chosen = &waiting[self.rng.below(waiting.len() as u64) as usize];
+        let weights: Vec<(u32, usize)> = waiting
+            .iter()
+            .enumerate()
+            .map(|(index, parked)| {
+                let rng = &mut self.rng;
+                let weight = *self
+                    .patience
+                    .entry(parked.actor)
+                    .or_insert_with(|| if rng.chance(0.2) { 1 } else { 12 });
+                (weight, index)
+            })
+            .collect();
+        let chosen = &waiting[self.rng.weighted(&weights)];
         let verdict = match &chosen.point {
             Point::Engine(_) => {
                 if self.rng.chance(0.1) {
@@ -687,11 +706,17 @@ impl World<'_> {
                 (3, Act::Slow(slow)),
             ])
         } else {
+            // Under the release policy a terminal error deletes the key: the way to its next life.
+            let terminal = if self.setup.terminal == TerminalPolicy::Release {
+                10
+            } else {
+                3
+            };
             self.rng.weighted(&[
                 (70, Act::Succeed),
                 (7, Act::Slow(slow)),
                 (8, Act::Retryable),
-                (3, Act::Terminal),
+                (terminal, Act::Terminal),
                 (3, Act::Panic),
                 (1, Act::Hang),
                 (if phase == "complete" { 0 } else { 3 }, Act::Unstorable),
@@ -703,7 +728,10 @@ impl World<'_> {
     /// A client sends its request (a first attempt or a retry; after the key was released, the
     /// next request under it).
     fn request(&mut self) {
-        let index = self.rng.below(self.keys.len() as u64) as usize;
+        let index = match self.lapsed.pop() {
+            Some(lapsed) if self.rng.chance(0.6) => lapsed,
+            _ => self.rng.below(self.keys.len() as u64) as usize,
+        };
         if self.keys[index].retired {
             return;
         }
@@ -801,6 +829,7 @@ impl World<'_> {
         .execute(&self.shared.observer)
         .await;
         if matches!(&result, Ok(done) if done.rows_affected() == 1) {
+            self.lapsed.push(index);
             self.shared.log().counts.lease_expiries += 1;
             self.shared
                 .event(ActorId(0), format!("lease of {} expired", key_name(index)));
@@ -832,6 +861,7 @@ impl World<'_> {
                 idemflow_pg::release_now(&mut tx, self.shared.tenant.as_str(), &key, token).await
             && tx.commit().await.is_ok()
         {
+            self.lapsed.push(index);
             self.shared.log().counts.releases += 1;
             self.shared
                 .event(ActorId(0), format!("operator released {key}"));
