@@ -215,6 +215,7 @@ impl LocalPhase for Reserve {
         let act = act_for(&self.0, Self::NAME, context).await;
         effect(connection, context, request.life, Self::NAME).await?;
         let note = local_act(act, connection, Self::NAME, request.life, request.amount).await?;
+        self.0.note_phase_end(connection, context).await?;
         Ok(Progress {
             amount: request.amount,
             life: request.life,
@@ -249,6 +250,7 @@ impl LocalPhase for Price {
         let act = act_for(&self.0, Self::NAME, context).await;
         effect(connection, context, progress.life, Self::NAME).await?;
         let note = local_act(act, connection, Self::NAME, progress.life, progress.amount).await?;
+        self.0.note_phase_end(connection, context).await?;
         Ok(Progress { note, ..progress })
     }
 }

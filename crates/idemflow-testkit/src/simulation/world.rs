@@ -26,9 +26,6 @@ use crate::provider_client::ProviderClient;
 /// The lease of the sim workflow: long, so that leases end only when the schedule says so.
 pub(crate) const LEASE: Duration = Duration::from_secs(30);
 
-/// How much shorter than a whole lease a lease may be right after its owner's commit: the time
-/// from the commit to the check, on a busy machine.
-const FRESH_TOLERANCE: Duration = Duration::from_millis(300);
 
 /// The retention window of the schedule's operator.
 const RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -99,6 +96,8 @@ pub(crate) struct Shared {
     pub calls: Calls,
     pub log: Mutex<Log>,
     poison: HashMap<String, (&'static str, Act)>,
+    /// When each actor's last local phase ended, by the database clock (epoch seconds).
+    phase_ends: Mutex<HashMap<ActorId, f64>>,
     began: Instant,
 }
 
@@ -227,27 +226,58 @@ impl Shared {
         }
     }
 
-    /// At a commit before a call: the lease must be whole, measured from the commit.
-    async fn check_fresh_lease(&self, actor: ActorId, key: &str) {
-        let left: Result<Option<(f64, i64)>, _> = sqlx::query_as(
-            "SELECT extract(epoch FROM locked_until - clock_timestamp())::float8, lock_version \
+    /// Notes, in the phase's transaction, when a local phase ended by the database clock. The
+    /// engine records the phase right after (no wait in between), so a lease measured from that
+    /// record ends no earlier than this plus the lease.
+    pub(crate) async fn note_phase_end(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        context: &PhaseContext,
+    ) -> Result<(), idemflow_runner::PhaseError> {
+        let ended: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+            .fetch_one(connection)
+            .await?;
+        let actor = self.scheduler.current();
+        let _ = context;
+        self.phase_ends
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(actor, ended);
+        Ok(())
+    }
+
+    /// At a commit that recorded a phase before a call: the lease must be whole, measured from
+    /// the record (that is, no earlier than the end of the phase it records), however long the
+    /// transaction had run.
+    async fn check_fresh_lease(&self, actor: ActorId, key: &str, recorded: bool) {
+        let ended = self
+            .phase_ends
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&actor);
+        let seen: Result<Option<(f64, i64)>, _> = sqlx::query_as(
+            "SELECT extract(epoch FROM locked_until)::float8, lock_version \
              FROM idempotency_keys WHERE tenant = $1 AND key = $2 AND state = 'started'",
         )
         .bind(self.tenant.as_str())
         .bind(key)
         .fetch_optional(&self.observer)
         .await;
-        if let Ok(Some((left, token))) = left {
-            self.log()
-                .committed
-                .entry(key.to_owned())
-                .or_default()
-                .insert(token);
-            let least = (LEASE - FRESH_TOLERANCE).as_secs_f64();
-            if left < least {
+        let Ok(Some((until, token))) = seen else {
+            return;
+        };
+        self.log()
+            .committed
+            .entry(key.to_owned())
+            .or_default()
+            .insert(token);
+        if let (true, Some(ended)) = (recorded, ended) {
+            // A millisecond for the clock's rounding.
+            let short = ended + LEASE.as_secs_f64() - until;
+            if short > 0.001 {
                 self.violation(format!(
-                    "{actor} committed key {key} with {left:.2} s of its {} s lease left",
-                    LEASE.as_secs()
+                    "{actor} committed key {key} with a lease {short:.3} s short of a whole one \
+                     (measured from before its last phase ended)"
                 ));
             }
         }
@@ -369,10 +399,10 @@ impl CrashHook for Hook {
         let actor = shared.scheduler.current();
         let key = key.as_str();
         match point {
-            CrashPoint::AfterCommit { .. } => {
+            CrashPoint::AfterCommit { phase } => {
                 // From here to the end of its call, the owner relies on the lease it just wrote.
                 shared.scheduler.expose(actor, key);
-                shared.check_fresh_lease(actor, key).await;
+                shared.check_fresh_lease(actor, key, *phase != "claim").await;
             }
             CrashPoint::BeforeCall { .. } => shared.scheduler.expose(actor, key),
             CrashPoint::AfterCall { .. } => shared.scheduler.conceal(actor),
@@ -464,6 +494,7 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         calls: Calls::default(),
         log: Mutex::new(Log::default()),
         poison,
+        phase_ends: Mutex::new(HashMap::new()),
         began: Instant::now(),
     });
     let hook = Arc::new(Hook(shared.clone()));
