@@ -54,7 +54,7 @@ pub(crate) struct Setup {
 
 impl Setup {
     fn draw(rng: &mut Rng) -> Self {
-        let keys = rng.between(2, 4) as usize;
+        let keys = rng.between(2, 5) as usize;
         let resumers = (0..rng.between(1, 4))
             .map(|_| (rng.between(1, 4) as i64, rng.between(1, 2) as usize))
             .collect();
@@ -449,6 +449,7 @@ enum Action {
     Request,
     Drain,
     ExpireLease,
+    ExpireAll,
     Release,
     Retention,
     TimeJump,
@@ -656,6 +657,7 @@ impl World<'_> {
             (4, Action::Request),
             (2, Action::Drain),
             (3, Action::ExpireLease),
+            (1, Action::ExpireAll),
             (1, Action::Release),
             (1, Action::Retention),
             (
@@ -670,6 +672,12 @@ impl World<'_> {
             Action::Request => self.request(),
             Action::Drain => self.drain(),
             Action::ExpireLease => self.expire_lease().await,
+            Action::ExpireAll => {
+                // A fleet went down: every lease no live owner relies on lapses at once.
+                for (index, row) in self.all_unexposed_started() {
+                    self.expire_lease_of(index, row).await;
+                }
+            }
             Action::Release => self.release().await,
             Action::Retention => self.retention().await,
             Action::TimeJump => self.time_jump().await,
@@ -823,7 +831,16 @@ impl World<'_> {
     /// A started key no live owner relies on, chosen by the seed: its lease, row lock free, and
     /// its lease end as last sampled (so a write since then is never undone).
     fn unexposed_started(&mut self) -> Option<(usize, RowSeen)> {
-        let candidates: Vec<(usize, RowSeen)> = self
+        let candidates = self.all_unexposed_started();
+        if candidates.is_empty() {
+            return None;
+        }
+        let pick = self.rng.below(candidates.len() as u64) as usize;
+        Some(candidates[pick].clone())
+    }
+
+    fn all_unexposed_started(&self) -> Vec<(usize, RowSeen)> {
+        self
             .keys
             .iter()
             .enumerate()
@@ -832,19 +849,17 @@ impl World<'_> {
             .filter(|(index, row)| {
                 row.state == "started" && !self.shared.scheduler.is_exposed(&key_name(*index))
             })
-            .collect();
-        if candidates.is_empty() {
-            return None;
-        }
-        let pick = self.rng.below(candidates.len() as u64) as usize;
-        Some(candidates[pick].clone())
+            .collect()
     }
 
     /// The owner of a key is presumed gone: its lease is rewound, as if it had lapsed.
     async fn expire_lease(&mut self) {
-        let Some((index, row)) = self.unexposed_started() else {
-            return;
-        };
+        if let Some((index, row)) = self.unexposed_started() {
+            self.expire_lease_of(index, row).await;
+        }
+    }
+
+    async fn expire_lease_of(&mut self, index: usize, row: RowSeen) {
         let result = sqlx::query(
             "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
              WHERE (tenant, key) IN ( \
