@@ -18,11 +18,12 @@ use idemflow_testkit::simulation::Simulation;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor};
 
-const USAGE: &str = "usage: idemflow-simulate [--schedules N] [--seed S] [--verbose]
+const USAGE: &str = "usage: idemflow-simulate [--schedules N] [--seed S] [--verbose] [--history]
 
   --schedules N   how many schedules to run (default 50)
   --seed S        the first seed (default: one drawn from the clock); schedule i runs seed S+i
   --verbose       print each schedule's line as it ends, and a failing one's whole history
+  --history       print every schedule's whole history, passed or not
 
 Needs DATABASE_URL; creates a scratch database there and drops it at the end.";
 
@@ -31,6 +32,7 @@ struct Args {
     schedules: u64,
     seed: Option<u64>,
     verbose: bool,
+    history: bool,
 }
 
 fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
@@ -38,6 +40,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String>
         schedules: 50,
         seed: None,
         verbose: false,
+        history: false,
     };
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> Result<u64, String> {
@@ -51,6 +54,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String>
             "--schedules" => parsed.schedules = number("--schedules")?,
             "--seed" => parsed.seed = Some(number("--seed")?),
             "--verbose" => parsed.verbose = true,
+            "--history" => parsed.history = true,
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -147,7 +151,12 @@ async fn explore(options: &PgConnectOptions, args: &Args) -> Result<bool, String
     let mut failed = Vec::new();
     for seed in first..first.saturating_add(args.schedules) {
         let report = simulation.run(seed).await;
-        if args.verbose || !report.passed() {
+        if args.history {
+            println!("{}", report.to_string().lines().next().unwrap_or_default());
+            for line in &report.history {
+                println!("    {line}");
+            }
+        } else if args.verbose || !report.passed() {
             println!("{}", report.to_string().lines().next().unwrap_or_default());
         }
         if !report.passed() {
