@@ -104,7 +104,8 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<bool, String> {
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set".to_owned())?;
-    let server = PgConnectOptions::from_str(&url).map_err(|error| format!("DATABASE_URL: {error}"))?;
+    let server =
+        PgConnectOptions::from_str(&url).map_err(|error| format!("DATABASE_URL: {error}"))?;
     let scratch = format!(
         "idemflow_simulate_{}_{}",
         std::process::id(),

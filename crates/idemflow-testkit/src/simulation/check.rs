@@ -86,7 +86,7 @@ pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
         };
         // A connection the schedule killed fails its next use once: not what is checked here.
         let mut replay = Err(idemflow_runner::RunError::Crashed(String::new()));
-        for _ in 0..3 {
+        for _ in 0..10 {
             replay = ACTOR
                 .scope(
                     actor,

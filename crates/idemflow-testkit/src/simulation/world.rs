@@ -26,7 +26,6 @@ use crate::provider_client::ProviderClient;
 /// The lease of the sim workflow: long, so that leases end only when the schedule says so.
 pub(crate) const LEASE: Duration = Duration::from_secs(30);
 
-
 /// The retention window of the schedule's operator.
 const RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
@@ -402,7 +401,9 @@ impl CrashHook for Hook {
             CrashPoint::AfterCommit { phase } => {
                 // From here to the end of its call, the owner relies on the lease it just wrote.
                 shared.scheduler.expose(actor, key);
-                shared.check_fresh_lease(actor, key, *phase != "claim").await;
+                shared
+                    .check_fresh_lease(actor, key, *phase != "claim")
+                    .await;
             }
             CrashPoint::BeforeCall { .. } => shared.scheduler.expose(actor, key),
             CrashPoint::AfterCall { .. } => shared.scheduler.conceal(actor),
@@ -440,6 +441,8 @@ struct RowSeen {
     recovery_point: String,
     created_at: String,
     life: Option<i64>,
+    /// Started with its lease over.
+    due: bool,
 }
 
 /// What the seed picks next.
@@ -459,9 +462,10 @@ enum Action {
 
 pub(crate) struct World<'s> {
     sim: &'s Simulation,
-    /// How readily each actor is granted a step: a few are sluggish (a paused process, a slow
-    /// machine), so others overtake them.
-    patience: HashMap<ActorId, u32>,
+    /// When each actor may be granted a step again: a few are frozen for a while (a paused
+    /// process, a long garbage collection), so others overtake them.
+    frozen_until: HashMap<ActorId, usize>,
+    step: usize,
     /// Keys whose lease the schedule expired lately: a client is likelier to retry them now.
     lapsed: Vec<usize>,
     shared: Arc<Shared>,
@@ -527,7 +531,8 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
     shared.event(ActorId(0), format!("seed {seed}: {setup:?}"));
     let mut world = World {
         sim,
-        patience: HashMap::new(),
+        frozen_until: HashMap::new(),
+        step: 0,
         lapsed: Vec::new(),
         shared,
         rng,
@@ -548,6 +553,7 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         world.shared.scheduler.settle(QUIET, LONGEST_SETTLE).await;
         world.sample().await;
         world.step().await;
+        world.step += 1;
     }
     world.wind_down().await;
     world.finish(seed).await
@@ -583,10 +589,12 @@ impl World<'_> {
             String,
             String,
             Option<i64>,
+            bool,
         );
         let rows: Vec<Row> = match sqlx::query_as(
             "SELECT key, state, lock_version, attempts, locked_until::text, recovery_point, \
-                    created_at::text, (request->>'life')::bigint \
+                    created_at::text, (request->>'life')::bigint, \
+                    state = 'started' AND locked_until <= now() \
              FROM idempotency_keys WHERE tenant = $1",
         )
         .bind(self.shared.tenant.as_str())
@@ -598,8 +606,17 @@ impl World<'_> {
         };
         let before: Vec<Option<RowSeen>> = self.keys.iter_mut().map(|key| key.row.take()).collect();
         let mut log = self.shared.log();
-        for (key, state, lock_version, attempts, locked_until, recovery_point, created_at, life) in
-            rows
+        for (
+            key,
+            state,
+            lock_version,
+            attempts,
+            locked_until,
+            recovery_point,
+            created_at,
+            life,
+            due,
+        ) in rows
         {
             log.committed
                 .entry(key.clone())
@@ -615,6 +632,7 @@ impl World<'_> {
                     recovery_point,
                     created_at,
                     life,
+                    due,
                 });
             }
         }
@@ -649,13 +667,19 @@ impl World<'_> {
 
     async fn step(&mut self) {
         let waiting = self.shared.scheduler.waiting().len() as u32;
+        // Resumers are likelier to scan when keys are due (as a worker's idle backoff makes them).
+        let due = self
+            .keys
+            .iter()
+            .filter(|key| key.row.as_ref().is_some_and(|row| row.due))
+            .count() as u32;
         let actions = [
             (
                 if waiting > 0 { 12 + 2 * waiting } else { 0 },
                 Action::Grant,
             ),
             (4, Action::Request),
-            (2, Action::Drain),
+            (2 + 3 * due, Action::Drain),
             (3, Action::ExpireLease),
             (1, Action::ExpireAll),
             (1, Action::Release),
@@ -691,18 +715,25 @@ impl World<'_> {
         if waiting.is_empty() {
             return;
         }
+        let step = self.step;
         let weights: Vec<(u32, usize)> = waiting
             .iter()
             .enumerate()
             .map(|(index, parked)| {
                 let rng = &mut self.rng;
-                let weight = *self
-                    .patience
-                    .entry(parked.actor)
-                    .or_insert_with(|| if rng.chance(0.2) { 1 } else { 12 });
-                (weight, index)
+                let until = *self.frozen_until.entry(parked.actor).or_insert_with(|| {
+                    if rng.chance(0.15) {
+                        step + rng.between(5, 25) as usize
+                    } else {
+                        0
+                    }
+                });
+                (u32::from(step >= until), index)
             })
             .collect();
+        if weights.iter().all(|(weight, _)| *weight == 0) {
+            return;
+        }
         let chosen = &waiting[self.rng.weighted(&weights)];
         let verdict = match &chosen.point {
             Point::Engine(_) => {
@@ -767,8 +798,16 @@ impl World<'_> {
     /// A client sends its request (a first attempt or a retry; after the key was released, the
     /// next request under it).
     fn request(&mut self) {
-        let index = match self.lapsed.pop() {
-            Some(lapsed) if self.rng.chance(0.6) => lapsed,
+        // A client whose request was released sends its next one soon.
+        let released: Vec<usize> = {
+            let log = self.shared.log();
+            (0..self.keys.len())
+                .filter(|index| log.released.contains_key(&key_name(*index)))
+                .collect()
+        };
+        let index = match (released.first(), self.lapsed.pop()) {
+            (Some(released), _) if self.rng.chance(0.7) => *released,
+            (_, Some(lapsed)) if self.rng.chance(0.6) => lapsed,
             _ => self.rng.below(self.keys.len() as u64) as usize,
         };
         if self.keys[index].retired {
@@ -840,8 +879,7 @@ impl World<'_> {
     }
 
     fn all_unexposed_started(&self) -> Vec<(usize, RowSeen)> {
-        self
-            .keys
+        self.keys
             .iter()
             .enumerate()
             .filter(|(_, key)| key.settled)
