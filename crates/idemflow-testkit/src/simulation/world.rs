@@ -55,7 +55,10 @@ impl Setup {
     fn draw(rng: &mut Rng) -> Self {
         let keys = rng.between(2, 5) as usize;
         let resumers = (0..rng.between(1, 4))
-            .map(|_| (rng.between(1, 4) as i64, rng.between(1, 2) as usize))
+            .map(|_| {
+                let concurrency = if rng.chance(0.7) { 1 } else { 2 };
+                (rng.between(1, 4) as i64, concurrency)
+            })
             .collect();
         let terminal = if rng.chance(0.25) {
             TerminalPolicy::Release
@@ -117,6 +120,8 @@ pub(crate) struct Log {
     /// Actors told they were fenced.
     pub fenced: Vec<(ActorId, String)>,
     pub most_attempts: HashMap<String, i32>,
+    /// Every token seen on each key, with the claim (its time) it was seen on.
+    pub tokens_seen: HashMap<(String, i64), String>,
     pub counts: Counts,
 }
 
@@ -606,6 +611,7 @@ impl World<'_> {
         };
         let before: Vec<Option<RowSeen>> = self.keys.iter_mut().map(|key| key.row.take()).collect();
         let mut log = self.shared.log();
+        let mut repeated = Vec::new();
         for (
             key,
             state,
@@ -624,6 +630,22 @@ impl World<'_> {
                 .insert(lock_version);
             let most = log.most_attempts.entry(key.clone()).or_default();
             *most = (*most).max(attempts);
+            // A token names one owner of one claim: seen on another claim of the key, it
+            // repeated. (Under the store policy clock jumps move claim times: not compared.)
+            if self.setup.terminal == TerminalPolicy::Release {
+                let first = log
+                    .tokens_seen
+                    .entry((key.clone(), lock_version))
+                    .or_insert_with(|| created_at.clone());
+                if *first != created_at {
+                    repeated.push(format!(
+                        "fencing token {lock_version} of key {key} was seen on two claims of it \
+                         ({first} and {created_at})"
+                    ));
+                    // Reported once.
+                    *first = created_at.clone();
+                }
+            }
             if let Some(index) = (0..self.keys.len()).find(|index| key_name(*index) == key) {
                 self.keys[index].row = Some(RowSeen {
                     state,
@@ -637,6 +659,9 @@ impl World<'_> {
             }
         }
         drop(log);
+        for repeat in repeated {
+            self.shared.violation(repeat);
+        }
         for (seen, before) in self.keys.iter_mut().zip(before.iter()) {
             seen.settled = match (&seen.row, before) {
                 (Some(now), Some(before)) => {
@@ -680,8 +705,8 @@ impl World<'_> {
             ),
             (4, Action::Request),
             (2 + 3 * due, Action::Drain),
-            (3, Action::ExpireLease),
-            (1, Action::ExpireAll),
+            (4, Action::ExpireLease),
+            (2, Action::ExpireAll),
             (1, Action::Release),
             (1, Action::Retention),
             (
