@@ -54,13 +54,15 @@ pub(crate) struct Setup {
 impl Setup {
     fn draw(rng: &mut Rng) -> Self {
         let keys = rng.between(2, 5) as usize;
+        // The first resumer takes bigger batches than it runs at once, as a busy worker would.
         let resumers = (0..rng.between(1, 4))
-            .map(|_| {
-                let concurrency = if rng.chance(0.7) { 1 } else { 2 };
-                (rng.between(1, 4) as i64, concurrency)
+            .map(|index| {
+                let concurrency = if index == 0 || rng.chance(0.7) { 1 } else { 2 };
+                let batch = rng.between(if index == 0 { 2 } else { 1 }, 4) as i64;
+                (batch, concurrency)
             })
             .collect();
-        let terminal = if rng.chance(0.25) {
+        let terminal = if rng.chance(0.4) {
             TerminalPolicy::Release
         } else {
             TerminalPolicy::Store
@@ -803,7 +805,7 @@ impl World<'_> {
         } else {
             // Under the release policy a terminal error deletes the key: the way to its next life.
             let terminal = if self.setup.terminal == TerminalPolicy::Release {
-                10
+                15
             } else {
                 3
             };
