@@ -460,6 +460,7 @@ enum Action {
     Drain,
     ExpireLease,
     ExpireAll,
+    Stall,
     Release,
     Retention,
     TimeJump,
@@ -709,6 +710,7 @@ impl World<'_> {
             (2 + 3 * due, Action::Drain),
             (4, Action::ExpireLease),
             (2, Action::ExpireAll),
+            (u32::from(waiting > 0), Action::Stall),
             (1, Action::Release),
             (1, Action::Retention),
             (
@@ -723,6 +725,7 @@ impl World<'_> {
             Action::Request => self.request(),
             Action::Drain => self.drain(),
             Action::ExpireLease => self.expire_lease().await,
+            Action::Stall => self.stall(),
             Action::ExpireAll => {
                 // A fleet went down: every lease no live owner relies on lapses at once.
                 for (index, row) in self.all_unexposed_started() {
@@ -820,6 +823,22 @@ impl World<'_> {
                 (if phase == "complete" { 2 } else { 0 }, Act::BreakCommit),
             ])
         }
+    }
+
+    /// A waiting actor's process stalls (a pause, a long garbage collection): it is granted
+    /// nothing for a while, whatever it holds.
+    fn stall(&mut self) {
+        let waiting = self.shared.scheduler.waiting();
+        if waiting.is_empty() {
+            return;
+        }
+        let chosen = &waiting[self.rng.below(waiting.len() as u64) as usize];
+        let until = self.step + self.rng.between(10, 30) as usize;
+        self.frozen_until.insert(chosen.actor, until);
+        self.shared.event(
+            chosen.actor,
+            format!("stalls at {} of {} until step {until}", chosen.point, chosen.key),
+        );
     }
 
     /// A client sends its request (a first attempt or a retry; after the key was released, the
