@@ -731,6 +731,10 @@ impl World<'_> {
                 for (index, row) in self.all_unexposed_started() {
                     self.expire_lease_of(index, row).await;
                 }
+                // The workers that are left start recovering at once.
+                if self.rng.chance(0.5) {
+                    self.drain();
+                }
             }
             Action::Release => self.release().await,
             Action::Retention => self.retention().await,
@@ -896,7 +900,10 @@ impl World<'_> {
     }
 
     fn drain(&mut self) {
-        let index = self.rng.below(self.resumers.len() as u64) as usize;
+        let choices: Vec<(u32, usize)> = (0..self.resumers.len())
+            .map(|index| (if index == 0 { 3 } else { 1 }, index))
+            .collect();
+        let index = self.rng.weighted(&choices);
         let (resumer, busy) = &self.resumers[index];
         if busy.swap(true, Ordering::SeqCst) {
             return;
