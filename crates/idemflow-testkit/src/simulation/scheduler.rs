@@ -71,6 +71,8 @@ struct State {
     parked: BTreeMap<ActorId, Parked>,
     exposed: HashMap<ActorId, String>,
     task_actors: HashMap<tokio::task::Id, ActorId>,
+    /// Actors the engine started itself (a resumer's tasks), not the schedule.
+    engine_actors: std::collections::HashSet<ActorId>,
     next_actor: u64,
     /// Set for the end of a schedule: nobody waits any more.
     free_running: bool,
@@ -120,7 +122,13 @@ impl Scheduler {
         state.next_actor += 1;
         let actor = ActorId(state.next_actor);
         state.task_actors.insert(task, actor);
+        state.engine_actors.insert(actor);
         actor
+    }
+
+    /// Whether the engine started this actor (a resumer's task for one key).
+    pub(crate) fn is_engine_actor(&self, actor: ActorId) -> bool {
+        self.state().engine_actors.contains(&actor)
     }
 
     /// Waits at `point` until the schedule grants a step (at once when free running).

@@ -755,8 +755,14 @@ impl World<'_> {
             .enumerate()
             .map(|(index, parked)| {
                 let rng = &mut self.rng;
+                // A resumer's tasks stall more often: the keys its batch holds wait on them.
+                let stalls = if self.shared.scheduler.is_engine_actor(parked.actor) {
+                    0.4
+                } else {
+                    0.15
+                };
                 let until = *self.frozen_until.entry(parked.actor).or_insert_with(|| {
-                    if rng.chance(0.15) {
+                    if rng.chance(stalls) {
                         step + rng.between(5, 25) as usize
                     } else {
                         0
