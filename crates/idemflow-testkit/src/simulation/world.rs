@@ -187,8 +187,8 @@ impl Shared {
         phase: &str,
     ) {
         self.log().counts.calls += 1;
-        /// Token, state, recovery point, lease live, request life.
-        type Seen = (i64, String, String, bool, Option<i64>);
+        /// Token, state, recovery point, lease live (none when done), request life.
+        type Seen = (i64, String, String, Option<bool>, Option<i64>);
         let row: Result<Option<Seen>, _> = sqlx::query_as(
             "SELECT lock_version, state, recovery_point, locked_until > clock_timestamp(), \
                     (request->>'life')::bigint \
@@ -210,7 +210,7 @@ impl Shared {
                         "the caller holds token {} but the key's is {token}",
                         context.lock_version
                     ))
-                } else if !live {
+                } else if live != Some(true) {
                     Some("the caller's lease has expired".to_owned())
                 } else if !["start", "reserve", "price"].contains(&point.as_str()) {
                     Some(format!(
