@@ -1179,6 +1179,9 @@ impl World<'_> {
                 }
             }
         }
+        // The operator's retention runs once more, over keys that have all ended: none still
+        // within its window may go.
+        self.retention().await;
         self.sample().await;
         for index in 0..self.keys.len() {
             if self.needs_a_retry(index) {
