@@ -847,7 +847,10 @@ impl World<'_> {
         self.frozen_until.insert(chosen.actor, until);
         self.shared.event(
             chosen.actor,
-            format!("stalls at {} of {} until step {until}", chosen.point, chosen.key),
+            format!(
+                "stalls at {} of {} until step {until}",
+                chosen.point, chosen.key
+            ),
         );
     }
 
