@@ -56,3 +56,93 @@ pub fn database_url(connect: &PgConnectOptions) -> String {
         connect.get_database().unwrap()
     )
 }
+
+/// What a finished demo run printed, and how it ended (`None`: it ran past its time and was
+/// killed).
+pub struct DemoRun {
+    pub status: Option<std::process::ExitStatus>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs the checkout example's demo (`all --demo-only` on a free port) against `url`, with extra
+/// environment variables, for at most `timeout`.
+pub async fn run_demo(
+    binary: &std::path::Path,
+    url: &str,
+    lease_seconds: &str,
+    env: &[(&str, &str)],
+    timeout: std::time::Duration,
+) -> DemoRun {
+    use std::io::Read;
+    use std::process::Stdio;
+
+    let mut command = Command::new(binary);
+    command
+        .args([
+            "all",
+            "--demo-only",
+            "--bind",
+            "127.0.0.1:0",
+            "--lease-seconds",
+            lease_seconds,
+        ])
+        .arg("--database-url")
+        .arg(url)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let mut child = command.spawn().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let read_stdout = std::thread::spawn(move || {
+        let mut text = String::new();
+        stdout.read_to_string(&mut text).map(|_| text)
+    });
+    let read_stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        stderr.read_to_string(&mut text).map(|_| text)
+    });
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > timeout {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    DemoRun {
+        status,
+        stdout: read_stdout.join().unwrap().unwrap(),
+        stderr: read_stderr.join().unwrap().unwrap(),
+    }
+}
+
+/// Every line a demo that behaved prints, in order of its steps.
+pub const DEMO_STEPS: &[&str] = &[
+    "1. A first request",
+    "-> 201 Created {",
+    "2. The same intent again",
+    "-> 201 Created [Idempotent-Replayed: true]",
+    "3. A concurrent duplicate",
+    "-> 409 Conflict [Retry-After:",
+    "4. The key of step 1 reused",
+    "-> 422 Unprocessable Entity {\"code\":\"idempotency_key_reused\"",
+    "5. A declined card",
+    "-> 402 Payment Required",
+    "6. A crash",
+    "-> 503 Service Unavailable",
+    "GET /v1/checkouts/",
+    "-> 200 OK {",
+    "1 charge(s)",
+    "== demo passed: every step behaved as expected ==",
+    "checkout: stopped",
+];
