@@ -8,7 +8,7 @@
 //! it. Without it this test fails, naming the package: it never skips.
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -44,7 +44,7 @@ fn libfaketime() -> PathBuf {
 
 /// The environment that shifts a process's wall clock by `offset` (`+1h`, `-1h`). Monotonic time
 /// is left alone, as a wrong wall clock leaves it.
-fn shifted(library: &PathBuf, offset: &'static str) -> Vec<(&'static str, String)> {
+fn shifted(library: &Path, offset: &'static str) -> Vec<(&'static str, String)> {
     vec![
         ("LD_PRELOAD", library.display().to_string()),
         ("FAKETIME", offset.to_owned()),
