@@ -102,15 +102,22 @@ impl Resumer {
         let mut report = DrainReport::default();
         let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
         let mut owners: HashMap<tokio::task::Id, Owner> = HashMap::new();
+        // A scan that came back short took every key due: the next waits for the keys running.
+        let mut took_all_due = false;
         loop {
             let free = self.free_slots(running.len());
-            let due = if free > 0 {
+            let scan =
+                self.worth_a_scan(free, running.len()) && !(took_all_due && !running.is_empty());
+            let due = if scan {
                 self.scan(free).await?
             } else {
                 Vec::new()
             };
             if due.is_empty() && running.is_empty() {
                 return Ok(report);
+            }
+            if scan {
+                took_all_due = i64::try_from(due.len()).unwrap_or(i64::MAX) < free;
             }
             report.taken += due.len();
             for due in due {
@@ -130,6 +137,13 @@ impl Resumer {
         i64::try_from(free)
             .unwrap_or(i64::MAX)
             .min(self.config.batch_size.max(1))
+    }
+
+    /// Whether to scan now: when nothing runs, or when at least half the slots are free, so that a
+    /// busy resumer scans once per several keys rather than once per key.
+    fn worth_a_scan(&self, free: i64, running: usize) -> bool {
+        let half = i64::try_from(self.config.concurrency.max(1).div_ceil(2)).unwrap_or(1);
+        free > 0 && (running == 0 || free >= half.min(self.config.batch_size.max(1)))
     }
 
     /// Starts resuming a key taken over, remembering whose it is until its task ends.
@@ -213,7 +227,7 @@ impl Resumer {
 
             // Take over what can start now, when a scan is due: never more than the free slots.
             let free = self.free_slots(running.len());
-            if free > 0 && Instant::now() >= next_scan_at {
+            if self.worth_a_scan(free, running.len()) && Instant::now() >= next_scan_at {
                 match self.scan(free).await {
                     Ok(due) if due.is_empty() => {
                         next_scan_at = Instant::now() + idle;
@@ -221,10 +235,16 @@ impl Resumer {
                         error_backoff = self.config.idle_min;
                     }
                     Ok(due) => {
+                        // Short of the free slots: every due key was taken; look again shortly.
+                        let short = i64::try_from(due.len()).unwrap_or(i64::MAX) < free;
                         for due in due {
                             self.start(&mut running, &mut owners, due);
                         }
-                        next_scan_at = Instant::now();
+                        next_scan_at = if short {
+                            Instant::now() + self.config.idle_min
+                        } else {
+                            Instant::now()
+                        };
                         idle = self.config.idle_min;
                         error_backoff = self.config.idle_min;
                     }
