@@ -107,7 +107,7 @@ impl Resumer {
         loop {
             let free = self.free_slots(running.len());
             let scan =
-                self.worth_a_scan(free, running.len()) && !(took_all_due && !running.is_empty());
+                (running.is_empty() || !took_all_due) && self.worth_a_scan(free, running.len());
             let due = if scan {
                 self.scan(free).await?
             } else {
