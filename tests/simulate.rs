@@ -1,6 +1,6 @@
 //! The schedule explorer over the engine (crates/idemflow-testkit/src/simulation): seeded
 //! schedules of concurrent clients, resumers, operators and faults, each checked. The suite runs
-//! seeds 0 to 99 (in two halves, side by side): the same schedules every time, about 45 s each.
+//! seeds 0 to 149 (in three parts, side by side): the same schedules every time, about 45 s each.
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
@@ -58,4 +58,9 @@ async fn schedules_0_to_49(pool: PgPool) {
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn schedules_50_to_99(pool: PgPool) {
     explore(&pool, seeds_from_env(50..100)).await;
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn schedules_100_to_149(pool: PgPool) {
+    explore(&pool, seeds_from_env(100..150)).await;
 }

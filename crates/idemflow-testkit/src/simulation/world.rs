@@ -776,8 +776,11 @@ impl World<'_> {
         }
         let chosen = &waiting[self.rng.weighted(&weights)];
         let verdict = match &chosen.point {
-            Point::Engine(_) => {
-                if self.rng.chance(0.1) {
+            Point::Engine(point) => {
+                // Around a call crashes are likelier: they leave keys whose next step is the
+                // call, the ones a late or stale owner could call twice.
+                let near_a_call = point.starts_with("after_commit") || point.contains("_call:");
+                if self.rng.chance(if near_a_call { 0.2 } else { 0.08 }) {
                     self.shared.log().counts.crashes += 1;
                     Verdict::Crash
                 } else {
@@ -823,13 +826,13 @@ impl World<'_> {
                 3
             };
             self.rng.weighted(&[
-                (70, Act::Succeed),
+                (80, Act::Succeed),
                 (7, Act::Slow(slow)),
-                (8, Act::Retryable),
+                (5, Act::Retryable),
                 (terminal, Act::Terminal),
-                (3, Act::Panic),
+                (2, Act::Panic),
                 (1, Act::Hang),
-                (if phase == "complete" { 0 } else { 3 }, Act::Unstorable),
+                (if phase == "complete" { 0 } else { 2 }, Act::Unstorable),
                 (if phase == "complete" { 2 } else { 0 }, Act::BreakCommit),
             ])
         }
@@ -931,12 +934,30 @@ impl World<'_> {
 
     /// A started key no live owner relies on, chosen by the seed: its lease, row lock free, and
     /// its lease end as last sampled (so a write since then is never undone).
+    /// One of them, chosen by the seed; a key held by an owner no actor is seen working for
+    /// (its process died, or its resumer has not got to it yet) is likelier: its lease is the one
+    /// that would lapse.
     fn unexposed_started(&mut self) -> Option<(usize, RowSeen)> {
         let candidates = self.all_unexposed_started();
         if candidates.is_empty() {
             return None;
         }
-        let pick = self.rng.below(candidates.len() as u64) as usize;
+        let worked_on: HashSet<String> = self
+            .shared
+            .scheduler
+            .waiting()
+            .into_iter()
+            .map(|waiting| waiting.key)
+            .collect();
+        let weights: Vec<(u32, usize)> = candidates
+            .iter()
+            .enumerate()
+            .map(|(pick, (index, row))| {
+                let idle = !row.due && !worked_on.contains(&key_name(*index));
+                (if idle { 4 } else { 1 }, pick)
+            })
+            .collect();
+        let pick = self.rng.weighted(&weights);
         Some(candidates[pick].clone())
     }
 
