@@ -588,8 +588,8 @@ async fn a_resumer_takes_over_only_what_it_can_start(pool: PgPool) {
     }
 }
 
-/// A resumed key whose next phase is foreign confirms its fence before calling out: a takeover
-/// handed over late (after a wait in a queue, a pause) must not call as a stale owner.
+/// A resumed key whose next phase is foreign confirms its fence before calling out when it was
+/// handed over late (after a wait in a queue, a pause): it must not call as a stale owner.
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn a_resumed_key_confirms_its_fence_before_calling_out(pool: PgPool) {
     create_orders(&pool).await;
@@ -611,9 +611,12 @@ async fn a_resumed_key_confirms_its_fence_before_calling_out(pool: PgPool) {
         .unwrap();
     assert_eq!(current.len(), 1);
 
-    let outcome = Runner::new(pool.clone())
-        .resume(&workflow, stale.taken)
-        .await;
+    // It was handed over after a wait longer than its lease could cover a call for.
+    let mut stale = stale.taken;
+    stale.lease_from = std::time::Instant::now()
+        .checked_sub(Duration::from_secs(3600))
+        .unwrap();
+    let outcome = Runner::new(pool.clone()).resume(&workflow, stale).await;
     assert!(
         matches!(outcome, Err(idemflow::RunError::Fenced)),
         "{outcome:?}"

@@ -29,6 +29,7 @@ pub async fn take_over_due(
     batch_size: i64,
     lease: Duration,
 ) -> Result<Vec<DueKey>, StoreError> {
+    let lease_from = std::time::Instant::now();
     let rows = sqlx::query(
         "WITH due AS ( \
              SELECT tenant, key FROM idempotency_keys \
@@ -72,6 +73,7 @@ pub async fn take_over_due(
                     phase_output: phase_output.map(|json| json.0),
                     request: request.0,
                     last_error: row.get(8),
+                    lease_from,
                 },
             })
         })

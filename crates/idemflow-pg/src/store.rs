@@ -71,6 +71,9 @@ pub struct TakenOver {
     pub request: Value,
     /// The error the previous attempt recorded, if it recorded one.
     pub last_error: Option<String>,
+    /// When the statement that wrote the new lease was sent, by this process's monotonic clock:
+    /// the lease lasts at least until this instant plus its length, whatever the clocks say.
+    pub lease_from: std::time::Instant,
 }
 
 pub(crate) fn millis(duration: Duration) -> i64 {
@@ -266,6 +269,7 @@ pub async fn take_over(
     seen_lock_version: i64,
     lease: Duration,
 ) -> Result<Option<TakenOver>, StoreError> {
+    let lease_from = std::time::Instant::now();
     let row = sqlx::query(
         "UPDATE idempotency_keys \
          SET lock_version = nextval('idempotency_keys_fence'), attempts = attempts + 1, \
@@ -297,6 +301,7 @@ pub async fn take_over(
             phase_output: phase_output.map(|json| json.0),
             request: request.0,
             last_error: row.get(5),
+            lease_from,
         }
     }))
 }

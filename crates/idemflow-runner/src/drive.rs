@@ -73,10 +73,11 @@ pub(crate) struct Start {
     pub request: Value,
     /// The error the previous attempt recorded, for a give-up's message.
     pub last_error: Option<String>,
-    /// Whether this owner wrote its lease just now. A key a resumer took over in a batch was
-    /// handed over after a wait of unknown length: it confirms its fence (a fenced renewal)
-    /// before any call to another system.
-    pub fresh_lease: bool,
+    /// When the statement that wrote this owner's lease was sent (this process's monotonic
+    /// clock). Before a call to another system the owner must hold a lease that outlasts the
+    /// call's timeout; after a wait (a key a resumer took over and could not start at once, a
+    /// paused process) it confirms its fence first, with a fenced renewal.
+    pub lease_from: Instant,
 }
 
 /// Why a drive stopped before finishing.
@@ -139,7 +140,7 @@ struct Drive<'r> {
     /// A foreign output not yet committed, kept encoded so a failure after it can still record
     /// it (and the call is not repeated).
     pending_foreign: Option<(&'static str, Value)>,
-    fresh_lease: bool,
+    lease_from: Instant,
 }
 
 impl Runner {
@@ -164,7 +165,7 @@ impl Runner {
             context,
             request,
             last_error,
-            fresh_lease,
+            lease_from,
         } = start;
         let mut drive = Drive {
             runner: self,
@@ -177,7 +178,7 @@ impl Runner {
             request,
             unrecorded: None,
             pending_foreign: None,
-            fresh_lease,
+            lease_from,
         };
         let ran = match drive.enter(entry, last_error) {
             Ok((position, carry)) => drive.run(position, carry).await,
@@ -365,6 +366,7 @@ impl Drive<'_> {
         let workflow = self.workflow;
         let runner = self.runner;
         let mut committed = "claim";
+        let mut advanced_at = None;
         // What this transaction commits is charged to the phase it records; a transaction that
         // records none (a takeover right before this call) to the phase about to be called.
         let mut charged = &workflow.steps[position];
@@ -376,6 +378,7 @@ impl Drive<'_> {
             let open = opened(&mut self.tx, runner.pool(), workflow)
                 .await
                 .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
+            advanced_at = Some(Instant::now());
             store::advance(open, &self.owner, name, &output, workflow.lease())
                 .await
                 .map_err(|error| store_stop(error, "recording", failure))?;
@@ -395,7 +398,9 @@ impl Drive<'_> {
                 )));
             }
             self.hold = Hold::Committed;
-            self.fresh_lease = true;
+            if let Some(advanced_at) = advanced_at {
+                self.lease_from = advanced_at;
+            }
             if committed != "claim" {
                 self.recorded_point = committed.to_owned();
                 self.context.attempt = 1;
@@ -410,20 +415,25 @@ impl Drive<'_> {
         Ok(())
     }
 
-    /// A key handed over by a resumer's batch renews its lease, fenced, before its first call:
-    /// if another owner took it over meanwhile, it stops here instead of calling as a stale one.
+    /// Before a call, the owner must hold a lease that outlasts the call's timeout (with a tenth of
+    /// the lease to spare). It does right after its own commit or takeover; after a wait (a key a
+    /// resumer took over and could not start at once, a process paused) it renews the lease,
+    /// fenced: if another owner took the key over meanwhile, it stops here instead of calling as
+    /// a stale one.
     async fn confirm_fence(&mut self, foreign: &dyn ErasedForeign) -> Result<(), Stop> {
-        if self.fresh_lease {
+        let lease = self.workflow.lease();
+        if self.lease_from.elapsed() + foreign.timeout() + lease / 10 <= lease {
             return Ok(());
         }
         let failure = |error| Failure::of(foreign.name(), foreign.retry_policy(), error);
         let mut connection = self.runner.pool().acquire().await.map_err(|error| {
             Stop::failed(failure(database_error("confirming the fence", &error)))
         })?;
-        store::renew_lease(&mut connection, &self.owner, self.workflow.lease())
+        let renewing = Instant::now();
+        store::renew_lease(&mut connection, &self.owner, lease)
             .await
             .map_err(|error| store_stop(error, "confirming the fence", failure))?;
-        self.fresh_lease = true;
+        self.lease_from = renewing;
         Ok(())
     }
 

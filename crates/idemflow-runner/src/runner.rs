@@ -154,8 +154,8 @@ impl Runner {
                 context,
                 request: taken.request,
                 last_error: taken.last_error,
-                // Taken over in a batch and handed over after however long it waited.
-                fresh_lease: false,
+                // However long it waited since its batch took it over, the call checks.
+                lease_from: taken.lease_from,
             };
             self.drive(workflow, start).await
         }
@@ -206,6 +206,7 @@ impl Runner {
                         request: &request,
                         lease: workflow.lease(),
                     };
+                    let claimed_at = std::time::Instant::now();
                     match store::begin_claim(connection, &claim, workflow.limits()).await? {
                         Claimed::Owned(tx, owner) => {
                             tracing::Span::current().record("lock_version", owner.lock_version);
@@ -225,7 +226,7 @@ impl Runner {
                                 context,
                                 request,
                                 last_error: None,
-                                fresh_lease: true,
+                                lease_from: claimed_at,
                             };
                             return self.drive(workflow, start).await;
                         }
@@ -296,7 +297,7 @@ impl Runner {
                 context,
                 request: taken.request,
                 last_error: taken.last_error,
-                fresh_lease: true,
+                lease_from: taken.lease_from,
             };
             return self.drive(workflow, start).await;
         }
