@@ -23,6 +23,27 @@ fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer {
     Resumer::with_config(Runner::new(pool.clone()), registry, config)
 }
 
+/// A worker running `Resumer::run` until the test stops it.
+struct Running {
+    stop: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    fn start(worker: Resumer) -> Self {
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let stopped = stop.clone();
+        let task = tokio::spawn(worker.run(async move { stopped.notified().await }));
+        Self { stop, task }
+    }
+
+    /// Asks it to shut down and waits until it has.
+    async fn stop(self) {
+        self.stop.notify_one();
+        self.task.await.unwrap();
+    }
+}
+
 fn quick_config() -> ResumerConfig {
     ResumerConfig {
         idle_min: Duration::from_millis(10),
@@ -271,17 +292,14 @@ async fn a_failing_provider_raises_attempts_while_the_worker_keeps_running(pool:
     assert_eq!(error.as_deref(), Some("charge: scripted failure"));
 
     let worker = resumer(&pool, &harness, quick_config());
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = stop.clone();
-    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    let running = Running::start(worker);
     eventually(
         &pool,
         "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
         1,
     )
     .await;
-    stop.notify_one();
-    running.await.unwrap();
+    running.stop().await;
 
     assert_eq!(
         harness.provider.call_count(),
@@ -392,12 +410,9 @@ async fn shutdown_gives_back_the_leases_of_keys_not_yet_finished(pool: PgPool) {
         ..quick_config()
     };
     let worker = resumer(&pool, &harness, config);
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = stop.clone();
-    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    let running = Running::start(worker);
     harness.provider.script.entered.notified().await;
-    stop.notify_one();
-    running.await.unwrap();
+    running.stop().await;
 
     // All ten are due again at once: nine never started, one stopped after the grace period.
     assert_eq!(
@@ -449,9 +464,7 @@ async fn a_released_key_wakes_an_idle_resumer(pool: PgPool) {
         ..quick_config()
     };
     let worker = resumer(&pool, &harness, config);
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = stop.clone();
-    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    let running = Running::start(worker);
     tokio::time::sleep(Duration::from_millis(300)).await; // let it make its first, empty scan
 
     harness.provider.script.fail_next.store(1, Ordering::SeqCst);
@@ -470,8 +483,7 @@ async fn a_released_key_wakes_an_idle_resumer(pool: PgPool) {
         1,
     )
     .await;
-    stop.notify_one();
-    running.await.unwrap();
+    running.stop().await;
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
@@ -479,9 +491,7 @@ async fn the_worker_carries_on_after_its_connections_are_killed(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
     let worker = resumer(&pool, &harness, quick_config());
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = stop.clone();
-    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    let running = Running::start(worker);
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     // Every other connection to this database is terminated, as a database restart would.
@@ -506,8 +516,7 @@ async fn the_worker_carries_on_after_its_connections_are_killed(pool: PgPool) {
         3,
     )
     .await;
-    stop.notify_one();
-    running.await.unwrap();
+    running.stop().await;
 }
 
 /// Leaves `keys` at `create_order` (the charge failed once), with expired leases.
@@ -542,9 +551,7 @@ async fn a_resumer_takes_over_only_what_it_can_start(pool: PgPool) {
         ..quick_config()
     };
     let worker = Resumer::with_config(Runner::new(pool.clone()), registry, config);
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = stop.clone();
-    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    let running = Running::start(worker);
 
     // While the resumer's first charge runs, a client retries a key it has not called again.
     while harness.provider.call_count() < 4 {
@@ -576,8 +583,7 @@ async fn a_resumer_takes_over_only_what_it_can_start(pool: PgPool) {
     // A resumer that had taken the key over before the client did, and kept it waiting for a
     // slot, would call it within one more charge's time: give it that time.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    stop.notify_one();
-    running.await.unwrap();
+    running.stop().await;
     let calls = harness.provider.calls.lock().unwrap().clone();
     for key in ["k1", "k2", "k3"] {
         assert_eq!(
@@ -642,17 +648,14 @@ async fn a_panicking_phase_in_a_resumed_key_is_retried_and_the_worker_carries_on
         .panic_next
         .store(true, Ordering::SeqCst);
     let worker = resumer(&pool, &harness, quick_config());
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = stop.clone();
-    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    let running = Running::start(worker);
     eventually(
         &pool,
         "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
         1,
     )
     .await;
-    stop.notify_one();
-    running.await.unwrap();
+    running.stop().await;
     assert_eq!(
         harness.provider.call_count(),
         3,
@@ -687,9 +690,7 @@ async fn a_key_whose_task_panicked_is_given_back_at_once(pool: PgPool) {
     let hook = Arc::new(PanicOnce(std::sync::atomic::AtomicBool::new(false)));
     let runner = Runner::new(pool.clone()).with_crash_hook(hook);
     let worker = Resumer::with_config(runner, registry, quick_config());
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let stopped = stop.clone();
-    let running = tokio::spawn(worker.run(async move { stopped.notified().await }));
+    let running = Running::start(worker);
     // The lease is 60 s: only a key given back at once is finished within the wait.
     eventually(
         &pool,
@@ -697,7 +698,6 @@ async fn a_key_whose_task_panicked_is_given_back_at_once(pool: PgPool) {
         1,
     )
     .await;
-    stop.notify_one();
-    running.await.unwrap();
+    running.stop().await;
     assert_eq!(harness.provider.charge_count(), 1);
 }

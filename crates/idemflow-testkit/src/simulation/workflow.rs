@@ -190,6 +190,22 @@ async fn local_act(
     }
 }
 
+/// A local phase before the charge, as the schedule says: its effect, its act, and when it ended
+/// (the commit that records it is judged against that).
+async fn scripted(
+    shared: &Shared,
+    phase: &'static str,
+    connection: &mut PgConnection,
+    context: &PhaseContext,
+    request: &SimRequest,
+) -> Result<String, PhaseError> {
+    let act = act_for(shared, phase, context).await;
+    effect(connection, context, request.life, phase).await?;
+    let note = local_act(act, connection, phase, request.life, request.amount).await?;
+    shared.note_phase_end(connection, context).await?;
+    Ok(note)
+}
+
 struct Reserve(Arc<Shared>);
 
 #[async_trait]
@@ -212,10 +228,7 @@ impl LocalPhase for Reserve {
         request: SimRequest,
         context: &PhaseContext,
     ) -> Result<Progress, PhaseError> {
-        let act = act_for(&self.0, Self::NAME, context).await;
-        effect(connection, context, request.life, Self::NAME).await?;
-        let note = local_act(act, connection, Self::NAME, request.life, request.amount).await?;
-        self.0.note_phase_end(connection, context).await?;
+        let note = scripted(&self.0, Self::NAME, connection, context, &request).await?;
         Ok(Progress {
             amount: request.amount,
             life: request.life,
@@ -247,10 +260,11 @@ impl LocalPhase for Price {
         progress: Progress,
         context: &PhaseContext,
     ) -> Result<Progress, PhaseError> {
-        let act = act_for(&self.0, Self::NAME, context).await;
-        effect(connection, context, progress.life, Self::NAME).await?;
-        let note = local_act(act, connection, Self::NAME, progress.life, progress.amount).await?;
-        self.0.note_phase_end(connection, context).await?;
+        let request = SimRequest {
+            amount: progress.amount,
+            life: progress.life,
+        };
+        let note = scripted(&self.0, Self::NAME, connection, context, &request).await?;
         Ok(Progress { note, ..progress })
     }
 }
