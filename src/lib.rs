@@ -16,8 +16,8 @@ pub use idemflow_pg as store;
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, migrate};
 pub use idemflow_runner::{
-    BuildError, CrashHook, CrashPoint, DrainReport, DuplicateWorkflow, Failure, FailurePhase,
-    ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseValue,
+    BuildError, CrashHook, CrashPoint, DrainReport, Failure, FailurePhase, ForeignPhase,
+    LocalPhase, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseValue, RegisterError,
     Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner,
     RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder, expire, expire_paced, shutdown_signal,
 };

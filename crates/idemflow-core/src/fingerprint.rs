@@ -30,6 +30,49 @@ impl Fingerprint {
         Self::hash(b'J', &[method.as_bytes(), path.as_bytes(), canonical])
     }
 
+    /// Fingerprints a canonical JSON body sent as a JSON media type other than
+    /// `application/json` (`application/merge-patch+json`, say): the type is part of what the
+    /// request means, so the same document under two types is two requests.
+    /// `application/json` itself fingerprints as [`Fingerprint::of_canonical_json`].
+    pub fn of_typed_json(method: &str, path: &str, media_type: &str, canonical: &[u8]) -> Self {
+        if media_type.eq_ignore_ascii_case("application/json") {
+            return Self::of_canonical_json(method, path, canonical);
+        }
+        let media_type = media_type.to_ascii_lowercase();
+        Self::hash(
+            b'T',
+            &[
+                method.as_bytes(),
+                path.as_bytes(),
+                media_type.as_bytes(),
+                canonical,
+            ],
+        )
+    }
+
+    /// Fingerprints a multipart body by its parts, not its bytes: each part's headers (as given
+    /// by the caller, in order) and content. The boundary a client draws anew for every send
+    /// is left out, so a retry of the same form is the same request.
+    pub fn of_multipart<'a>(
+        method: &str,
+        path: &str,
+        media_type: &str,
+        parts: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+    ) -> Self {
+        let media_type = media_type.to_ascii_lowercase();
+        let mut hasher = Self::start(
+            b'M',
+            &[method.as_bytes(), path.as_bytes(), media_type.as_bytes()],
+        );
+        for (headers, content) in parts {
+            for part in [headers, content] {
+                hasher.update((part.len() as u64).to_be_bytes());
+                hasher.update(part);
+            }
+        }
+        Self(hasher.finalize().into())
+    }
+
     /// Fingerprints a body that is not JSON by its exact bytes and its content type.
     pub fn of_raw(method: &str, path: &str, content_type: &str, body: &[u8]) -> Self {
         Self::hash(
@@ -44,6 +87,10 @@ impl Fingerprint {
     }
 
     fn hash(kind: u8, parts: &[&[u8]]) -> Self {
+        Self(Self::start(kind, parts).finalize().into())
+    }
+
+    fn start(kind: u8, parts: &[&[u8]]) -> Sha256 {
         let mut hasher = Sha256::new();
         hasher.update(DOMAIN);
         hasher.update([kind]);
@@ -51,7 +98,7 @@ impl Fingerprint {
             hasher.update((part.len() as u64).to_be_bytes());
             hasher.update(part);
         }
-        Self(hasher.finalize().into())
+        hasher
     }
 
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
@@ -101,6 +148,34 @@ mod tests {
             br#"{"currency":"usd","amount":1e2}"#,
         );
         assert_eq!(first.expect("valid"), second.expect("valid"));
+    }
+
+    #[test]
+    fn a_json_media_type_other_than_application_json_counts() {
+        let plain = Fingerprint::of_canonical_json("PATCH", "/a", b"{}");
+        assert_eq!(
+            plain,
+            Fingerprint::of_typed_json("PATCH", "/a", "Application/JSON", b"{}")
+        );
+        let merge =
+            Fingerprint::of_typed_json("PATCH", "/a", "application/merge-patch+json", b"{}");
+        assert_ne!(plain, merge);
+        assert_eq!(
+            merge,
+            Fingerprint::of_typed_json("PATCH", "/a", "application/MERGE-PATCH+json", b"{}")
+        );
+    }
+
+    #[test]
+    fn multipart_counts_parts_in_order_not_their_framing() {
+        let form = |parts: &[(&'static [u8], &'static [u8])]| {
+            Fingerprint::of_multipart("POST", "/u", "multipart/form-data", parts.iter().copied())
+        };
+        let one = form(&[(b"name=a", b"1"), (b"name=b", b"2")]);
+        assert_eq!(one, form(&[(b"name=a", b"1"), (b"name=b", b"2")]));
+        assert_ne!(one, form(&[(b"name=b", b"2"), (b"name=a", b"1")]));
+        assert_ne!(one, form(&[(b"name=a", b"12"), (b"name=b", b"")]));
+        assert_ne!(one, form(&[(b"name=a1", b""), (b"name=b", b"2")]));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! what it is ([`Fingerprint`] over [`canonical`] JSON), what to do when a key already exists
 //! ([`decide`]), and the durable names a workflow is made of ([`PhaseName`], [`DerivedKey`]).
 
+pub mod bytes;
 pub mod canonical;
 mod decide;
 mod derived_key;

@@ -6,7 +6,10 @@ pub struct StoredResponse {
     pub status: u16,
     /// Response headers in order; names as given. Replays return exactly these.
     pub headers: Vec<(String, String)>,
-    /// The exact body bytes.
+    /// The exact body bytes. Written as a base64 string wherever the response is encoded as JSON
+    /// (a foreign phase's recorded output): a JSON array of numbers would take ten times the
+    /// bytes in memory and in the row. An array is still read, as earlier versions wrote it.
+    #[serde(with = "crate::bytes")]
     pub body: Vec<u8>,
 }
 

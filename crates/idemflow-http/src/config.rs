@@ -1,22 +1,18 @@
-use std::time::Duration;
+use axum::http::{Method, StatusCode};
 
-use axum::http::Method;
-
-/// What the layer covers and how much it accepts.
+/// What a covered route accepts: shared by [`crate::WorkflowService`] and
+/// [`crate::IdempotencyLayer`]. The plain-handler layer's own settings are on its builder.
 #[derive(Debug, Clone)]
 pub struct HttpConfig {
     /// Methods that take an idempotency key; others pass through untouched. POST and PATCH by
     /// default: PUT and DELETE are idempotent by definition (RFC 9110), GET never changes state.
+    /// A [`crate::WorkflowService`] made with `new` covers POST only.
     pub methods: Vec<Method>,
     /// The largest body accepted (413 beyond); it is read whole to be fingerprinted.
     pub max_body_bytes: usize,
     /// Whether a covered request without the header is refused (400) or passed through
     /// without idempotency.
     pub require_key: bool,
-    /// For the plain-handler layer: how long the handler may take before the attempt counts
-    /// as failed (and the key as resumable). Must be shorter than `lease`.
-    pub handler_timeout: Duration,
-    pub lease: Duration,
 }
 
 impl Default for HttpConfig {
@@ -25,14 +21,146 @@ impl Default for HttpConfig {
             methods: vec![Method::POST, Method::PATCH],
             max_body_bytes: 1024 * 1024,
             require_key: true,
-            handler_timeout: Duration::from_secs(30),
-            lease: Duration::from_secs(60),
         }
     }
 }
 
 impl HttpConfig {
+    /// The default for a workflow route: POST only. A workflow is one kind of request; running
+    /// it for a PATCH as well would make two methods one request.
+    pub fn for_workflow() -> Self {
+        Self {
+            methods: vec![Method::POST],
+            ..Self::default()
+        }
+    }
+
     pub fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
+    }
+}
+
+/// What of a plain handler's request and response is never written to the database.
+///
+/// The request is stored with its key for inspection (`idemflow inspect`); the handler itself
+/// always gets the live request, whole. The response is stored to be replayed to whoever sends
+/// the same key and request in the tenant, so what belongs to one client (a session cookie)
+/// must not be in it.
+#[derive(Debug, Clone)]
+pub struct Redaction {
+    /// A request header whose lowercase name contains one of these is not stored; a query
+    /// parameter whose lowercase name contains one is stored with its value replaced by
+    /// `REDACTED`. Broad on purpose: a false match only hides a value from `inspect`.
+    pub secret_words: Vec<String>,
+    /// Response headers (lowercase names) never stored or replayed. The live answer to the
+    /// attempt that ran the handler keeps them.
+    pub unstored_response_headers: Vec<String>,
+}
+
+impl Default for Redaction {
+    fn default() -> Self {
+        let words = [
+            "auth",
+            "cookie",
+            "token",
+            "secret",
+            "signature",
+            "key",
+            "password",
+            "passwd",
+            "session",
+            "credential",
+            "jwt",
+        ];
+        Self {
+            secret_words: words.map(str::to_owned).to_vec(),
+            unstored_response_headers: [
+                "set-cookie",
+                "set-cookie2",
+                "authentication-info",
+                "proxy-authentication-info",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        }
+    }
+}
+
+impl Redaction {
+    pub(crate) fn is_secret(&self, name: &str) -> bool {
+        let name = name.to_ascii_lowercase();
+        self.secret_words
+            .iter()
+            .any(|word| name.contains(word.as_str()))
+    }
+
+    pub(crate) fn stores_response_header(&self, name: &str) -> bool {
+        !HOP_BY_HOP.contains(&name)
+            && !TRANSFER.contains(&name)
+            && !self
+                .unstored_response_headers
+                .iter()
+                .any(|unstored| unstored.eq_ignore_ascii_case(name))
+    }
+}
+
+/// Headers that describe one connection (RFC 9110 §7.6.1), never stored either way.
+pub(crate) const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+/// Headers that describe one transfer of a response, not the response.
+pub(crate) const TRANSFER: [&str; 3] = ["content-length", "date", "transfer-encoding"];
+
+/// What a plain handler's status says about its execution: whether its response ends the
+/// request (stored and replayed), or the request may be sent again.
+#[derive(Debug, Clone)]
+pub struct StatusRules {
+    /// "Not executed; send it again": the key is deleted and the response answered, not
+    /// stored, so the same key may come again (a routing refusal must not burn the key, a rate
+    /// limit must not become the permanent answer). Default 404, 405, 408, 409, 425, 429, 501,
+    /// 503.
+    pub not_executed: Vec<StatusCode>,
+    /// "The outcome is unknown" (an upstream failed or timed out behind the handler): a failed
+    /// attempt, counted against the attempt budget; the response is answered, not stored, and
+    /// the key stays started until a client retry runs the handler again. Default 502, 504.
+    pub retried: Vec<StatusCode>,
+}
+
+impl Default for StatusRules {
+    fn default() -> Self {
+        Self {
+            not_executed: [404, 405, 408, 409, 425, 429, 501, 503]
+                .map(|code| StatusCode::from_u16(code).unwrap_or(StatusCode::NOT_FOUND))
+                .to_vec(),
+            retried: vec![StatusCode::BAD_GATEWAY, StatusCode::GATEWAY_TIMEOUT],
+        }
+    }
+}
+
+/// What becomes of a handler's response, by its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StatusClass {
+    Stored,
+    NotExecuted,
+    Retried,
+}
+
+impl StatusRules {
+    pub(crate) fn class(&self, status: StatusCode) -> StatusClass {
+        if self.not_executed.contains(&status) {
+            StatusClass::NotExecuted
+        } else if self.retried.contains(&status) {
+            StatusClass::Retried
+        } else {
+            StatusClass::Stored
+        }
     }
 }

@@ -32,6 +32,8 @@ impl std::fmt::Display for KeyHeaderError {
     }
 }
 
+impl std::error::Error for KeyHeaderError {}
+
 /// Reads the key from a request's headers.
 pub fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Key, KeyHeaderError> {
     let mut values = headers.get_all("idempotency-key").iter();
@@ -45,6 +47,14 @@ pub fn idempotency_key(headers: &axum::http::HeaderMap) -> Result<Key, KeyHeader
         .trim_matches(|character| character == ' ' || character == '\t');
     let key = if text.starts_with('"') {
         parse_sf_string(text)?
+    } else if text.contains(',') {
+        // Two header lines merged by a proxy ("a, b"): which one is the key?
+        return Err(KeyHeaderError::Repeated);
+    } else if text.contains(';') {
+        // A structured-field item with parameters whose key is not a string: not a key.
+        return Err(KeyHeaderError::Malformed(
+            "a bare key may not hold ';' (send the key as a quoted string)".into(),
+        ));
     } else {
         text.to_owned()
     };
@@ -112,6 +122,17 @@ mod tests {
     fn rejects_missing_repeated_and_malformed_keys() {
         assert_eq!(parse(&[]), Err(KeyHeaderError::Missing));
         assert_eq!(parse(&["a", "b"]), Err(KeyHeaderError::Repeated));
+        assert_eq!(parse(&["a, b"]), Err(KeyHeaderError::Repeated));
+        assert_eq!(
+            parse(&[r#""a", "b""#]),
+            Err(KeyHeaderError::Malformed(
+                "something follows the closing quote".into()
+            ))
+        );
+        assert!(matches!(
+            parse(&["k;a=1"]),
+            Err(KeyHeaderError::Malformed(_))
+        ));
         for bad in [
             r#""unterminated"#,
             r#""a"b"#,

@@ -1,9 +1,9 @@
 //! The plain-handler layer: any handler behind it gets idempotency. The key is claimed (and the
-//! claim committed) before the handler runs; its response, whatever it is, is stored; retries get
-//! it back. The handler is one foreign phase: it runs outside the key's transaction, so a crash
-//! while it runs means a retry after the lease runs it again (at least once), exactly as a
-//! foreign call would be repeated. Work that must be exactly once belongs in a workflow's local
-//! phases.
+//! claim committed) before the handler runs; its response is stored, or not, by its status
+//! ([`StatusRules`]); retries get the stored one back. The handler is one foreign phase: it runs
+//! outside the key's transaction, so a crash while it runs means a client retry after the lease
+//! runs it again (at least once), exactly as a foreign call would be repeated. Work that must be
+//! exactly once belongs in a workflow's local phases.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -13,51 +13,33 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, Request};
+use axum::extract::{MatchedPath, OriginalUri};
+use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use idemflow_core::{DerivedKey, Fingerprint, StoredResponse, canonicalize};
-use idemflow_runner::{
-    ForeignPhase, PhaseContext, PhaseError, Rejection, RetryPolicy, Runner, Workflow,
-};
-use serde::{Deserialize, Serialize};
+use idemflow_runner::{BuildError, Outcome, Rejection, Runner, Workflow};
 use tower::{Layer, Service, ServiceExt};
 
-use crate::config::HttpConfig;
+use crate::config::{HttpConfig, Redaction, StatusRules};
+use crate::handler::{Handler, HandlerSettings, LIVE, Live};
 use crate::prepare::{Refusal, prepare, target};
-use crate::problem::respond;
+use crate::problem::{Problem, respond, seconds};
+use crate::recorded::RecordedRequest;
+use crate::request_fingerprint::fingerprint;
 use crate::tenant::TenantResolver;
-
-/// Headers never stored with a request: credentials stay out of the database. On the live
-/// attempt the handler gets them from the request itself.
-const UNRECORDED_HEADERS: [&str; 4] = [
-    "authorization",
-    "cookie",
-    "proxy-authorization",
-    "idempotency-key",
-];
-
-/// Response headers not stored: they describe one transfer, not the response.
-const TRANSFER_HEADERS: [&str; 5] = [
-    "connection",
-    "content-length",
-    "date",
-    "transfer-encoding",
-    "keep-alive",
-];
-
-tokio::task_local! {
-    /// The live request's credentials, visible to the handler phase of this very attempt.
-    static LIVE_HEADERS: HeaderMap;
-}
 
 /// Gives idempotency to the handlers it wraps. `name` is the workflow name its keys are stored
 /// under (version it, like a workflow: `orders-api.v1`).
+///
+/// Mount it with `route_layer` (only matched routes pass through it); with `layer` it also
+/// wraps the router's fallback, which it then lets through untouched (see docs/http.md).
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     runner: Runner,
     name: String,
     resolver: Arc<dyn TenantResolver>,
     config: Arc<HttpConfig>,
+    settings: HandlerSettings,
+    lease: Duration,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -69,23 +51,153 @@ impl std::fmt::Debug for IdempotencyLayer {
     }
 }
 
-impl IdempotencyLayer {
-    pub fn new(runner: Runner, name: impl Into<String>, resolver: impl TenantResolver) -> Self {
-        Self::with_config(runner, name, resolver, HttpConfig::default())
-    }
+/// Why a layer's settings were refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LayerError {
+    /// The workflow the layer runs its handler as cannot be built from them (an invalid name,
+    /// a handler timeout not shorter than the lease).
+    #[error(transparent)]
+    Workflow(#[from] BuildError),
+    #[error("max_response_bytes must be above zero")]
+    NoResponseRoom,
+}
 
-    pub fn with_config(
+/// Builds an [`IdempotencyLayer`]; its settings are checked by [`IdempotencyLayerBuilder::build`].
+#[derive(Debug)]
+pub struct IdempotencyLayerBuilder {
+    layer: IdempotencyLayer,
+    redaction: Redaction,
+    statuses: StatusRules,
+}
+
+impl IdempotencyLayer {
+    /// A layer with the default settings: POST and PATCH covered, 1 MiB bodies, 4 MiB
+    /// responses, a 30 s handler timeout under a 60 s lease.
+    pub fn new(
         runner: Runner,
         name: impl Into<String>,
         resolver: impl TenantResolver,
-        config: HttpConfig,
-    ) -> Self {
-        Self {
-            runner,
-            name: name.into(),
-            resolver: Arc::new(resolver),
-            config: Arc::new(config),
+    ) -> Result<Self, LayerError> {
+        Self::builder(runner, name, resolver).build()
+    }
+
+    pub fn builder(
+        runner: Runner,
+        name: impl Into<String>,
+        resolver: impl TenantResolver,
+    ) -> IdempotencyLayerBuilder {
+        IdempotencyLayerBuilder {
+            layer: Self {
+                runner,
+                name: name.into(),
+                resolver: Arc::new(resolver),
+                config: Arc::new(HttpConfig::default()),
+                settings: HandlerSettings {
+                    timeout: Duration::from_secs(30),
+                    max_response_bytes: 4 * 1024 * 1024,
+                    redaction: Arc::new(Redaction::default()),
+                    statuses: Arc::new(StatusRules::default()),
+                },
+                lease: Duration::from_secs(60),
+            },
+            redaction: Redaction::default(),
+            statuses: StatusRules::default(),
         }
+    }
+
+    fn workflow<S>(&self, inner: S) -> Result<Workflow, BuildError>
+    where
+        S: Service<Request<Body>, Response = Response, Error = Infallible>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        let handler = Handler {
+            inner,
+            settings: self.settings.clone(),
+        };
+        Workflow::builder::<RecordedRequest>(self.name.clone())
+            .foreign(handler)
+            .lease(self.lease)
+            .live_only()
+            .build()
+    }
+}
+
+impl IdempotencyLayerBuilder {
+    /// What a covered request must be (methods, body size, whether the key is required).
+    pub fn http(mut self, config: HttpConfig) -> Self {
+        self.layer.config = Arc::new(config);
+        self
+    }
+
+    /// How long the handler may take before its attempt counts as failed. Shorter than the lease.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.layer.settings.timeout = timeout;
+        self
+    }
+
+    /// How long a claim holds the key against duplicates while the handler runs.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.layer.lease = lease;
+        self
+    }
+
+    /// The largest response stored; a larger one ends the request with a stored 500 problem
+    /// (`response_too_large`), since the handler ran and its answer cannot be replayed.
+    pub fn max_response_bytes(mut self, limit: usize) -> Self {
+        self.layer.settings.max_response_bytes = limit;
+        self
+    }
+
+    /// What of requests and responses is never stored.
+    pub fn redaction(mut self, redaction: Redaction) -> Self {
+        self.redaction = redaction;
+        self
+    }
+
+    /// Which handler statuses are stored, and which mean "send it again".
+    pub fn statuses(mut self, statuses: StatusRules) -> Self {
+        self.statuses = statuses;
+        self
+    }
+
+    /// Checks the settings: the name is a valid workflow name, the handler timeout is shorter
+    /// than the lease, the response limit is not zero.
+    pub fn build(self) -> Result<IdempotencyLayer, LayerError> {
+        let Self {
+            mut layer,
+            redaction,
+            statuses,
+        } = self;
+        layer.settings.redaction = Arc::new(redaction);
+        layer.settings.statuses = Arc::new(statuses);
+        if layer.settings.max_response_bytes == 0 {
+            return Err(LayerError::NoResponseRoom);
+        }
+        layer.workflow(Unreachable)?;
+        Ok(layer)
+    }
+}
+
+/// Stands in for the wrapped handler when the settings are checked, before there is one.
+#[derive(Debug, Clone, Copy)]
+struct Unreachable;
+
+impl Service<Request<Body>> for Unreachable {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<Body>) -> Self::Future {
+        std::future::ready(Ok(StatusCode::INTERNAL_SERVER_ERROR.into_response()))
     }
 }
 
@@ -101,23 +213,17 @@ where
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let handler = Handler {
-            inner: inner.clone(),
-            timeout: self.config.handler_timeout,
-        };
-        let workflow = Workflow::builder::<RecordedRequest>(self.name.clone())
-            .foreign(handler)
-            .lease(self.config.lease)
-            .build()
-            .unwrap_or_else(|error| {
-                panic!("the idempotency layer's configuration is invalid: {error}")
-            });
+        let workflow = self.workflow(inner.clone()).unwrap_or_else(|error| {
+            // The same settings built with a stand-in handler in `build`.
+            unreachable!("the layer's settings were checked when it was built: {error}")
+        });
         IdempotencyService {
             inner,
             runner: self.runner.clone(),
             workflow: Arc::new(workflow),
             resolver: self.resolver.clone(),
             config: self.config.clone(),
+            redaction: self.settings.redaction.clone(),
         }
     }
 }
@@ -130,6 +236,7 @@ pub struct IdempotencyService<S> {
     workflow: Arc<Workflow>,
     resolver: Arc<dyn TenantResolver>,
     config: Arc<HttpConfig>,
+    redaction: Arc<Redaction>,
 }
 
 impl<S> std::fmt::Debug for IdempotencyService<S> {
@@ -174,195 +281,97 @@ where
     S::Future: Send + 'static,
 {
     async fn handle(self, request: Request<Body>) -> Response {
-        if !self.config.covers(request.method()) {
-            return self
-                .inner
-                .oneshot(request)
-                .await
-                .unwrap_or_else(|never| match never {});
+        if !self.config.covers(request.method()) || routed_to_fallback(&request) {
+            return self.pass_through(request).await;
         }
         let prepared = match prepare(request, &self.config, self.resolver.as_ref(), false).await {
             Ok(prepared) => prepared,
             Err(Refusal::Answer(problem)) => return problem.into_response(),
-            Err(Refusal::PassThrough(request)) => {
-                return self
-                    .inner
-                    .oneshot(request)
-                    .await
-                    .unwrap_or_else(|never| match never {});
+            Err(Refusal::PassThrough(request)) => return self.pass_through(request).await,
+        };
+        let parts = &prepared.parts;
+        let target = target(parts);
+        let fingerprint = match fingerprint(parts.method.as_str(), &target, parts, &prepared.body) {
+            Ok(fingerprint) => fingerprint,
+            Err(error) => {
+                return respond(Ok(Outcome::Rejected(Rejection::InvalidBody(error))));
             }
         };
-        let method = prepared.parts.method.as_str();
-        let path = target(&prepared.parts);
-        let fingerprint = if prepared.json {
-            match canonicalize(&prepared.body) {
-                Ok(canonical) => Fingerprint::of_canonical_json(method, path, &canonical),
-                Err(error) => {
-                    return respond(Ok(idemflow_runner::Outcome::Rejected(
-                        Rejection::InvalidBody(error),
-                    )));
-                }
-            }
-        } else {
-            let content_type = prepared
-                .parts
-                .headers
-                .get(axum::http::header::CONTENT_TYPE)
-                .and_then(|value| value.to_str().ok())
-                .unwrap_or("");
-            Fingerprint::of_raw(method, path, content_type, &prepared.body)
-        };
-        let recorded = RecordedRequest::new(&prepared.parts, &prepared.body);
+        let recorded = RecordedRequest::new(parts, &target, &prepared.body, &self.redaction);
         let request_value = match serde_json::to_value(&recorded) {
             Ok(value) => value,
             Err(error) => {
-                return respond(Ok(idemflow_runner::Outcome::Rejected(
-                    Rejection::InvalidInput(error.to_string()),
-                )));
+                return respond(Ok(Outcome::Rejected(Rejection::InvalidInput(
+                    error.to_string(),
+                ))));
             }
         };
-        let live = live_credentials(&prepared.parts.headers);
-        let run = self.runner.run_fingerprinted(
-            &self.workflow,
-            &prepared.tenant,
-            prepared.key.as_str(),
-            fingerprint,
-            request_value,
-        );
-        respond(LIVE_HEADERS.scope(live, run).await)
-    }
-}
-
-fn live_credentials(headers: &HeaderMap) -> HeaderMap {
-    let mut live = HeaderMap::new();
-    for name in UNRECORDED_HEADERS {
-        for value in headers.get_all(name) {
-            live.append(HeaderName::from_static(name), value.clone());
-        }
-    }
-    live
-}
-
-/// A request as stored with its key: what the handler phase rebuilds it from.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RecordedRequest {
-    method: String,
-    uri: String,
-    headers: Vec<(String, String)>,
-    body: RecordedBody,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-enum RecordedBody {
-    Text(String),
-    Bytes(Vec<u8>),
-}
-
-impl RecordedRequest {
-    fn new(parts: &axum::http::request::Parts, body: &[u8]) -> Self {
-        let headers = parts
-            .headers
-            .iter()
-            .filter(|(name, _)| !UNRECORDED_HEADERS.contains(&name.as_str()))
-            .filter_map(|(name, value)| {
-                Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
-            })
-            .collect();
-        let body = match std::str::from_utf8(body) {
-            Ok(text) => RecordedBody::Text(text.to_owned()),
-            Err(_) => RecordedBody::Bytes(body.to_vec()),
-        };
-        Self {
-            method: parts.method.to_string(),
-            uri: parts.uri.to_string(),
-            headers,
-            body,
-        }
-    }
-
-    fn rebuild(self) -> Result<Request<Body>, PhaseError> {
-        let mut builder = Request::builder()
-            .method(self.method.as_str())
-            .uri(self.uri.as_str());
-        for (name, value) in &self.headers {
-            builder = builder.header(name.as_str(), value.as_str());
-        }
-        let body = match self.body {
-            RecordedBody::Text(text) => Body::from(text),
-            RecordedBody::Bytes(bytes) => Body::from(bytes),
-        };
-        let mut request = builder
-            .body(body)
-            .map_err(|error| PhaseError::terminal(format!("stored request: {error}")))?;
-        // The live attempt's credentials; a resumed attempt has none.
-        let _ = LIVE_HEADERS.try_with(|live| {
-            for (name, value) in live {
-                request.headers_mut().append(name.clone(), value.clone());
-            }
+        drop(recorded);
+        let live = Live::new(prepared.parts, prepared.body);
+        let Self {
+            runner, workflow, ..
+        } = self;
+        let (tenant, key) = (prepared.tenant, prepared.key);
+        let run = LIVE.scope(live.clone(), async move {
+            runner
+                .run_fingerprinted(&workflow, &tenant, key.as_str(), fingerprint, request_value)
+                .await
         });
-        Ok(request)
-    }
-}
-
-/// The wrapped handler, as a foreign phase.
-struct Handler<S> {
-    inner: S,
-    timeout: Duration,
-}
-
-#[async_trait::async_trait]
-impl<S> ForeignPhase for Handler<S>
-where
-    S: Service<Request<Body>, Response = Response, Error = Infallible>
-        + Clone
-        + Send
-        + Sync
-        + 'static,
-    S::Future: Send + 'static,
-{
-    const NAME: &'static str = "handler";
-    type Input = RecordedRequest;
-    type Output = StoredResponse;
-
-    fn timeout(&self) -> Duration {
-        self.timeout
+        // Once claimed, the handler runs to its end whatever the client does: hyper drops this
+        // future when the client goes away, and a handler stopped halfway (after a charge,
+        // before its insert) would be run again from the start after the lease.
+        match tokio::spawn(run).await {
+            Ok(result) => answer(result, &live),
+            Err(error) => {
+                // Phases' panics are caught by the runner; this is the runner's own.
+                tracing::error!(%error, "the request's task failed");
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "the request failed on an internal error; retry with the same idempotency key",
+                )
+                .into_response()
+            }
+        }
     }
 
-    fn retry_policy(&self) -> RetryPolicy {
-        RetryPolicy::default()
-    }
-
-    async fn call(
-        &self,
-        recorded: RecordedRequest,
-        _: &DerivedKey,
-        _: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        let request = recorded.rebuild()?;
-        let response = self
-            .inner
-            .clone()
+    async fn pass_through(self, request: Request<Body>) -> Response {
+        self.inner
             .oneshot(request)
             .await
-            .unwrap_or_else(|never| match never {});
-        let (parts, body) = response.into_parts();
-        let body = axum::body::to_bytes(body, usize::MAX)
-            .await
-            .map_err(|error| {
-                PhaseError::retryable(format!("reading the handler's response: {error}"))
-            })?;
-        let headers = parts
-            .headers
-            .iter()
-            .filter(|(name, _)| !TRANSFER_HEADERS.contains(&name.as_str()))
-            .filter_map(|(name, value)| {
-                Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
-            })
-            .collect();
-        Ok(StoredResponse {
-            status: parts.status.as_u16(),
-            headers,
-            body: body.to_vec(),
-        })
+            .unwrap_or_else(|never| match never {})
     }
+}
+
+/// The answer to the attempt: the handler's own response where this attempt ran the handler
+/// (its `Set-Cookie` and other unstored headers included), else the outcome's.
+fn answer(result: Result<Outcome, idemflow_runner::RunError>, live: &Live) -> Response {
+    let kept = live.take_answer();
+    match (&result, kept) {
+        (Ok(Outcome::Executed(stored)), Some(answer)) if answer.stored.as_ref() == Some(stored) => {
+            answer.into_response()
+        }
+        (Ok(Outcome::Released(_)), Some(answer)) if answer.stored.is_none() => {
+            answer.into_response()
+        }
+        (Ok(Outcome::Interrupted { retry_after, .. }), Some(answer)) if answer.stored.is_none() => {
+            let mut response = answer.into_response();
+            if !response.headers().contains_key(header::RETRY_AFTER) {
+                response.headers_mut().insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(seconds(*retry_after)),
+                );
+            }
+            response
+        }
+        _ => respond(result),
+    }
+}
+
+/// Under a router mounted with `.layer(…)`, a request no route matched reaches the layer on
+/// its way to the fallback: axum has set `OriginalUri` but no `MatchedPath`. Such a request is
+/// a routing refusal (404), not a request to make idempotent; a key sent with it is not spent.
+fn routed_to_fallback(request: &Request<Body>) -> bool {
+    let extensions = request.extensions();
+    extensions.get::<OriginalUri>().is_some() && extensions.get::<MatchedPath>().is_none()
 }

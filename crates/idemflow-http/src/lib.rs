@@ -11,17 +11,25 @@
 //! `Idempotent-Replayed: true`; body too large → 413; a JSON route given another content type →
 //! 415. Nothing is stored for a request refused before execution. See docs/http.md.
 
+mod body;
 mod config;
+mod extract;
+mod handler;
 mod key_header;
 mod layer;
+mod multipart;
 mod prepare;
 mod problem;
+mod recorded;
+mod request_fingerprint;
 mod route;
 mod tenant;
 
-pub use config::HttpConfig;
+pub use config::{HttpConfig, Redaction, StatusRules};
+pub use extract::IdempotencyKey;
 pub use key_header::{KeyHeaderError, idempotency_key};
-pub use layer::{IdempotencyLayer, IdempotencyService, RecordedRequest};
-pub use problem::{Problem, REPLAYED_HEADER, respond, stored_response};
+pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyService, LayerError};
+pub use problem::{Problem, REPLAYED_HEADER, RunResponse, respond, stored_response};
+pub use recorded::RecordedRequest;
 pub use route::WorkflowService;
 pub use tenant::{BearerTenant, TenantResolver};

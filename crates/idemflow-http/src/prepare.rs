@@ -2,13 +2,17 @@
 //! and type. A request refused here stores nothing.
 
 use axum::body::{Body, Bytes};
+use axum::extract::OriginalUri;
 use axum::http::request::Parts;
 use axum::http::{Request, StatusCode, header};
 use idemflow_core::{Key, TenantId};
 
+use crate::body::{BodyError, read_limited};
 use crate::config::HttpConfig;
+use crate::extract::key_problem;
 use crate::key_header::{KeyHeaderError, idempotency_key};
 use crate::problem::Problem;
+use crate::request_fingerprint;
 use crate::tenant::TenantResolver;
 
 /// A covered request that passed the checks.
@@ -17,7 +21,6 @@ pub(crate) struct Prepared {
     pub key: Key,
     pub tenant: TenantId,
     pub body: Bytes,
-    pub json: bool,
 }
 
 /// What to do with a request the checks did not pass.
@@ -39,23 +42,11 @@ pub(crate) async fn prepare(
         Err(KeyHeaderError::Missing) if !config.require_key => {
             return Err(Refusal::PassThrough(request));
         }
-        Err(error) => {
-            let code = if error == KeyHeaderError::Missing {
-                "idempotency_key_missing"
-            } else {
-                "idempotency_key_invalid"
-            };
-            return Err(Refusal::Answer(Problem::new(
-                StatusCode::BAD_REQUEST,
-                code,
-                error.to_string(),
-            )));
-        }
+        Err(error) => return Err(Refusal::Answer(key_problem(&error))),
     };
     let (parts, body) = request.into_parts();
     let tenant = resolver.resolve(&parts).map_err(Refusal::Answer)?;
-    let json = is_json(&parts);
-    if json_only && !json {
+    if json_only && !is_json(&parts) {
         return Err(Refusal::Answer(Problem::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported_media_type",
@@ -77,41 +68,42 @@ pub(crate) async fn prepare(
     if declared.is_some_and(|length| length > config.max_body_bytes) {
         return Err(too_large());
     }
-    let body = axum::body::to_bytes(body, config.max_body_bytes)
-        .await
-        .map_err(|_| too_large())?;
+    let body = match read_limited(body, config.max_body_bytes).await {
+        Ok(body) => body,
+        Err(BodyError::TooLarge) => return Err(too_large()),
+        Err(BodyError::Unreadable(error)) => {
+            return Err(Refusal::Answer(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "body_unreadable",
+                format!("the body could not be read: {error}"),
+            )));
+        }
+    };
     Ok(Prepared {
         parts,
         key,
         tenant,
         body,
-        json,
     })
 }
 
-/// `application/json` or any `+json` type.
 fn is_json(parts: &Parts) -> bool {
-    let Some(content_type) = parts
+    let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
-    else {
-        return false;
-    };
-    let essence = content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
+        .unwrap_or("");
+    request_fingerprint::is_json(&request_fingerprint::media_type(content_type))
 }
 
-/// The request target as fingerprinted: path and query.
-pub(crate) fn target(parts: &Parts) -> &str {
-    parts
-        .uri
-        .path_and_query()
-        .map_or("/", |target| target.as_str())
+/// The request target as fingerprinted: path and query as the client sent them. A router
+/// nested under `/accounts/{acct}` strips the prefix from the URI its routes see (axum keeps
+/// the original in `OriginalUri`), and two accounts' requests must not fingerprint alike.
+pub(crate) fn target(parts: &Parts) -> String {
+    let uri = parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0);
+    uri.path_and_query()
+        .map_or_else(|| "/".to_owned(), |target| target.as_str().to_owned())
 }

@@ -38,15 +38,34 @@ impl Problem {
     }
 }
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let body = serde_json::json!({
+impl Problem {
+    fn document(&self) -> serde_json::Value {
+        serde_json::json!({
             "type": "about:blank",
             "title": self.status.canonical_reason().unwrap_or("Error"),
             "status": self.status.as_u16(),
             "detail": self.detail,
             "code": self.code,
-        });
+        })
+    }
+}
+
+/// A problem as the layer stores it (a handler whose response cannot be stored, say): the same
+/// document it answers, `code` included.
+pub(crate) fn stored_problem(
+    status: StatusCode,
+    code: &'static str,
+    detail: impl Into<String>,
+) -> StoredResponse {
+    StoredResponse::problem(
+        status.as_u16(),
+        &Problem::new(status, code, detail).document(),
+    )
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = self.document();
         let mut response = (self.status, body.to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(
@@ -62,9 +81,20 @@ impl IntoResponse for Problem {
 
 /// Whole seconds for `Retry-After`, rounded up and at least 1: a client told 0 would retry at
 /// once and be told the same.
-fn seconds(wait: Duration) -> u64 {
+pub(crate) fn seconds(wait: Duration) -> u64 {
     let whole = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
     whole.max(1)
+}
+
+/// What [`Runner::run`](idemflow_runner::Runner::run) returned, as an axum response: a handler
+/// that runs a workflow itself returns `RunResponse(runner.run(…).await)`.
+#[derive(Debug)]
+pub struct RunResponse(pub Result<Outcome, RunError>);
+
+impl IntoResponse for RunResponse {
+    fn into_response(self) -> Response {
+        respond(self.0)
+    }
 }
 
 /// The response for what the runner made of a request.

@@ -41,7 +41,7 @@ impl WorkflowService {
         workflow: impl Into<Arc<Workflow>>,
         resolver: impl TenantResolver,
     ) -> Self {
-        Self::with_config(runner, workflow, resolver, HttpConfig::default())
+        Self::with_config(runner, workflow, resolver, HttpConfig::for_workflow())
     }
 
     pub fn with_config(
@@ -90,20 +90,34 @@ impl WorkflowService {
                 .into_response();
             }
         };
-        let run_request = RunRequest {
-            method: prepared.parts.method.as_str(),
-            path: target(&prepared.parts),
-            body: &prepared.body,
+        let target = target(&prepared.parts);
+        let Self {
+            runner, workflow, ..
+        } = self;
+        // Once claimed, the run goes on to its end whatever the client does (hyper drops this
+        // future when the client goes away): a run stopped halfway waits out its lease.
+        let run = tokio::spawn(async move {
+            let request = RunRequest {
+                method: prepared.parts.method.as_str(),
+                path: &target,
+                body: &prepared.body,
+            };
+            runner
+                .run(&workflow, &prepared.tenant, prepared.key.as_str(), request)
+                .await
+        });
+        let result = match run.await {
+            Ok(result) => result,
+            Err(error) => {
+                tracing::error!(%error, "the request's task failed");
+                return Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "the request failed on an internal error; retry with the same idempotency key",
+                )
+                .into_response();
+            }
         };
-        let result = self
-            .runner
-            .run(
-                &self.workflow,
-                &prepared.tenant,
-                prepared.key.as_str(),
-                run_request,
-            )
-            .await;
         respond(result)
     }
 }

@@ -389,8 +389,10 @@ fn plain_router(pool: &PgPool, calls: &Arc<AtomicUsize>, config: HttpConfig) -> 
         }
     })
     .get(|| async { "listing" });
-    let layer =
-        IdempotencyLayer::with_config(Runner::new(pool.clone()), "notes.v1", BearerTenant, config);
+    let layer = IdempotencyLayer::builder(Runner::new(pool.clone()), "notes.v1", BearerTenant)
+        .http(config)
+        .build()
+        .unwrap();
     Router::new().route("/v1/notes", handler).layer(layer)
 }
 

@@ -12,7 +12,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use idemflow_core::{DerivedKey, Fingerprint, StoredResponse};
+use idemflow_core::{DerivedKey, Fingerprint, RecoveryPoint, StoredResponse};
 use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner, StoreError};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -559,7 +559,7 @@ impl Drive<'_> {
         let Failure {
             phase,
             retry_policy,
-            error,
+            mut error,
             panicked,
             spent,
         } = failure;
@@ -571,13 +571,28 @@ impl Drive<'_> {
             tracing::warn!(%rollback, "rolling back the failed attempt failed");
         }
 
+        if let PhaseErrorKind::NotExecuted { response } = &error.kind {
+            // Nothing of the key's request has run if no phase completed: the key goes, and
+            // the same key may come again as a new request. Otherwise its effects must not run
+            // twice: an ordinary retryable failure.
+            if self.recorded_point == RecoveryPoint::START && self.pending_foreign.is_none() {
+                let response = response.clone();
+                if !self.delete_held().await? {
+                    return Ok(in_progress());
+                }
+                metrics::count_phase(metrics::NOT_EXECUTED, workflow.name(), phase);
+                return Ok(Outcome::Released(response));
+            }
+            error.kind = PhaseErrorKind::Retryable { retry_after: None };
+        }
+
         let terminal_response = match &error.kind {
             PhaseErrorKind::Terminal { response } => Some(
                 response
                     .clone()
-                    .unwrap_or_else(|| problem(500, &error.message)),
+                    .unwrap_or_else(|| problem(500, "request_failed", &error.message)),
             ),
-            PhaseErrorKind::Retryable { .. } => None,
+            PhaseErrorKind::Retryable { .. } | PhaseErrorKind::NotExecuted { .. } => None,
         };
         // A give-up for a spent budget carries the last recorded error, already named.
         let message = if spent {
@@ -589,13 +604,8 @@ impl Drive<'_> {
         if let (Some(response), TerminalPolicy::Release) =
             (&terminal_response, self.runner.config.terminal_errors)
         {
-            // An uncommitted claim rolled back with the attempt: nothing to delete.
-            if !matches!(self.hold, Hold::Claim(_)) {
-                let Some((mut tx, owner, _)) = self.take_again().await? else {
-                    return Ok(in_progress());
-                };
-                let deleted = store::delete_owned(&mut tx, &owner).await;
-                fenced(deleted, tx).await?.commit().await?;
+            if !self.delete_held().await? {
+                return Ok(in_progress());
             }
             return Ok(Outcome::Released(response.clone()));
         }
@@ -655,7 +665,11 @@ impl Drive<'_> {
                         // The failure path's effects broke the commit (a deferred constraint):
                         // store a plain problem without them, so the key still ends.
                         tracing::error!(%error, "the give-up did not commit; storing a generic response");
-                        let response = problem(500, &give_up_detail(attempts, &message));
+                        let response = problem(
+                            500,
+                            "retries_exhausted",
+                            &give_up_detail(attempts, &message),
+                        );
                         self.store_give_up(&recovery_point, recovery_output, &response)
                             .await?;
                         metrics::count(metrics::FINISHED, workflow.name());
@@ -670,6 +684,21 @@ impl Drive<'_> {
         fenced(finished, tx).await?.commit().await?;
         metrics::count(metrics::FINISHED, workflow.name());
         Ok(outcome)
+    }
+
+    /// Deletes the key this owner holds, fenced, after its attempt rolled back. An
+    /// uncommitted claim rolled back with the attempt: there is nothing to delete. False when
+    /// another owner holds the key by now: it is theirs to finish.
+    async fn delete_held(&self) -> Result<bool, RunError> {
+        if matches!(self.hold, Hold::Claim(_)) {
+            return Ok(true);
+        }
+        let Some((mut tx, owner, _)) = self.take_again().await? else {
+            return Ok(false);
+        };
+        let deleted = store::delete_owned(&mut tx, &owner).await;
+        fenced(deleted, tx).await?.commit().await?;
+        Ok(true)
     }
 
     /// Stores a give-up's response alone (no failure path), in a transaction of its own.
@@ -757,7 +786,7 @@ impl Drive<'_> {
     async fn failure_path(&self, tx: &mut Tx, give_up: GiveUp) -> Result<StoredResponse, RunError> {
         let detail = give_up_detail(give_up.attempts, &give_up.error);
         let Some(failure) = &self.workflow.failure else {
-            return Ok(problem(500, &detail));
+            return Ok(problem(500, "retries_exhausted", &detail));
         };
         let limit = self.workflow.default_local_timeout();
         let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
@@ -781,7 +810,7 @@ impl Drive<'_> {
                 // it is not, and the whole record fails (the key stays due and is retried).
                 savepoint.rollback().await?;
                 tracing::error!(error = %why, "the failure path failed; storing a generic response");
-                Ok(problem(500, &detail))
+                Ok(problem(500, "retries_exhausted", &detail))
             }
         }
     }
@@ -919,7 +948,9 @@ fn give_up_detail(attempts: u32, error: &str) -> String {
 }
 
 /// An RFC 9457 problem response.
-fn problem(status: u16, detail: &str) -> StoredResponse {
+/// A problem the engine stores itself; `code` names it in a word, as every problem the HTTP
+/// layer answers does.
+fn problem(status: u16, code: &str, detail: &str) -> StoredResponse {
     let title = if status == 500 {
         "Internal Server Error"
     } else {
@@ -927,6 +958,8 @@ fn problem(status: u16, detail: &str) -> StoredResponse {
     };
     StoredResponse::problem(
         status,
-        &serde_json::json!({"type": "about:blank", "title": title, "status": status, "detail": detail}),
+        &serde_json::json!({
+            "type": "about:blank", "title": title, "status": status, "detail": detail, "code": code,
+        }),
     )
 }

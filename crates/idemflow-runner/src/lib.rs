@@ -24,7 +24,7 @@ pub use phase::{
     Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseErrorKind,
     PhaseValue,
 };
-pub use registry::{DuplicateWorkflow, Registry};
+pub use registry::{RegisterError, Registry};
 pub use resumer::{DrainReport, Resumer, ResumerConfig, shutdown_signal};
 pub use retention::{Retention, expire, expire_paced};
 pub use retry::RetryPolicy;

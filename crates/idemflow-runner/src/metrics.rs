@@ -35,3 +35,4 @@ pub(crate) const FENCED: &str = "idemflow_fenced_total";
 pub(crate) const RETRIES: &str = "idemflow_retries_total";
 pub(crate) const GIVE_UPS: &str = "idemflow_give_ups_total";
 pub(crate) const FINISHED: &str = "idemflow_finished_total";
+pub(crate) const NOT_EXECUTED: &str = "idemflow_not_executed_total";

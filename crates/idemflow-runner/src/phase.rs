@@ -135,6 +135,12 @@ pub enum PhaseErrorKind {
     /// Give up: the request ends here. Its response (the given one, or a 500 problem) is stored
     /// and replayed, unless the runner's policy releases the key instead.
     Terminal { response: Option<StoredResponse> },
+    /// The phase did nothing, and says so: the request was not executed (a routing refusal, a
+    /// rate limit, an overloaded dependency that refused it). When no phase of the key has
+    /// completed yet, the key is deleted and `response` answered, not stored: the client may
+    /// send the same key again, as a new request. After a completed phase the key has effects
+    /// that must not run twice, so it is a retryable failure instead.
+    NotExecuted { response: StoredResponse },
 }
 
 /// A phase's failure. Retryable unless made terminal explicitly.
@@ -176,6 +182,14 @@ impl PhaseError {
             kind: PhaseErrorKind::Terminal {
                 response: Some(response),
             },
+            message: message.into(),
+        }
+    }
+
+    /// The phase did nothing: see [`PhaseErrorKind::NotExecuted`].
+    pub fn not_executed(response: StoredResponse, message: impl Into<String>) -> Self {
+        Self {
+            kind: PhaseErrorKind::NotExecuted { response },
             message: message.into(),
         }
     }

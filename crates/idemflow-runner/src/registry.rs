@@ -11,10 +11,21 @@ pub struct Registry {
     workflows: BTreeMap<String, Arc<Workflow>>,
 }
 
-/// A second workflow under a name already registered.
+/// Why a workflow cannot be registered.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("workflow {0:?} is already registered")]
-pub struct DuplicateWorkflow(pub String);
+#[non_exhaustive]
+pub enum RegisterError {
+    /// A second workflow under a name already registered.
+    #[error("workflow {0:?} is already registered")]
+    Duplicate(String),
+    /// The workflow runs only with the live request that claimed its key (the plain-handler
+    /// layer's: its handler needs the request's extensions and credentials, which are never
+    /// stored). A resumer would run it without them; its keys are finished by client retries.
+    #[error(
+        "workflow {0:?} runs only with its live request and cannot be resumed in the background"
+    )]
+    LiveOnly(String),
+}
 
 impl Registry {
     pub fn new() -> Self {
@@ -24,11 +35,14 @@ impl Registry {
     pub fn register(
         &mut self,
         workflow: impl Into<Arc<Workflow>>,
-    ) -> Result<&mut Self, DuplicateWorkflow> {
+    ) -> Result<&mut Self, RegisterError> {
         let workflow = workflow.into();
         let name = workflow.name().to_owned();
+        if workflow.live_only() {
+            return Err(RegisterError::LiveOnly(name));
+        }
         if self.workflows.contains_key(&name) {
-            return Err(DuplicateWorkflow(name));
+            return Err(RegisterError::Duplicate(name));
         }
         self.workflows.insert(name, workflow);
         Ok(self)

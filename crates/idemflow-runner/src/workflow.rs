@@ -112,6 +112,7 @@ pub struct Workflow {
     decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
     pub(crate) failure: Option<Box<dyn ErasedFailure>>,
+    live_only: bool,
 }
 
 impl std::fmt::Debug for Workflow {
@@ -142,6 +143,7 @@ impl Workflow {
             decode_request: decode::<Request>,
             validate: None,
             failure: None,
+            live_only: false,
             _chain: PhantomData,
         }
     }
@@ -151,6 +153,12 @@ impl Workflow {
     }
 
     /// How long an owner holds the key between commits before another may take it over.
+    /// Whether only the live request (or a client retry) may run this workflow's keys: see
+    /// [`WorkflowBuilder::live_only`].
+    pub fn live_only(&self) -> bool {
+        self.live_only
+    }
+
     pub fn lease(&self) -> Duration {
         self.lease
     }
@@ -219,6 +227,7 @@ pub struct WorkflowBuilder<Request, Chain> {
     decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
     failure: Option<Box<dyn ErasedFailure>>,
+    live_only: bool,
     _chain: PhantomData<fn(Request) -> Chain>,
 }
 
@@ -296,8 +305,18 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
             decode_request: self.decode_request,
             validate: self.validate,
             failure: self.failure,
+            live_only: self.live_only,
             _chain: PhantomData,
         }
+    }
+
+    /// Marks the workflow as runnable only by the request that claimed its key (or a client
+    /// retry of it), never by a resumer: its phases need what the live request carries and the
+    /// key does not store. [`crate::Registry::register`] refuses such a workflow. Its keys are
+    /// finished by client retries after the lease.
+    pub fn live_only(mut self) -> Self {
+        self.live_only = true;
+        self
     }
 }
 
@@ -355,6 +374,7 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
             decode_request: self.decode_request,
             validate: self.validate,
             failure: self.failure,
+            live_only: self.live_only,
         })
     }
 }

@@ -1,0 +1,99 @@
+//! Reading a body whole, within a limit, telling "too large" from "could not be read".
+
+use axum::body::{Body, Bytes};
+use http_body_util::BodyExt;
+
+/// Why a body was not read.
+#[derive(Debug)]
+pub(crate) enum BodyError {
+    /// More than the limit: the reading stopped there.
+    TooLarge,
+    /// The stream failed (the client went away, a malformed chunked encoding, a handler's
+    /// stream broke).
+    Unreadable(axum::Error),
+}
+
+/// Reads `body` up to `limit` bytes, with one allocation when the size is known up front.
+pub(crate) async fn read_limited(mut body: Body, limit: usize) -> Result<Bytes, BodyError> {
+    let hint = http_body::Body::size_hint(&body);
+    if hint.lower() > limit as u64 {
+        return Err(BodyError::TooLarge);
+    }
+    let capacity = hint.exact().map_or(0, |exact| exact as usize);
+    let mut collected: Option<Vec<u8>> = None;
+    let mut first: Option<Bytes> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(BodyError::Unreadable)?;
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers: not part of what is stored
+        };
+        let read = collected.as_ref().map_or(0, Vec::len) + first.as_ref().map_or(0, Bytes::len);
+        if read + data.len() > limit {
+            return Err(BodyError::TooLarge);
+        }
+        // A body of one frame (the usual case for a buffered response) is kept as it is.
+        match (&mut collected, first.take()) {
+            (None, None) => first = Some(data),
+            (None, Some(earlier)) => {
+                let mut buffer = Vec::with_capacity(capacity.max(earlier.len() + data.len()));
+                buffer.extend_from_slice(&earlier);
+                buffer.extend_from_slice(&data);
+                collected = Some(buffer);
+            }
+            (Some(buffer), _) => buffer.extend_from_slice(&data),
+        }
+    }
+    Ok(match (collected, first) {
+        (Some(buffer), _) => Bytes::from(buffer),
+        (None, Some(only)) => only,
+        (None, None) => Bytes::new(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn reads_within_the_limit_and_refuses_beyond_it() {
+        let body = Body::from(vec![7u8; 100]);
+        assert_eq!(read_limited(body, 100).await.expect("fits").len(), 100);
+        let body = Body::from(vec![7u8; 101]);
+        assert!(matches!(
+            read_limited(body, 100).await,
+            Err(BodyError::TooLarge)
+        ));
+        let chunks = futures_stream(vec![vec![1u8; 60], vec![2u8; 60]]);
+        assert!(matches!(
+            read_limited(chunks, 100).await,
+            Err(BodyError::TooLarge)
+        ));
+        let chunks = futures_stream(vec![vec![1u8; 40], vec![2u8; 60]]);
+        let read = read_limited(chunks, 100).await.expect("fits");
+        assert_eq!(&read[..40], &[1u8; 40][..]);
+        assert_eq!(&read[40..], &[2u8; 60][..]);
+    }
+
+    fn futures_stream(chunks: Vec<Vec<u8>>) -> Body {
+        let stream = tokio_stream_iter(chunks);
+        Body::from_stream(stream)
+    }
+
+    fn tokio_stream_iter(
+        chunks: Vec<Vec<u8>>,
+    ) -> impl futures_core::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+        Chunks(chunks.into_iter().map(Bytes::from).collect())
+    }
+
+    struct Chunks(std::collections::VecDeque<Bytes>);
+
+    impl futures_core::Stream for Chunks {
+        type Item = Result<Bytes, std::io::Error>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            std::task::Poll::Ready(self.0.pop_front().map(Ok))
+        }
+    }
+}

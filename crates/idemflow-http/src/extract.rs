@@ -1,0 +1,45 @@
+//! For handlers that call the runner themselves: the key as an extractor.
+
+use axum::extract::FromRequestParts;
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use idemflow_core::Key;
+
+use crate::key_header::{KeyHeaderError, idempotency_key};
+use crate::problem::Problem;
+
+/// The request's `Idempotency-Key`, parsed (RFC 8941 string or bare). A request without a
+/// usable key is refused with a 400 problem (`idempotency_key_missing` or
+/// `idempotency_key_invalid`) before the handler runs.
+///
+/// ```no_run
+/// use axum::Json;
+/// use idemflow_http::{IdempotencyKey, RunResponse};
+/// # async fn handler(runner: idemflow_runner::Runner, workflow: std::sync::Arc<idemflow_runner::Workflow>,
+/// #     tenant: idemflow_core::TenantId, IdempotencyKey(key): IdempotencyKey, body: axum::body::Bytes) -> RunResponse {
+/// let request = idemflow_runner::Request { method: "POST", path: "/v1/checkouts", body: &body };
+/// RunResponse(runner.run(&workflow, &tenant, key.as_str(), request).await)
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(pub Key);
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Problem> {
+        idempotency_key(&parts.headers)
+            .map(IdempotencyKey)
+            .map_err(|error| key_problem(&error))
+    }
+}
+
+/// The 400 problem for a key header that cannot be used.
+pub(crate) fn key_problem(error: &KeyHeaderError) -> Problem {
+    let code = if *error == KeyHeaderError::Missing {
+        "idempotency_key_missing"
+    } else {
+        "idempotency_key_invalid"
+    };
+    Problem::new(StatusCode::BAD_REQUEST, code, error.to_string())
+}

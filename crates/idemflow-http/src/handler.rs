@@ -1,0 +1,267 @@
+//! The wrapped handler as the layer's one foreign phase, and the live request it runs with.
+//!
+//! The runner calls the phase inside the attempt that claimed (or took over) the key; the
+//! attempt's live request reaches it through a task-local, whole: headers with credentials,
+//! extensions (`Path` parameters, an auth layer's `Extension<User>`, `ConnectInfo`,
+//! `MatchedPath`), body. The phase's output is the response as stored; the response as the
+//! handler made it goes back to the live client through the same task-local.
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, Request, StatusCode, header};
+use axum::response::Response;
+use idemflow_core::{DerivedKey, StoredResponse};
+use idemflow_runner::{ForeignPhase, PhaseContext, PhaseError, RetryPolicy};
+use tower::{Service, ServiceExt};
+
+use crate::body::{BodyError, read_limited};
+use crate::config::{HOP_BY_HOP, Redaction, StatusClass, StatusRules, TRANSFER};
+use crate::recorded::RecordedRequest;
+
+tokio::task_local! {
+    /// The attempt's live request, for the handler phase of this very attempt.
+    pub(crate) static LIVE: Arc<Live>;
+}
+
+/// One attempt's live request, and the handler's answer to it.
+#[derive(Debug)]
+pub(crate) struct Live {
+    /// Taken by the handler phase: one attempt calls its handler once.
+    request: Mutex<Option<(Parts, Bytes)>>,
+    answer: Mutex<Option<Answer>>,
+}
+
+/// The handler's response as it made it, and what of it was stored.
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    /// The stored form, when the status is one that is stored.
+    pub stored: Option<StoredResponse>,
+}
+
+impl Live {
+    pub(crate) fn new(parts: Parts, body: Bytes) -> Arc<Self> {
+        Arc::new(Self {
+            request: Mutex::new(Some((parts, body))),
+            answer: Mutex::new(None),
+        })
+    }
+
+    fn take_request(&self) -> Option<(Parts, Bytes)> {
+        self.request
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    fn keep_answer(&self, answer: Answer) {
+        *self.answer.lock().unwrap_or_else(PoisonError::into_inner) = Some(answer);
+    }
+
+    pub(crate) fn take_answer(&self) -> Option<Answer> {
+        self.answer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+}
+
+impl Answer {
+    pub(crate) fn into_response(self) -> Response {
+        let mut response = Response::new(Body::from(self.body));
+        *response.status_mut() = self.status;
+        *response.headers_mut() = self.headers;
+        response
+    }
+}
+
+/// How the handler phase treats the handler's response.
+#[derive(Debug, Clone)]
+pub(crate) struct HandlerSettings {
+    pub timeout: Duration,
+    pub max_response_bytes: usize,
+    pub redaction: Arc<Redaction>,
+    pub statuses: Arc<StatusRules>,
+}
+
+/// The wrapped handler, as a foreign phase.
+pub(crate) struct Handler<S> {
+    pub inner: S,
+    pub settings: HandlerSettings,
+}
+
+#[async_trait::async_trait]
+impl<S> ForeignPhase for Handler<S>
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    const NAME: &'static str = "handler";
+    type Input = RecordedRequest;
+    type Output = StoredResponse;
+
+    fn timeout(&self) -> Duration {
+        self.settings.timeout
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::default()
+    }
+
+    async fn call(
+        &self,
+        _: RecordedRequest,
+        derived_key: &DerivedKey,
+        _: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        // The workflow is live-only (a resumer refuses it), so there is always a live
+        // request; without one nothing can be run faithfully.
+        let live = LIVE
+            .try_with(Arc::clone)
+            .map_err(|_| PhaseError::retryable("the handler runs only within a live request"))?;
+        let (mut parts, body) = live
+            .take_request()
+            .ok_or_else(|| PhaseError::retryable("the live request was already handled"))?;
+        // The handler may pass it on to a system it calls, to make that call idempotent too.
+        parts.extensions.insert(derived_key.clone());
+        let response = self
+            .inner
+            .clone()
+            .oneshot(Request::from_parts(parts, body.into()))
+            .await
+            .unwrap_or_else(|never| match never {});
+        self.settle(&live, response).await
+    }
+}
+
+impl<S> Handler<S> {
+    /// Reads the handler's response and decides, by its status, what becomes of it.
+    async fn settle(&self, live: &Live, response: Response) -> Result<StoredResponse, PhaseError> {
+        let (parts, body) = response.into_parts();
+        let status = parts.status;
+        if is_event_stream(&parts.headers) {
+            // A stream that may never end cannot be stored; the handler ran, so the request
+            // ends with a problem that says why.
+            return Err(PhaseError::terminal_with(
+                crate::problem::stored_problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "response_not_storable",
+                    "the handler answered with an event stream, which cannot be stored and replayed",
+                ),
+                "the handler answered with an event stream",
+            ));
+        }
+        let body = match read_limited(body, self.settings.max_response_bytes).await {
+            Ok(body) => body,
+            Err(BodyError::TooLarge) => {
+                return Err(PhaseError::terminal_with(
+                    crate::problem::stored_problem(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "response_too_large",
+                        format!(
+                            "the handler's response exceeds {} bytes and cannot be stored",
+                            self.settings.max_response_bytes
+                        ),
+                    ),
+                    "the handler's response is too large to store",
+                ));
+            }
+            Err(BodyError::Unreadable(error)) => {
+                return Err(PhaseError::retryable(format!(
+                    "reading the handler's response: {error}"
+                )));
+            }
+        };
+        let mut headers = parts.headers;
+        for name in HOP_BY_HOP.iter().chain(TRANSFER.iter()) {
+            headers.remove(*name);
+        }
+        match self.settings.statuses.class(status) {
+            StatusClass::Stored => {
+                let stored = StoredResponse {
+                    status: status.as_u16(),
+                    headers: headers
+                        .iter()
+                        .filter(|(name, _)| {
+                            self.settings
+                                .redaction
+                                .stores_response_header(name.as_str())
+                        })
+                        .filter_map(|(name, value)| {
+                            Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
+                        })
+                        .collect(),
+                    body: body.to_vec(),
+                };
+                live.keep_answer(Answer {
+                    status,
+                    headers,
+                    body,
+                    stored: Some(stored.clone()),
+                });
+                Ok(stored)
+            }
+            StatusClass::NotExecuted => {
+                let message = format!("the handler answered {status}: not executed");
+                live.keep_answer(Answer {
+                    status,
+                    headers,
+                    body,
+                    stored: None,
+                });
+                Err(PhaseError::not_executed(
+                    StoredResponse::new(status.as_u16(), Vec::new()),
+                    message,
+                ))
+            }
+            StatusClass::Retried => {
+                let asked = retry_after(&headers);
+                let message = format!("the handler answered {status}");
+                live.keep_answer(Answer {
+                    status,
+                    headers,
+                    body,
+                    stored: None,
+                });
+                Err(match asked {
+                    Some(wait) => PhaseError::retry_after(message, wait),
+                    None => PhaseError::retryable(message),
+                })
+            }
+        }
+    }
+}
+
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| {
+            value
+                .split(';')
+                .next()
+                .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("text/event-stream"))
+        })
+}
+
+/// A `Retry-After` in seconds from the handler: when the next attempt may run.
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    headers
+        .get(header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_secs)
+}
