@@ -20,7 +20,7 @@ use tower::{Service, ServiceExt};
 
 use crate::body::{BodyError, read_limited};
 use crate::config::{HOP_BY_HOP, Redaction, StatusClass, StatusRules, TRANSFER};
-use crate::recorded::RecordedRequest;
+use crate::recorded::Unread;
 
 tokio::task_local! {
     /// The attempt's live request, for the handler phase of this very attempt.
@@ -35,14 +35,21 @@ pub(crate) struct Live {
     answer: Mutex<Option<Answer>>,
 }
 
-/// The handler's response as it made it, and what of it was stored.
+/// The handler's response as it made it.
 #[derive(Debug)]
 pub(crate) struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
-    pub body: Bytes,
-    /// The stored form, when the status is one that is stored.
-    pub stored: Option<StoredResponse>,
+    pub body: AnswerBody,
+}
+
+/// A stored answer's body is the stored response's, not a second copy of it (a response may be
+/// megabytes): what was stored is recognised by its status and size, and its bytes taken from
+/// the outcome.
+#[derive(Debug)]
+pub(crate) enum AnswerBody {
+    Stored { length: usize },
+    Unstored(Bytes),
 }
 
 impl Live {
@@ -73,12 +80,37 @@ impl Live {
 }
 
 impl Answer {
-    pub(crate) fn into_response(self) -> Response {
-        let mut response = Response::new(Body::from(self.body));
-        *response.status_mut() = self.status;
-        *response.headers_mut() = self.headers;
-        response
+    /// The answer, if it was not stored.
+    pub(crate) fn unstored(self) -> Option<Response> {
+        let Self {
+            status,
+            headers,
+            body: AnswerBody::Unstored(body),
+        } = self
+        else {
+            return None;
+        };
+        Some(response(status, headers, body.into()))
     }
+
+    /// The answer with the stored response's body, if `stored` is what this answer stored.
+    pub(crate) fn stored(self, stored: StoredResponse) -> Result<Response, StoredResponse> {
+        match self.body {
+            AnswerBody::Stored { length }
+                if length == stored.body.len() && self.status.as_u16() == stored.status =>
+            {
+                Ok(response(self.status, self.headers, stored.body.into()))
+            }
+            _ => Err(stored),
+        }
+    }
+}
+
+fn response(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response
 }
 
 /// How the handler phase treats the handler's response.
@@ -107,7 +139,7 @@ where
     S::Future: Send + 'static,
 {
     const NAME: &'static str = "handler";
-    type Input = RecordedRequest;
+    type Input = Unread;
     type Output = StoredResponse;
 
     fn timeout(&self) -> Duration {
@@ -120,7 +152,7 @@ where
 
     async fn call(
         &self,
-        _: RecordedRequest,
+        _: Unread,
         derived_key: &DerivedKey,
         _: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
@@ -201,13 +233,15 @@ impl<S> Handler<S> {
                             Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
                         })
                         .collect(),
-                    body: body.to_vec(),
+                    // Without a copy when the handler's body is one buffer it owns alone.
+                    body: Vec::from(body),
                 };
                 live.keep_answer(Answer {
                     status,
                     headers,
-                    body,
-                    stored: Some(stored.clone()),
+                    body: AnswerBody::Stored {
+                        length: stored.body.len(),
+                    },
                 });
                 Ok(stored)
             }
@@ -216,8 +250,7 @@ impl<S> Handler<S> {
                 live.keep_answer(Answer {
                     status,
                     headers,
-                    body,
-                    stored: None,
+                    body: AnswerBody::Unstored(body),
                 });
                 Err(PhaseError::not_executed(
                     StoredResponse::new(status.as_u16(), Vec::new()),
@@ -230,8 +263,7 @@ impl<S> Handler<S> {
                 live.keep_answer(Answer {
                     status,
                     headers,
-                    body,
-                    stored: None,
+                    body: AnswerBody::Unstored(body),
                 });
                 Err(match asked {
                     Some(wait) => PhaseError::retry_after(message, wait),

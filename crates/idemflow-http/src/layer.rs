@@ -23,7 +23,7 @@ use crate::config::{HttpConfig, Redaction, StatusRules};
 use crate::handler::{Handler, HandlerSettings, LIVE, Live};
 use crate::prepare::{Refusal, prepare, target};
 use crate::problem::{Problem, respond, seconds};
-use crate::recorded::RecordedRequest;
+use crate::recorded::{RecordedRequest, Unread};
 use crate::request_fingerprint::fingerprint;
 use crate::tenant::TenantResolver;
 
@@ -119,7 +119,7 @@ impl IdempotencyLayer {
             inner,
             settings: self.settings.clone(),
         };
-        Workflow::builder::<RecordedRequest>(self.name.clone())
+        Workflow::builder::<Unread>(self.name.clone())
             .foreign(handler)
             .lease(self.lease)
             .live_only()
@@ -346,25 +346,29 @@ where
 /// The answer to the attempt: the handler's own response where this attempt ran the handler
 /// (its `Set-Cookie` and other unstored headers included), else the outcome's.
 fn answer(result: Result<Outcome, idemflow_runner::RunError>, live: &Live) -> Response {
-    let kept = live.take_answer();
-    match (&result, kept) {
-        (Ok(Outcome::Executed(stored)), Some(answer)) if answer.stored.as_ref() == Some(stored) => {
-            answer.into_response()
-        }
-        (Ok(Outcome::Released(_)), Some(answer)) if answer.stored.is_none() => {
-            answer.into_response()
-        }
-        (Ok(Outcome::Interrupted { retry_after, .. }), Some(answer)) if answer.stored.is_none() => {
-            let mut response = answer.into_response();
-            if !response.headers().contains_key(header::RETRY_AFTER) {
-                response.headers_mut().insert(
-                    header::RETRY_AFTER,
-                    HeaderValue::from(seconds(*retry_after)),
-                );
+    let Some(kept) = live.take_answer() else {
+        return respond(result);
+    };
+    match result {
+        Ok(Outcome::Executed(stored)) => match kept.stored(stored) {
+            Ok(response) => response,
+            Err(stored) => respond(Ok(Outcome::Executed(stored))),
+        },
+        Ok(Outcome::Released(released)) => kept
+            .unstored()
+            .unwrap_or_else(|| respond(Ok(Outcome::Released(released)))),
+        Ok(Outcome::Interrupted { retry_after, error }) => match kept.unstored() {
+            Some(mut response) => {
+                if !response.headers().contains_key(header::RETRY_AFTER) {
+                    response
+                        .headers_mut()
+                        .insert(header::RETRY_AFTER, HeaderValue::from(seconds(retry_after)));
+                }
+                response
             }
-            response
-        }
-        _ => respond(result),
+            None => respond(Ok(Outcome::Interrupted { retry_after, error })),
+        },
+        other => respond(other),
     }
 }
 

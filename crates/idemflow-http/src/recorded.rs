@@ -28,6 +28,26 @@ enum RecordedBody {
     Bytes(#[serde(with = "idemflow_core::bytes")] Vec<u8>),
 }
 
+/// The layer's workflow request as the runner reads it back: nothing. The handler runs from the
+/// live request; the recorded one is stored for inspection only, so it is not decoded again
+/// (a megabyte body would be copied for nothing).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unread;
+
+impl Serialize for Unread {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_unit()
+    }
+}
+
+impl<'de> Deserialize<'de> for Unread {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_ignored_any(serde::de::IgnoredAny)
+            .map(|_| Unread)
+    }
+}
+
 /// What query parameter values are replaced by.
 pub(crate) const REDACTED: &str = "REDACTED";
 

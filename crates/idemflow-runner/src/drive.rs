@@ -227,7 +227,7 @@ impl Drive<'_> {
                 let request = &self.request;
                 let decoded = catch_panic_now(|| {
                     if position == 0 {
-                        workflow.decode_request(request.clone())
+                        workflow.decode_request(request)
                     } else {
                         workflow.steps[position - 1].decode_output(output.unwrap_or(Value::Null))
                     }

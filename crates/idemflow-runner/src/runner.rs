@@ -372,7 +372,7 @@ fn accept(
         ));
     }
     let input = workflow
-        .decode_request(value.clone())
+        .decode_request(&value)
         .map_err(|error| Rejection::InvalidInput(error.to_string()))?;
     workflow.validate(&input).map_err(Rejection::InvalidInput)?;
     Ok(Accepted {

@@ -109,7 +109,7 @@ pub struct Workflow {
     lease: Duration,
     /// What the server enforces on this workflow's transactions (from its local time limits).
     limits: Limits,
-    decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
+    decode_request: fn(&Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
     pub(crate) failure: Option<Box<dyn ErasedFailure>>,
     live_only: bool,
@@ -140,7 +140,7 @@ impl Workflow {
             name: name.into(),
             steps: Vec::new(),
             lease: Self::DEFAULT_LEASE,
-            decode_request: decode::<Request>,
+            decode_request: decode_borrowed::<Request>,
             validate: None,
             failure: None,
             live_only: false,
@@ -195,7 +195,8 @@ impl Workflow {
         self.steps[position.min(self.steps.len() - 1)].retry_policy()
     }
 
-    pub(crate) fn decode_request(&self, request: Value) -> Result<Carry, serde_json::Error> {
+    /// Decodes the request from a borrowed value: a large request is not copied to be read.
+    pub(crate) fn decode_request(&self, request: &Value) -> Result<Carry, serde_json::Error> {
         (self.decode_request)(request)
     }
 
@@ -224,7 +225,7 @@ pub struct WorkflowBuilder<Request, Chain> {
     name: String,
     steps: Vec<Step>,
     lease: Duration,
-    decode_request: fn(Value) -> Result<Carry, serde_json::Error>,
+    decode_request: fn(&Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
     failure: Option<Box<dyn ErasedFailure>>,
     live_only: bool,
@@ -377,6 +378,10 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
             live_only: self.live_only,
         })
     }
+}
+
+fn decode_borrowed<T: PhaseValue>(value: &Value) -> Result<Carry, serde_json::Error> {
+    Ok(Box::new(T::deserialize(value)?))
 }
 
 fn decode<T: PhaseValue>(value: Value) -> Result<Carry, serde_json::Error> {
