@@ -2,13 +2,39 @@
 
 use std::time::{Duration, SystemTime};
 
-use reqwest::header::{HeaderMap, RETRY_AFTER};
+use reqwest::header::{HeaderMap, HeaderValue, RETRY_AFTER};
 
 /// The request header that carries the key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// The response header that marks a replayed answer.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// How the key is written in the `Idempotency-Key` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KeyForm {
+    /// As an RFC 8941 sf-string, `Idempotency-Key: "0190b6c2-…"`, with `"` and `\` escaped: what
+    /// draft-ietf-httpapi-idempotency-key-header asks for, and what idemflow's server reads (it
+    /// also accepts bare keys).
+    #[default]
+    Quoted,
+    /// The key as it is, `Idempotency-Key: 0190b6c2-…`: for servers that take the header's value
+    /// verbatim (and would keep the quotes as part of the key). A key with leading or trailing
+    /// spaces cannot be sent this way (HTTP strips them). The client's own keys (UUIDs) read the
+    /// same either way to idemflow's server; a key of a journal of the caller's own holding `"`,
+    /// `,` or `;` is better sent quoted to it.
+    Bare,
+}
+
+/// The header value for a valid `key` in `form`, if it can be written so.
+pub(crate) fn key_value(key: &str, form: KeyForm) -> Option<HeaderValue> {
+    match form {
+        KeyForm::Quoted => HeaderValue::from_str(&sf_string(key)).ok(),
+        KeyForm::Bare if key.trim() == key => HeaderValue::from_str(key).ok(),
+        KeyForm::Bare => None,
+    }
+}
 
 /// Whether `key` can be sent: 1 to 255 printable ASCII characters (what idemflow's server
 /// accepts).
@@ -67,8 +93,6 @@ pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Durati
 
 #[cfg(test)]
 mod tests {
-    use reqwest::header::HeaderValue;
-
     use super::*;
 
     fn with(name: &'static str, value: &'static str) -> HeaderMap {
@@ -88,6 +112,27 @@ mod tests {
         assert!(!is_valid_key("é"));
         assert!(!is_valid_key(&"k".repeat(256)));
         assert!(is_valid_key(&"k".repeat(255)));
+    }
+
+    #[test]
+    fn keys_are_written_in_the_form_asked_for() {
+        let value = |key, form| key_value(key, form).map(|value| value.as_bytes().to_vec());
+        assert_eq!(
+            value("abc-1", KeyForm::Quoted),
+            Some(br#""abc-1""#.to_vec())
+        );
+        assert_eq!(value("abc-1", KeyForm::Bare), Some(b"abc-1".to_vec()));
+        assert_eq!(
+            value(r#"a"b"#, KeyForm::Quoted),
+            Some(br#""a\"b""#.to_vec())
+        );
+        assert_eq!(value(r#"a"b"#, KeyForm::Bare), Some(br#"a"b"#.to_vec()));
+        assert_eq!(
+            value(" padded ", KeyForm::Quoted),
+            Some(br#"" padded ""#.to_vec())
+        );
+        assert_eq!(value(" padded", KeyForm::Bare), None);
+        assert_eq!(value("padded ", KeyForm::Bare), None);
     }
 
     #[test]

@@ -4,6 +4,8 @@ use std::collections::HashMap;
 use std::error::Error;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
+#[cfg(unix)]
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -35,15 +37,17 @@ pub type JournalResult<T> = Result<T, JournalError>;
 /// Keeps one idempotency key per intent, so that a caller asking again for an intent it already
 /// began (after a retry, a timeout, a restart) sends the same key and gets the first answer.
 ///
-/// The client stores a new key *before* its first attempt; when [`store`](Self::store) returns
-/// `Ok`, the key must survive a crash of the caller. The client only calls
+/// The client stores a new key with [`store_new`](Self::store_new) *before* its first attempt;
+/// when it returns `Ok`, the key must survive a crash of the caller. The client only calls
 /// [`forget`](Self::forget) when told to ([`IdempotentClient::finish`]), never on its own: after an
 /// answer the caller may still need to retry with the same key.
 ///
 /// An implementation may be backed by anything durable that the caller already has (the database
-/// row of the order being placed, say). One intent should be driven by one caller at a time: the
-/// client serialises its own look-ups, but two processes creating a key for the same new intent at
-/// once would each store their own.
+/// row of the order being placed, say). If two clients (two processes) may start the same new
+/// intent at once on one journal, implement `store_new` atomically (an `INSERT … ON CONFLICT DO
+/// NOTHING` then a `SELECT`, say): the provided one is a `load` then a `store`, and lets both store
+/// their own key and send it. Within one client, look-ups are serialised, so any journal gives two
+/// concurrent calls for one intent one key.
 ///
 /// [`IdempotentClient::finish`]: crate::IdempotentClient::finish
 #[async_trait]
@@ -56,6 +60,22 @@ pub trait KeyJournal: Send + Sync {
 
     /// Forgets `intent`'s key; forgetting an intent that has none is not an error.
     async fn forget(&self, intent: &str) -> JournalResult<()>;
+
+    /// Stores `key` for `intent`, durably, unless a key is stored already; returns the key that is
+    /// stored once it returns: `key`, or the one that was there.
+    ///
+    /// The client makes new keys with this, so that two clients racing on one new intent send
+    /// the same key: implementations should store-if-absent atomically, as [`MemoryJournal`] and
+    /// [`FileJournal`] do. The provided implementation is [`load`](Self::load), then
+    /// [`store`](Self::store) if nothing was there: racy, two writers at once may each store, and
+    /// each get, their own key.
+    async fn store_new(&self, intent: &str, key: &str) -> JournalResult<String> {
+        if let Some(stored) = self.load(intent).await? {
+            return Ok(stored);
+        }
+        self.store(intent, key).await?;
+        Ok(key.to_owned())
+    }
 }
 
 #[async_trait]
@@ -70,6 +90,10 @@ impl<J: KeyJournal + ?Sized> KeyJournal for Arc<J> {
 
     async fn forget(&self, intent: &str) -> JournalResult<()> {
         (**self).forget(intent).await
+    }
+
+    async fn store_new(&self, intent: &str, key: &str) -> JournalResult<String> {
+        (**self).store_new(intent, key).await
     }
 }
 
@@ -136,25 +160,43 @@ impl KeyJournal for MemoryJournal {
         self.keys().remove(intent);
         Ok(())
     }
+
+    async fn store_new(&self, intent: &str, key: &str) -> JournalResult<String> {
+        Ok(self
+            .keys()
+            .entry(intent.to_owned())
+            .or_insert_with(|| key.to_owned())
+            .clone())
+    }
 }
 
 /// A journal in a directory: one small file per intent, named by the hex SHA-256 of the intent
 /// (so any intent is a safe file name) with the extension `.key`, holding the key and nothing else.
 ///
-/// A key is written to a temporary file in the same directory, flushed to disk, renamed over the
-/// intent's file, and the directory flushed: a crash leaves either the old file or the whole new
-/// one, never half a key. A crash between writing and renaming may leave a `.*.tmp` file behind;
-/// it is never read, and may be deleted.
+/// A key is written to a temporary file in the same directory and flushed to disk; then
+/// [`store`](KeyJournal::store) renames it over the intent's file, while
+/// [`store_new`](KeyJournal::store_new) hard-links it to the intent's file, which fails if that
+/// file exists (so of two clients, even in two processes, racing on one new intent, exactly one
+/// stores its key and both get it); then the directory is flushed. A crash leaves either the old
+/// file or the whole new one, never half a key. A crash before the temporary file is removed may
+/// leave a `.*.tmp` file behind; it is never read, and may be deleted. `store_new` needs a file
+/// system with hard links (FAT and some network file systems have none).
+///
+/// Keys are credentials of a sort (whoever has one can fetch the stored answer): on unix, files
+/// are created readable by their owner only (mode 0600), and so are the directory and the parents
+/// that [`open`](Self::open) creates (0700).
 #[derive(Debug, Clone)]
 pub struct FileJournal {
     dir: PathBuf,
 }
 
 impl FileJournal {
-    /// A journal in `dir`, created (with its parents) if missing.
+    /// A journal in `dir`, created (with its parents, mode 0700 on unix) if missing, and each new
+    /// directory flushed into its parent so that it survives a crash. An existing directory is
+    /// used as it is, whatever its mode.
     pub fn open(dir: impl Into<PathBuf>) -> io::Result<Self> {
         let dir = dir.into();
-        fs::create_dir_all(&dir)?;
+        create_private_dir(&dir)?;
         Ok(Self { dir })
     }
 
@@ -197,6 +239,11 @@ impl KeyJournal for FileJournal {
             .await
     }
 
+    async fn store_new(&self, intent: &str, key: &str) -> JournalResult<String> {
+        let (dir, path, key) = (self.dir.clone(), self.path_for(intent), key.to_owned());
+        self.blocking(move || write_new(&dir, &path, &key)).await
+    }
+
     async fn forget(&self, intent: &str) -> JournalResult<()> {
         let (dir, path) = (self.dir.clone(), self.path_for(intent));
         self.blocking(move || {
@@ -221,6 +268,57 @@ fn file_stem(intent: &str) -> String {
 
 /// Temporary file, fsync, rename over `path`, fsync of the directory.
 fn write_atomically(dir: &Path, path: &Path, contents: &[u8]) -> io::Result<()> {
+    let temp = write_temp(dir, path, contents)?;
+    if let Err(error) = fs::rename(&temp, path) {
+        // Best effort: the temporary file is never read, so leaving it is harmless.
+        let _ = fs::remove_file(&temp);
+        return Err(error);
+    }
+    sync_dir(dir)
+}
+
+/// How many times [`write_new`] tries when the intent's file vanishes between its link and its
+/// read (a `forget` running meanwhile).
+const WRITE_NEW_TRIES: usize = 8;
+
+/// Stores `key` at `path` unless a file is there, and returns the key `path` then holds: temporary
+/// file, fsync, hard link to `path` (which fails if `path` exists: of two writers exactly one
+/// wins), removal of the temporary file, fsync of the directory; or, if `path` was there, what it
+/// holds. The linked file was whole before it had its name, so a reader never sees half a key.
+fn write_new(dir: &Path, path: &Path, key: &str) -> io::Result<String> {
+    let temp = write_temp(dir, path, key.as_bytes())?;
+    let stored = link_or_read(&temp, path, key);
+    // Best effort: the temporary file is never read, so leaving it is harmless.
+    let _ = fs::remove_file(&temp);
+    let stored = stored?;
+    sync_dir(dir)?;
+    Ok(stored)
+}
+
+/// Links `temp` (holding `key`) to `path`, or reads the key already at `path`.
+fn link_or_read(temp: &Path, path: &Path, key: &str) -> io::Result<String> {
+    for _ in 0..WRITE_NEW_TRIES {
+        match fs::hard_link(temp, path) {
+            Ok(()) => return Ok(key.to_owned()),
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(error) => return Err(error),
+        }
+        match fs::read_to_string(path) {
+            Ok(stored) => return Ok(stored),
+            // Forgotten since the link failed: try again.
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Err(io::Error::other(format!(
+        "{} kept appearing and vanishing while a new key was stored",
+        path.display()
+    )))
+}
+
+/// Writes `contents` to a new temporary file next to `path` (readable by its owner only, on
+/// unix), flushed to disk; returns its path.
+fn write_temp(dir: &Path, path: &Path, contents: &[u8]) -> io::Result<PathBuf> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let name = path
         .file_name()
@@ -232,21 +330,41 @@ fn write_atomically(dir: &Path, path: &Path, contents: &[u8]) -> io::Result<()> 
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     let written = (|| {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp)?;
+        let mut options = OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        options.mode(0o600);
+        let mut file = options.open(&temp)?;
         file.write_all(contents)?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&temp, path)
+        file.sync_all()
     })();
     if let Err(error) = written {
-        // Best effort: the temporary file is never read, so leaving it is harmless.
+        // Best effort, as above.
         let _ = fs::remove_file(&temp);
         return Err(error);
     }
-    sync_dir(dir)
+    Ok(temp)
+}
+
+/// Creates `dir` and its missing parents, readable by their owner only (0700 on unix), and makes
+/// each new one durable in its parent.
+fn create_private_dir(dir: &Path) -> io::Result<()> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|path| !path.as_os_str().is_empty() && !path.exists())
+        .collect();
+    let mut builder = fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    builder.mode(0o700);
+    builder.create(dir)?;
+    for created in missing.iter().rev() {
+        match created.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent)?,
+            _ => sync_dir(Path::new("."))?,
+        }
+    }
+    Ok(())
 }
 
 /// Makes a rename or removal in `dir` durable.

@@ -8,9 +8,11 @@ use std::time::Duration;
 ///
 /// The wait before retry `n` (1 for the first) is `initial_backoff × multiplierⁿ⁻¹`, at most
 /// `max_backoff`, then multiplied by a random factor in `[1 − jitter, 1 + jitter]`, unless the
-/// answer carried a `Retry-After`, which is waited exactly. The call gives up with
-/// [`ClientError::DeadlineExceeded`] when the next attempt could not start before `deadline`
-/// (counted from the start of the call) or when an attempt is still running at the deadline.
+/// answer carried a `Retry-After`, which is waited without jitter, but at least `min_retry_after`
+/// and at most `max_retry_after` ([`bounded_retry_after`](Self::bounded_retry_after)). The call
+/// gives up with [`ClientError::DeadlineExceeded`] when the next attempt could not start before
+/// `deadline` (counted from the start of the call) or when an attempt is still running at the
+/// deadline.
 ///
 /// ```
 /// use std::time::Duration;
@@ -21,6 +23,8 @@ use std::time::Duration;
 /// assert_eq!(policy.backoff(1), Duration::from_millis(200));
 /// assert_eq!(policy.backoff(3), Duration::from_millis(800));
 /// assert_eq!(policy.backoff(30), Duration::from_secs(10));
+/// assert_eq!(policy.bounded_retry_after(Duration::ZERO), Duration::from_millis(100));
+/// assert_eq!(policy.bounded_retry_after(Duration::MAX), Duration::from_secs(60));
 /// ```
 ///
 /// [`ClientError::DeadlineExceeded`]: crate::ClientError::DeadlineExceeded
@@ -36,6 +40,13 @@ pub struct RetryPolicy {
     pub jitter: f64,
     /// How long one call may take, all attempts and waits included. Default 60 s.
     pub deadline: Duration,
+    /// The shortest wait a `Retry-After` can ask for: `Retry-After: 0`, or a date already past,
+    /// would otherwise retry at once, again and again, until the deadline. Default 100 ms.
+    pub min_retry_after: Duration,
+    /// The longest wait a `Retry-After` can ask for: the next attempt comes after this at the
+    /// latest (a huge value, with an unbounded deadline, would otherwise sleep for years). Default
+    /// 60 s.
+    pub max_retry_after: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -46,6 +57,8 @@ impl Default for RetryPolicy {
             multiplier: 2.0,
             jitter: 0.2,
             deadline: Duration::from_secs(60),
+            min_retry_after: Duration::from_millis(100),
+            max_retry_after: Duration::from_secs(60),
         }
     }
 }
@@ -62,6 +75,12 @@ impl RetryPolicy {
         let seconds = self.initial_backoff.as_secs_f64() * multiplier.powi(exponent);
         Duration::try_from_secs_f64(seconds)
             .map_or(self.max_backoff, |wait| wait.min(self.max_backoff))
+    }
+
+    /// The wait for a response's `Retry-After` of `asked`: at least `min_retry_after`, at most
+    /// `max_retry_after` (which wins if the two are crossed).
+    pub fn bounded_retry_after(&self, asked: Duration) -> Duration {
+        asked.max(self.min_retry_after).min(self.max_retry_after)
     }
 
     /// `wait` spread by the jitter, given `unit` uniform in `[0, 1)`.
@@ -131,6 +150,29 @@ mod tests {
             ..policy
         };
         assert_eq!(huge.backoff(50), Duration::MAX);
+    }
+
+    #[test]
+    fn retry_after_is_floored_and_capped() {
+        let policy = RetryPolicy::default();
+        let bounded = |seconds: f64| policy.bounded_retry_after(Duration::from_secs_f64(seconds));
+        assert_eq!(bounded(0.0), Duration::from_millis(100));
+        assert_eq!(bounded(0.05), Duration::from_millis(100));
+        assert_eq!(bounded(2.5), Duration::from_millis(2500));
+        assert_eq!(bounded(1e9), Duration::from_secs(60));
+        assert_eq!(
+            policy.bounded_retry_after(Duration::MAX),
+            Duration::from_secs(60)
+        );
+        let crossed = RetryPolicy {
+            min_retry_after: Duration::from_secs(5),
+            max_retry_after: Duration::from_secs(1),
+            ..policy
+        };
+        assert_eq!(
+            crossed.bounded_retry_after(Duration::ZERO),
+            Duration::from_secs(1)
+        );
     }
 
     #[test]

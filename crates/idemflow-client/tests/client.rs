@@ -152,6 +152,8 @@ fn fast() -> RetryPolicy {
         multiplier: 2.0,
         jitter: 0.2,
         deadline: Duration::from_secs(5),
+        min_retry_after: Duration::from_millis(10),
+        max_retry_after: Duration::from_secs(60),
     }
 }
 
