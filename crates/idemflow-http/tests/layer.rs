@@ -772,3 +772,37 @@ async fn a_workflow_route_covers_post_only_by_default(pool: PgPool) {
     assert_eq!(response.status(), 405);
     assert_eq!(response.headers()[header::ALLOW], "POST");
 }
+
+#[sqlx::test]
+async fn a_body_that_cannot_be_read_is_a_400_not_a_413(pool: PgPool) {
+    use tower::ServiceExt;
+    setup(&pool).await;
+    struct Broken;
+    impl futures_core::Stream for Broken {
+        type Item = Result<Bytes, std::io::Error>;
+        fn poll_next(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            std::task::Poll::Ready(Some(Err(std::io::Error::other("connection reset"))))
+        }
+    }
+    let router = Router::new()
+        .route("/v1/notes", post(|| async { StatusCode::CREATED }))
+        .route_layer(layer(&pool));
+    let request = axum::http::Request::builder()
+        .method("POST")
+        .uri("/v1/notes")
+        .header("authorization", "Bearer acme")
+        .header("idempotency-key", "\"broken\"")
+        .body(Body::from_stream(Broken))
+        .unwrap();
+    let response = router.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["code"], "body_unreadable");
+    assert_eq!(key_row(&pool, "broken").await, None);
+}
