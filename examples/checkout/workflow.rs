@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use idemflow::{
-    DerivedKey, ForeignPhase, LocalPhase, PhaseContext, PhaseError, StoredResponse, Workflow,
+    DerivedKey, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseResultExt, StoredResponse,
+    Workflow,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
@@ -136,20 +137,17 @@ impl ForeignPhase for Charge {
             }),
             // Unavailable, rate limited, timed out, connection lost: the same key finds out
             // later whether the charge happened. Retryable, at the provider's pace if it said.
-            Err(error) if error.is_retryable() => Err(match error.retry_after() {
-                Some(wait) => PhaseError::retry_after(error.to_string(), wait),
-                None => PhaseError::retryable(error.to_string()),
-            }),
+            Err(error) if error.is_retryable() => match error.retry_after() {
+                Some(wait) => Err(error).retry_after(wait),
+                None => Err(error.into()),
+            },
             // The provider refused the request itself: retrying cannot help.
             Err(error) => {
                 let problem = serde_json::json!({
                     "type": "about:blank", "title": "Bad Gateway", "status": 502,
                     "detail": "the payment provider refused the charge request", "order_id": order.order_id,
                 });
-                Err(PhaseError::terminal_with(
-                    StoredResponse::problem(502, &problem),
-                    error.to_string(),
-                ))
+                Err(error).terminal_with(StoredResponse::problem(502, &problem))
             }
         }
     }

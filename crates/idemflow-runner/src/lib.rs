@@ -22,7 +22,7 @@ pub use error::RunError;
 pub use outcome::{Outcome, Rejection};
 pub use phase::{
     Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseErrorKind,
-    PhaseValue,
+    PhaseResultExt, PhaseValue,
 };
 pub use registry::{RegisterError, Registry};
 pub use resumer::{DrainReport, Resumer, ResumerConfig, shutdown_signal};

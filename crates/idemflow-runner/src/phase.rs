@@ -144,8 +144,32 @@ pub enum PhaseErrorKind {
 }
 
 /// A phase's failure. Retryable unless made terminal explicitly.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
+///
+/// Any error type converts into a retryable one, so `?` works in a phase on sqlx's errors, an
+/// HTTP client's, serde's, your own: the attempt fails, the key resumes after its backoff. Say
+/// otherwise where it matters, with [`PhaseResultExt`]:
+///
+/// ```
+/// use idemflow_runner::{PhaseError, PhaseResultExt};
+///
+/// fn parse_amount(text: &str) -> Result<u64, PhaseError> {
+///     // A malformed amount will not become well formed by retrying: terminal.
+///     let amount = text.parse::<u64>().terminal()?;
+///     Ok(amount)
+/// }
+///
+/// fn read_config(path: &str) -> Result<String, PhaseError> {
+///     // Retryable, as any error is by default.
+///     Ok(std::fs::read_to_string(path)?)
+/// }
+///
+/// assert!(!parse_amount("12x").unwrap_err().is_retryable());
+/// assert!(read_config("/nonexistent").unwrap_err().is_retryable());
+/// ```
+///
+/// `PhaseError` is not itself a `std::error::Error`: that is what lets every error convert into
+/// it (a blanket conversion would otherwise overlap the conversion of a type into itself).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PhaseError {
     pub kind: PhaseErrorKind,
     pub message: String,
@@ -199,9 +223,136 @@ impl PhaseError {
     }
 }
 
-/// Database errors inside a phase are retryable: the transaction rolls back and the key resumes.
-impl From<sqlx::Error> for PhaseError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::retryable(format!("database error: {error}"))
+impl std::fmt::Display for PhaseError {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(&self.message)
+    }
+}
+
+/// Any error is a retryable failure: a database error rolls the phase's transaction back and the
+/// key resumes; a provider's error is retried with the same derived key. The message is the
+/// error and its sources, as the key's `last_error` shows them.
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for PhaseError {
+    fn from(error: E) -> Self {
+        Self::retryable(describe(&error))
+    }
+}
+
+/// An error and its chain of sources, one line: `outer: inner: innermost`.
+fn describe(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = if error.is::<sqlx::Error>() {
+        format!("database error: {error}")
+    } else {
+        error.to_string()
+    };
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        // Many errors repeat their source in their own message already.
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// Says what a failure means, on any `Result` whose error is a `std::error::Error`: see
+/// [`PhaseError`].
+pub trait PhaseResultExt<T> {
+    /// A failure retrying cannot fix: the request ends, answered with a 500 problem.
+    fn terminal(self) -> Result<T, PhaseError>;
+    /// A failure retrying cannot fix, answered with `response`.
+    fn terminal_with(self, response: StoredResponse) -> Result<T, PhaseError>;
+    /// Retryable (what `?` makes of it too), said explicitly.
+    fn retryable(self) -> Result<T, PhaseError>;
+    /// Retryable, not before `wait` (a provider's `Retry-After`).
+    fn retry_after(self, wait: std::time::Duration) -> Result<T, PhaseError>;
+}
+
+impl<T, E: std::error::Error + Send + Sync + 'static> PhaseResultExt<T> for Result<T, E> {
+    fn terminal(self) -> Result<T, PhaseError> {
+        self.map_err(|error| PhaseError::terminal(describe(&error)))
+    }
+
+    fn terminal_with(self, response: StoredResponse) -> Result<T, PhaseError> {
+        self.map_err(|error| PhaseError::terminal_with(response, describe(&error)))
+    }
+
+    fn retryable(self) -> Result<T, PhaseError> {
+        self.map_err(|error| PhaseError::retryable(describe(&error)))
+    }
+
+    fn retry_after(self, wait: std::time::Duration) -> Result<T, PhaseError> {
+        self.map_err(|error| PhaseError::retry_after(describe(&error), wait))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            formatter.write_str("calling the provider")
+        }
+    }
+
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    fn fails() -> Result<(), Outer> {
+        Err(Outer(std::io::Error::other("connection reset")))
+    }
+
+    #[test]
+    fn any_error_becomes_a_retryable_failure_naming_its_sources() {
+        let question_mark = || -> Result<(), PhaseError> {
+            fails()?;
+            Ok(())
+        };
+        let error = question_mark().expect_err("fails");
+        assert!(error.is_retryable());
+        assert_eq!(error.message, "calling the provider: connection reset");
+        let database: PhaseError = sqlx::Error::RowNotFound.into();
+        assert!(
+            database.message.starts_with("database error: "),
+            "{database}"
+        );
+    }
+
+    #[test]
+    fn a_result_says_what_its_failure_means() {
+        assert_eq!(
+            fails().terminal().expect_err("fails").kind,
+            PhaseErrorKind::Terminal { response: None }
+        );
+        let response = StoredResponse::new(502, "bad gateway");
+        assert_eq!(
+            fails()
+                .terminal_with(response.clone())
+                .expect_err("fails")
+                .kind,
+            PhaseErrorKind::Terminal {
+                response: Some(response)
+            }
+        );
+        assert_eq!(
+            fails()
+                .retry_after(Duration::from_secs(3))
+                .expect_err("fails")
+                .kind,
+            PhaseErrorKind::Retryable {
+                retry_after: Some(Duration::from_secs(3))
+            }
+        );
+        assert!(fails().retryable().expect_err("fails").is_retryable());
     }
 }
