@@ -56,6 +56,78 @@ pub enum CanonicalError {
 /// The input may have whitespace around the value; the output has none. See the
 /// [module documentation](self) for what is rejected and how numbers and strings are written.
 pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
+    let value = parse(json)?;
+    let mut out = Vec::with_capacity(json.len());
+    write_value(&value, &mut out);
+    Ok(out)
+}
+
+/// A JSON text in canonical form, and its value: what reading the canonical bytes back with
+/// `serde_json` gives, built from the same parse.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Canonical {
+    pub bytes: Vec<u8>,
+    pub value: serde_json::Value,
+}
+
+/// [`canonicalize`], also handing over the parsed value, so a request is parsed once: the
+/// value equals `serde_json::from_slice(&canonical.bytes)` (numbers as `serde_json` reads their
+/// canonical spelling: an integral number that fits `u64` or `i64` is an integer, any other a
+/// double), so `1e2` decodes as the integer 100 the fingerprint says it is.
+pub fn canonicalize_parsed(json: &[u8]) -> Result<Canonical, CanonicalError> {
+    let value = parse(json)?;
+    let mut bytes = Vec::with_capacity(json.len());
+    write_value(&value, &mut bytes);
+    Ok(Canonical {
+        bytes,
+        value: into_json(value),
+    })
+}
+
+fn into_json(value: Value) -> serde_json::Value {
+    match value {
+        Value::Null => serde_json::Value::Null,
+        Value::Bool(flag) => serde_json::Value::Bool(flag),
+        Value::Number(number) => json_number(number),
+        Value::String(string) => serde_json::Value::String(string),
+        Value::Array(items) => serde_json::Value::Array(items.into_iter().map(into_json).collect()),
+        Value::Object(members) => serde_json::Value::Object(
+            members
+                .into_iter()
+                .map(|(key, item)| (key, into_json(item)))
+                .collect(),
+        ),
+    }
+}
+
+/// The number `serde_json` reads from this double's canonical spelling. Canonical JSON spells an
+/// integral double below 10²¹ with digits only (the shortest that round-trips, then zeros:
+/// 31383528812208288 is spelt 31383528812208290), which `serde_json` reads as an integer when
+/// it fits (`u64`; `i64` above `-2⁶³` when negative) and as a double otherwise. Every other
+/// double is spelt with a fraction or an exponent: a double.
+fn json_number(number: f64) -> serde_json::Value {
+    let as_double = || {
+        serde_json::Number::from_f64(number)
+            .map_or(serde_json::Value::Null, serde_json::Value::Number)
+    };
+    if number.fract() != 0.0 || number.abs() >= 1e21 {
+        return as_double();
+    }
+    let spelt = format_number(number);
+    match spelt.strip_prefix('-') {
+        None => spelt
+            .parse::<u64>()
+            .map_or_else(|_| as_double(), serde_json::Value::from),
+        Some(magnitude) => match magnitude.parse::<u64>() {
+            Ok(magnitude) if magnitude <= i64::MAX as u64 => {
+                serde_json::Value::from(-(magnitude as i64))
+            }
+            _ => as_double(),
+        },
+    }
+}
+
+fn parse(json: &[u8]) -> Result<Value, CanonicalError> {
     let text = std::str::from_utf8(json).map_err(|_| CanonicalError::InvalidUtf8)?;
     let mut parser = Parser {
         text,
@@ -68,9 +140,7 @@ pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
     if parser.pos != json.len() {
         return Err(parser.syntax("unexpected data after the JSON value"));
     }
-    let mut out = Vec::with_capacity(json.len());
-    write_value(&value, &mut out);
-    Ok(out)
+    Ok(value)
 }
 
 /// A parsed JSON value. Object members are kept sorted in canonical order once parsed.

@@ -14,7 +14,7 @@ mod phase_name;
 mod response;
 mod tenant;
 
-pub use canonical::{CanonicalError, canonicalize};
+pub use canonical::{Canonical, CanonicalError, canonicalize, canonicalize_parsed};
 pub use decide::{Decision, KeyState, StoredKey, decide};
 pub use derived_key::DerivedKey;
 pub use fingerprint::Fingerprint;

@@ -423,5 +423,34 @@ proptest! {
         prop_assert!(!whitespace_outside_strings(text), "whitespace in {}", text);
         let parsed: serde_json::Value = serde_json::from_slice(&canonical).expect("canonical output is JSON");
         prop_assert!(same_as_model(&value, &parsed), "{:?} read back as {:?}", value, parsed);
+        // Parsed once: the value handed over is the canonical bytes read back.
+        let once = idemflow_core::canonicalize_parsed(spelling.as_bytes()).expect("canonicalizes");
+        prop_assert_eq!(&once.bytes, &canonical);
+        prop_assert_eq!(once.value, parsed);
+    }
+}
+
+/// Numbers at the edges of `serde_json`'s integer types read back as `serde_json` reads them.
+#[test]
+fn parsed_once_numbers_match_serde_json_at_the_integer_edges() {
+    for text in [
+        "0",
+        "-0",
+        "1e2",
+        "-1",
+        "9007199254740993",
+        "18446744073709551615",
+        "18446744073709551616",
+        "-9223372036854775808",
+        "-9223372036854775809",
+        "1e20",
+        "1e21",
+        "123456789012345678901234",
+        "0.5",
+        "-2.5e-7",
+    ] {
+        let once = idemflow_core::canonicalize_parsed(text.as_bytes()).expect("canonicalizes");
+        let read_back: serde_json::Value = serde_json::from_slice(&once.bytes).expect("JSON");
+        assert_eq!(once.value, read_back, "{text}");
     }
 }

@@ -2,7 +2,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow_core::{
-    Decision, Fingerprint, Key, KeyState, RecoveryPoint, StoredKey, TenantId, canonicalize, decide,
+    Decision, Fingerprint, Key, KeyState, RecoveryPoint, StoredKey, TenantId, canonicalize_parsed,
+    decide,
 };
 use idemflow_pg::{self as store, ClaimRequest, Claimed, LookUp, TakenOver};
 use serde_json::Value;
@@ -103,7 +104,7 @@ impl Runner {
         key: &str,
         prepared: Result<(Fingerprint, Value), Rejection>,
     ) -> Result<Outcome, RunError> {
-        let accepted = match prepared.and_then(|prepared| accept(workflow, key, prepared)) {
+        let accepted = match prepared.and_then(|prepared| accept(key, prepared)) {
             Ok(accepted) => accepted,
             Err(rejection) => {
                 metrics::count(metrics::REJECTIONS, workflow.name());
@@ -178,8 +179,8 @@ impl Runner {
             key,
             fingerprint,
             request,
-            mut input,
         } = accepted;
+        let mut decoded: Option<Carry> = None;
         let mut held = None;
         for _ in 0..CLAIM_ROUNDS {
             let mut connection = match held.take() {
@@ -197,6 +198,16 @@ impl Runner {
                     });
                 }
                 LookUp::Absent { lock_version } => {
+                    let input = match decoded.take() {
+                        Some(input) => input,
+                        None => match decode_and_validate(workflow, &request) {
+                            Ok(input) => input,
+                            Err(rejection) => {
+                                metrics::count(metrics::REJECTIONS, workflow.name());
+                                return Ok(Outcome::Rejected(rejection));
+                            }
+                        },
+                    };
                     let claim = ClaimRequest {
                         tenant,
                         key: &key,
@@ -232,6 +243,7 @@ impl Runner {
                         }
                         Claimed::Lost(connection) => {
                             // A claim committed between the look-up and ours: look again.
+                            decoded = Some(input);
                             held = Some(connection);
                             continue;
                         }
@@ -268,17 +280,11 @@ impl Runner {
             tracing::Span::current().record("lock_version", taken.owner.lock_version);
             tracing::info!(recovery_point = %taken.recovery_point, "took over an expired lease");
             metrics::count(metrics::TAKEOVERS, workflow.name());
-            let entry = if taken.recovery_point == RecoveryPoint::START {
-                // The request this call decoded is the stored one: same fingerprint.
-                Entry::Decoded {
-                    position: 0,
-                    input: std::mem::replace(&mut input, Box::new(())),
-                }
-            } else {
-                Entry::Stored {
-                    recovery_point: taken.recovery_point.clone(),
-                    output: taken.phase_output,
-                }
+            // From the start, the stored request is decoded as a resumer would (the same
+            // fingerprint as this call's).
+            let entry = Entry::Stored {
+                recovery_point: taken.recovery_point.clone(),
+                output: taken.phase_output,
             };
             let context = PhaseContext {
                 tenant: tenant.clone(),
@@ -345,24 +351,19 @@ struct Accepted {
     key: Key,
     fingerprint: Fingerprint,
     request: Value,
-    input: Carry,
 }
 
 /// Canonicalizes a JSON body and fingerprints it.
 fn canonical_request(request: Request<'_>) -> Result<(Fingerprint, Value), Rejection> {
-    let canonical = canonicalize(request.body)?;
-    let fingerprint = Fingerprint::of_canonical_json(request.method, request.path, &canonical);
-    // Decoded from the canonical form, so `1e2` is the integer 100 the fingerprint says it is.
-    let value: Value = serde_json::from_slice(&canonical)
-        .map_err(|error| Rejection::InvalidInput(error.to_string()))?;
-    Ok((fingerprint, value))
+    // Parsed once: the value is the canonical form read back, so `1e2` is the integer 100 the
+    // fingerprint says it is.
+    let canonical = canonicalize_parsed(request.body)?;
+    let fingerprint =
+        Fingerprint::of_canonical_json(request.method, request.path, &canonical.bytes);
+    Ok((fingerprint, canonical.value))
 }
 
-fn accept(
-    workflow: &Workflow,
-    key: &str,
-    (fingerprint, value): (Fingerprint, Value),
-) -> Result<Accepted, Rejection> {
+fn accept(key: &str, (fingerprint, value): (Fingerprint, Value)) -> Result<Accepted, Rejection> {
     let key = Key::parse(key)?;
     if holds_nul(&value) {
         // PostgreSQL's jsonb cannot store U+0000: refuse it here, before anything is stored,
@@ -371,14 +372,20 @@ fn accept(
             "strings may not contain U+0000".to_owned(),
         ));
     }
-    let input = workflow
-        .decode_request(&value)
-        .map_err(|error| Rejection::InvalidInput(error.to_string()))?;
-    workflow.validate(&input).map_err(Rejection::InvalidInput)?;
     Ok(Accepted {
         key,
         fingerprint,
         request: value,
-        input,
     })
+}
+
+/// Decodes the request into the workflow's type and runs its check: only for a key about to be
+/// claimed. A retry of a finished key is answered from the look-up without it: the same
+/// fingerprint passed this check when the key was claimed.
+fn decode_and_validate(workflow: &Workflow, request: &Value) -> Result<Carry, Rejection> {
+    let input = workflow
+        .decode_request(request)
+        .map_err(|error| Rejection::InvalidInput(error.to_string()))?;
+    workflow.validate(&input).map_err(Rejection::InvalidInput)?;
+    Ok(input)
 }
