@@ -17,10 +17,10 @@ pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, migrate};
 pub use idemflow_runner::{
     BuildError, CrashHook, CrashPoint, DrainReport, Failure, FailurePhase, ForeignPhase,
-    LocalPhase, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue,
-    RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy,
-    RunError, Runner, RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder, expire,
-    expire_paced, shutdown_signal,
+    LocalPhase, METRICS, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt,
+    PhaseValue, RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention,
+    RetryPolicy, RunError, Runner, RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder,
+    describe_metrics, expire, expire_paced, shutdown_signal,
 };
 
 /// Re-exported so phases can name the connection type without a direct sqlx dependency.

@@ -90,3 +90,43 @@ async fn every_protocol_event_is_counted(pool: PgPool) {
         "{rendered}"
     );
 }
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn every_metric_is_described_for_the_recorder_and_in_the_operations_guide(pool: PgPool) {
+    let metrics = PrometheusBuilder::new().install_recorder().unwrap();
+    // Describing happens once per process, when the first runner is made.
+    let runner = Runner::new(pool.clone());
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    executed(&run(&runner, &harness.checkout(), &tenant(1), "a", &body(1)).await);
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains("# HELP idemflow_claims_total New requests that won their key."),
+        "{rendered}"
+    );
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
+    for (name, kind, _) in idemflow::METRICS {
+        assert!(
+            guide.contains(&format!("| `{name}` | {kind} |")),
+            "{name} ({kind}) is not in docs/operations.md's table"
+        );
+    }
+    // Every metric the engine's source records is in the catalogue.
+    let catalogue: Vec<&str> = idemflow::METRICS.iter().map(|(name, _, _)| *name).collect();
+    for file in ["resumer.rs", "retention.rs", "metrics.rs"] {
+        let path = format!(
+            "{}/crates/idemflow-runner/src/{file}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let source = std::fs::read_to_string(&path).unwrap();
+        for piece in source.split('"').skip(1).step_by(2) {
+            if piece.starts_with("idemflow_") && !piece.contains(' ') {
+                assert!(
+                    catalogue.contains(&piece),
+                    "{piece} ({file}) is not described"
+                );
+            }
+        }
+    }
+}

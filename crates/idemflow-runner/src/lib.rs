@@ -5,6 +5,7 @@ mod crash;
 mod drive;
 mod error;
 mod metrics;
+pub use metrics::{CATALOGUE as METRICS, describe_metrics};
 mod outcome;
 mod panic;
 mod phase;

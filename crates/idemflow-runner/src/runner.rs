@@ -45,6 +45,7 @@ impl Runner {
     }
 
     pub fn with_config(pool: PgPool, config: RunnerConfig) -> Self {
+        metrics::describe_once();
         Self {
             pool,
             config,
