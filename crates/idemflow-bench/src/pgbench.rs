@@ -8,6 +8,7 @@
 //! understate what a C client could do, and the engine's ratio to them flatters the engine; the
 //! reference shape, the engine's replay (the look-up) and the raw select run prepared.
 
+use idemflow_pg::statements;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -65,7 +66,7 @@ pub fn write_scripts(
     let request = format!("{}::jsonb", sql_text(&request.to_string()));
     let lease = format!("clock_timestamp() + {LEASE_MS}::bigint * interval '1 millisecond'");
     // The fencing token the look-up drew for this session's claim (the engine binds it).
-    let token = "currval('idempotency_keys_fence')";
+    let token = statements::LAST_FENCE;
     let key = "'pgb-' || :k::text";
     let text_hex = |text: &str| {
         format!(
@@ -73,15 +74,11 @@ pub fn write_scripts(
             hex(text.as_bytes())
         )
     };
+    // The engine's own statements (idemflow_pg::statements), values in place of parameters.
     let look_up = |key: &str, lock: &str| {
         format!(
-            "(SELECT fingerprint, workflow, state = 'done', \
-             ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint, \
-             lock_version, response_status, response_headers, response_body, false, NULL \
-             FROM idempotency_keys WHERE tenant = {tenant} AND key = {key}) \
-             UNION ALL (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
-             NOT pg_try_advisory_xact_lock_shared({lock}), nextval('idempotency_keys_fence')) \
-             LIMIT 1;\n"
+            "{};\n",
+            statements::with_values(statements::LOOK_UP, &[&tenant, key, lock])
         )
     };
     // The engine's claim message: BEGIN and the connection's prepared claim (the advisory lock
@@ -89,15 +86,13 @@ pub fn write_scripts(
     let begin_claim = |workflow: &str, fingerprint_hex: &str| {
         format!(
             "\\if :prepared = 0\n\
-             PREPARE idemflow_claim_v2 (bigint, text, text, bytea, text, jsonb, bigint, bigint) AS \
-             INSERT INTO idempotency_keys \
-             (tenant, key, fingerprint, workflow, request, locked_until, lock_version) \
-             SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8 \
-             FROM (SELECT pg_advisory_xact_lock($1)) AS locked;\n\
+             {prepare};\n\
              \\set prepared 1\n\
              \\endif\n\
-             BEGIN \\; EXECUTE idemflow_claim_v2(:k, {tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), \
+             BEGIN \\; EXECUTE {name}(:k, {tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), \
              {workflow_hex}, {request_hex}::jsonb, {LEASE_MS}, {token});\n",
+            prepare = statements::PREPARE_CLAIM,
+            name = statements::CLAIM_NAME,
             tenant_hex = text_hex(TENANT),
             workflow_hex = text_hex(workflow),
             request_hex = text_hex(&request_json),
@@ -114,23 +109,38 @@ pub fn write_scripts(
     let insert_order = format!(
         "INSERT INTO orders (tenant, key, amount) VALUES ({tenant}, {key}, 100) RETURNING id \\gset\n"
     );
+    let lease_ms = LEASE_MS.to_string();
     let advance = format!(
-        "UPDATE idempotency_keys SET recovery_point = 'create_order', \
-         phase_output = jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa'), \
-         attempts = 1, last_error = NULL, locked_until = greatest(locked_until, {lease}), \
-         updated_at = now() \
-         WHERE tenant = {tenant} AND key = {key} AND lock_version = {token} AND state = 'started';\n"
+        "{};\n",
+        statements::with_values(
+            statements::ADVANCE,
+            &[
+                &tenant,
+                key,
+                token,
+                "'create_order'",
+                "jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa')",
+                &lease_ms,
+            ],
+        )
     );
     let mark_paid =
         "UPDATE orders SET status = 'paid', paid_by = 'attempt-1' WHERE id = :id::bigint;\n";
     let finish = |point: &str, body: &str| {
         format!(
-            "UPDATE idempotency_keys SET state = 'done', recovery_point = '{point}', phase_output = NULL, \
-             locked_until = NULL, response_status = 201, \
-             response_headers = '[[\"content-type\", \"application/json\"]]'::jsonb, \
-             response_body = convert_to({body}, 'UTF8'), finished_at = clock_timestamp(), \
-             updated_at = now() \
-             WHERE tenant = {tenant} AND key = {key} AND lock_version = {token} AND state = 'started';\n"
+            "{};\n",
+            statements::with_values(
+                statements::FINISH,
+                &[
+                    &tenant,
+                    key,
+                    token,
+                    &format!("'{point}'"),
+                    "201",
+                    "'[[\"content-type\", \"application/json\"]]'::jsonb",
+                    &format!("convert_to({body}, 'UTF8')"),
+                ],
+            )
         )
     };
     let paid_body = "'{\"charge_id\":\"ch_' || :id::text || '\",\"order_id\":' || :id::text || ',\"status\":\"paid\"}'";

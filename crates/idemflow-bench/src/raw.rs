@@ -1,7 +1,7 @@
 //! The raw baseline: the statements and commits a request needs at minimum, issued directly
 //! through sqlx with no engine (no canonical JSON, fingerprint, decision, typed phases, spans,
-//! metrics or spawned BEGIN). The SQL is the engine's own text (crates/idemflow-pg/src/store.rs),
-//! so the difference between the two is the engine's own cost. pgbench runs the same text.
+//! metrics or spawned BEGIN). Advance and finish are the engine's own texts
+//! (`idemflow_pg::statements`), so the difference between the two is the engine's own cost. pgbench runs the same text.
 
 use sqlx::PgPool;
 use sqlx::types::Json;
@@ -16,18 +16,10 @@ pub const CLAIM: &str = "INSERT INTO idempotency_keys (tenant, key, fingerprint,
      ON CONFLICT (tenant, key) DO NOTHING \
      RETURNING lock_version";
 
-pub const ADVANCE: &str = "UPDATE idempotency_keys \
-     SET recovery_point = $4, phase_output = $5, attempts = 1, last_error = NULL, \
-         locked_until = greatest(locked_until, \
-                                 clock_timestamp() + $6::bigint * interval '1 millisecond'), \
-         updated_at = now() \
-     WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
-
-pub const FINISH: &str = "UPDATE idempotency_keys \
-     SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
-         response_status = $5, response_headers = $6, response_body = $7, \
-         finished_at = clock_timestamp(), updated_at = now() \
-     WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+/// The engine's own advance and finish, the very texts it sends: the raw baseline differs from
+/// the engine in everything around the statements, not in them.
+pub const ADVANCE: &str = idemflow_pg::statements::ADVANCE;
+pub const FINISH: &str = idemflow_pg::statements::FINISH;
 
 /// The raw replay: one primary-key select of the stored response.
 pub const SELECT_RESPONSE: &str = "SELECT response_status, response_headers, response_body \

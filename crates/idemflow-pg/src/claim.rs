@@ -26,6 +26,7 @@
 //! The message can also carry the transaction's [`Limits`] (`SET LOCAL …`), still in one round
 //! trip.
 
+use crate::statements;
 use std::fmt::Write;
 
 use sha2::{Digest, Sha256};
@@ -46,14 +47,6 @@ pub enum Claimed {
     /// is idle and ready for the look-up that finds the winner's row.
     Lost(PoolConnection<Postgres>),
 }
-
-/// The connection's prepared claim: the advisory lock and the insert in one statement. The lease
-/// is measured from the insert itself (`clock_timestamp()`), not from the transaction's start.
-const PREPARE: &str = "PREPARE idemflow_claim_v2 (bigint, text, text, bytea, text, jsonb, bigint, bigint) AS \
-     INSERT INTO idempotency_keys \
-         (tenant, key, fingerprint, workflow, request, locked_until, lock_version) \
-     SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8 \
-     FROM (SELECT pg_advisory_xact_lock($1)) AS locked";
 
 /// Begins a transaction holding the claim of a new key, in one round trip, under `limits`.
 pub async fn begin_claim(
@@ -86,11 +79,7 @@ async fn begin_claim_in(
             Ok(transaction) => {
                 return Ok(Claimed::Owned(
                     transaction,
-                    Owner {
-                        tenant: claim.tenant.clone(),
-                        key: claim.key.clone(),
-                        lock_version: claim.lock_version,
-                    },
+                    Owner::new(claim.tenant.clone(), claim.key.clone(), claim.lock_version),
                 ));
             }
             Err((error, returned)) if is_claim_conflict(&error) => {
@@ -100,7 +89,7 @@ async fn begin_claim_in(
                 // A new connection (or one whose statements were discarded): prepare, go again.
                 // "Already exists" means it exists on some other server connection (a pooler):
                 // the next form will tell.
-                match sqlx::Executor::execute(&mut *returned, PREPARE).await {
+                match sqlx::Executor::execute(&mut *returned, statements::PREPARE_CLAIM).await {
                     Ok(_) => {}
                     Err(error) if has_code(&error, "42P05") => {}
                     Err(error) => return Err(StoreError::Database(error)),
@@ -170,7 +159,7 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
     sql.reserve(320 + 2 * request.len());
     match form {
         Form::Prepared => {
-            let _ = write!(sql, "; EXECUTE idemflow_claim_v2({lock}, ");
+            let _ = write!(sql, "; EXECUTE {}({lock}, ", statements::CLAIM_NAME);
         }
         Form::Inline => {
             sql.push_str(
@@ -295,7 +284,7 @@ mod tests {
         else {
             panic!("a new key is ours");
         };
-        assert_eq!(owner.lock_version, claim.lock_version);
+        assert_eq!(owner.lock_version(), claim.lock_version);
         transaction.commit().await.expect("commit");
         let connection = pool.acquire().await.expect("connection");
         assert!(matches!(

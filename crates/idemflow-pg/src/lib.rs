@@ -8,6 +8,7 @@
 
 mod claim;
 mod maintenance;
+pub mod statements;
 mod store;
 mod transaction;
 

@@ -63,11 +63,7 @@ pub async fn take_over_due(
             Ok(DueKey {
                 workflow: row.get(2),
                 taken: TakenOver {
-                    owner: Owner {
-                        tenant,
-                        key,
-                        lock_version: row.get(3),
-                    },
+                    owner: Owner::new(tenant, key, row.get(3)),
                     attempts: row.get(7),
                     recovery_point: row.get(4),
                     phase_output: phase_output.map(|json| json.0),

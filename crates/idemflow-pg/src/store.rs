@@ -1,5 +1,6 @@
 use std::time::Duration;
 
+use crate::statements;
 use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
 use serde_json::Value;
 use sqlx::postgres::PgRow;
@@ -9,6 +10,7 @@ use crate::claim::claim_lock;
 
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// A fenced write updated no row: another owner took the key over (or it was finished or
     /// deleted). The caller must roll back its transaction and stop working on the key.
@@ -25,9 +27,34 @@ pub enum StoreError {
 /// The owner of a key: whoever holds its current fencing token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner {
-    pub tenant: TenantId,
-    pub key: Key,
-    pub lock_version: i64,
+    tenant: TenantId,
+    key: Key,
+    lock_version: i64,
+}
+
+impl Owner {
+    /// Only the store makes owners: a fence is what a claim or a takeover committed, never a
+    /// value a caller writes.
+    pub(crate) fn new(tenant: TenantId, key: Key, lock_version: i64) -> Self {
+        Self {
+            tenant,
+            key,
+            lock_version,
+        }
+    }
+
+    pub fn tenant(&self) -> &TenantId {
+        &self.tenant
+    }
+
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// The fencing token: every write of this owner is refused once the row holds another.
+    pub fn lock_version(&self) -> i64 {
+        self.lock_version
+    }
 }
 
 /// Everything a claim stores.
@@ -152,22 +179,12 @@ pub async fn look_up(
     tenant: &TenantId,
     key: &Key,
 ) -> Result<LookUp, StoreError> {
-    let row = sqlx::query(
-        "(SELECT fingerprint, workflow, state = 'done', \
-                 ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint, \
-                 lock_version, response_status, response_headers, response_body, false, NULL \
-          FROM idempotency_keys WHERE tenant = $1 AND key = $2) \
-         UNION ALL \
-         (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
-                 NOT pg_try_advisory_xact_lock_shared($3), \
-                 nextval('idempotency_keys_fence')) \
-         LIMIT 1",
-    )
-    .bind(tenant.as_str())
-    .bind(key.as_str())
-    .bind(claim_lock(tenant, key))
-    .fetch_one(connection)
-    .await?;
+    let row = sqlx::query(statements::LOOK_UP)
+        .bind(tenant.as_str())
+        .bind(key.as_str())
+        .bind(claim_lock(tenant, key))
+        .fetch_one(connection)
+        .await?;
     let fingerprint: Option<Vec<u8>> = row.get(0);
     let Some(fingerprint) = fingerprint else {
         let claiming: bool = row.get(8);
@@ -246,11 +263,9 @@ fn key_row(row: &PgRow) -> Result<KeyRow, StoreError> {
 /// request gets its token from the look-up ([`LookUp::Absent`]) instead; this is for claims
 /// made without one (tests, tools).
 pub async fn next_lock_version(connection: &mut PgConnection) -> Result<i64, StoreError> {
-    Ok(
-        sqlx::query_scalar("SELECT nextval('idempotency_keys_fence')")
-            .fetch_one(connection)
-            .await?,
-    )
+    Ok(sqlx::query_scalar(statements::NEXT_FENCE)
+        .fetch_one(connection)
+        .await?)
 }
 
 /// Takes over a started key whose lease expired, by compare-and-set on the fencing token the
@@ -291,11 +306,7 @@ pub async fn take_over(
         let phase_output: Option<sqlx::types::Json<Value>> = row.get(2);
         let request: sqlx::types::Json<Value> = row.get(3);
         TakenOver {
-            owner: Owner {
-                tenant: tenant.clone(),
-                key: key.clone(),
-                lock_version: row.get(0),
-            },
+            owner: Owner::new(tenant.clone(), key.clone(), row.get(0)),
             attempts: row.get(4),
             recovery_point: row.get(1),
             phase_output: phase_output.map(|json| json.0),
@@ -315,22 +326,15 @@ pub async fn advance(
     phase_output: &Value,
     lease: Duration,
 ) -> Result<(), StoreError> {
-    let result = sqlx::query(
-        "UPDATE idempotency_keys \
-         SET recovery_point = $4, phase_output = $5, attempts = 1, last_error = NULL, \
-             locked_until = greatest(locked_until, \
-                                     clock_timestamp() + $6::bigint * interval '1 millisecond'), \
-             updated_at = now() \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
-    )
-    .bind(owner.tenant.as_str())
-    .bind(owner.key.as_str())
-    .bind(owner.lock_version)
-    .bind(recovery_point)
-    .bind(sqlx::types::Json(phase_output))
-    .bind(millis(lease))
-    .execute(connection)
-    .await?;
+    let result = sqlx::query(statements::ADVANCE)
+        .bind(owner.tenant.as_str())
+        .bind(owner.key.as_str())
+        .bind(owner.lock_version)
+        .bind(recovery_point)
+        .bind(sqlx::types::Json(phase_output))
+        .bind(millis(lease))
+        .execute(connection)
+        .await?;
     fenced(result.rows_affected())
 }
 
@@ -343,22 +347,16 @@ pub async fn finish(
     recovery_point: &str,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
-    let result = sqlx::query(
-        "UPDATE idempotency_keys \
-         SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
-             response_status = $5, response_headers = $6, response_body = $7, \
-             finished_at = clock_timestamp(), updated_at = now() \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
-    )
-    .bind(owner.tenant.as_str())
-    .bind(owner.key.as_str())
-    .bind(owner.lock_version)
-    .bind(recovery_point)
-    .bind(i16::try_from(response.status).unwrap_or(i16::MAX))
-    .bind(sqlx::types::Json(&response.headers))
-    .bind(response.body.as_slice())
-    .execute(connection)
-    .await?;
+    let result = sqlx::query(statements::FINISH)
+        .bind(owner.tenant.as_str())
+        .bind(owner.key.as_str())
+        .bind(owner.lock_version)
+        .bind(recovery_point)
+        .bind(i16::try_from(response.status).unwrap_or(i16::MAX))
+        .bind(sqlx::types::Json(&response.headers))
+        .bind(response.body.as_slice())
+        .execute(connection)
+        .await?;
     fenced(result.rows_affected())
 }
 

@@ -1,0 +1,99 @@
+//! The engine's statements on `idempotency_keys` that other code must send exactly as the engine
+//! does: the benchmark's pgbench scripts are built from these texts (values substituted for the
+//! `$n` parameters), never from a copy. A tidy test (tests/tidy.rs) fails when SQL naming
+//! `idempotency_keys` appears in library code outside this crate, but where it says why.
+
+/// The look-up: the key's row (what deciding needs, the response of a finished key) or, when
+/// there is none, whether a claim of it is in flight (its claim lock is held: the shared try-lock
+/// fails) and a fencing token drawn for the claim this request may make. `$1` tenant, `$2` key,
+/// `$3` the key's claim lock. The second branch runs only when the first returns no row.
+pub const LOOK_UP: &str = "(SELECT fingerprint, workflow, state = 'done', \
+         ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint, \
+         lock_version, response_status, response_headers, response_body, false, NULL \
+  FROM idempotency_keys WHERE tenant = $1 AND key = $2) \
+ UNION ALL \
+ (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
+         NOT pg_try_advisory_xact_lock_shared($3), \
+         nextval('idempotency_keys_fence')) \
+ LIMIT 1";
+
+/// The name the claim is prepared under on each connection.
+pub const CLAIM_NAME: &str = "idemflow_claim_v2";
+
+/// The connection's prepared claim: the advisory lock and the insert in one statement. The lease
+/// is measured from the insert itself (`clock_timestamp()`), not from the transaction's start.
+/// `$1` claim lock, `$2` tenant, `$3` key, `$4` fingerprint, `$5` workflow, `$6` request, `$7`
+/// lease in ms, `$8` fencing token.
+pub const PREPARE_CLAIM: &str = "PREPARE idemflow_claim_v2 \
+     (bigint, text, text, bytea, text, jsonb, bigint, bigint) AS \
+     INSERT INTO idempotency_keys \
+         (tenant, key, fingerprint, workflow, request, locked_until, lock_version) \
+     SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8 \
+     FROM (SELECT pg_advisory_xact_lock($1)) AS locked";
+
+/// Records a completed phase (fenced): `$1` tenant, `$2` key, `$3` lock_version, `$4` recovery
+/// point, `$5` its output, `$6` lease in ms, measured from this statement and never shortening.
+pub const ADVANCE: &str = "UPDATE idempotency_keys \
+ SET recovery_point = $4, phase_output = $5, attempts = 1, last_error = NULL, \
+     locked_until = greatest(locked_until, \
+                             clock_timestamp() + $6::bigint * interval '1 millisecond'), \
+     updated_at = now() \
+ WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+
+/// Stores the response and marks the key done (fenced): `$1` tenant, `$2` key, `$3`
+/// lock_version, `$4` recovery point, `$5` status, `$6` headers, `$7` body.
+pub const FINISH: &str = "UPDATE idempotency_keys \
+ SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
+     response_status = $5, response_headers = $6, response_body = $7, \
+     finished_at = clock_timestamp(), updated_at = now() \
+ WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+
+/// A fresh fencing token.
+pub const NEXT_FENCE: &str = "SELECT nextval('idempotency_keys_fence')";
+
+/// The fencing token this session drew last (what the look-up drew for a claim).
+pub const LAST_FENCE: &str = "currval('idempotency_keys_fence')";
+
+/// `sql` with each `$n` replaced by `values[n - 1]`: for tools that must send the engine's
+/// statements where they cannot bind (pgbench scripts). Values are SQL expressions, inserted as
+/// they are.
+pub fn with_values(sql: &str, values: &[&str]) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits: String = rest[at + 1..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        match digits
+            .parse::<usize>()
+            .ok()
+            .and_then(|n| values.get(n.wrapping_sub(1)))
+        {
+            Some(value) => out.push_str(value),
+            None => {
+                out.push('$');
+                out.push_str(&digits);
+            }
+        }
+        rest = &rest[at + 1 + digits.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_are_replaced_by_number_not_by_prefix() {
+        let sql = "SELECT $1, $10, $2::bigint, '$' || $3";
+        let values = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
+        assert_eq!(
+            with_values(sql, &values),
+            "SELECT a, j, b::bigint, '$' || c"
+        );
+    }
+}
