@@ -76,7 +76,7 @@ async fn a_claim_commits_with_its_transaction_and_stores_every_value(pool: PgPoo
     else {
         panic!("a new key is ours");
     };
-    assert_eq!(owner.lock_version, 1 << 40);
+    assert_eq!(owner.lock_version(), 1 << 40);
     tx.commit().await.unwrap();
 
     let (stored_tenant, stored_key, stored_fingerprint, stored_request, lease_left): (

@@ -63,7 +63,7 @@ async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
     // Life 1: claimed, its owner stalls, the lease expires, a takeover deletes the key.
     let claimer = claim_committed(&pool, &tenant, &key, 1).await;
     expire_lease(&pool, "reused").await;
-    let taker = store::take_over(&mut connection, &tenant, &key, claimer.lock_version, long)
+    let taker = store::take_over(&mut connection, &tenant, &key, claimer.lock_version(), long)
         .await
         .unwrap()
         .expect("the expired lease is taken over");
@@ -73,8 +73,8 @@ async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
 
     // Life 2: the same key, another request.
     let new_owner = claim_committed(&pool, &tenant, &key, 2).await;
-    assert_ne!(new_owner.lock_version, claimer.lock_version);
-    assert_ne!(new_owner.lock_version, taker.owner.lock_version);
+    assert_ne!(new_owner.lock_version(), claimer.lock_version());
+    assert_ne!(new_owner.lock_version(), taker.owner.lock_version());
 
     // Both owners of life 1 wake up: every write they try is fenced, the row unchanged.
     let response = StoredResponse::new(200, "from an earlier life");

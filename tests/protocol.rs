@@ -531,7 +531,7 @@ async fn every_kind_of_stale_write_is_fenced(pool: PgPool) {
         &mut connection,
         &tenant,
         &key,
-        stale.lock_version,
+        stale.lock_version(),
         Duration::from_secs(60),
     );
     assert!(too_early.await.unwrap().is_none());
@@ -541,20 +541,20 @@ async fn every_kind_of_stale_write_is_fenced(pool: PgPool) {
         &mut connection,
         &tenant,
         &key,
-        stale.lock_version,
+        stale.lock_version(),
         Duration::from_secs(60),
     )
     .await
     .unwrap()
     .unwrap();
-    assert_ne!(taken.owner.lock_version, stale.lock_version);
+    assert_ne!(taken.owner.lock_version(), stale.lock_version());
     // A second takeover with the same token loses the compare-and-set.
     expire_lease(&pool, "fenced").await;
     let again = store::take_over(
         &mut connection,
         &tenant,
         &key,
-        stale.lock_version,
+        stale.lock_version(),
         Duration::from_secs(60),
     );
     assert!(again.await.unwrap().is_none());

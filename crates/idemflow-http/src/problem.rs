@@ -15,14 +15,19 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// An RFC 9457 problem: `type` is `about:blank`, `code` says which one in a word.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
+    /// The response status, also the document's `status`.
     pub status: StatusCode,
+    /// A stable snake_case word for the problem (`idempotency_key_reused`), for clients to match
+    /// on; the document's `code`.
     pub code: &'static str,
+    /// What went wrong, for a human; the document's `detail`.
     pub detail: String,
     /// Seconds, for `Retry-After`.
     pub retry_after: Option<u64>,
 }
 
 impl Problem {
+    /// A problem without `Retry-After`.
     pub fn new(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Self {
         Self {
             status,
@@ -32,6 +37,7 @@ impl Problem {
         }
     }
 
+    /// Adds `Retry-After`: `wait` in whole seconds, rounded up, at least 1.
     pub fn retry_after(mut self, wait: Duration) -> Self {
         self.retry_after = Some(seconds(wait));
         self
@@ -125,6 +131,16 @@ pub fn respond(result: Result<Outcome, RunError>) -> Response {
         )
         .retry_after(retry_after)
         .into_response(),
+        Ok(other) => {
+            // An outcome this layer was not built to know of: a bug to fix, answered in general.
+            tracing::error!(?other, "an outcome the HTTP layer does not know");
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "the request failed on an internal error; retry with the same idempotency key",
+            )
+            .into_response()
+        }
         Err(RunError::Fenced) => Problem::new(
             StatusCode::CONFLICT,
             "request_in_progress",
@@ -171,6 +187,11 @@ fn rejected(rejection: &Rejection) -> Problem {
             StatusCode::UNPROCESSABLE_ENTITY,
             "request_invalid",
             why.clone(),
+        ),
+        other => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "request_invalid",
+            other.to_string(),
         ),
     }
 }

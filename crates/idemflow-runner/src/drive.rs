@@ -385,7 +385,7 @@ impl Drive<'_> {
             committed = name;
         }
         if let Some(open) = self.tx.take() {
-            let key = self.owner.key.clone();
+            let key = self.owner.key().clone();
             runner
                 .crash_points
                 .check(|| CrashPoint::BeforeCommit { phase: committed }, &key)
@@ -448,7 +448,7 @@ impl Drive<'_> {
         let runner = self.runner;
         let step = &workflow.steps[position];
         let failure = |error| Failure::of(foreign.name(), foreign.retry_policy(), error);
-        let key = self.owner.key.clone();
+        let key = self.owner.key().clone();
         runner
             .crash_points
             .check(
@@ -458,7 +458,7 @@ impl Drive<'_> {
                 &key,
             )
             .await?;
-        let derived_key = DerivedKey::new(&self.owner.tenant, &self.owner.key, step.name());
+        let derived_key = DerivedKey::new(self.owner.tenant(), self.owner.key(), step.name());
         let span = tracing::info_span!(
             "idemflow.phase", phase = foreign.name(), kind = "foreign", derived_key = %derived_key
         );
@@ -524,7 +524,7 @@ impl Drive<'_> {
         store::finish(open, &self.owner, last.raw_name(), &response)
             .await
             .map_err(|error| store_stop(error, "storing the response", failure))?;
-        let key = self.owner.key.clone();
+        let key = self.owner.key().clone();
         runner
             .crash_points
             .check(|| CrashPoint::BeforeFinish, &key)
@@ -742,9 +742,9 @@ impl Drive<'_> {
             ))),
             Hold::Claim(fingerprint) => {
                 let claim = ClaimRequest {
-                    tenant: &self.owner.tenant,
-                    key: &self.owner.key,
-                    lock_version: self.owner.lock_version,
+                    tenant: self.owner.tenant(),
+                    key: self.owner.key(),
+                    lock_version: self.owner.lock_version(),
                     fingerprint,
                     workflow: workflow.name(),
                     request: &self.request,
@@ -760,8 +760,8 @@ impl Drive<'_> {
                 let mut tx = Tx::begin_limited(pool.acquire().await?, workflow.limits()).await?;
                 let taken = store::take_over(
                     &mut tx,
-                    &self.owner.tenant,
-                    &self.owner.key,
+                    self.owner.tenant(),
+                    self.owner.key(),
                     *seen,
                     workflow.lease(),
                 )
@@ -913,7 +913,7 @@ fn store_stop(error: StoreError, doing: &str, failure: impl FnOnce(PhaseError) -
     match error {
         StoreError::Fenced => Stop::Error(RunError::Fenced),
         StoreError::Database(error) => Stop::failed(failure(database_error(doing, &error))),
-        StoreError::Corrupt(message) => Stop::Error(RunError::Corrupt(message)),
+        other => Stop::Error(other.into()),
     }
 }
 

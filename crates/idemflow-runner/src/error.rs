@@ -2,6 +2,7 @@ use idemflow_pg::StoreError;
 
 /// Why a run failed without an [`crate::Outcome`]: the database, not the request.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RunError {
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
@@ -27,6 +28,8 @@ impl From<StoreError> for RunError {
             StoreError::Fenced => Self::Fenced,
             StoreError::Database(error) => Self::Database(error),
             StoreError::Corrupt(message) => Self::Corrupt(message),
+            // A kind of store error this runner was not built to know of.
+            other => Self::Corrupt(other.to_string()),
         }
     }
 }

@@ -6,6 +6,10 @@ mod drive;
 mod error;
 mod metrics;
 pub use metrics::{CATALOGUE as METRICS, describe_metrics};
+/// The sqlx this engine is built with: phases take its `PgConnection`; use this one rather than
+/// pinning a second copy.
+pub use sqlx;
+pub use sqlx::{PgConnection, PgPool};
 mod outcome;
 mod panic;
 mod phase;

@@ -4,6 +4,7 @@ use idemflow_core::{CanonicalError, KeyError, StoredResponse};
 
 /// What became of a request. Each variant carries what an HTTP layer needs to answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// This call ran the request (or finished it after a takeover); the response is stored.
     /// A terminal phase error under [`crate::TerminalPolicy::Store`] ends here too.
@@ -33,6 +34,7 @@ pub enum Outcome {
 
 /// Why a request was rejected before execution.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Rejection {
     #[error("invalid idempotency key: {0}")]
     InvalidKey(#[from] KeyError),

@@ -174,7 +174,7 @@ impl Resumer {
             }
             Err(error) => {
                 if let Some(owner) = owners.remove(&error.id()) {
-                    tracing::error!(tenant = %owner.tenant, key = %owner.key, %error, "a resumed key's task ended abnormally");
+                    tracing::error!(tenant = %owner.tenant(), key = %owner.key(), %error, "a resumed key's task ended abnormally");
                     metrics::counter!("idemflow_resume_errors_total").increment(1);
                     self.release_stopped(&owner, "stopped: its task panicked")
                         .await;
@@ -328,7 +328,10 @@ impl Resumer {
             return None;
         };
         let started = Instant::now();
-        let (tenant, key) = (due.taken.owner.tenant.clone(), due.taken.owner.key.clone());
+        let (tenant, key) = (
+            due.taken.owner.tenant().clone(),
+            due.taken.owner.key().clone(),
+        );
         match self.runner.resume(workflow, due.taken).await {
             Ok(outcome) => {
                 metrics::histogram!("idemflow_resume_duration_seconds")
@@ -351,10 +354,10 @@ impl Resumer {
         };
         match released {
             Ok(()) => {
-                tracing::info!(tenant = %owner.tenant, key = %owner.key, "stopped key released")
+                tracing::info!(tenant = %owner.tenant(), key = %owner.key(), "stopped key released")
             }
             Err(error) => {
-                tracing::warn!(tenant = %owner.tenant, key = %owner.key, %error, "stopped key not released")
+                tracing::warn!(tenant = %owner.tenant(), key = %owner.key(), %error, "stopped key not released")
             }
         }
     }

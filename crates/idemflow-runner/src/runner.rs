@@ -130,19 +130,19 @@ impl Runner {
     pub async fn resume(&self, workflow: &Workflow, taken: TakenOver) -> Result<Outcome, RunError> {
         let span = tracing::info_span!(
             "idemflow.resume",
-            tenant = %taken.owner.tenant,
-            key = %taken.owner.key,
+            tenant = %taken.owner.tenant(),
+            key = %taken.owner.key(),
             workflow = workflow.name(),
-            lock_version = taken.owner.lock_version,
+            lock_version = taken.owner.lock_version(),
             attempt = taken.attempts,
         );
         async {
             metrics::count(metrics::TAKEOVERS, workflow.name());
             let context = PhaseContext {
-                tenant: taken.owner.tenant.clone(),
-                key: taken.owner.key.clone(),
+                tenant: taken.owner.tenant().clone(),
+                key: taken.owner.key().clone(),
                 attempt: u32::try_from(taken.attempts).unwrap_or(u32::MAX),
-                lock_version: taken.owner.lock_version,
+                lock_version: taken.owner.lock_version(),
             };
             let start = Start {
                 owner: taken.owner,
@@ -221,13 +221,13 @@ impl Runner {
                     let claimed_at = std::time::Instant::now();
                     match store::begin_claim(connection, &claim, workflow.limits()).await? {
                         Claimed::Owned(tx, owner) => {
-                            tracing::Span::current().record("lock_version", owner.lock_version);
+                            tracing::Span::current().record("lock_version", owner.lock_version());
                             metrics::count(metrics::CLAIMS, workflow.name());
                             let context = PhaseContext {
                                 tenant: tenant.clone(),
                                 key: key.clone(),
                                 attempt: 1,
-                                lock_version: owner.lock_version,
+                                lock_version: owner.lock_version(),
                             };
                             let start = Start {
                                 owner,
@@ -278,7 +278,7 @@ impl Runner {
                 tx.rollback().await?;
                 continue;
             };
-            tracing::Span::current().record("lock_version", taken.owner.lock_version);
+            tracing::Span::current().record("lock_version", taken.owner.lock_version());
             tracing::info!(recovery_point = %taken.recovery_point, "took over an expired lease");
             metrics::count(metrics::TAKEOVERS, workflow.name());
             // From the start, the stored request is decoded as a resumer would (the same
@@ -291,7 +291,7 @@ impl Runner {
                 tenant: tenant.clone(),
                 key: key.clone(),
                 attempt: u32::try_from(taken.attempts).unwrap_or(u32::MAX),
-                lock_version: taken.owner.lock_version,
+                lock_version: taken.owner.lock_version(),
             };
             let start = Start {
                 owner: taken.owner,

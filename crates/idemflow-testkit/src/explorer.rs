@@ -67,15 +67,21 @@ impl fmt::Display for Scenario {
 /// One case: its key, what went wrong and how it was recovered.
 #[derive(Debug, Clone)]
 pub struct Case {
+    /// The tenant the request is sent as (the explorer's, the same for every case).
     pub tenant: TenantId,
+    /// The case's own idempotency key (`explore-<n>-<scenario>-<recovery>`): what a check
+    /// looks its rows up by.
     pub key: String,
+    /// What went wrong in the first attempt.
     pub scenario: Scenario,
+    /// How the case was then finished.
     pub recovery: Recovery,
 }
 
 /// What a case came to.
 #[derive(Debug, Clone)]
 pub struct CaseResult {
+    /// The case that ran.
     pub case: Case,
     /// What the first attempt returned.
     pub first_attempt: String,
@@ -84,6 +90,7 @@ pub struct CaseResult {
 }
 
 impl CaseResult {
+    /// Whether every check held.
     pub fn passed(&self) -> bool {
         self.failures.is_empty()
     }
@@ -92,10 +99,12 @@ impl CaseResult {
 /// Every case's result.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
+    /// One per case run, in the order of [`Explorer::cases`].
     pub results: Vec<CaseResult>,
 }
 
 impl Report {
+    /// The cases that did not pass, in order.
     pub fn failed(&self) -> Vec<&CaseResult> {
         self.results
             .iter()
@@ -161,9 +170,49 @@ impl fmt::Display for Report {
 
 /// A check of your own, run after each case: `Err(why)` fails it.
 pub type Check = Box<dyn for<'a> Fn(&'a PgPool, &'a Case) -> CheckFuture<'a> + Send + Sync>;
+
+/// What a [`Check`] returns: `Ok(())`, or `Err(why)` to fail the case.
 pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
 
 /// Explores one workflow with one request.
+///
+/// ```no_run
+/// use idemflow_core::TenantId;
+/// use idemflow_testkit::explorer::{Case, CheckFuture, Explorer};
+/// use idemflow_testkit::provider::MockProvider;
+/// use sqlx::PgPool;
+/// # fn checkout_workflow(
+/// #     _: idemflow_testkit::provider_client::ProviderClient,
+/// # ) -> idemflow_runner::Workflow {
+/// #     unimplemented!()
+/// # }
+///
+/// /// Local effects exactly once: one order per request.
+/// fn one_order<'a>(pool: &'a PgPool, case: &'a Case) -> CheckFuture<'a> {
+///     Box::pin(async move {
+///         let orders: i64 =
+///             sqlx::query_scalar("SELECT count(*) FROM orders WHERE request_key = $1")
+///                 .bind(&case.key)
+///                 .fetch_one(pool)
+///                 .await
+///                 .map_err(|error| error.to_string())?;
+///         if orders == 1 { Ok(()) } else { Err(format!("{orders} orders for one request")) }
+///     })
+/// }
+///
+/// # async fn example(pool: PgPool) {
+/// let provider = MockProvider::start().await;
+/// // Your workflow, charging through the mock provider.
+/// let checkout = checkout_workflow(provider.client());
+/// let body = br#"{"amount": 2500, "currency": "usd", "source": "tok_visa"}"#;
+/// let report = Explorer::new(pool, checkout, TenantId::from(7_u64), "/v1/checkouts", body)
+///     .check("one order per request", one_order)
+///     .run(Some(&provider))
+///     .await;
+/// println!("{report}");
+/// report.assert_all_passed();
+/// # }
+/// ```
 pub struct Explorer {
     pool: PgPool,
     workflow: Arc<Workflow>,
@@ -532,6 +581,7 @@ fn describe(result: &Result<Outcome, RunError>) -> String {
         Ok(Outcome::Rejected(rejection)) => format!("rejected: {rejection}"),
         Ok(Outcome::Interrupted { .. }) => "interrupted".to_owned(),
         Ok(Outcome::Released(response)) => format!("released {}", response.status),
+        Ok(other) => format!("{other:?}"),
         Err(RunError::Crashed(point)) => format!("crashed at {point}"),
         Err(error) => format!("error: {error}"),
     }

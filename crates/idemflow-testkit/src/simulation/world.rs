@@ -130,16 +130,27 @@ pub(crate) struct Log {
 /// How much of each thing a schedule did.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Counts {
+    /// Turns granted to an actor waiting at a crash point or at the start of a phase.
     pub grants: u64,
+    /// Runs stopped at a crash point, as if their process died.
     pub crashes: u64,
+    /// Client requests sent: first attempts, retries, and new requests under a released key.
     pub requests: u64,
+    /// Resumer drains started.
     pub drains: u64,
+    /// Leases expired by rewinding them in SQL.
     pub lease_expiries: u64,
+    /// Keys released by the operator (`idemflow release`).
     pub releases: u64,
+    /// Retention runs by the operator.
     pub expiries: u64,
+    /// Clock jumps (25 hours, past the retention window).
     pub time_jumps: u64,
+    /// Engine connections killed by the server.
     pub kills: u64,
+    /// Stored phase outputs corrupted, as a deploy changing a type would.
     pub corruptions: u64,
+    /// Foreign calls started (each checked: by the owner, on a live lease).
     pub calls: u64,
 }
 
@@ -580,6 +591,7 @@ fn describe(result: &Result<Outcome, RunError>) -> String {
         Ok(Outcome::Rejected(why)) => format!("rejected: {why}"),
         Ok(Outcome::Interrupted { error, .. }) => format!("interrupted: {error}"),
         Ok(Outcome::Released(response)) => format!("released {}", response.status),
+        Ok(other) => format!("{other:?}"),
         Err(error) => format!("error: {error}"),
     }
 }
