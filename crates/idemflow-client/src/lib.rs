@@ -44,6 +44,8 @@
 //! # }
 //! ```
 
+#![deny(missing_docs)]
+
 mod client;
 mod header;
 mod journal;

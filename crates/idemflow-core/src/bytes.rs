@@ -9,10 +9,12 @@ use base64::engine::general_purpose::STANDARD;
 use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserializer, Serializer};
 
+/// Writes `bytes` as one padded base64 string.
 pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&STANDARD.encode(bytes))
 }
 
+/// Reads bytes from a base64 string, or from an array of numbers (each 0 to 255).
 pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
     deserializer.deserialize_any(BytesVisitor)
 }

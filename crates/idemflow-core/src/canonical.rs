@@ -41,12 +41,17 @@ pub const MAX_DEPTH: usize = 128;
 /// Why a body cannot be canonicalized.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CanonicalError {
+    /// The input is not valid UTF-8.
     #[error("the body is not valid UTF-8")]
     InvalidUtf8,
+    /// The input breaks the JSON grammar, nests deeper than [`MAX_DEPTH`], holds a lone
+    /// surrogate escape or has trailing content; the text says where and what.
     #[error("the body is not valid JSON: {0}")]
     Syntax(String),
+    /// An object holds this key twice (compared after unescaping).
     #[error("the object key {0:?} appears twice")]
     DuplicateKey(String),
+    /// This number, as written, is beyond the range of a double (`1e400`).
     #[error("the number {0} is beyond the range of a double")]
     NumberOutOfRange(String),
 }
@@ -66,7 +71,9 @@ pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
 /// `serde_json` gives, built from the same parse.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Canonical {
+    /// The canonical text: what [`canonicalize`] returns, and what a fingerprint hashes.
     pub bytes: Vec<u8>,
+    /// The same document as a `serde_json` value, equal to reading `bytes` back.
     pub value: serde_json::Value,
 }
 

@@ -7,7 +7,10 @@ use crate::Fingerprint;
 pub enum KeyState {
     /// Execution started and has not finished. `lease_left` is measured by the database clock:
     /// zero means the lease expired and the key may be taken over.
-    Started { lease_left: Duration },
+    Started {
+        /// How long the owner's lease still runs; zero once it expired.
+        lease_left: Duration,
+    },
     /// Finished; its response is stored.
     Done,
 }
@@ -15,9 +18,11 @@ pub enum KeyState {
 /// What a failed claim found under the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoredKey<'a> {
+    /// The fingerprint of the request that claimed the key.
     pub fingerprint: &'a Fingerprint,
     /// The workflow (name and version) that claimed the key.
     pub workflow: &'a str,
+    /// Whether the key is still running or finished.
     pub state: KeyState,
 }
 
@@ -27,7 +32,10 @@ pub enum Decision {
     /// The key finished: answer with its stored response.
     Replay,
     /// Another owner holds a live lease: answer 409 and let the client retry after this long.
-    InProgress { retry_after: Duration },
+    InProgress {
+        /// What is left of the owner's lease: the `Retry-After` to send.
+        retry_after: Duration,
+    },
     /// The key was used for a different request: answer 422.
     Mismatch,
     /// The owner's lease expired: take the key over (compare-and-set on lock_version) and resume.

@@ -21,6 +21,8 @@ impl DerivedKey {
     /// The longest derived key, in bytes.
     pub const MAX_BYTES: usize = 255;
 
+    /// The derived key of `phase` for the request keyed `key` of `tenant`: the plain form when
+    /// it fits [`DerivedKey::MAX_BYTES`], the hashed form otherwise.
     pub fn new(tenant: &TenantId, key: &Key, phase: PhaseName) -> Self {
         let plain_length = tenant.as_str().len() + key.as_str().len() + phase.as_str().len() + 2;
         if plain_length <= Self::MAX_BYTES {
@@ -40,6 +42,7 @@ impl DerivedKey {
         Self(text)
     }
 
+    /// The key as sent to the other system.
     pub fn as_str(&self) -> &str {
         &self.0
     }

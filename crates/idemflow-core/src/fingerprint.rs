@@ -101,6 +101,7 @@ impl Fingerprint {
         hasher
     }
 
+    /// Rebuilds a fingerprint from its 32 digest bytes (as stored).
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
     }
@@ -110,10 +111,12 @@ impl Fingerprint {
         bytes.try_into().ok().map(Self)
     }
 
+    /// The 32 digest bytes, as stored.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
 
+    /// The digest as 64 lowercase hex digits; also what `Display` writes.
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|byte| format!("{byte:02x}")).collect()
     }

@@ -11,18 +11,28 @@ pub struct Key(String);
 /// Why a string is not a valid [`Key`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
+    /// The key is the empty string.
     #[error("the idempotency key is empty")]
     Empty,
+    /// The key is longer than [`Key::MAX_BYTES`].
     #[error("the idempotency key is {length} bytes long; at most {max} are allowed", max = Key::MAX_BYTES)]
-    TooLong { length: usize },
+    TooLong {
+        /// The key's length, in bytes.
+        length: usize,
+    },
+    /// The key holds a byte outside printable ASCII (space through `~`).
     #[error("the idempotency key holds a character outside printable ASCII at byte {position}")]
-    NotPrintable { position: usize },
+    NotPrintable {
+        /// The offset of the first such byte.
+        position: usize,
+    },
 }
 
 impl Key {
     /// The longest key accepted, in bytes.
     pub const MAX_BYTES: usize = 255;
 
+    /// Validates a key as received; the text is kept as is, never trimmed or case-folded.
     pub fn parse(text: &str) -> Result<Self, KeyError> {
         if text.is_empty() {
             return Err(KeyError::Empty);
@@ -36,6 +46,7 @@ impl Key {
         Ok(Self(text.to_owned()))
     }
 
+    /// The key as received.
     pub fn as_str(&self) -> &str {
         &self.0
     }

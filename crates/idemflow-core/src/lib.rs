@@ -4,6 +4,8 @@
 //! what it is ([`Fingerprint`] over [`canonical`] JSON), what to do when a key already exists
 //! ([`decide`]), and the durable names a workflow is made of ([`PhaseName`], [`DerivedKey`]).
 
+#![deny(missing_docs)]
+
 pub mod bytes;
 pub mod canonical;
 mod decide;

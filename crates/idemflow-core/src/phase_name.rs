@@ -11,17 +11,31 @@ pub struct PhaseName(&'static str);
 /// Why a phase name is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PhaseNameError {
+    /// The name is empty or longer than [`PhaseName::MAX_BYTES`].
     #[error("phase name {name:?} is empty or longer than {max} bytes", max = PhaseName::MAX_BYTES)]
-    Length { name: String },
+    Length {
+        /// The name given.
+        name: String,
+    },
+    /// The name holds a character other than `a`-`z`, `0`-`9`, `_`, `-` or `.`.
     #[error("phase name {name:?} holds a character other than a-z, 0-9, '_', '-' or '.'")]
-    InvalidCharacter { name: String },
+    InvalidCharacter {
+        /// The name given.
+        name: String,
+    },
+    /// The name is `start`, the recovery point before any phase.
     #[error("phase name {name:?} is reserved")]
-    Reserved { name: String },
+    Reserved {
+        /// The name given.
+        name: String,
+    },
 }
 
 impl PhaseName {
+    /// The longest phase name accepted, in bytes.
     pub const MAX_BYTES: usize = 64;
 
+    /// Validates a phase name. Names are `'static`: they are part of the code, not of the data.
     pub fn new(name: &'static str) -> Result<Self, PhaseNameError> {
         if name.is_empty() || name.len() > Self::MAX_BYTES {
             return Err(PhaseNameError::Length {
@@ -44,6 +58,7 @@ impl PhaseName {
         Ok(Self(name))
     }
 
+    /// The name, as stored in the recovery point.
     pub fn as_str(&self) -> &'static str {
         self.0
     }
@@ -64,7 +79,10 @@ impl fmt::Display for PhaseName {
 /// Where a started key stands: before any phase, or after the named phase completed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecoveryPoint {
+    /// No phase has completed yet.
     Start,
+    /// The named phase completed; the workflow resumes with the phase after it. The name is
+    /// the stored text, not yet checked against the workflow's phases.
     After(String),
 }
 
@@ -72,6 +90,7 @@ impl RecoveryPoint {
     /// The stored text of [`RecoveryPoint::Start`].
     pub const START: &'static str = "start";
 
+    /// Reads a recovery point from its stored text: `start`, or a phase name.
     pub fn from_stored(text: &str) -> Self {
         if text == Self::START {
             Self::Start
@@ -80,6 +99,7 @@ impl RecoveryPoint {
         }
     }
 
+    /// The stored text: `start`, or the phase name.
     pub fn as_str(&self) -> &str {
         match self {
             Self::Start => Self::START,

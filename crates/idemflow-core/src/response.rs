@@ -14,6 +14,7 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
+    /// A response with this status and body, and no headers.
     pub fn new(status: u16, body: impl Into<Vec<u8>>) -> Self {
         Self {
             status,
@@ -43,6 +44,7 @@ impl StoredResponse {
         }
     }
 
+    /// Appends a header, after those already there.
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), value.into()));
         self

@@ -13,20 +13,30 @@ pub struct TenantId(String);
 /// Why a string is not a valid [`TenantId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TenantError {
+    /// The tenant id is the empty string.
     #[error("the tenant id is empty")]
     Empty,
+    /// The tenant id is longer than [`TenantId::MAX_BYTES`].
     #[error("the tenant id is {length} bytes long; at most {max} are allowed", max = TenantId::MAX_BYTES)]
-    TooLong { length: usize },
+    TooLong {
+        /// The tenant id's length, in bytes.
+        length: usize,
+    },
+    /// The tenant id holds a character other than ASCII letters, digits, `-`, `_` or `.`.
     #[error(
         "the tenant id holds a character other than ASCII letters, digits, '-', '_' or '.' at byte {position}"
     )]
-    InvalidCharacter { position: usize },
+    InvalidCharacter {
+        /// The offset of the first such byte.
+        position: usize,
+    },
 }
 
 impl TenantId {
     /// The longest tenant id accepted, in bytes.
     pub const MAX_BYTES: usize = 128;
 
+    /// Validates a tenant id; the text is kept as is.
     pub fn new(text: impl Into<String>) -> Result<Self, TenantError> {
         let text = text.into();
         if text.is_empty() {
@@ -42,6 +52,7 @@ impl TenantId {
         Ok(Self(text))
     }
 
+    /// The tenant id's text.
     pub fn as_str(&self) -> &str {
         &self.0
     }

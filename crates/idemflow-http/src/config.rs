@@ -35,6 +35,7 @@ impl HttpConfig {
         }
     }
 
+    /// Whether requests with `method` take a key (are in [`HttpConfig::methods`]).
     pub fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
     }

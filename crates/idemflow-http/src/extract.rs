@@ -13,12 +13,30 @@ use crate::problem::Problem;
 /// `idempotency_key_invalid`) before the handler runs.
 ///
 /// ```no_run
-/// use axum::Json;
+/// use std::sync::Arc;
+///
+/// use axum::Router;
+/// use axum::body::Bytes;
+/// use axum::extract::State;
+/// use axum::routing::post;
+/// use idemflow_core::TenantId;
 /// use idemflow_http::{IdempotencyKey, RunResponse};
-/// # async fn handler(runner: idemflow_runner::Runner, workflow: std::sync::Arc<idemflow_runner::Workflow>,
-/// #     tenant: idemflow_core::TenantId, IdempotencyKey(key): IdempotencyKey, body: axum::body::Bytes) -> RunResponse {
-/// let request = idemflow_runner::Request { method: "POST", path: "/v1/checkouts", body: &body };
-/// RunResponse(runner.run(&workflow, &tenant, key.as_str(), request).await)
+/// use idemflow_runner::{Request, Runner, Workflow};
+///
+/// async fn checkout(
+///     State((runner, workflow)): State<(Runner, Arc<Workflow>)>,
+///     IdempotencyKey(key): IdempotencyKey,
+///     body: Bytes,
+/// ) -> RunResponse {
+///     let tenant = TenantId::from(7_u64); // from authentication in a real service
+///     let request = Request { method: "POST", path: "/v1/checkouts", body: &body };
+///     RunResponse(runner.run(&workflow, &tenant, key.as_str(), request).await)
+/// }
+///
+/// # fn app(runner: Runner, workflow: Arc<Workflow>) -> Router {
+/// Router::new()
+///     .route("/v1/checkouts", post(checkout))
+///     .with_state((runner, workflow))
 /// # }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,6 +11,7 @@ use idemflow_core::Key;
 /// Why the header is not a usable key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyHeaderError {
+    /// The request has no `Idempotency-Key` header.
     Missing,
     /// Sent more than once: which one would be the key?
     Repeated,

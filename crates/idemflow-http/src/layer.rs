@@ -32,6 +32,27 @@ use crate::tenant::TenantResolver;
 ///
 /// Mount it with `route_layer` (only matched routes pass through it); with `layer` it also
 /// wraps the router's fallback, which it then lets through untouched (see docs/http.md).
+///
+/// ```no_run
+/// use axum::Router;
+/// use axum::routing::post;
+/// use idemflow_http::{BearerTenant, IdempotencyLayer};
+/// use idemflow_runner::Runner;
+///
+/// async fn refund() -> &'static str {
+///     "refunded" // stored with the key; a retry gets it back, `Idempotent-Replayed: true`
+/// }
+///
+/// # async fn example(pool: idemflow_runner::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let runner = Runner::new(pool);
+/// let app: Router = Router::new()
+///     .route("/v1/orders/{id}/refunds", post(refund))
+///     .route_layer(IdempotencyLayer::new(runner, "orders-api.v1", BearerTenant)?);
+/// let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+/// axum::serve(listener, app).await?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     runner: Runner,
@@ -59,6 +80,7 @@ pub enum LayerError {
     /// a handler timeout not shorter than the lease).
     #[error(transparent)]
     Workflow(#[from] BuildError),
+    /// [`IdempotencyLayerBuilder::max_response_bytes`] is zero: no response could be stored.
     #[error("max_response_bytes must be above zero")]
     NoResponseRoom,
 }
@@ -82,6 +104,21 @@ impl IdempotencyLayer {
         Self::builder(runner, name, resolver).build()
     }
 
+    /// A builder starting from the defaults of [`IdempotencyLayer::new`], to change them.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// use idemflow_http::{BearerTenant, HttpConfig, IdempotencyLayer};
+    /// # fn example(runner: idemflow_runner::Runner) -> Result<(), idemflow_http::LayerError> {
+    /// let layer = IdempotencyLayer::builder(runner, "orders-api.v1", BearerTenant)
+    ///     .http(HttpConfig { max_body_bytes: 64 * 1024, ..HttpConfig::default() })
+    ///     .handler_timeout(Duration::from_secs(10))
+    ///     .lease(Duration::from_secs(30))
+    ///     .build()?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn builder(
         runner: Runner,
         name: impl Into<String>,

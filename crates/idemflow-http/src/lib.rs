@@ -11,6 +11,8 @@
 //! `Idempotent-Replayed: true`; body too large → 413; a JSON route given another content type →
 //! 415. Nothing is stored for a request refused before execution. See docs/http.md.
 
+#![deny(missing_docs)]
+
 mod body;
 mod config;
 mod extract;

@@ -18,6 +18,18 @@ use crate::tenant::TenantResolver;
 
 /// A tower service (use with `Router::route_service`) that runs `workflow` for each covered
 /// request under its `Idempotency-Key`, and answers with the outcome.
+///
+/// ```no_run
+/// use axum::Router;
+/// use idemflow_http::{BearerTenant, WorkflowService};
+/// use idemflow_runner::{Runner, Workflow};
+///
+/// # fn example(runner: Runner, checkout: Workflow) {
+/// // `checkout` takes the route's JSON body as its request; POST only.
+/// let app: Router = Router::new()
+///     .route_service("/v1/checkouts", WorkflowService::new(runner, checkout, BearerTenant));
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct WorkflowService {
     runner: Runner,
@@ -36,6 +48,7 @@ impl std::fmt::Debug for WorkflowService {
 }
 
 impl WorkflowService {
+    /// A service with [`HttpConfig::for_workflow`]: POST only, 1 MiB bodies, key required.
     pub fn new(
         runner: Runner,
         workflow: impl Into<Arc<Workflow>>,
@@ -44,6 +57,9 @@ impl WorkflowService {
         Self::with_config(runner, workflow, resolver, HttpConfig::for_workflow())
     }
 
+    /// A service with its own settings: which methods run the workflow (others get 405) and
+    /// the body limit. The key is required whatever `require_key` says: a workflow's run is
+    /// its key's.
     pub fn with_config(
         runner: Runner,
         workflow: impl Into<Arc<Workflow>>,

@@ -5,7 +5,11 @@ use idemflow_core::TenantId;
 use crate::problem::Problem;
 
 /// Finds the tenant of a request: from its authenticated principal, never from its body.
+///
+/// Any `Fn(&Parts) -> Result<TenantId, Problem>` is one.
 pub trait TenantResolver: Send + Sync + 'static {
+    /// The tenant of the request with these parts, or the problem to answer instead (401,
+    /// say). Called before the body is read.
     fn resolve(&self, request: &Parts) -> Result<TenantId, Problem>;
 }
 

@@ -32,6 +32,8 @@
 //!
 //! The faults, and what a caller sees for each, are described in `docs/mock-provider.md`.
 
+#![deny(missing_docs)]
+
 pub mod explorer;
 pub mod provider;
 pub mod provider_client;

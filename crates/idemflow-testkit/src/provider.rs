@@ -198,6 +198,35 @@ impl MockProviderBuilder {
 }
 
 /// A running mock payment provider. Dropping it (or [`MockProvider::shutdown`]) stops it.
+///
+/// A fault scripted for one key, then that key forgotten once its time-to-live has passed on the
+/// provider's clock:
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idemflow_testkit::provider::{Fault, MockProvider};
+/// use idemflow_testkit::provider_client::ProviderError;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let provider = MockProvider::builder().key_ttl(Duration::from_secs(3600)).start().await?;
+/// let client = provider.client();
+///
+/// // The next call with this key gets a 503; calls with other keys pass the fault by.
+/// provider.push_fault_for("order-7", Fault::ServerError(503));
+/// let failed = client.charge("order-7", 500, "eur", "tok_visa").await.unwrap_err();
+/// assert!(matches!(failed, ProviderError::Server { status: 503, .. }));
+/// client.charge("order-7", 500, "eur", "tok_visa").await?; // nothing was executed: it charges
+/// assert_eq!(provider.calls_for("order-7"), 2);
+///
+/// // An hour later on the provider's clock, the key is forgotten: the same key charges again.
+/// provider.advance_clock(Duration::from_secs(3600));
+/// client.charge("order-7", 500, "eur", "tok_visa").await?;
+/// assert_eq!(provider.charges().len(), 2);
+/// # Ok(())
+/// # }
+/// ```
 pub struct MockProvider {
     url: String,
     addr: SocketAddr,

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// The proxy's running counts, shared by every connection through it; read them with
+/// [`WireCounts::snapshot`] and subtract two snapshots for what happened in between.
 #[derive(Debug, Default)]
 pub struct WireCounts {
     round_trips: AtomicU64,
@@ -47,6 +49,7 @@ impl std::ops::Sub for Counts {
 }
 
 impl WireCounts {
+    /// The counts so far.
     pub fn snapshot(&self) -> Counts {
         Counts {
             round_trips: self.round_trips.load(Ordering::SeqCst),

@@ -112,15 +112,18 @@ impl Simulation {
 /// What one schedule came to.
 #[derive(Debug, Clone)]
 pub struct ScheduleReport {
+    /// The seed that decided the schedule; [`ScheduleReport::replay_command`] runs it again.
     pub seed: u64,
     /// Every invariant that failed, as it was seen; empty when the schedule passed.
     pub violations: Vec<String>,
     /// Every step: actions, waits, grants, calls, answers.
     pub history: Vec<String>,
+    /// How much of each thing the schedule did.
     pub counts: Counts,
 }
 
 impl ScheduleReport {
+    /// Whether no invariant failed.
     pub fn passed(&self) -> bool {
         self.violations.is_empty()
     }
