@@ -381,7 +381,11 @@ fn fingerprint_answer(method: &str, path: &str, body: &[u8]) -> Result<Answer, C
     let human = fields(&[
         ("method", plain(method)),
         ("path", plain(path)),
-        ("canonical", plain(&canonical)),
+        // The canonical text, not `plain`'s Rust-style escapes: RFC 8785 has escaped every C0
+        // control already (`\n`, `\u001b`); DEL and the C1 controls (U+0080 to U+009F), which
+        // it writes as they are and a terminal may act on, are escaped as JSON would
+        // (`\u007f`): still JSON text with the same value, and one line.
+        ("canonical", terminal_safe_json(&canonical)),
         ("fingerprint", report.fingerprint.clone()),
     ]);
     Ok(Answer::new(exit::OK, human, &report))
@@ -665,6 +669,19 @@ pub async fn stats(connection: &mut PgConnection, format: Format) -> Output {
 async fn stats_answer(connection: &mut PgConnection) -> Result<Answer, CliError> {
     let stats = idemflow_pg::table_stats(connection).await?;
     Ok(Answer::new(exit::OK, stats_text(&stats), &stats))
+}
+
+/// JSON text with DEL and the C1 controls written as `\u00XX` escapes (same JSON value).
+fn terminal_safe_json(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for character in json.chars() {
+        if matches!(character, '\u{7f}'..='\u{9f}') {
+            out.push_str(&format!("\\u{:04x}", u32::from(character)));
+        } else {
+            out.push(character);
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -1,5 +1,14 @@
 //! The CLI's commands against a real PostgreSQL, one fresh database per test, each output
-//! compared whole with a golden string (text and JSON), and the real binary run once end to end.
+//! compared whole with a snapshot (text and JSON), and the real binary run once end to end.
+//!
+//! Snapshots: each compared output is a file in `tests/snapshots/`, named at its assertion.
+//! `UPDATE_SNAPSHOTS=1` makes the tests write what the commands print now to those files instead
+//! of comparing (a missing file is created); review the diff before committing it. The exit code
+//! and the other stream are still checked:
+//!
+//! ```text
+//! UPDATE_SNAPSHOTS=1 DATABASE_URL=postgres://... cargo test -p idemflow-cli --test cli
+//! ```
 //!
 //! Time: most tests seed and read inside one transaction, where `now()` stands still, so leases,
 //! ages and lags are exact to the millisecond, in text and in JSON. The tests named
@@ -9,6 +18,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::Write;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -124,35 +134,53 @@ async fn seed_all(connection: &mut PgConnection, seeds: &[Seed<'_>]) {
     }
 }
 
-/// A golden text written as an indented raw string: the first line break is dropped.
-fn golden(text: &str) -> String {
-    text.strip_prefix('\n').unwrap_or(text).to_owned()
+/// Compares `actual` whole with the snapshot `tests/snapshots/<name>`; with `UPDATE_SNAPSHOTS=1`,
+/// writes `actual` there instead.
+#[track_caller]
+fn assert_snapshot(name: &str, actual: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/snapshots")
+        .join(name);
+    if std::env::var("UPDATE_SNAPSHOTS").as_deref() == Ok("1") {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = match std::fs::read_to_string(&path) {
+        Ok(expected) => expected,
+        Err(error) => panic!(
+            "snapshot {}: {error} (UPDATE_SNAPSHOTS=1 writes it)",
+            path.display()
+        ),
+    };
+    assert_eq!(
+        actual, expected,
+        "snapshot {name} differs (UPDATE_SNAPSHOTS=1 rewrites it)\n--- actual ---\n{actual}"
+    );
 }
 
+/// The command exited `code`, printed the snapshot `name` on stdout, and nothing on stderr.
 #[track_caller]
-fn assert_stdout(output: Output, code: u8, stdout: &str) {
+fn assert_stdout(output: Output, code: u8, name: &str) {
     assert_eq!(
-        output,
-        Output {
-            code,
-            stdout: golden(stdout),
-            stderr: String::new(),
-        },
+        (output.code, output.stderr.as_str()),
+        (code, ""),
         "\n--- stdout ---\n{}",
         output.stdout
     );
+    assert_snapshot(name, &output.stdout);
 }
 
+/// The command exited `code`, printed nothing on stdout, and the snapshot `name` on stderr.
 #[track_caller]
-fn assert_stderr(output: Output, code: u8, stderr: &str) {
+fn assert_stderr(output: Output, code: u8, name: &str) {
     assert_eq!(
-        output,
-        Output {
-            code,
-            stdout: String::new(),
-            stderr: golden(stderr),
-        }
+        (output.code, output.stdout.as_str()),
+        (code, ""),
+        "\n--- stderr ---\n{}",
+        output.stderr
     );
+    assert_snapshot(name, &output.stderr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -164,47 +192,10 @@ async fn inspect_shows_a_done_key(pool: PgPool) {
     seed(&mut tx, DONE).await;
 
     let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-1").await;
-    assert_stdout(
-        output,
-        0,
-        "
-tenant          acme
-key             order-1
-workflow        checkout.v1
-state           done
-recovery point  finish
-lease           -
-lock_version    0
-attempts        1
-last error      -
-response        201, 15 bytes
-fingerprint     5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
-age             2d 0h
-",
-    );
+    assert_stdout(output, 0, "inspect_done.txt");
 
     let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-1").await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "tenant": "acme",
-  "key": "order-1",
-  "workflow": "checkout.v1",
-  "state": "done",
-  "recovery_point": "finish",
-  "lease_left_ms": null,
-  "lock_version": 0,
-  "attempts": 1,
-  "last_error": null,
-  "response_status": 201,
-  "response_bytes": 15,
-  "fingerprint_hex": "5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051",
-  "age_seconds": 172800
-}
-"#,
-    );
+    assert_stdout(output, 0, "inspect_done.json");
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
@@ -213,47 +204,10 @@ async fn inspect_shows_a_started_key_and_its_lease_left(pool: PgPool) {
     seed(&mut tx, LIVE).await;
 
     let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
-    assert_stdout(
-        output,
-        0,
-        "
-tenant          acme
-key             order-2
-workflow        checkout.v1
-state           started
-recovery point  create_order
-lease           1h 0m left
-lock_version    0
-attempts        1
-last error      -
-response        -
-fingerprint     f399a9d0d5e72c64ae0de7acbd817c0492fac5032a56e669d0e5e53b96f1d33c
-age             2d 0h
-",
-    );
+    assert_stdout(output, 0, "inspect_started.txt");
 
     let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-2").await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "tenant": "acme",
-  "key": "order-2",
-  "workflow": "checkout.v1",
-  "state": "started",
-  "recovery_point": "create_order",
-  "lease_left_ms": 3600000,
-  "lock_version": 0,
-  "attempts": 1,
-  "last_error": null,
-  "response_status": null,
-  "response_bytes": null,
-  "fingerprint_hex": "f399a9d0d5e72c64ae0de7acbd817c0492fac5032a56e669d0e5e53b96f1d33c",
-  "age_seconds": 172800
-}
-"#,
-    );
+    assert_stdout(output, 0, "inspect_started.json");
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
@@ -262,47 +216,10 @@ async fn inspect_shows_an_expired_lease_and_the_last_error(pool: PgPool) {
     seed_all(&mut tx, &[EXPIRED, RETRIED]).await;
 
     let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-3").await;
-    assert_stdout(
-        output,
-        0,
-        "
-tenant          acme
-key             order-3
-workflow        checkout.v1
-state           started
-recovery point  create_order
-lease           expired 1h 0m ago
-lock_version    2
-attempts        3
-last error      charge: provider unavailable (503)
-response        -
-fingerprint     309c5c0d31d33f2c0ad981bc7c3ab7afa4310fb7ddc5dfda5713bb1ee351c174
-age             2d 0h
-",
-    );
+    assert_stdout(output, 0, "inspect_expired.txt");
 
     let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-3").await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "tenant": "acme",
-  "key": "order-3",
-  "workflow": "checkout.v1",
-  "state": "started",
-  "recovery_point": "create_order",
-  "lease_left_ms": -3600000,
-  "lock_version": 2,
-  "attempts": 3,
-  "last_error": "charge: provider unavailable (503)",
-  "response_status": null,
-  "response_bytes": null,
-  "fingerprint_hex": "309c5c0d31d33f2c0ad981bc7c3ab7afa4310fb7ddc5dfda5713bb1ee351c174",
-  "age_seconds": 172800
-}
-"#,
-    );
+    assert_stdout(output, 0, "inspect_expired.json");
 
     // A last error that spans lines stays on one line, escaped; JSON keeps it as it is.
     let output = idemflow_cli::inspect(&mut tx, Format::Human, "globex", "refund-9").await;
@@ -329,21 +246,10 @@ async fn inspect_of_a_missing_key_exits_1(pool: PgPool) {
     seed(&mut connection, DONE).await;
 
     let output = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-9").await;
-    assert_stderr(output, 1, "error: no key \"order-9\" for tenant \"acme\"\n");
+    assert_stderr(output, 1, "inspect_missing_key.txt");
     // The same key under another tenant is another key.
     let output = idemflow_cli::inspect(&mut connection, Format::Json, "globex", "order-1").await;
-    assert_stdout(
-        output,
-        1,
-        r#"
-{
-  "error": {
-    "kind": "not_found",
-    "message": "no key \"order-1\" for tenant \"globex\""
-  }
-}
-"#,
-    );
+    assert_stdout(output, 1, "inspect_missing_key_other_tenant.json");
     // A tenant or key that could never exist is a usage error.
     let output = idemflow_cli::inspect(&mut connection, Format::Human, "ac me", "order-1").await;
     assert_eq!(output.code, 2);
@@ -353,7 +259,7 @@ async fn inspect_of_a_missing_key_exits_1(pool: PgPool) {
         output.stderr
     );
     let output = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "").await;
-    assert_stderr(output, 2, "error: the idempotency key is empty\n");
+    assert_stderr(output, 2, "inspect_empty_key.txt");
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
@@ -389,68 +295,14 @@ async fn list_stuck_shows_expired_and_much_retried_keys(pool: PgPool) {
     seed_all(&mut tx, &[DONE, LIVE, EXPIRED, RETRIED]).await;
 
     let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 5, 100).await;
-    assert_stdout(
-        output,
-        0,
-        r"
-TENANT  KEY       WORKFLOW     RECOVERY POINT  LEASE              ATTEMPTS  AGE    LAST ERROR
-acme    order-3   checkout.v1  create_order    expired 1h 0m ago  3         2d 0h  charge: provider unavailable (503)
-globex  refund-9  refund.v1    start           10m 0s left        7         3d 0h  refund: card\nexpired
-",
-    );
+    assert_stdout(output, 0, "list_stuck.txt");
 
     let output = idemflow_cli::list_stuck(&mut tx, Format::Json, 5, 100).await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-[
-  {
-    "tenant": "acme",
-    "key": "order-3",
-    "workflow": "checkout.v1",
-    "state": "started",
-    "recovery_point": "create_order",
-    "lease_left_ms": -3600000,
-    "lock_version": 2,
-    "attempts": 3,
-    "last_error": "charge: provider unavailable (503)",
-    "response_status": null,
-    "response_bytes": null,
-    "fingerprint_hex": "309c5c0d31d33f2c0ad981bc7c3ab7afa4310fb7ddc5dfda5713bb1ee351c174",
-    "age_seconds": 172800
-  },
-  {
-    "tenant": "globex",
-    "key": "refund-9",
-    "workflow": "refund.v1",
-    "state": "started",
-    "recovery_point": "start",
-    "lease_left_ms": 600000,
-    "lock_version": 6,
-    "attempts": 7,
-    "last_error": "refund: card\nexpired",
-    "response_status": null,
-    "response_bytes": null,
-    "fingerprint_hex": "36d5014e2ed7cf1a6583ec3e2f54f15a15c66fb28c7c01380e8d7d61f576bfbe",
-    "age_seconds": 259200
-  }
-]
-"#,
-    );
+    assert_stdout(output, 0, "list_stuck.json");
 
     // Fewer attempts make more keys stuck; a limit says when it cut the list.
     let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 1, 2).await;
-    assert_stdout(
-        output,
-        0,
-        r"
-TENANT  KEY       WORKFLOW     RECOVERY POINT  LEASE              ATTEMPTS  AGE    LAST ERROR
-acme    order-3   checkout.v1  create_order    expired 1h 0m ago  3         2d 0h  charge: provider unavailable (503)
-globex  refund-9  refund.v1    start           10m 0s left        7         3d 0h  refund: card\nexpired
-showing the first 2: more may be stuck (raise --limit)
-",
-    );
+    assert_stdout(output, 0, "list_stuck_limited.txt");
     let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 1, 100).await;
     assert!(
         output.stdout.contains("\nacme    order-2   "),
@@ -465,15 +317,9 @@ async fn list_stuck_says_when_nothing_is_stuck(pool: PgPool) {
     seed_all(&mut tx, &[DONE, LIVE]).await;
 
     let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 5, 100).await;
-    assert_stdout(
-        output,
-        0,
-        "
-no stuck keys (no started key is past its lease or has 5 attempts or more)
-",
-    );
+    assert_stdout(output, 0, "list_stuck_none.txt");
     let output = idemflow_cli::list_stuck(&mut tx, Format::Json, 5, 100).await;
-    assert_stdout(output, 0, "\n[]\n");
+    assert_stdout(output, 0, "list_stuck_none.json");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -485,13 +331,7 @@ async fn release_ends_a_live_lease_and_explains_when_it_does_not(pool: PgPool) {
     seed_all(&mut tx, &[DONE, LIVE]).await;
 
     let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-2").await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-released key "order-2" of tenant "acme" (lock_version 0): its lease ends now; a resumer or the next retry takes it over
-"#,
-    );
+    assert_stdout(output, 0, "release_live.txt");
     // The lease ended at now(), which stands still in this transaction.
     let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
     assert!(
@@ -503,66 +343,18 @@ released key "order-2" of tenant "acme" (lock_version 0): its lease ends now; a 
 
     // Released again: its lease already ended, there is nothing to do.
     let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-2").await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "tenant": "acme",
-  "key": "order-2",
-  "outcome": "already_due",
-  "lock_version": 0,
-  "message": "nothing to release: the lease of key \"order-2\" of tenant \"acme\" expired 0s ago; it is due now, and a resumer running workflow \"checkout.v1\" takes it over"
-}
-"#,
-    );
+    assert_stdout(output, 0, "release_again.json");
 
     // A done key has no lease to end.
     let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-1").await;
-    assert_stdout(
-        output,
-        1,
-        r#"
-not released: key "order-1" of tenant "acme" is done; every retry replays its stored response (201, 15 bytes)
-"#,
-    );
+    assert_stdout(output, 1, "release_done.txt");
     let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-1").await;
-    assert_stdout(
-        output,
-        1,
-        r#"
-{
-  "tenant": "acme",
-  "key": "order-1",
-  "outcome": "done",
-  "lock_version": 0,
-  "message": "not released: key \"order-1\" of tenant \"acme\" is done; every retry replays its stored response (201, 15 bytes)"
-}
-"#,
-    );
+    assert_stdout(output, 1, "release_done.json");
 
     let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-9").await;
-    assert_stdout(
-        output,
-        1,
-        r#"
-not released: no key "order-9" for tenant "acme"
-"#,
-    );
+    assert_stdout(output, 1, "release_missing.txt");
     let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-9").await;
-    assert_stdout(
-        output,
-        1,
-        r#"
-{
-  "tenant": "acme",
-  "key": "order-9",
-  "outcome": "not_found",
-  "lock_version": null,
-  "message": "not released: no key \"order-9\" for tenant \"acme\""
-}
-"#,
-    );
+    assert_stdout(output, 1, "release_missing.json");
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
@@ -606,13 +398,7 @@ async fn release_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
     takeover.commit().await.unwrap();
 
     // Its fenced update then matches no row: the new owner's lease is left alone.
-    assert_stdout(
-        release.await.unwrap(),
-        1,
-        r#"
-not released: key "order-2" of tenant "acme" was taken over meanwhile (lock_version 0, now 1); inspect it again
-"#,
-    );
+    assert_stdout(release.await.unwrap(), 1, "release_fenced.txt");
     let output = idemflow_cli::inspect(
         &mut pool.acquire().await.unwrap(),
         Format::Human,
@@ -680,25 +466,9 @@ async fn expire_deletes_only_old_finished_keys(pool: PgPool) {
     let day = Duration::from_secs(24 * 60 * 60);
     // One row per batch: expire goes on until nothing old is left.
     let output = idemflow_cli::expire(&pool, Format::Human, day, 1).await;
-    assert_stdout(
-        output,
-        0,
-        "
-deleted 2 keys finished more than 1d 0h ago
-",
-    );
+    assert_stdout(output, 0, "expire_old.txt");
     let output = idemflow_cli::expire(&pool, Format::Json, day, 1000).await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "deleted": 0,
-  "older_than_seconds": 86400,
-  "batch_size": 1000
-}
-"#,
-    );
+    assert_stdout(output, 0, "expire_nothing_left.json");
 
     let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys ORDER BY key")
         .fetch_all(&pool)
@@ -707,13 +477,7 @@ deleted 2 keys finished more than 1d 0h ago
     assert_eq!(left, ["order-2", "order-3", "order-8"]);
 
     let output = idemflow_cli::expire(&pool, Format::Human, Duration::from_secs(60), 1000).await;
-    assert_stdout(
-        output,
-        0,
-        "
-deleted 1 key finished more than 1m 0s ago
-",
-    );
+    assert_stdout(output, 0, "expire_one_minute.txt");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -725,75 +489,18 @@ async fn stats_counts_keys_and_measures_the_resumer_lag(pool: PgPool) {
     seed_all(&mut tx, &[DONE, LIVE, EXPIRED, RETRIED]).await;
 
     let output = idemflow_cli::stats(&mut tx, Format::Human).await;
-    assert_stdout(
-        output,
-        0,
-        "
-WORKFLOW     STATE    KEYS
-checkout.v1  done     1
-checkout.v1  started  2
-refund.v1    started  1
-
-oldest started key  3d 0h
-resumer lag         1h 0m
-",
-    );
+    assert_stdout(output, 0, "stats.txt");
     let output = idemflow_cli::stats(&mut tx, Format::Json).await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "counts": [
-    [
-      "checkout.v1",
-      "done",
-      1
-    ],
-    [
-      "checkout.v1",
-      "started",
-      2
-    ],
-    [
-      "refund.v1",
-      "started",
-      1
-    ]
-  ],
-  "oldest_started_seconds": 259200,
-  "resumer_lag_ms": 3600000
-}
-"#,
-    );
+    assert_stdout(output, 0, "stats.json");
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
 async fn stats_of_an_empty_table(pool: PgPool) {
     let mut connection = pool.acquire().await.unwrap();
     let output = idemflow_cli::stats(&mut connection, Format::Human).await;
-    assert_stdout(
-        output,
-        0,
-        "
-no keys
-
-oldest started key  - (no started key)
-resumer lag         0s (no key is due)
-",
-    );
+    assert_stdout(output, 0, "stats_empty.txt");
     let output = idemflow_cli::stats(&mut connection, Format::Json).await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "counts": [],
-  "oldest_started_seconds": null,
-  "resumer_lag_ms": 0
-}
-"#,
-    );
+    assert_stdout(output, 0, "stats_empty.json");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -802,39 +509,9 @@ resumer lag         0s (no key is due)
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
 async fn migrate_again_changes_nothing_and_lists_the_migrations(pool: PgPool) {
     let output = idemflow_cli::migrate(&pool, Format::Human).await;
-    assert_stdout(
-        output,
-        0,
-        "
-schema up to date; migrations applied:
-  20261130000001  create idempotency keys
-  20261201000001  retention from finish
-  20261201000002  fence sequence
-",
-    );
+    assert_stdout(output, 0, "migrate.txt");
     let output = idemflow_cli::migrate(&pool, Format::Json).await;
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "migrations": [
-    {
-      "description": "create idempotency keys",
-      "version": 20261130000001
-    },
-    {
-      "description": "retention from finish",
-      "version": 20261201000001
-    },
-    {
-      "description": "fence sequence",
-      "version": 20261201000002
-    }
-  ]
-}
-"#,
-    );
+    assert_stdout(output, 0, "migrate.json");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -844,29 +521,12 @@ schema up to date; migrations applied:
 fn fingerprint_is_the_same_for_bodies_that_differ_only_in_form() {
     let compact = br#"{"amount":1200,"currency":"EUR"}"#;
     let shuffled = b"{ \"currency\": \"EUR\",\n  \"amount\": 12e2 }\n";
-    let expected = "
-method       POST
-path         /v1/checkouts
-canonical    {\"amount\":1200,\"currency\":\"EUR\"}
-fingerprint  5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
-";
-    for body in [&compact[..], &shuffled[..]] {
-        let output = idemflow_cli::fingerprint(Format::Human, "POST", "/v1/checkouts", body);
-        assert_stdout(output, 0, expected);
-    }
+    let [output, other_form] = [&compact[..], &shuffled[..]]
+        .map(|body| idemflow_cli::fingerprint(Format::Human, "POST", "/v1/checkouts", body));
+    assert_eq!(output, other_form);
+    assert_stdout(output, 0, "fingerprint.txt");
     let output = idemflow_cli::fingerprint(Format::Json, "POST", "/v1/checkouts", shuffled);
-    assert_stdout(
-        output,
-        0,
-        r#"
-{
-  "method": "POST",
-  "path": "/v1/checkouts",
-  "canonical": "{\"amount\":1200,\"currency\":\"EUR\"}",
-  "fingerprint": "5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051"
-}
-"#,
-    );
+    assert_stdout(output, 0, "fingerprint.json");
 
     // Another value, path or method is another request.
     let other = idemflow_cli::fingerprint(
@@ -881,6 +541,54 @@ fingerprint  5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
 }
 
 #[test]
+fn fingerprint_prints_the_canonical_json_text_safe_for_a_terminal() {
+    // Non-ASCII text, DEL and a C1 control (RFC 8785 writes them as they are), and C0 controls
+    // (RFC 8785 escapes them: `\n`, `\u0007`); sent escaped, and one key sent as it is.
+    let body = r#"{"text": "caf\u00e9 \u0080\u007f", "note": "line\nbreak\u0007", "é": 1}"#;
+    let body = body.as_bytes();
+    let canonical = "{\"note\":\"line\\nbreak\\u0007\",\"text\":\"café \u{80}\u{7f}\",\"é\":1}";
+    assert_eq!(
+        idemflow_core::canonicalize(body).unwrap(),
+        canonical.as_bytes()
+    );
+    let fingerprint = Fingerprint::of_json("POST", "/v1/checkouts", body).unwrap();
+    // Printed for a terminal: DEL and C1 controls escaped as JSON would (the same JSON value,
+    // and nothing a terminal acts on); everything else exactly as hashed.
+    let printed = "{\"note\":\"line\\nbreak\\u0007\",\"text\":\"café \\u0080\\u007f\",\"é\":1}";
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(printed).unwrap(),
+        serde_json::from_str::<serde_json::Value>(canonical).unwrap()
+    );
+    let expected = format!(
+        "method       POST\npath         /v1/checkouts\n\
+         canonical    {printed}\nfingerprint  {fingerprint}\n"
+    );
+
+    let output = idemflow_cli::fingerprint(Format::Human, "POST", "/v1/checkouts", body);
+    assert_eq!(
+        output,
+        Output {
+            code: 0,
+            stdout: expected.clone(),
+            stderr: String::new()
+        }
+    );
+    // The binary prints the same bytes.
+    assert_eq!(
+        idemflow(
+            &["fingerprint", "--method", "POST", "--path", "/v1/checkouts"],
+            body,
+            None
+        ),
+        (0, expected, String::new())
+    );
+    // JSON carries the same text as a JSON string.
+    let output = idemflow_cli::fingerprint(Format::Json, "POST", "/v1/checkouts", body);
+    let document: serde_json::Value = serde_json::from_str(&output.stdout).unwrap();
+    assert_eq!(document["canonical"], canonical);
+}
+
+#[test]
 fn fingerprint_refuses_what_the_runner_refuses() {
     let output = idemflow_cli::fingerprint(
         Format::Human,
@@ -888,11 +596,7 @@ fn fingerprint_refuses_what_the_runner_refuses() {
         "/v1/checkouts",
         br#"{"amount":1,"amount":2}"#,
     );
-    assert_stderr(
-        output,
-        1,
-        "error: the object key \"amount\" appears twice\n",
-    );
+    assert_stderr(output, 1, "fingerprint_duplicate_key.txt");
     let output = idemflow_cli::fingerprint(Format::Human, "POST", "/v1/checkouts", b"{\"a\":");
     assert_eq!(output.code, 1);
     assert!(
@@ -903,18 +607,7 @@ fn fingerprint_refuses_what_the_runner_refuses() {
         output.stderr
     );
     let output = idemflow_cli::fingerprint(Format::Json, "POST", "/v1/checkouts", b"\xff");
-    assert_stdout(
-        output,
-        1,
-        r#"
-{
-  "error": {
-    "kind": "invalid_body",
-    "message": "the body is not valid UTF-8"
-  }
-}
-"#,
-    );
+    assert_stdout(output, 1, "fingerprint_invalid_utf8.json");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -974,25 +667,12 @@ async fn the_binary_reads_stdin_connects_and_exits_with_the_right_codes(pool: Pg
             None,
         )
     };
-    let expected = (
-        0,
-        golden(
-            "
-method       POST
-path         /v1/checkouts
-canonical    {\"amount\":1200,\"currency\":\"EUR\"}
-fingerprint  5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
-",
-        ),
-        String::new(),
-    );
-    assert_eq!(
-        fingerprint(br#"{"amount":1200,"currency":"EUR"}"#),
-        expected
-    );
+    let (code, stdout, stderr) = fingerprint(br#"{"amount":1200,"currency":"EUR"}"#);
+    assert_eq!((code, stderr.as_str()), (0, ""));
+    assert_snapshot("binary_fingerprint.txt", &stdout);
     assert_eq!(
         fingerprint(b"{\"currency\":\"EUR\", \"amount\":1200.0}"),
-        expected
+        (code, stdout, stderr)
     );
     assert_eq!(
         fingerprint(b"[1,]"),
@@ -1018,25 +698,7 @@ fingerprint  5a674104820e080bf6b4e843194aa43bff868dd36120e2045a7116bb99b8b051
         None,
     );
     assert_eq!((code, stderr.as_str()), (0, ""));
-    assert_eq!(
-        stdout,
-        golden(
-            "
-tenant          acme
-key             order-2
-workflow        checkout.v1
-state           started
-recovery point  create_order
-lease           1h 0m left
-lock_version    0
-attempts        1
-last error      -
-response        -
-fingerprint     f399a9d0d5e72c64ae0de7acbd817c0492fac5032a56e669d0e5e53b96f1d33c
-age             2d 0h
-"
-        )
-    );
+    assert_snapshot("binary_inspect.txt", &stdout);
     let (code, stdout, stderr) = idemflow(
         &["--json", "inspect", "--tenant", "acme", "--key", "order-1"],
         b"",
