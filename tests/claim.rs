@@ -300,7 +300,12 @@ async fn a_takeover_in_flight_makes_a_duplicate_in_progress_at_once(pool: PgPool
         let (runner, workflow) = (runner.clone(), workflow.clone());
         tokio::spawn(async move {
             runner
-                .run(&workflow, &tenant(1), "k", request(&body(1)))
+                .run(
+                    &workflow,
+                    &tenant(1),
+                    &idemflow::Key::parse("k").unwrap(),
+                    request(&body(1)),
+                )
                 .await
         })
     };
@@ -308,7 +313,12 @@ async fn a_takeover_in_flight_makes_a_duplicate_in_progress_at_once(pool: PgPool
 
     let duplicate = tokio::time::timeout(
         Duration::from_secs(3),
-        runner.run(&workflow, &tenant(1), "k", request(&body(1))),
+        runner.run(
+            &workflow,
+            &tenant(1),
+            &idemflow::Key::parse("k").unwrap(),
+            request(&body(1)),
+        ),
     )
     .await
     .expect("the duplicate waited on the takeover in flight");

@@ -317,7 +317,12 @@ async fn retry_until_done(
     let mut outcomes = Vec::new();
     for _ in 0..rounds {
         let outcome = runner
-            .run(workflow, &tenant(1), key, request(&order(7)))
+            .run(
+                workflow,
+                &tenant(1),
+                &idemflow::Key::parse(key).unwrap(),
+                request(&order(7)),
+            )
             .await;
         let finished = matches!(outcome, Ok(Outcome::Executed(_) | Outcome::Replayed(_)));
         outcomes.push(outcome);
@@ -354,7 +359,12 @@ async fn a_client_retry_that_takes_over_and_fails_records_its_attempt(pool: PgPo
     expire_lease(&pool, "k").await;
 
     let second = runner
-        .run(&workflow, &tenant(1), "k", request(&order(7)))
+        .run(
+            &workflow,
+            &tenant(1),
+            &idemflow::Key::parse("k").unwrap(),
+            request(&order(7)),
+        )
         .await;
     assert!(
         matches!(second, Ok(Outcome::Interrupted { .. })),
@@ -407,7 +417,12 @@ async fn a_terminal_error_after_a_client_takeover_releases_the_key_by_policy(poo
     assert!(matches!(first, Outcome::Interrupted { .. }), "{first:?}");
     expire_lease(&pool, "k").await;
     let second = runner
-        .run(&workflow, &tenant(1), "k", request(&order(7)))
+        .run(
+            &workflow,
+            &tenant(1),
+            &idemflow::Key::parse("k").unwrap(),
+            request(&order(7)),
+        )
         .await;
     assert_eq!(
         second.unwrap(),
@@ -449,7 +464,12 @@ async fn a_panicking_phase_is_a_failed_attempt_and_the_key_stays_resumable(pool:
         let (runner, workflow) = (runner.clone(), workflow.clone());
         tokio::spawn(async move {
             runner
-                .run(&workflow, &tenant(1), "k", request(&order(7)))
+                .run(
+                    &workflow,
+                    &tenant(1),
+                    &idemflow::Key::parse("k").unwrap(),
+                    request(&order(7)),
+                )
                 .await
         })
     };
@@ -503,7 +523,12 @@ async fn a_local_phase_stuck_in_a_lock_wait_is_stopped_and_counts(pool: PgPool) 
 
     let outcome = tokio::time::timeout(
         Duration::from_secs(10),
-        runner.run(&workflow, &tenant(1), "k", request(&order(7))),
+        runner.run(
+            &workflow,
+            &tenant(1),
+            &idemflow::Key::parse("k").unwrap(),
+            request(&order(7)),
+        ),
     )
     .await
     .expect("the hung phase was never stopped");
@@ -534,7 +559,12 @@ async fn a_local_phase_that_hangs_outside_the_database_is_stopped_and_counts(poo
     let (runner, workflow) = (Runner::new(pool.clone()), scripts.local_only(8));
     let outcome = tokio::time::timeout(
         Duration::from_secs(10),
-        runner.run(&workflow, &tenant(1), "k", request(&order(7))),
+        runner.run(
+            &workflow,
+            &tenant(1),
+            &idemflow::Key::parse("k").unwrap(),
+            request(&order(7)),
+        ),
     )
     .await
     .expect("the hung phase was never stopped");

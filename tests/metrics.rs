@@ -40,8 +40,9 @@ async fn every_protocol_event_is_counted(pool: PgPool) {
         run(&runner, &workflow, &one, "a", &body(2)).await,
         Outcome::Mismatch
     );
+    // A request the runner rejects: a body of the wrong shape under a new key.
     assert!(matches!(
-        run(&runner, &workflow, &one, "", &body(2)).await,
+        run(&runner, &workflow, &one, "r", br#"{"source": "x"}"#).await,
         Outcome::Rejected(_)
     ));
     harness.provider.script.fail_next.store(2, Ordering::SeqCst);

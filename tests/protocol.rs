@@ -189,7 +189,12 @@ async fn same_key_with_another_body_is_a_mismatch_and_changes_nothing(pool: PgPo
     };
     assert_eq!(
         runner
-            .run(&workflow, &tenant(1), "k", elsewhere)
+            .run(
+                &workflow,
+                &tenant(1),
+                &idemflow::Key::parse("k").unwrap(),
+                elsewhere
+            )
             .await
             .unwrap(),
         Outcome::Mismatch
@@ -467,7 +472,12 @@ async fn a_stale_owner_commits_nothing(pool: PgPool) {
         let (runner, workflow) = (runner.clone(), workflow.clone());
         tokio::spawn(async move {
             runner
-                .run(&workflow, &tenant(1), "k", request(&body(100)))
+                .run(
+                    &workflow,
+                    &tenant(1),
+                    &idemflow::Key::parse("k").unwrap(),
+                    request(&body(100)),
+                )
                 .await
         })
     };

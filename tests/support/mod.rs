@@ -413,8 +413,14 @@ pub async fn run(
     key: &str,
     body: &[u8],
 ) -> Outcome {
+    // A key that does not parse never reaches the runner (its type says so): answered as an
+    // HTTP layer answers it.
+    let key = match idemflow::Key::parse(key) {
+        Ok(key) => key,
+        Err(error) => return Outcome::Rejected(idemflow::Rejection::InvalidKey(error)),
+    };
     runner
-        .run(workflow, tenant, key, request(body))
+        .run(workflow, tenant, &key, request(body))
         .await
         .unwrap()
 }

@@ -30,7 +30,7 @@ use crate::problem::Problem;
 /// ) -> RunResponse {
 ///     let tenant = TenantId::from(7_u64); // from authentication in a real service
 ///     let request = Request { method: "POST", path: "/v1/checkouts", body: &body };
-///     RunResponse(runner.run(&workflow, &tenant, key.as_str(), request).await)
+///     RunResponse(runner.run(&workflow, &tenant, &key, request).await)
 /// }
 ///
 /// # fn app(runner: Runner, workflow: Arc<Workflow>) -> Router {

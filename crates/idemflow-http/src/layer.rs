@@ -351,7 +351,7 @@ where
         let (tenant, key) = (prepared.tenant, prepared.key);
         let run = LIVE.scope(live.clone(), async move {
             runner
-                .run_fingerprinted(&workflow, &tenant, key.as_str(), fingerprint, request_value)
+                .run_fingerprinted(&workflow, &tenant, &key, fingerprint, request_value)
                 .await
         });
         // Once claimed, the handler runs to its end whatever the client does: hyper drops this

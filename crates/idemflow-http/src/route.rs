@@ -119,7 +119,7 @@ impl WorkflowService {
                 body: &prepared.body,
             };
             runner
-                .run(&workflow, &prepared.tenant, prepared.key.as_str(), request)
+                .run(&workflow, &prepared.tenant, &prepared.key, request)
                 .await
         });
         let result = match run.await {

@@ -688,7 +688,7 @@ async fn a_handler_that_runs_the_runner_itself_needs_no_glue(pool: PgPool) {
                     path: "/v1/echo",
                     body: &body,
                 };
-                RunResponse(runner.run(&workflow, &tenant, key.as_str(), request).await)
+                RunResponse(runner.run(&workflow, &tenant, &key, request).await)
             },
         ),
     );

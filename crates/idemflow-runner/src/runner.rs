@@ -69,14 +69,33 @@ impl Runner {
     /// request, or invalid. A started key whose lease expired is taken over and finished from
     /// its recovery point.
     ///
-    /// The body must be JSON; it is canonicalized (RFC 8785) for the fingerprint and decoded
-    /// into the workflow's request type, then checked by the workflow's `validate`. A request
-    /// that fails any of these is rejected and stores nothing.
+    /// The key is parsed by the caller (`Key::parse`: 1 to 255 bytes of printable ASCII), so
+    /// a malformed one never gets this far. The body must be JSON; it is canonicalized (RFC 8785)
+    /// for the fingerprint and, for a key not yet claimed, decoded into the workflow's request
+    /// type and checked by the workflow's `validate`. A request that fails any of these is
+    /// rejected and stores nothing.
+    ///
+    /// ```no_run
+    /// # async fn example(runner: idemflow_runner::Runner, workflow: idemflow_runner::Workflow)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// use idemflow_core::{Key, TenantId};
+    /// use idemflow_runner::{Outcome, Request};
+    ///
+    /// let key = Key::parse("order-7f3a")?;
+    /// let body = br#"{"amount": 2500, "currency": "usd"}"#;
+    /// let request = Request { method: "POST", path: "/v1/checkouts", body };
+    /// match runner.run(&workflow, &TenantId::new("acme")?, &key, request).await? {
+    ///     Outcome::Executed(response) | Outcome::Replayed(response) => { /* send it */ }
+    ///     other => { /* 409, 422, 400, 503: see the HTTP layer's `respond` */ }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn run(
         &self,
         workflow: &Workflow,
         tenant: &TenantId,
-        key: &str,
+        key: &Key,
         request: Request<'_>,
     ) -> Result<Outcome, RunError> {
         let prepared = canonical_request(request);
@@ -90,7 +109,7 @@ impl Runner {
         &self,
         workflow: &Workflow,
         tenant: &TenantId,
-        key: &str,
+        key: &Key,
         fingerprint: Fingerprint,
         request: Value,
     ) -> Result<Outcome, RunError> {
@@ -102,7 +121,7 @@ impl Runner {
         &self,
         workflow: &Workflow,
         tenant: &TenantId,
-        key: &str,
+        key: &Key,
         prepared: Result<(Fingerprint, Value), Rejection>,
     ) -> Result<Outcome, RunError> {
         let accepted = match prepared.and_then(|prepared| accept(key, prepared)) {
@@ -364,8 +383,8 @@ fn canonical_request(request: Request<'_>) -> Result<(Fingerprint, Value), Rejec
     Ok((fingerprint, canonical.value))
 }
 
-fn accept(key: &str, (fingerprint, value): (Fingerprint, Value)) -> Result<Accepted, Rejection> {
-    let key = Key::parse(key)?;
+fn accept(key: &Key, (fingerprint, value): (Fingerprint, Value)) -> Result<Accepted, Rejection> {
+    let key = key.clone();
     if holds_nul(&value) {
         // PostgreSQL's jsonb cannot store U+0000: refuse it here, before anything is stored,
         // rather than fail the claim with a database error.

@@ -78,6 +78,13 @@ pub struct Case {
     pub recovery: Recovery,
 }
 
+impl Case {
+    /// The case's key, parsed: the explorer makes only valid ones.
+    pub fn parsed_key(&self) -> Key {
+        Key::parse(&self.key).expect("the explorer makes valid keys")
+    }
+}
+
 /// What a case came to.
 #[derive(Debug, Clone)]
 pub struct CaseResult {
@@ -345,7 +352,12 @@ impl Explorer {
                 // there is nothing to resume. The client, never answered, retries: by either
                 // path, that is the recovery.
                 Ok(None) => plain
-                    .run(&self.workflow, &case.tenant, &case.key, self.request())
+                    .run(
+                        &self.workflow,
+                        &case.tenant,
+                        &case.parsed_key(),
+                        self.request(),
+                    )
                     .await
                     .map(|_| ()),
                 Ok(Some(_)) => {
@@ -356,7 +368,12 @@ impl Explorer {
                     match case.recovery {
                         Recovery::Resumer => self.resumer().drain().await.map(|_| ()),
                         Recovery::ClientRetry => plain
-                            .run(&self.workflow, &case.tenant, &case.key, self.request())
+                            .run(
+                                &self.workflow,
+                                &case.tenant,
+                                &case.parsed_key(),
+                                self.request(),
+                            )
                             .await
                             .map(|_| ()),
                     }
@@ -415,7 +432,12 @@ impl Explorer {
                 });
                 let runner = Runner::new(self.pool.clone()).with_crash_hook(hook.clone());
                 let result = runner
-                    .run(&self.workflow, &case.tenant, &case.key, self.request())
+                    .run(
+                        &self.workflow,
+                        &case.tenant,
+                        &case.parsed_key(),
+                        self.request(),
+                    )
                     .await;
                 if !hook.fired.load(Ordering::SeqCst) {
                     failures.push(format!("the run never reached {point}"));
@@ -430,7 +452,12 @@ impl Explorer {
             }
         };
         let result = runner
-            .run(&self.workflow, &case.tenant, &case.key, self.request())
+            .run(
+                &self.workflow,
+                &case.tenant,
+                &case.parsed_key(),
+                self.request(),
+            )
             .await;
         if let Some(provider) = provider
             && provider.pending_faults() > 0
@@ -492,7 +519,12 @@ impl Explorer {
             Err(error) => return failures.push(format!("reading the key: {error}")),
         };
         match runner
-            .run(&self.workflow, &case.tenant, &case.key, self.request())
+            .run(
+                &self.workflow,
+                &case.tenant,
+                &case.parsed_key(),
+                self.request(),
+            )
             .await
         {
             Ok(Outcome::Replayed(replayed)) if replayed == stored => {}

@@ -90,7 +90,9 @@ pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
             replay = ACTOR
                 .scope(
                     actor,
-                    ending.runner.run(ending.workflow, tenant, key, request),
+                    ending
+                        .runner
+                        .run(ending.workflow, tenant, &parsed(key), request),
                 )
                 .await;
             if !matches!(replay, Err(idemflow_runner::RunError::Database(_))) {
@@ -249,4 +251,9 @@ fn text(response: &StoredResponse) -> String {
         response.status,
         String::from_utf8_lossy(&response.body)
     )
+}
+
+/// A key of the schedule, parsed: the world makes only valid ones.
+fn parsed(key: &str) -> idemflow_core::Key {
+    idemflow_core::Key::parse(key).expect("the world makes valid keys")
 }

@@ -917,7 +917,10 @@ impl World<'_> {
                 path: "/v1/sim",
                 body: &body,
             };
-            let result = runner.run(&workflow, &shared.tenant, &key, request).await;
+            let parsed = idemflow_core::Key::parse(&key).expect("the world makes valid keys");
+            let result = runner
+                .run(&workflow, &shared.tenant, &parsed, request)
+                .await;
             shared.record(actor, &key, life, &result);
             shared.scheduler.ended(actor);
         }));
