@@ -5,24 +5,34 @@
 #
 #   bash -c 'source scripts/lib/postgres.sh; idemflow_postgres_up;
 #            psql "$DATABASE_URL" -c "select version()"'
+#   bash -c 'source scripts/lib/postgres.sh; idemflow_postgres_explain'
+#            (what it would do here, and why; changes nothing)
 #
 # idemflow_postgres_up tries, in order (IDEMFLOW_POSTGRES=auto):
 #   1. DATABASE_URL already set: check that it answers and use it.
 #   2. A server at 127.0.0.1:$IDEMFLOW_POSTGRES_PORT, user postgres, trust auth.
 #   3. PostgreSQL binaries found: start a throwaway cluster in a temp dir,
 #      stopped and deleted when the calling shell exits (EXIT trap).
-#   4. None of these: fail loudly. Database tests are never skipped silently.
+#   4. No binaries, but root with apt-get (a fresh Debian/Ubuntu machine):
+#      install them (apt-get update; apt-get install postgresql), then 3.
+#   5. None of these: fail loudly, naming the command that would install
+#      PostgreSQL. Database tests are never skipped silently.
+#
+# The choice itself is idemflow_postgres_decide: a pure function of the facts
+# (gathered by _idemflow_pg_gather_facts), tested case by case without
+# touching the machine by scripts/tests/postgres-decision.sh.
 #
 # The URL names the superuser's `postgres` database because #[sqlx::test]
 # creates (and drops) a fresh database per test from that connection.
 #
 # Settings (environment):
 #   IDEMFLOW_POSTGRES           auto (default) | local | throwaway
-#                               local: only step 2; throwaway: only step 3.
+#                               local: only step 2; throwaway: only steps 3-5.
 #                               A forced mode ignores a preset DATABASE_URL.
 #   IDEMFLOW_POSTGRES_PORT      port probed in step 2 (default 5432)
 #   IDEMFLOW_POSTGRES_BIN_GLOB  where to look for server binaries besides PATH
-#                               (default '/usr/lib/postgresql/*/bin')
+#                               (default '/usr/lib/postgresql/*/bin', where
+#                               Debian's packages put them)
 #   IDEMFLOW_POSTGRES_OS_USER   system user that owns the throwaway cluster when
 #                               running as root (default idemflow-pg)
 #
@@ -112,9 +122,12 @@ _idemflow_pg_use_preset_url() {
       "the client said: ${_idemflow_pg_last_error:-nothing}"
 }
 
-# True (and DATABASE_URL exported) if the local server answers.
-_idemflow_pg_try_local() {
-  local url="postgres://postgres@127.0.0.1:$IDEMFLOW_POSTGRES_PORT/postgres"
+_idemflow_pg_local_url() {
+  printf 'postgres://postgres@127.0.0.1:%s/postgres\n' "$IDEMFLOW_POSTGRES_PORT"
+}
+
+# True if the local server answers (a fact for the decision; changes nothing).
+_idemflow_pg_local_answers() {
   # Without any client tool, an open port is the best evidence we can get;
   # a wrong guess shows up as connection errors in the first database test.
   if ! _idemflow_pg_have_client; then
@@ -122,15 +135,19 @@ _idemflow_pg_try_local() {
     _idemflow_pg_say "no psql/pg_isready: assuming the server on port" \
       "$IDEMFLOW_POSTGRES_PORT accepts user postgres without a password"
   else
-    _idemflow_pg_answers "$url" || return 1
+    _idemflow_pg_answers "$(_idemflow_pg_local_url)" || return 1
   fi
-  export DATABASE_URL=$url
+}
+
+_idemflow_pg_use_local() {
+  DATABASE_URL=$(_idemflow_pg_local_url)
+  export DATABASE_URL
   _idemflow_pg_source="local server at 127.0.0.1:$IDEMFLOW_POSTGRES_PORT (user postgres)"
 }
 
 # ------------------------------------------------------- 3: throwaway -------
 
-# Prints "VERSION DIR" for each directory holding initdb and pg_ctl: the
+# Prints "VERSION DIR" for each directory holding initdb, pg_ctl and postgres: the
 # directory of initdb on PATH (symlinks resolved, so psql is found beside it)
 # and every match of IDEMFLOW_POSTGRES_BIN_GLOB.
 _idemflow_pg_bin_candidates() {
@@ -144,7 +161,7 @@ _idemflow_pg_bin_candidates() {
   # shellcheck disable=SC2206
   dirs+=($IDEMFLOW_POSTGRES_BIN_GLOB)
   for dir in "${dirs[@]}"; do
-    [[ -x $dir/initdb && -x $dir/pg_ctl ]] || continue
+    [[ -x $dir/initdb && -x $dir/pg_ctl && -x $dir/postgres ]] || continue
     # "pg_ctl (PostgreSQL) 15.20 (Debian 15.20-0+deb12u1)" -> "15.20"
     version=$("$dir/pg_ctl" --version 2>/dev/null | awk '{print $3}') || continue
     printf '%s %s\n' "$version" "$dir"
@@ -242,8 +259,9 @@ _idemflow_pg_cleanup() {
 }
 
 _idemflow_pg_start_throwaway() {
+  # (The decision only starts one where binaries were found; this is a guard.)
   _idemflow_pg_find_bindir ||
-    _idemflow_pg_die "no PostgreSQL binaries (initdb, pg_ctl) found on PATH or" \
+    _idemflow_pg_die "no PostgreSQL binaries (initdb, pg_ctl, postgres) found on PATH or" \
       "under $IDEMFLOW_POSTGRES_BIN_GLOB; install PostgreSQL or set DATABASE_URL"
   _idemflow_pg_pick_owner
 
@@ -295,42 +313,222 @@ _idemflow_pg_fail_start() {
   _idemflow_pg_die "$what"
 }
 
-# ------------------------------------------------------------------ entry ---
+# ---------------------------------------------------------- 4: install ------
 
-# Makes DATABASE_URL point at a usable PostgreSQL (see the top of this file).
-idemflow_postgres_up() {
-  case $IDEMFLOW_POSTGRES in
-    auto) _idemflow_pg_up_auto ;;
-    local)
-      _idemflow_pg_note_ignored_url
-      _idemflow_pg_try_local ||
-        _idemflow_pg_die "IDEMFLOW_POSTGRES=local but no PostgreSQL answers at" \
-          "127.0.0.1:$IDEMFLOW_POSTGRES_PORT as user postgres"
-      ;;
-    throwaway)
-      _idemflow_pg_note_ignored_url
-      _idemflow_pg_start_throwaway
-      ;;
-    *) _idemflow_pg_die "IDEMFLOW_POSTGRES must be auto, local or throwaway, not '$IDEMFLOW_POSTGRES'" ;;
-  esac
+# Prints the Debian package that brings the server: `postgresql` (on Debian
+# and Ubuntu, the distribution's supported version, e.g. postgresql-15 on
+# Debian 12), else the highest versioned postgresql-NN apt knows.
+_idemflow_pg_package() {
+  if apt-cache show postgresql >/dev/null 2>&1; then
+    printf 'postgresql\n'
+    return
+  fi
+  apt-cache pkgnames postgresql- 2>/dev/null | grep -E '^postgresql-[0-9]+$' |
+    sort -V | tail -n 1 | grep .
 }
 
-_idemflow_pg_up_auto() {
-  if [[ -n ${DATABASE_URL:-} ]]; then
-    _idemflow_pg_use_preset_url
-  elif _idemflow_pg_try_local; then
-    :
-  elif _idemflow_pg_find_bindir; then
-    _idemflow_pg_start_throwaway
+# As root with apt-get (the decision checked both): installs the server
+# binaries, then finds them under IDEMFLOW_POSTGRES_BIN_GLOB. Its output is
+# shown (on stderr): this is the slow step of a fresh machine's first run.
+_idemflow_pg_install() {
+  local package
+  _idemflow_pg_say "no PostgreSQL here: installing it with apt-get (once: later runs find it)"
+  export DEBIAN_FRONTEND=noninteractive
+  _idemflow_pg_say "apt-get update"
+  apt-get update -q >&2 ||
+    _idemflow_pg_die "apt-get update failed (see above); fix the package sources," \
+      "or set DATABASE_URL to a PostgreSQL"
+  package=$(_idemflow_pg_package) ||
+    _idemflow_pg_die "apt knows no PostgreSQL server package (postgresql or postgresql-NN);" \
+      "install PostgreSQL by hand, or set DATABASE_URL"
+  _idemflow_pg_say "apt-get install -y --no-install-recommends $package"
+  apt-get install -y -q --no-install-recommends "$package" >&2 ||
+    _idemflow_pg_die "apt-get install $package failed (see above); install PostgreSQL" \
+      "by hand, or set DATABASE_URL"
+  _idemflow_pg_find_bindir ||
+    _idemflow_pg_die "installed $package, but found no initdb, pg_ctl and postgres on PATH" \
+      "or under $IDEMFLOW_POSTGRES_BIN_GLOB"
+  _idemflow_pg_say "installed $package: server binaries in $_idemflow_pg_bindir"
+}
+
+# --------------------------------------------------------------- decision ---
+
+# The choice, as a pure function: it reads only its arguments (all six
+# required, as key=value) and changes nothing, so that a table of cases can
+# test it on any machine (scripts/tests/postgres-decision.sh).
+#
+#   idemflow_postgres_decide mode=auto|local|throwaway|OTHER url=yes|no \
+#     local=yes|no bindir=DIR-OR-EMPTY root=yes|no apt=yes|no
+#
+#   mode    IDEMFLOW_POSTGRES          url   DATABASE_URL is set
+#   local   127.0.0.1:PORT answers     bindir  where initdb, pg_ctl, postgres are ("" = none)
+#   root    we run as root             apt   apt-get is on PATH
+#
+# Prints one word:
+#   use-url            use DATABASE_URL (after checking that it answers)
+#   use-local          use the server at 127.0.0.1:PORT
+#   throwaway          start a throwaway cluster from the binaries in bindir
+#   install-throwaway  apt-get install PostgreSQL, then a throwaway cluster
+#   fail-local         forced local, and nothing answers there
+#   fail-not-root      nothing usable; apt-get is here but needs root (sudo)
+#   fail-no-apt        nothing usable, and no apt-get to install it with
+#   fail-mode          IDEMFLOW_POSTGRES is none of auto, local, throwaway
+# Returns 2 (and prints nothing on stdout) on a malformed argument.
+idemflow_postgres_decide() {
+  local arg key value mode="" url="" local_answers="" bindir="" root="" apt=""
+  local -A seen=()
+  for arg in "$@"; do
+    key=${arg%%=*}
+    value=${arg#*=}
+    if [[ $arg != *=* ]]; then
+      printf 'idemflow_postgres_decide: not key=value: %s\n' "$arg" >&2
+      return 2
+    fi
+    case $key in
+      mode) mode=$value ;;
+      bindir) bindir=$value ;;
+      url | local | root | apt)
+        if [[ $value != yes && $value != no ]]; then
+          printf 'idemflow_postgres_decide: %s must be yes or no, not "%s"\n' "$key" "$value" >&2
+          return 2
+        fi
+        case $key in
+          url) url=$value ;;
+          local) local_answers=$value ;;
+          root) root=$value ;;
+          apt) apt=$value ;;
+        esac
+        ;;
+      *)
+        printf 'idemflow_postgres_decide: unknown fact: %s\n' "$key" >&2
+        return 2
+        ;;
+    esac
+    seen[$key]=1
+  done
+  for key in mode url local bindir root apt; do
+    if [[ -z ${seen[$key]:-} ]]; then
+      printf 'idemflow_postgres_decide: missing fact: %s\n' "$key" >&2
+      return 2
+    fi
+  done
+
+  case $mode in
+    auto | local | throwaway) ;;
+    *) echo fail-mode && return 0 ;;
+  esac
+  # 1. Only auto honours a preset DATABASE_URL; a forced mode ignores it.
+  if [[ $mode == auto && $url == yes ]]; then
+    echo use-url
+  # 2. The local server (never asked for in throwaway mode).
+  elif [[ $mode != throwaway && $local_answers == yes ]]; then
+    echo use-local
+  elif [[ $mode == local ]]; then
+    echo fail-local
+  # 3. Binaries already here.
+  elif [[ -n $bindir ]]; then
+    echo throwaway
+  # 4. and 5. Nothing here: install if we can, else say how.
+  elif [[ $apt == no ]]; then
+    echo fail-no-apt
+  elif [[ $root == no ]]; then
+    echo fail-not-root
   else
-    _idemflow_pg_die "no PostgreSQL: none answers at 127.0.0.1:$IDEMFLOW_POSTGRES_PORT" \
-      "and no PostgreSQL binaries (initdb, pg_ctl) were found on PATH or under" \
-      "$IDEMFLOW_POSTGRES_BIN_GLOB; install PostgreSQL or set DATABASE_URL"
+    echo install-throwaway
   fi
 }
 
+# Fills _idemflow_pg_facts with the facts idemflow_postgres_decide takes, and
+# _idemflow_pg_bindir. Only looks: connects at most once to 127.0.0.1:PORT,
+# and only when the answer can matter (auto without DATABASE_URL, or local).
+_idemflow_pg_facts=()
+_idemflow_pg_local_probed=no
+_idemflow_pg_gather_facts() {
+  local url=no local_answers=no root=no apt=no
+  _idemflow_pg_local_probed=no
+  [[ -n ${DATABASE_URL:-} ]] && url=yes
+  # Binaries first, so that the probe below uses the psql beside them.
+  _idemflow_pg_find_bindir || _idemflow_pg_bindir=""
+  if [[ $IDEMFLOW_POSTGRES == local || ($IDEMFLOW_POSTGRES == auto && $url == no) ]]; then
+    _idemflow_pg_local_probed=yes
+    _idemflow_pg_local_answers && local_answers=yes
+  fi
+  [[ $(id -u) -eq 0 ]] && root=yes
+  command -v apt-get >/dev/null 2>&1 && apt=yes
+  _idemflow_pg_facts=("mode=$IDEMFLOW_POSTGRES" "url=$url" "local=$local_answers"
+    "bindir=$_idemflow_pg_bindir" "root=$root" "apt=$apt")
+}
+
+# ------------------------------------------------------------------ entry ---
+
+_idemflow_pg_nothing_found() {
+  printf 'no PostgreSQL: %s, and no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH or under %s' \
+    "$(_idemflow_pg_unanswered)" "$IDEMFLOW_POSTGRES_BIN_GLOB"
+}
+
+_idemflow_pg_unanswered() {
+  if [[ $IDEMFLOW_POSTGRES == throwaway ]]; then
+    printf 'IDEMFLOW_POSTGRES=throwaway'
+  else
+    printf 'none answers at 127.0.0.1:%s (user postgres)' "$IDEMFLOW_POSTGRES_PORT"
+  fi
+}
+
+# Makes DATABASE_URL point at a usable PostgreSQL (see the top of this file).
+idemflow_postgres_up() {
+  local decision
+  _idemflow_pg_gather_facts
+  decision=$(idemflow_postgres_decide "${_idemflow_pg_facts[@]}") ||
+    _idemflow_pg_die "internal: no decision for: ${_idemflow_pg_facts[*]}"
+  case $decision in
+    use-url | use-local | throwaway | install-throwaway) _idemflow_pg_note_ignored_url ;;
+  esac
+  case $decision in
+    use-url) _idemflow_pg_use_preset_url ;;
+    use-local) _idemflow_pg_use_local ;;
+    throwaway) _idemflow_pg_start_throwaway ;;
+    install-throwaway)
+      _idemflow_pg_install
+      _idemflow_pg_start_throwaway
+      ;;
+    fail-local)
+      _idemflow_pg_die "IDEMFLOW_POSTGRES=local but no PostgreSQL answers at" \
+        "127.0.0.1:$IDEMFLOW_POSTGRES_PORT as user postgres"
+      ;;
+    fail-not-root)
+      _idemflow_pg_die "$(_idemflow_pg_nothing_found)." \
+        "Run as root, these scripts install it themselves; as $(id -un), run" \
+        "'sudo apt-get update && sudo apt-get install -y postgresql' and try again" \
+        "(or set DATABASE_URL to a PostgreSQL)"
+      ;;
+    fail-no-apt)
+      _idemflow_pg_die "$(_idemflow_pg_nothing_found), and no apt-get to install them with." \
+        "Install PostgreSQL's server with this system's package manager (then set" \
+        "IDEMFLOW_POSTGRES_BIN_GLOB if its binaries are not on PATH), or set DATABASE_URL"
+      ;;
+    fail-mode)
+      _idemflow_pg_die "IDEMFLOW_POSTGRES must be auto, local or throwaway, not '$IDEMFLOW_POSTGRES'"
+      ;;
+    *) _idemflow_pg_die "internal: unknown decision '$decision'" ;;
+  esac
+}
+
+# Prints the facts and the decision idemflow_postgres_up would act on, and
+# changes nothing: a dry run of the choice on this machine.
+idemflow_postgres_explain() {
+  local decision
+  _idemflow_pg_gather_facts
+  decision=$(idemflow_postgres_decide "${_idemflow_pg_facts[@]}") || return 1
+  printf 'facts:    %s\n' "${_idemflow_pg_facts[*]}"
+  if [[ $_idemflow_pg_local_probed == no ]]; then
+    printf '          (127.0.0.1:%s not probed: it cannot change the decision)\n' "$IDEMFLOW_POSTGRES_PORT"
+  fi
+  printf 'decision: %s\n' "$decision"
+}
+
+# A forced mode says so when it overrides DATABASE_URL.
 _idemflow_pg_note_ignored_url() {
-  if [[ -n ${DATABASE_URL:-} ]]; then
+  if [[ $IDEMFLOW_POSTGRES != auto && -n ${DATABASE_URL:-} ]]; then
     _idemflow_pg_say "IDEMFLOW_POSTGRES=$IDEMFLOW_POSTGRES: ignoring the DATABASE_URL from the environment"
   fi
 }
