@@ -405,12 +405,12 @@ async fn a_terminal_error_after_a_client_takeover_is_stored_and_replayed(pool: P
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn a_terminal_error_after_a_client_takeover_releases_the_key_by_policy(pool: PgPool) {
+async fn a_terminal_error_after_a_client_takeover_forgets_the_key_by_policy(pool: PgPool) {
     tables(&pool).await;
     let scripts = Scripts::default();
     scripts.place.then(&[Act::Retryable, Act::Terminal]);
     let config = RunnerConfig {
-        terminal_errors: TerminalPolicy::Release,
+        terminal_errors: TerminalPolicy::Forget,
     };
     let (runner, workflow) = (Runner::with_config(pool.clone(), config), scripts.chain(8));
     let first = run(&runner, &workflow, &tenant(1), "k", &order(7)).await;
@@ -426,7 +426,7 @@ async fn a_terminal_error_after_a_client_takeover_releases_the_key_by_policy(poo
         .await;
     assert_eq!(
         second.unwrap(),
-        Outcome::Released(StoredResponse::new(409, "refused"))
+        Outcome::Forgotten(StoredResponse::new(409, "refused"))
     );
     assert_eq!(
         count(&pool, "SELECT count(*) FROM idempotency_keys").await,

@@ -83,7 +83,7 @@ async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
             store::finish(&mut connection, stale, "phase", &response).await,
             store::advance(&mut connection, stale, "phase", &json!({}), long).await,
             store::renew_lease(&mut connection, stale, long).await,
-            store::release(&mut connection, stale, Duration::ZERO, "stale").await,
+            store::postpone(&mut connection, stale, Duration::ZERO, "stale").await,
         ];
         for result in results {
             assert!(matches!(result, Err(StoreError::Fenced)), "{result:?}");

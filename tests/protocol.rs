@@ -585,7 +585,7 @@ async fn every_kind_of_stale_write_is_fenced(pool: PgPool) {
         store::advance(&mut connection, &stale, "phase", &output, long).await,
         store::finish(&mut connection, &stale, "phase", &response).await,
         store::renew_lease(&mut connection, &stale, long).await,
-        store::release(&mut connection, &stale, Duration::ZERO, "stale").await,
+        store::postpone(&mut connection, &stale, Duration::ZERO, "stale").await,
         store::delete_owned(&mut connection, &stale).await,
     ];
     for result in results {
@@ -643,12 +643,12 @@ async fn a_terminal_error_is_stored_and_replayed_by_default(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn a_terminal_error_can_release_the_key_instead(pool: PgPool) {
+async fn a_terminal_error_can_forget_the_key_instead(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
     harness.finish.fail_terminally.store(true, Ordering::SeqCst);
     let config = RunnerConfig {
-        terminal_errors: TerminalPolicy::Release,
+        terminal_errors: TerminalPolicy::Forget,
     };
     let (runner, workflow) = (
         Runner::with_config(pool.clone(), config),
@@ -657,7 +657,7 @@ async fn a_terminal_error_can_release_the_key_instead(pool: PgPool) {
     let outcome = run(&runner, &workflow, &tenant(1), "k", &body(1)).await;
     assert_eq!(
         outcome,
-        Outcome::Released(StoredResponse::new(409, "order rejected"))
+        Outcome::Forgotten(StoredResponse::new(409, "order rejected"))
     );
     assert_eq!(
         count(&pool, "SELECT count(*) FROM idempotency_keys").await,

@@ -449,7 +449,7 @@ async fn shutdown_gives_back_the_leases_of_keys_not_yet_finished(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn a_released_key_wakes_an_idle_resumer(pool: PgPool) {
+async fn a_postponed_key_wakes_an_idle_resumer(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
     let retries = idemflow::RetryPolicy {

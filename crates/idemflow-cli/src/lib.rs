@@ -6,7 +6,7 @@
 //! document. A command that cannot answer (bad input, no database, a database error) says why on
 //! stderr in text mode, and as `{"error": {"kind", "message"}}` on stdout in JSON mode.
 //!
-//! Exit codes: [`exit::OK`] 0, [`exit::NO`] 1 (the key does not exist, was not released, or the
+//! Exit codes: [`exit::OK`] 0, [`exit::NO`] 1 (the key does not exist, its lease was not ended, or the
 //! body is not JSON), [`exit::USAGE`] 2 (bad arguments, no database URL), [`exit::FAILURE`] 3 (the
 //! database could not be reached or a statement failed).
 
@@ -32,7 +32,7 @@ use render::{fields, plain, table, truncate};
 pub mod exit {
     /// The command did what was asked.
     pub const OK: u8 = 0;
-    /// The answer is no: the key does not exist, was not released, or the body is not JSON.
+    /// The answer is no: the key does not exist, its lease was not ended, or the body is not JSON.
     pub const NO: u8 = 1;
     /// The command line is wrong: a bad argument, or no database URL.
     pub const USAGE: u8 = 2;
@@ -461,110 +461,111 @@ async fn list_stuck_answer(
 }
 
 // ---------------------------------------------------------------------------------------------
-// release
+// end-lease
 
-/// What `release` did.
+/// What `end-lease` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-enum ReleaseOutcome {
+enum EndLeaseOutcome {
     /// The lease ended now; idle resumers were woken.
-    Released,
+    Ended,
     /// The lease had already expired: the key is due, nothing to do.
     AlreadyDue,
     NotFound,
     Done,
-    /// Another owner took the key over between the read and the release.
+    /// Another owner took the key over between the read and the end of the lease.
     MovedOn,
 }
 
 #[derive(Serialize)]
-struct ReleaseReport<'a> {
+struct EndLeaseReport<'a> {
     tenant: &'a str,
     key: &'a str,
-    outcome: ReleaseOutcome,
-    /// The fencing token the release was made with (or refused for).
+    outcome: EndLeaseOutcome,
+    /// The fencing token the lease was ended with (or refused for).
     lock_version: Option<i64>,
     message: String,
 }
 
-/// `idemflow release --tenant T --key K`: ends a started key's lease now, so a resumer or the
+/// `idemflow end-lease --tenant T --key K` (`release`, its old name, still works): ends a started key's lease now, so a resumer or the
 /// next retry takes it over at once. Fenced: the lease is ended only if the key's lock_version is
-/// still the one just read. Exit 1 when nothing was released (no such key, done, taken over);
-/// exit 0 when released or when the lease had already expired.
-pub async fn release(
+/// still the one just read. Exit 1 when no lease was ended (no such key, done, taken over);
+/// exit 0 when it was, or when the lease had already expired.
+pub async fn end_lease(
     connection: &mut PgConnection,
     format: Format,
     tenant: &str,
     key: &str,
 ) -> Output {
-    emit(format, release_answer(connection, tenant, key).await)
+    emit(format, end_lease_answer(connection, tenant, key).await)
 }
 
-async fn release_answer(
+async fn end_lease_answer(
     connection: &mut PgConnection,
     tenant: &str,
     key: &str,
 ) -> Result<Answer, CliError> {
     validate(tenant, key)?;
     let who = who(tenant, key);
-    let (outcome, lock_version, message) =
-        match idemflow_pg::key_report(connection, tenant, key).await? {
-            None => (
-                ReleaseOutcome::NotFound,
-                None,
-                format!("not released: no key {key:?} for tenant {tenant:?}"),
-            ),
-            Some(report) if report.state == "done" => done(&who, &report),
-            Some(report) if report.lease_left_ms.is_some_and(|ms| ms <= 0) => (
-                ReleaseOutcome::AlreadyDue,
-                Some(report.lock_version),
-                format!(
-                    "nothing to release: the lease of {who} {}; it is due now, and a resumer \
+    let (outcome, lock_version, message) = match idemflow_pg::key_report(connection, tenant, key)
+        .await?
+    {
+        None => (
+            EndLeaseOutcome::NotFound,
+            None,
+            format!("lease not ended: no key {key:?} for tenant {tenant:?}"),
+        ),
+        Some(report) if report.state == "done" => done(&who, &report),
+        Some(report) if report.lease_left_ms.is_some_and(|ms| ms <= 0) => (
+            EndLeaseOutcome::AlreadyDue,
+            Some(report.lock_version),
+            format!(
+                "nothing to end: the lease of {who} {}; it is due now, and a resumer \
                      running workflow {:?} takes it over",
-                    lease_summary(&report),
-                    plain(&report.workflow),
-                ),
+                lease_summary(&report),
+                plain(&report.workflow),
             ),
-            Some(report) => {
-                let lock_version = report.lock_version;
-                if idemflow_pg::release_now(connection, tenant, key, lock_version).await? {
-                    idemflow_pg::notify_due(connection).await?;
-                    (
-                        ReleaseOutcome::Released,
+        ),
+        Some(report) => {
+            let lock_version = report.lock_version;
+            if idemflow_pg::end_lease(connection, tenant, key, lock_version).await? {
+                idemflow_pg::notify_due(connection).await?;
+                (
+                    EndLeaseOutcome::Ended,
+                    Some(lock_version),
+                    format!(
+                        "ended the lease of {who} (lock_version {lock_version}): it is due now; \
+                             a resumer or the next retry takes it over"
+                    ),
+                )
+            } else {
+                // Refused: read the key again to say why.
+                match idemflow_pg::key_report(connection, tenant, key).await? {
+                    None => (
+                        EndLeaseOutcome::NotFound,
+                        Some(lock_version),
+                        format!("lease not ended: {who} was deleted meanwhile"),
+                    ),
+                    Some(now) if now.state == "done" => done(&who, &now),
+                    Some(now) => (
+                        EndLeaseOutcome::MovedOn,
                         Some(lock_version),
                         format!(
-                            "released {who} (lock_version {lock_version}): its lease ends now; \
-                             a resumer or the next retry takes it over"
-                        ),
-                    )
-                } else {
-                    // Refused: read the key again to say why.
-                    match idemflow_pg::key_report(connection, tenant, key).await? {
-                        None => (
-                            ReleaseOutcome::NotFound,
-                            Some(lock_version),
-                            format!("not released: {who} was deleted meanwhile"),
-                        ),
-                        Some(now) if now.state == "done" => done(&who, &now),
-                        Some(now) => (
-                            ReleaseOutcome::MovedOn,
-                            Some(lock_version),
-                            format!(
-                                "not released: {who} was taken over meanwhile (lock_version \
+                            "lease not ended: {who} was taken over meanwhile (lock_version \
                                  {lock_version}, now {}); inspect it again",
-                                now.lock_version
-                            ),
+                            now.lock_version
                         ),
-                    }
+                    ),
                 }
             }
-        };
+        }
+    };
     let code = match outcome {
-        ReleaseOutcome::Released | ReleaseOutcome::AlreadyDue => exit::OK,
-        ReleaseOutcome::NotFound | ReleaseOutcome::Done | ReleaseOutcome::MovedOn => exit::NO,
+        EndLeaseOutcome::Ended | EndLeaseOutcome::AlreadyDue => exit::OK,
+        EndLeaseOutcome::NotFound | EndLeaseOutcome::Done | EndLeaseOutcome::MovedOn => exit::NO,
     };
     let human = format!("{message}\n");
-    let report = ReleaseReport {
+    let report = EndLeaseReport {
         tenant,
         key,
         outcome,
@@ -574,12 +575,12 @@ async fn release_answer(
     Ok(Answer::new(code, human, &report))
 }
 
-fn done(who: &str, report: &KeyReport) -> (ReleaseOutcome, Option<i64>, String) {
+fn done(who: &str, report: &KeyReport) -> (EndLeaseOutcome, Option<i64>, String) {
     (
-        ReleaseOutcome::Done,
+        EndLeaseOutcome::Done,
         Some(report.lock_version),
         format!(
-            "not released: {who} is done; every retry replays its stored response ({})",
+            "lease not ended: {who} is done; every retry replays its stored response ({})",
             response_summary(report)
         ),
     )

@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use idemflow_cli::{CliError, Format, Output, parse_duration};
 use sqlx::{PgConnection, PgPool};
 
-/// Operate idemflow's idempotency keys: inspect, list, release and expire them.
+/// Operate idemflow's idempotency keys: inspect, list, end leases and expire them.
 #[derive(Debug, Parser)]
 #[command(name = "idemflow", version)]
 struct Cli {
@@ -55,8 +55,10 @@ enum Command {
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
     },
-    /// End a started key's lease now (fenced), so it is retried at once.
-    Release {
+    /// End a started key's lease now (fenced), so it is retried at once. (`release`, its old name,
+    /// still works.)
+    #[command(alias = "release")]
+    EndLease {
         #[arg(long)]
         tenant: String,
         #[arg(long)]
@@ -125,9 +127,9 @@ async fn run(cli: Cli, format: Format) -> Output {
             })
             .await
         }
-        Command::Release { tenant, key } => {
+        Command::EndLease { tenant, key } => {
             with_connection(&pool, format, async |connection| {
-                idemflow_cli::release(connection, format, &tenant, &key).await
+                idemflow_cli::end_lease(connection, format, &tenant, &key).await
             })
             .await
         }

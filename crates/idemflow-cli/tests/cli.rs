@@ -323,15 +323,15 @@ async fn list_stuck_says_when_nothing_is_stuck(pool: PgPool) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// release
+// end-lease
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
-async fn release_ends_a_live_lease_and_explains_when_it_does_not(pool: PgPool) {
+async fn end_lease_ends_a_live_lease_and_explains_when_it_does_not(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed_all(&mut tx, &[DONE, LIVE]).await;
 
-    let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-2").await;
-    assert_stdout(output, 0, "release_live.txt");
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2").await;
+    assert_stdout(output, 0, "end_lease_live.txt");
     // The lease ended at now(), which stands still in this transaction.
     let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
     assert!(
@@ -342,23 +342,23 @@ async fn release_ends_a_live_lease_and_explains_when_it_does_not(pool: PgPool) {
     assert!(output.stdout.contains("\nlock_version    0\n"));
 
     // Released again: its lease already ended, there is nothing to do.
-    let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-2").await;
-    assert_stdout(output, 0, "release_again.json");
+    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-2").await;
+    assert_stdout(output, 0, "end_lease_again.json");
 
     // A done key has no lease to end.
-    let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-1").await;
-    assert_stdout(output, 1, "release_done.txt");
-    let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-1").await;
-    assert_stdout(output, 1, "release_done.json");
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-1").await;
+    assert_stdout(output, 1, "end_lease_done.txt");
+    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-1").await;
+    assert_stdout(output, 1, "end_lease_done.json");
 
-    let output = idemflow_cli::release(&mut tx, Format::Human, "acme", "order-9").await;
-    assert_stdout(output, 1, "release_missing.txt");
-    let output = idemflow_cli::release(&mut tx, Format::Json, "acme", "order-9").await;
-    assert_stdout(output, 1, "release_missing.json");
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-9").await;
+    assert_stdout(output, 1, "end_lease_missing.txt");
+    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-9").await;
+    assert_stdout(output, 1, "end_lease_missing.json");
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
-async fn release_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
+async fn ending_a_lease_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
     seed(&mut pool.acquire().await.unwrap(), LIVE).await;
     // A takeover in flight: the row is locked and its lock_version bumped, not yet committed.
     let mut takeover = pool.begin().await.unwrap();
@@ -370,12 +370,12 @@ async fn release_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
     .await
     .unwrap();
 
-    // release reads lock_version 0 (the committed one), then waits for the takeover's row lock.
+    // end-lease reads lock_version 0 (the committed one), then waits for the takeover's row lock.
     let release = tokio::spawn({
         let pool = pool.clone();
         async move {
             let mut connection = pool.acquire().await.unwrap();
-            idemflow_cli::release(&mut connection, Format::Human, "acme", "order-2").await
+            idemflow_cli::end_lease(&mut connection, Format::Human, "acme", "order-2").await
         }
     });
     tokio::time::timeout(Duration::from_secs(10), async {
@@ -398,7 +398,7 @@ async fn release_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
     takeover.commit().await.unwrap();
 
     // Its fenced update then matches no row: the new owner's lease is left alone.
-    assert_stdout(release.await.unwrap(), 1, "release_fenced.txt");
+    assert_stdout(release.await.unwrap(), 1, "end_lease_fenced.txt");
     let output = idemflow_cli::inspect(
         &mut pool.acquire().await.unwrap(),
         Format::Human,
@@ -414,14 +414,14 @@ async fn release_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
-async fn release_wakes_idle_resumers(pool: PgPool) {
+async fn ending_a_lease_wakes_idle_resumers(pool: PgPool) {
     seed(&mut pool.acquire().await.unwrap(), LIVE).await;
     let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
         .await
         .unwrap();
     listener.listen(idemflow_pg::DUE_CHANNEL).await.unwrap();
 
-    let output = idemflow_cli::release(
+    let output = idemflow_cli::end_lease(
         &mut pool.acquire().await.unwrap(),
         Format::Human,
         "acme",

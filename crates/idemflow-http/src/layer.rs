@@ -391,9 +391,9 @@ fn answer(result: Result<Outcome, idemflow_runner::RunError>, live: &Live) -> Re
             Ok(response) => response,
             Err(stored) => respond(Ok(Outcome::Executed(stored))),
         },
-        Ok(Outcome::Released(released)) => kept
+        Ok(Outcome::Forgotten(forgotten)) => kept
             .unstored()
-            .unwrap_or_else(|| respond(Ok(Outcome::Released(released)))),
+            .unwrap_or_else(|| respond(Ok(Outcome::Forgotten(forgotten)))),
         Ok(Outcome::Interrupted { retry_after, error }) => match kept.unstored() {
             Some(mut response) => {
                 if !response.headers().contains_key(header::RETRY_AFTER) {

@@ -106,7 +106,7 @@ impl IntoResponse for RunResponse {
 /// The response for what the runner made of a request.
 pub fn respond(result: Result<Outcome, RunError>) -> Response {
     match result {
-        Ok(Outcome::Executed(stored) | Outcome::Released(stored)) => {
+        Ok(Outcome::Executed(stored) | Outcome::Forgotten(stored)) => {
             stored_response(&stored, false)
         }
         Ok(Outcome::Replayed(stored)) => stored_response(&stored, true),

@@ -16,13 +16,13 @@ pub use claim::{Claimed, begin_claim};
 pub use transaction::{Limits, Transaction};
 
 pub use maintenance::{
-    DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, expire_batch, key_report,
-    notify_due, release_now, resumer_lag, stuck_keys, table_stats, take_over_due,
+    DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, end_lease, expire_batch,
+    key_report, notify_due, resumer_lag, stuck_keys, table_stats, take_over_due,
 };
 
 pub use store::{
     ClaimRequest, FoundKey, KeyRow, LookUp, Owner, StoreError, TakenOver, advance, delete_owned,
-    finish, inspect, look_up, next_lock_version, release, renew_lease, take_over,
+    finish, inspect, look_up, next_lock_version, postpone, renew_lease, take_over,
 };
 
 /// The schema migrations, embedded at build time from the workspace's `migrations/` folder.

@@ -9,7 +9,7 @@ use sqlx::{PgConnection, Row};
 
 use crate::store::{Owner, StoreError, TakenOver, millis};
 
-/// The channel on which a released key is announced, so an idle resumer wakes early.
+/// The channel on which a key due now is announced (postponed, or its lease ended), so an idle resumer wakes early.
 pub const DUE_CHANNEL: &str = "idemflow_due";
 
 /// A key a resumer took over, with the workflow that must finish it.
@@ -142,7 +142,7 @@ pub async fn expire_batch(
 
 /// Ends a started key's lease now, if its fencing token is still `lock_version`, so a resumer or
 /// a retry takes it over at once. `false` when the key is not started or the token moved on.
-pub async fn release_now(
+pub async fn end_lease(
     connection: &mut PgConnection,
     tenant: &str,
     key: &str,

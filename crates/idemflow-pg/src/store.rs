@@ -384,7 +384,7 @@ pub async fn renew_lease(
 
 /// Gives a key back after a retryable error: the lease now ends after `retry_after` (zero: at
 /// once), so a client retry or a resumer may take it over then, and the error is recorded. Fenced.
-pub async fn release(
+pub async fn postpone(
     connection: &mut PgConnection,
     owner: &Owner,
     retry_after: Duration,
@@ -407,7 +407,7 @@ pub async fn release(
 }
 
 /// Deletes a started key its owner holds, so the client may send the same key again as a new
-/// request (the release policy for terminal errors). Fenced.
+/// request (the forget policy for terminal errors). Fenced.
 pub async fn delete_owned(connection: &mut PgConnection, owner: &Owner) -> Result<(), StoreError> {
     let result = sqlx::query(
         "DELETE FROM idempotency_keys \

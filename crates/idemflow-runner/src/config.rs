@@ -8,7 +8,7 @@ pub enum TerminalPolicy {
     /// Delete the key and answer the error without storing it, so the client may retry the same
     /// key as a new request. Only for workflows whose phases are safe to run again from the
     /// start; foreign phases are called again with the same derived keys.
-    Release,
+    Forget,
 }
 
 /// How a [`crate::Runner`] claims keys and treats failures. Retries are per phase

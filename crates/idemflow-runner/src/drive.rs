@@ -581,7 +581,7 @@ impl Drive<'_> {
                     return Ok(in_progress());
                 }
                 metrics::count_phase(metrics::NOT_EXECUTED, workflow.name(), phase);
-                return Ok(Outcome::Released(response));
+                return Ok(Outcome::Forgotten(response));
             }
             error.kind = PhaseErrorKind::Retryable { retry_after: None };
         }
@@ -601,13 +601,13 @@ impl Drive<'_> {
             format!("{phase}: {}", error.message)
         };
 
-        if let (Some(response), TerminalPolicy::Release) =
+        if let (Some(response), TerminalPolicy::Forget) =
             (&terminal_response, self.runner.config.terminal_errors)
         {
             if !self.delete_held().await? {
                 return Ok(in_progress());
             }
-            return Ok(Outcome::Released(response.clone()));
+            return Ok(Outcome::Forgotten(response.clone()));
         }
 
         let Some((mut tx, owner, mut attempt)) = self.take_again().await? else {
@@ -629,8 +629,8 @@ impl Drive<'_> {
             (Some(response), _) => (response.clone(), Outcome::Executed(response)),
             (None, PhaseErrorKind::Retryable { retry_after }) if !exhausted => {
                 let retry_after = retry_after.unwrap_or_else(|| retry_policy.backoff(attempt));
-                let released = store::release(&mut tx, &owner, retry_after, &message).await;
-                tx = fenced(released, tx).await?;
+                let postponed = store::postpone(&mut tx, &owner, retry_after, &message).await;
+                tx = fenced(postponed, tx).await?;
                 store::notify_due(&mut tx).await?;
                 tx.commit().await?;
                 metrics::count_phase(metrics::RETRIES, workflow.name(), phase);

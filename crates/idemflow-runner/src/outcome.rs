@@ -27,9 +27,9 @@ pub enum Outcome {
         retry_after: Duration,
         error: String,
     },
-    /// A phase failed terminally under [`crate::TerminalPolicy::Release`]: the key was deleted,
+    /// A phase failed terminally under [`crate::TerminalPolicy::Forget`]: the key was deleted,
     /// this response was not stored, and the same key may be sent again as a new request.
-    Released(StoredResponse),
+    Forgotten(StoredResponse),
 }
 
 /// Why a request was rejected before execution.

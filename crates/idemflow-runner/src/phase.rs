@@ -133,7 +133,7 @@ pub enum PhaseErrorKind {
     /// resumable once `retry_after` (or the runner's default) has passed.
     Retryable { retry_after: Option<Duration> },
     /// Give up: the request ends here. Its response (the given one, or a 500 problem) is stored
-    /// and replayed, unless the runner's policy releases the key instead.
+    /// and replayed, unless the runner's policy forgets the key instead.
     Terminal { response: Option<StoredResponse> },
     /// The phase did nothing, and says so: the request was not executed (a routing refusal, a
     /// rate limit, an overloaded dependency that refused it). When no phase of the key has

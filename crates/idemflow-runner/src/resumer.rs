@@ -25,7 +25,7 @@ pub struct ResumerConfig {
     /// Keys resumed at once.
     pub concurrency: usize,
     /// The wait after an empty scan; it doubles up to `idle_max` while nothing is due, and drops
-    /// back when work appears or a released key is announced.
+    /// back when work appears or a key due now is announced.
     pub idle_min: Duration,
     pub idle_max: Duration,
     /// The longest wait after a database error; waits double from `idle_min` up to it.
@@ -176,8 +176,7 @@ impl Resumer {
                 if let Some(owner) = owners.remove(&error.id()) {
                     tracing::error!(tenant = %owner.tenant(), key = %owner.key(), %error, "a resumed key's task ended abnormally");
                     metrics::counter!("idemflow_resume_errors_total").increment(1);
-                    self.release_stopped(&owner, "stopped: its task panicked")
-                        .await;
+                    self.give_back(&owner, "stopped: its task panicked").await;
                 }
                 None
             }
@@ -297,7 +296,7 @@ impl Resumer {
         // Whatever was stopped rolled back its open transaction; its lease ends now too. Its
         // attempt counts: it had started.
         for owner in owners.values() {
-            self.release_stopped(owner, "stopped: the resumer shut down")
+            self.give_back(owner, "stopped: the resumer shut down")
                 .await;
         }
         if let Some(task) = retention_task {
@@ -347,17 +346,19 @@ impl Resumer {
     }
 
     /// Ends the lease of a key whose run was stopped, now; its attempt counts (it had started).
-    async fn release_stopped(&self, owner: &Owner, why: &str) {
-        let released = match self.runner.pool().acquire().await {
-            Ok(mut connection) => store::release(&mut connection, owner, Duration::ZERO, why).await,
+    async fn give_back(&self, owner: &Owner, why: &str) {
+        let given_back = match self.runner.pool().acquire().await {
+            Ok(mut connection) => {
+                store::postpone(&mut connection, owner, Duration::ZERO, why).await
+            }
             Err(error) => Err(error.into()),
         };
-        match released {
+        match given_back {
             Ok(()) => {
-                tracing::info!(tenant = %owner.tenant(), key = %owner.key(), "stopped key released")
+                tracing::info!(tenant = %owner.tenant(), key = %owner.key(), "stopped key given back")
             }
             Err(error) => {
-                tracing::warn!(tenant = %owner.tenant(), key = %owner.key(), %error, "stopped key not released")
+                tracing::warn!(tenant = %owner.tenant(), key = %owner.key(), %error, "stopped key not given back")
             }
         }
     }
@@ -391,7 +392,7 @@ impl Resumer {
 
 fn tally(report: &mut DrainReport, outcome: Option<Outcome>) {
     match outcome {
-        Some(Outcome::Executed(_) | Outcome::Released(_)) => report.finished += 1,
+        Some(Outcome::Executed(_) | Outcome::Forgotten(_)) => report.finished += 1,
         Some(Outcome::Interrupted { .. }) => report.interrupted += 1,
         _ => report.failed += 1,
     }
@@ -409,7 +410,7 @@ async fn sleep_unless_max(wait: Duration) {
     }
 }
 
-/// Wakes the resumer when a key is announced due (a retryable error released it). PgListener
+/// Wakes the resumer when a key is announced due (a failed attempt postponed it, or an operator ended its lease). PgListener
 /// reconnects by itself; a failure to connect is retried with a pause.
 async fn listen_for_due_keys(pool: sqlx::PgPool, wake: Arc<Notify>) {
     loop {

@@ -612,7 +612,7 @@ fn describe(result: &Result<Outcome, RunError>) -> String {
         Ok(Outcome::Mismatch) => "mismatch".to_owned(),
         Ok(Outcome::Rejected(rejection)) => format!("rejected: {rejection}"),
         Ok(Outcome::Interrupted { .. }) => "interrupted".to_owned(),
-        Ok(Outcome::Released(response)) => format!("released {}", response.status),
+        Ok(Outcome::Forgotten(response)) => format!("forgotten {}", response.status),
         Ok(other) => format!("{other:?}"),
         Err(RunError::Crashed(point)) => format!("crashed at {point}"),
         Err(error) => format!("error: {error}"),

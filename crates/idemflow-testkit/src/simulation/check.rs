@@ -142,9 +142,9 @@ pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
     }
 
     // Local effects.
-    // Per claim: under the release policy a deleted key's request may be claimed and run again
+    // Per claim: under the forget policy a deleted key's request may be claimed and run again
     // (there are no clock jumps then, so a claim's time names it).
-    let per_claim = ending.release_policy;
+    let per_claim = ending.forget_policy;
     let duplicated: Vec<(String, i64, String, i64)> = sqlx::query_as(
         "SELECT key, life, phase, count(*) FROM sim_effects WHERE tenant = $1 \
          GROUP BY key, life, phase, CASE WHEN $2 THEN claimed_at END HAVING count(*) > 1",

@@ -3,9 +3,9 @@
 //!
 //! A schedule (see `world.rs`) has 2 to 4 keys of a scripted checkout workflow (`workflow.rs`:
 //! reserve → price → charge at the mock provider → complete, with a failure path) and these
-//! actors: clients sending first attempts and retries (and, after a key was released, the next
+//! actors: clients sending first attempts and retries (and, after a key was forgotten, the next
 //! request under it), 1 to 4 resumers draining due keys with their own batch sizes and
-//! concurrency, an operator running `release` and retention, and chaos: leases expired by rewinding
+//! concurrency, an operator ending leases (`end-lease`) and retention, and chaos: leases expired by rewinding
 //! them in SQL, a clock jump of a day for retention, connections of the engine killed by the
 //! server, a stored phase output corrupted as a deploy would. Phases are told by the schedule what
 //! to do on each run: succeed, be slow, fail (retryable or terminal), panic, hang past their time
@@ -81,7 +81,7 @@ impl Simulation {
             .connect_with(options.application_name(OBSERVER_APPLICATION))
             .await?;
         for statement in [
-            // claimed_at: the claim the effect was made under (a key deleted by the release
+            // claimed_at: the claim the effect was made under (a key deleted by the forget
             // policy and claimed again is another claim of the same request).
             "CREATE TABLE IF NOT EXISTS sim_effects (tenant text NOT NULL, key text NOT NULL, \
              life bigint NOT NULL, phase text NOT NULL, lock_version bigint NOT NULL, \

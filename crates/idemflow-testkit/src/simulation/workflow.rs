@@ -69,7 +69,7 @@ impl ProviderFault {
     }
 }
 
-/// The request: what to charge, and which life of the key it is (a key deleted by the release
+/// The request: what to charge, and which life of the key it is (a key deleted by the forget
 /// policy may be sent again as a new request).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct SimRequest {

@@ -63,7 +63,7 @@ impl Setup {
             })
             .collect();
         let terminal = if rng.chance(0.4) {
-            TerminalPolicy::Release
+            TerminalPolicy::Forget
         } else {
             TerminalPolicy::Store
         };
@@ -117,8 +117,8 @@ pub(crate) struct Log {
     /// Responses clients were given, by key and life.
     pub executed: Vec<(String, u32, StoredResponse)>,
     pub replayed: Vec<(String, u32, StoredResponse)>,
-    /// Keys whose last answer was `Released` (deleted by the release policy), with that life.
-    pub released: HashMap<String, u32>,
+    /// Keys whose last answer was `Forgotten` (deleted by the forget policy), with that life.
+    pub forgotten: HashMap<String, u32>,
     /// Actors told they were fenced.
     pub fenced: Vec<(ActorId, String)>,
     pub most_attempts: HashMap<String, i32>,
@@ -134,14 +134,14 @@ pub struct Counts {
     pub grants: u64,
     /// Runs stopped at a crash point, as if their process died.
     pub crashes: u64,
-    /// Client requests sent: first attempts, retries, and new requests under a released key.
+    /// Client requests sent: first attempts, retries, and new requests under a forgotten key.
     pub requests: u64,
     /// Resumer drains started.
     pub drains: u64,
     /// Leases expired by rewinding them in SQL.
     pub lease_expiries: u64,
-    /// Keys released by the operator (`idemflow release`).
-    pub releases: u64,
+    /// Leases an operator ended (`idemflow end-lease`).
+    pub leases_ended: u64,
     /// Retention runs by the operator.
     pub expiries: u64,
     /// Clock jumps (25 hours, past the retention window).
@@ -328,8 +328,8 @@ impl Shared {
             Ok(Outcome::Replayed(response)) => {
                 log.replayed.push((key.to_owned(), life, response.clone()));
             }
-            Ok(Outcome::Released(_)) => {
-                log.released.insert(key.to_owned(), life);
+            Ok(Outcome::Forgotten(_)) => {
+                log.forgotten.insert(key.to_owned(), life);
             }
             Err(RunError::Fenced) => log.fenced.push((actor, key.to_owned())),
             _ => {}
@@ -472,7 +472,7 @@ enum Action {
     ExpireLease,
     ExpireAll,
     Stall,
-    Release,
+    EndLease,
     Retention,
     TimeJump,
     Kill,
@@ -590,7 +590,7 @@ fn describe(result: &Result<Outcome, RunError>) -> String {
         Ok(Outcome::Mismatch) => "mismatch".to_owned(),
         Ok(Outcome::Rejected(why)) => format!("rejected: {why}"),
         Ok(Outcome::Interrupted { error, .. }) => format!("interrupted: {error}"),
-        Ok(Outcome::Released(response)) => format!("released {}", response.status),
+        Ok(Outcome::Forgotten(response)) => format!("forgotten {}", response.status),
         Ok(other) => format!("{other:?}"),
         Err(error) => format!("error: {error}"),
     }
@@ -647,7 +647,7 @@ impl World<'_> {
             *most = (*most).max(attempts);
             // A token names one owner of one claim: seen on another claim of the key, it
             // repeated. (Under the store policy clock jumps move claim times: not compared.)
-            if self.setup.terminal == TerminalPolicy::Release {
+            if self.setup.terminal == TerminalPolicy::Forget {
                 let first = log
                     .tokens_seen
                     .entry((key.clone(), lock_version))
@@ -686,10 +686,10 @@ impl World<'_> {
                 _ => false,
             };
         }
-        // Under the release policy, a started key that is gone, or claimed anew, was deleted: its
+        // Under the forget policy, a started key that is gone, or claimed anew, was deleted: its
         // client's next request is a new one. (No other policy deletes a started key, and only
         // the store policy's schedules move the clock.)
-        if self.setup.terminal != TerminalPolicy::Release {
+        if self.setup.terminal != TerminalPolicy::Forget {
             return;
         }
         for (seen, before) in self.keys.iter_mut().zip(before) {
@@ -723,7 +723,7 @@ impl World<'_> {
             (4, Action::ExpireLease),
             (2, Action::ExpireAll),
             (u32::from(waiting > 0), Action::Stall),
-            (1, Action::Release),
+            (1, Action::EndLease),
             (1, Action::Retention),
             (
                 u32::from(self.setup.terminal == TerminalPolicy::Store),
@@ -748,7 +748,7 @@ impl World<'_> {
                     self.drain();
                 }
             }
-            Action::Release => self.release().await,
+            Action::EndLease => self.end_lease().await,
             Action::Retention => self.retention().await,
             Action::TimeJump => self.time_jump().await,
             Action::Kill => self.kill().await,
@@ -831,8 +831,8 @@ impl World<'_> {
                 (3, Act::Slow(slow)),
             ])
         } else {
-            // Under the release policy a terminal error deletes the key: the way to its next life.
-            let terminal = if self.setup.terminal == TerminalPolicy::Release {
+            // Under the forget policy a terminal error deletes the key: the way to its next life.
+            let terminal = if self.setup.terminal == TerminalPolicy::Forget {
                 15
             } else {
                 3
@@ -869,18 +869,18 @@ impl World<'_> {
         );
     }
 
-    /// A client sends its request (a first attempt or a retry; after the key was released, the
+    /// A client sends its request (a first attempt or a retry; after the key was forgotten, the
     /// next request under it).
     fn request(&mut self) {
-        // A client whose request was released sends its next one soon.
-        let released: Vec<usize> = {
+        // A client whose request was forgotten sends its next one soon.
+        let forgotten: Vec<usize> = {
             let log = self.shared.log();
             (0..self.keys.len())
-                .filter(|index| log.released.contains_key(&key_name(*index)))
+                .filter(|index| log.forgotten.contains_key(&key_name(*index)))
                 .collect()
         };
-        let index = match (released.first(), self.lapsed.pop()) {
-            (Some(released), _) if self.rng.chance(0.7) => *released,
+        let index = match (forgotten.first(), self.lapsed.pop()) {
+            (Some(forgotten), _) if self.rng.chance(0.7) => *forgotten,
             (_, Some(lapsed)) if self.rng.chance(0.6) => lapsed,
             _ => self.rng.below(self.keys.len() as u64) as usize,
         };
@@ -888,8 +888,8 @@ impl World<'_> {
             return;
         }
         let key = key_name(index);
-        let released = self.shared.log().released.remove(&key);
-        if released == Some(self.keys[index].life) {
+        let forgotten = self.shared.log().forgotten.remove(&key);
+        if forgotten == Some(self.keys[index].life) {
             self.keys[index].life += 1;
         }
         let life = self.keys[index].life;
@@ -1018,8 +1018,8 @@ impl World<'_> {
         }
     }
 
-    /// An operator runs `idemflow release` on a key whose owner it believes gone.
-    async fn release(&mut self) {
+    /// An operator runs `idemflow end-lease` on a key whose owner it believes gone.
+    async fn end_lease(&mut self) {
         let Some((index, row)) = self.unexposed_started() else {
             return;
         };
@@ -1027,7 +1027,7 @@ impl World<'_> {
         let Ok(mut tx) = self.shared.observer.begin().await else {
             return;
         };
-        // Held while releasing, so no owner's write lands between the look and the release.
+        // Held while ending the lease, so no owner's write lands between the look and the end.
         let unchanged: Result<Option<i64>, _> = sqlx::query_scalar(
             "SELECT lock_version FROM idempotency_keys \
              WHERE tenant = $1 AND key = $2 AND locked_until::text IS NOT DISTINCT FROM $3 \
@@ -1040,13 +1040,13 @@ impl World<'_> {
         .await;
         if let Ok(Some(token)) = unchanged
             && let Ok(true) =
-                idemflow_pg::release_now(&mut tx, self.shared.tenant.as_str(), &key, token).await
+                idemflow_pg::end_lease(&mut tx, self.shared.tenant.as_str(), &key, token).await
             && tx.commit().await.is_ok()
         {
             self.lapsed.push(index);
-            self.shared.log().counts.releases += 1;
+            self.shared.log().counts.leases_ended += 1;
             self.shared
-                .event(ActorId(0), format!("operator released {key}"));
+                .event(ActorId(0), format!("operator ended the lease of {key}"));
         }
     }
 
@@ -1235,16 +1235,16 @@ impl World<'_> {
         }
     }
 
-    /// A key its client still waits on: not done, not retired, not released for good.
+    /// A key its client still waits on: not done, not retired, not forgotten for good.
     fn needs_a_retry(&self, index: usize) -> bool {
         let seen = &self.keys[index];
         if seen.retired {
             return false;
         }
-        let released = self.shared.log().released.get(&key_name(index)) == Some(&seen.life);
+        let forgotten = self.shared.log().forgotten.get(&key_name(index)) == Some(&seen.life);
         match &seen.row {
             Some(row) => row.state != "done",
-            None => !released,
+            None => !forgotten,
         }
     }
 
@@ -1263,7 +1263,7 @@ impl World<'_> {
 /// What the final checks read of a world.
 pub(crate) struct Ending<'w> {
     pub shared: &'w Shared,
-    pub release_policy: bool,
+    pub forget_policy: bool,
     pub runner: &'w Runner,
     pub workflow: &'w idemflow_runner::Workflow,
     pub keys: Vec<(String, u32, bool)>,
@@ -1273,7 +1273,7 @@ impl World<'_> {
     pub(crate) fn ending(&self) -> Ending<'_> {
         Ending {
             shared: &self.shared,
-            release_policy: self.setup.terminal == TerminalPolicy::Release,
+            forget_policy: self.setup.terminal == TerminalPolicy::Forget,
             runner: &self.runner,
             workflow: &self.workflow,
             keys: self
