@@ -104,3 +104,35 @@ fn sql_on_the_keys_table_lives_in_the_store() {
     }
     assert!(offences.is_empty(), "\n{}", offences.join("\n"));
 }
+
+/// The defects the schedule explorer is shown to catch (scripts/mutants/) must still apply to
+/// the engine as it is: a patch that no longer applies shows nothing.
+#[test]
+fn every_mutant_patch_still_applies() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut patches: Vec<PathBuf> = std::fs::read_dir(root.join("scripts/mutants"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            path.extension()
+                .is_some_and(|extension| extension == "patch")
+        })
+        .collect();
+    patches.sort();
+    assert!(patches.len() >= 6, "{patches:?}");
+    for patch in patches {
+        let checked = std::process::Command::new("git")
+            .arg("apply")
+            .arg("--check")
+            .arg(&patch)
+            .current_dir(root)
+            .output()
+            .expect("git runs");
+        assert!(
+            checked.status.success(),
+            "{} no longer applies (make it again against the current engine):\n{}",
+            patch.display(),
+            String::from_utf8_lossy(&checked.stderr)
+        );
+    }
+}
