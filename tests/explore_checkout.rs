@@ -89,8 +89,8 @@ impl ForeignPhase for FreshKeyCharge {
 
     async fn call(
         &self,
-        order: OrderCreated,
         key: &DerivedKey,
+        order: OrderCreated,
         _: &PhaseContext,
     ) -> Result<ChargeOutcome, PhaseError> {
         let nanos = SystemTime::now()

@@ -156,8 +156,8 @@ impl ForeignPhase for Notify {
 
     async fn call(
         &self,
-        placed: Placed,
         _: &DerivedKey,
+        placed: Placed,
         context: &PhaseContext,
     ) -> Result<Placed, PhaseError> {
         let note = act(self.0.next(), None, context).await?;

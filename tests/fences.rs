@@ -195,8 +195,8 @@ mod slow {
 
         async fn call(
             &self,
-            _: f64,
             _: &DerivedKey,
+            _: f64,
             ctx: &PhaseContext,
         ) -> Result<f64, PhaseError> {
             Ok(lease_left(&self.0, ctx.key.as_str()).await)

@@ -108,8 +108,8 @@ impl ForeignPhase for Charge {
 
     async fn call(
         &self,
-        order: OrderCreated,
         key: &DerivedKey,
+        order: OrderCreated,
         _: &PhaseContext,
     ) -> Result<ChargeOutcome, PhaseError> {
         // The derived key makes a repeated call (after a crash or a takeover) return the first

@@ -177,8 +177,8 @@ impl ForeignPhase for Charge {
 
     async fn call(
         &self,
-        input: OrderCreated,
         key: &DerivedKey,
+        input: OrderCreated,
         _: &PhaseContext,
     ) -> Result<Charged, PhaseError> {
         *self
@@ -219,8 +219,8 @@ impl ForeignPhase for SendReceipt {
 
     async fn call(
         &self,
-        input: Charged,
         key: &DerivedKey,
+        input: Charged,
         _: &PhaseContext,
     ) -> Result<Charged, PhaseError> {
         *self

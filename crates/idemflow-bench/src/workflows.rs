@@ -131,8 +131,8 @@ impl ForeignPhase for Charge {
 
     async fn call(
         &self,
-        input: OrderCreated,
         key: &DerivedKey,
+        input: OrderCreated,
         _: &PhaseContext,
     ) -> Result<Charged, PhaseError> {
         if let Some(ledger) = &self.0 {

@@ -152,8 +152,8 @@ where
 
     async fn call(
         &self,
-        _: Unread,
         derived_key: &DerivedKey,
+        _: Unread,
         _: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
         // The workflow is live-only (a resumer refuses it), so there is always a live

@@ -75,8 +75,8 @@ impl ForeignPhase for Charge {
     }
     async fn call(
         &self,
-        order: Order,
         _: &DerivedKey,
+        order: Order,
         _: &PhaseContext,
     ) -> Result<Order, PhaseError> {
         self.0.calls.fetch_add(1, Ordering::SeqCst);

@@ -382,8 +382,9 @@ pub async fn renew_lease(
     fenced(result.rows_affected())
 }
 
-/// Gives a key back after a retryable error: the lease now ends after `retry_after` (zero: at
-/// once), so a client retry or a resumer may take it over then, and the error is recorded. Fenced.
+/// Postpones a key after a failed attempt: the lease now ends after `retry_after` (zero: at
+/// once, which gives the key back), so a client retry or a resumer may take it over then, and
+/// the error is recorded. Fenced.
 pub async fn postpone(
     connection: &mut PgConnection,
     owner: &Owner,

@@ -465,7 +465,7 @@ impl Drive<'_> {
         let started = Instant::now();
         let call = tokio::time::timeout(
             foreign.timeout(),
-            catch_panic(foreign.call(carry, &derived_key, &self.context)),
+            catch_panic(foreign.call(&derived_key, carry, &self.context)),
         );
         let called = runner
             .with_heartbeat(true, &self.owner, workflow.lease(), call)

@@ -89,8 +89,8 @@ pub trait ForeignPhase: Send + Sync + 'static {
 
     async fn call(
         &self,
-        input: Self::Input,
         key: &DerivedKey,
+        input: Self::Input,
         context: &PhaseContext,
     ) -> Result<Self::Output, PhaseError>;
 }

@@ -470,8 +470,8 @@ pub(crate) trait ErasedForeign: Send + Sync + std::fmt::Debug {
     fn timeout(&self) -> Duration;
     async fn call(
         &self,
-        input: Carry,
         key: &DerivedKey,
+        input: Carry,
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError>;
     fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
@@ -550,12 +550,12 @@ impl<P: ForeignPhase> ErasedForeign for ForeignStep<P> {
 
     async fn call(
         &self,
-        input: Carry,
         key: &DerivedKey,
+        input: Carry,
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError> {
         let input = downcast::<P::Input>(input, self.name)?;
-        let output = self.phase.call(input, key, context).await?;
+        let output = self.phase.call(key, input, context).await?;
         Ok(Box::new(output))
     }
 

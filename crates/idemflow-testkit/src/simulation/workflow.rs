@@ -287,8 +287,8 @@ impl ForeignPhase for Charge {
 
     async fn call(
         &self,
-        progress: Progress,
         key: &DerivedKey,
+        progress: Progress,
         context: &PhaseContext,
     ) -> Result<Progress, PhaseError> {
         let shared = &self.0;
