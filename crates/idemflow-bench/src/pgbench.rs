@@ -41,7 +41,7 @@ pub struct Script {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+    idemflow::core::hex::encode(bytes)
 }
 
 fn sql_text(text: &str) -> String {

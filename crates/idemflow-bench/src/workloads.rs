@@ -205,7 +205,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
 // ------------------------------------------------------------------ seeding --
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+    idemflow::core::hex::encode(bytes)
 }
 
 fn literal(text: &str) -> String {

@@ -260,10 +260,7 @@ impl KeyJournal for FileJournal {
 
 /// The hex SHA-256 of the intent.
 fn file_stem(intent: &str) -> String {
-    Sha256::digest(intent.as_bytes())
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    idemflow_core::hex::encode(&Sha256::digest(intent.as_bytes()))
 }
 
 /// Temporary file, fsync, rename over `path`, fsync of the directory.

@@ -1,8 +1,8 @@
 //! When to try again: exponential backoff with jitter, bounded by a deadline.
 
-use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use idemflow_core::backoff;
 
 /// How a call is retried.
 ///
@@ -66,15 +66,12 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// The wait before retry `retry` (1 for the first), before jitter.
     pub fn backoff(&self, retry: u32) -> Duration {
-        let multiplier = if self.multiplier.is_finite() && self.multiplier >= 1.0 {
-            self.multiplier
-        } else {
-            1.0
-        };
-        let exponent = i32::try_from(retry.saturating_sub(1)).unwrap_or(i32::MAX);
-        let seconds = self.initial_backoff.as_secs_f64() * multiplier.powi(exponent);
-        Duration::try_from_secs_f64(seconds)
-            .map_or(self.max_backoff, |wait| wait.min(self.max_backoff))
+        backoff::exponential(
+            self.initial_backoff,
+            self.max_backoff,
+            self.multiplier,
+            retry,
+        )
     }
 
     /// The wait for a response's `Retry-After` of `asked`: at least `min_retry_after`, at most
@@ -83,47 +80,13 @@ impl RetryPolicy {
         asked.max(self.min_retry_after).min(self.max_retry_after)
     }
 
-    /// `wait` spread by the jitter, given `unit` uniform in `[0, 1)`.
+    /// `wait` spread by the jitter, either way, given `unit` uniform in `[0, 1)`.
     pub(crate) fn jittered(&self, wait: Duration, unit: f64) -> Duration {
-        let jitter = if self.jitter.is_nan() {
-            0.0
-        } else {
-            self.jitter.clamp(0.0, 1.0)
-        };
-        let factor = 1.0 + jitter * (2.0 * unit - 1.0);
-        Duration::try_from_secs_f64(wait.as_secs_f64() * factor).unwrap_or(wait)
+        backoff::jittered(wait, self.jitter, unit, backoff::Spread::Around)
     }
 }
 
-/// Uniform numbers in `[0, 1)` for jitter: SplitMix64 seeded from the standard library's random
-/// hasher keys. Not for anything that needs to be unpredictable.
-#[derive(Debug)]
-pub(crate) struct JitterSource {
-    state: AtomicU64,
-}
-
-const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
-
-impl JitterSource {
-    pub(crate) fn new() -> Self {
-        let seed = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
-        Self {
-            state: AtomicU64::new(seed),
-        }
-    }
-
-    pub(crate) fn next_unit(&self) -> f64 {
-        let mut z = self
-            .state
-            .fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
-            .wrapping_add(GOLDEN_GAMMA);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        // The top 53 bits, as a fraction of 2^53: exactly representable, below 1.
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+pub(crate) use backoff::JitterSource;
 
 #[cfg(test)]
 mod tests {

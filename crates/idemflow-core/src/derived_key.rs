@@ -36,9 +36,7 @@ impl DerivedKey {
         let digest = hasher.finalize();
         let mut text = String::with_capacity(69);
         text.push_str("idf1-");
-        for byte in digest {
-            text.push_str(&format!("{byte:02x}"));
-        }
+        crate::hex::encode_into(&mut text, &digest);
         Self(text)
     }
 

@@ -118,7 +118,7 @@ impl Fingerprint {
 
     /// The digest as 64 lowercase hex digits; also what `Display` writes.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|byte| format!("{byte:02x}")).collect()
+        crate::hex::encode(&self.0)
     }
 }
 

@@ -6,11 +6,13 @@
 
 #![deny(missing_docs)]
 
+pub mod backoff;
 pub mod bytes;
 pub mod canonical;
 mod decide;
 mod derived_key;
 mod fingerprint;
+pub mod hex;
 mod key;
 mod phase_name;
 mod response;
@@ -22,5 +24,5 @@ pub use derived_key::DerivedKey;
 pub use fingerprint::Fingerprint;
 pub use key::{Key, KeyError};
 pub use phase_name::{PhaseName, PhaseNameError, RecoveryPoint};
-pub use response::StoredResponse;
+pub use response::{StoredResponse, problem_document};
 pub use tenant::{TenantError, TenantId};

@@ -44,9 +44,27 @@ impl StoredResponse {
         }
     }
 
+    /// An RFC 9457 problem in the one shape every problem of the engine and its HTTP layer
+    /// has: `type` `about:blank`, `title`, `status`, `detail`, and `code`, a word a client can
+    /// branch on.
+    pub fn problem_of(status: u16, title: &str, code: &str, detail: &str) -> Self {
+        Self::problem(status, &problem_document(status, title, code, detail))
+    }
+
     /// Appends a header, after those already there.
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), value.into()));
         self
     }
+}
+
+/// The document of [`StoredResponse::problem_of`], for a layer that answers it without storing.
+pub fn problem_document(status: u16, title: &str, code: &str, detail: &str) -> serde_json::Value {
+    serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "code": code,
+    })
 }

@@ -46,13 +46,12 @@ impl Problem {
 
 impl Problem {
     fn document(&self) -> serde_json::Value {
-        serde_json::json!({
-            "type": "about:blank",
-            "title": self.status.canonical_reason().unwrap_or("Error"),
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-            "code": self.code,
-        })
+        idemflow_core::problem_document(
+            self.status.as_u16(),
+            self.status.canonical_reason().unwrap_or("Error"),
+            self.code,
+            &self.detail,
+        )
     }
 }
 

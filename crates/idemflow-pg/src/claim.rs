@@ -201,13 +201,8 @@ fn text_literal(sql: &mut String, text: &str) {
 
 /// `decode('<hex>', 'hex')`.
 fn bytes_literal(sql: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     sql.push_str("decode('");
-    sql.reserve(bytes.len() * 2 + 9);
-    for byte in bytes {
-        sql.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        sql.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
-    }
+    idemflow_core::hex::encode_into(sql, bytes);
     sql.push_str("', 'hex')");
 }
 

@@ -948,18 +948,12 @@ fn give_up_detail(attempts: u32, error: &str) -> String {
 }
 
 /// An RFC 9457 problem response.
-/// A problem the engine stores itself; `code` names it in a word, as every problem the HTTP
-/// layer answers does.
+/// A problem the engine stores itself, in the one shape (`code` names it in a word).
 fn problem(status: u16, code: &str, detail: &str) -> StoredResponse {
     let title = if status == 500 {
         "Internal Server Error"
     } else {
         "Error"
     };
-    StoredResponse::problem(
-        status,
-        &serde_json::json!({
-            "type": "about:blank", "title": title, "status": status, "detail": detail, "code": code,
-        }),
-    )
+    StoredResponse::problem_of(status, title, code, detail)
 }

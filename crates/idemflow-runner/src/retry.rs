@@ -1,5 +1,6 @@
-use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
+
+use idemflow_core::backoff;
 
 /// How a phase is retried after retryable errors: how many executions at one recovery point
 /// before giving up, and how long to wait between them (exponential backoff with jitter). The
@@ -49,26 +50,17 @@ impl RetryPolicy {
         attempt >= self.max_attempts.max(1)
     }
 
-    /// The wait after the execution numbered `attempt` failed, jitter included.
+    /// The wait after the execution numbered `attempt` failed, jitter included (only ever
+    /// shorter than the exponential wait: a key is never due later than its policy says).
     pub fn backoff(&self, attempt: u32) -> Duration {
-        let exponent = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
-        let base = self.initial_backoff.as_secs_f64() * self.multiplier.max(1.0).powi(exponent);
-        let capped = base.min(self.max_backoff.as_secs_f64());
-        let jitter = self.jitter.clamp(0.0, 1.0) * random_fraction();
-        Duration::from_secs_f64((capped * (1.0 - jitter)).max(0.0))
+        let wait = backoff::exponential(
+            self.initial_backoff,
+            self.max_backoff,
+            self.multiplier,
+            attempt,
+        );
+        backoff::jittered(wait, self.jitter, backoff::unit(), backoff::Spread::Shorter)
     }
-}
-
-/// A fraction in [0, 1) from the process's randomly seeded hasher: enough to spread retries,
-/// without a random-number dependency.
-fn random_fraction() -> f64 {
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-    );
-    (hasher.finish() >> 11) as f64 / (1_u64 << 53) as f64
 }
 
 #[cfg(test)]
