@@ -10,6 +10,8 @@
 //! - [`store`]: every SQL statement, and the migrations ([`migrate`]);
 //! - the runner, workflows and phases, re-exported at the top level.
 
+#![deny(missing_docs)]
+
 pub use idemflow_core as core;
 pub use idemflow_pg as store;
 
@@ -22,6 +24,10 @@ pub use idemflow_runner::{
     RetryPolicy, RunError, Runner, RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder,
     describe_metrics, expire, expire_paced, shutdown_signal,
 };
+/// The sqlx this engine is built with: a local phase gets its `PgConnection`. Use this one
+/// (`idemflow::sqlx`) rather than pinning a second copy.
+pub use idemflow_runner::{PgConnection, PgPool, sqlx};
 
-/// Re-exported so phases can name the connection type without a direct sqlx dependency.
+/// The attribute the phase traits are implemented with (`#[idemflow::async_trait]`), re-exported
+/// so an application needs no async-trait dependency of its own.
 pub use async_trait::async_trait;

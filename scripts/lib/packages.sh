@@ -33,7 +33,7 @@ idemflow_require() {
   return 1
 }
 
-# libfaketime: tests/clock_skew.rs runs a process with its clock shifted by an hour.
+# libfaketime: tests/it/clock_skew.rs runs a process with its clock shifted by an hour.
 idemflow_require_libfaketime() {
   if [[ -n ${IDEMFLOW_LIBFAKETIME:-} ]]; then
     return 0

@@ -29,7 +29,7 @@ pub use wire_counts::WireCount;
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// The commits and engine round trips per request that docs/protocol.md documents and
-/// tests/round_trips.rs asserts, phase statements included (one per local phase here):
+/// tests/it/round_trips.rs asserts, phase statements included (one per local phase here):
 /// (commits, round trips).
 pub const DOCUMENTED_CHECKOUT: (u64, u64) = (2, 7 + 2);
 pub const DOCUMENTED_LOCAL_ONLY: (u64, u64) = (1, 4 + 1);

@@ -27,7 +27,7 @@ pub struct WireCount {
     pub commits_per_request: f64,
     pub round_trips_per_request: f64,
     pub pings_per_request: f64,
-    /// What docs/protocol.md and tests/round_trips.rs say, where they say it.
+    /// What docs/protocol.md and tests/it/round_trips.rs say, where they say it.
     pub expected_commits: Option<u64>,
     pub expected_round_trips: Option<u64>,
 }

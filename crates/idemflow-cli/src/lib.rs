@@ -10,6 +10,8 @@
 //! body is not JSON), [`exit::USAGE`] 2 (bad arguments, no database URL), [`exit::FAILURE`] 3 (the
 //! database could not be reached or a statement failed).
 
+#![deny(missing_docs)]
+
 pub mod duration;
 mod render;
 
@@ -52,8 +54,11 @@ pub enum Format {
 /// What a command prints, and how the process exits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Output {
+    /// The process's exit code: one of [`exit`]'s.
     pub code: u8,
+    /// What to print on stdout: the answer, or in JSON mode the error document.
     pub stdout: String,
+    /// What to print on stderr: the error, in text mode; empty otherwise.
     pub stderr: String,
 }
 
@@ -63,7 +68,12 @@ pub enum CliError {
     /// A bad argument, or no database URL.
     Usage(String),
     /// The key asked about does not exist.
-    NotFound { tenant: String, key: String },
+    NotFound {
+        /// The tenant asked about.
+        tenant: String,
+        /// The key asked about.
+        key: String,
+    },
     /// The body given to `fingerprint` is not canonicalizable JSON.
     InvalidBody(CanonicalError),
     /// The database could not be reached, or a statement failed.
@@ -81,6 +91,8 @@ impl CliError {
         }
     }
 
+    /// The exit code it ends the process with: [`exit::USAGE`], [`exit::NO`] or
+    /// [`exit::FAILURE`].
     pub fn code(&self) -> u8 {
         match self {
             Self::Usage(_) => exit::USAGE,

@@ -6,6 +6,8 @@
 //! a `BEGIN` and the claim in one message. docs/protocol.md explains why each is
 //! safe at Read Committed.
 
+#![deny(missing_docs)]
+
 mod claim;
 mod maintenance;
 pub mod statements;

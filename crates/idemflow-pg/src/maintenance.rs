@@ -15,7 +15,9 @@ pub const DUE_CHANNEL: &str = "idemflow_due";
 /// A key a resumer took over, with the workflow that must finish it.
 #[derive(Debug, Clone)]
 pub struct DueKey {
+    /// The name of the workflow that claimed the key.
     pub workflow: String,
+    /// The takeover: the new owner, and where execution stands.
     pub taken: TakenOver,
 }
 
@@ -163,18 +165,30 @@ pub async fn end_lease(
 /// Everything about one key, for operators.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct KeyReport {
+    /// The tenant the key belongs to.
     pub tenant: String,
+    /// The idempotency key.
     pub key: String,
+    /// The name of the workflow that claimed the key.
     pub workflow: String,
+    /// `started` or `done`.
     pub state: String,
+    /// The name of the last completed phase, `start` before any.
     pub recovery_point: String,
     /// Milliseconds left on the lease (negative: expired that long ago); `None` when done.
     pub lease_left_ms: Option<i64>,
+    /// The current fencing token; [`end_lease`] must name it.
     pub lock_version: i64,
+    /// Executions begun at this recovery point (the claim, each takeover); back to 1 when a
+    /// phase completes.
     pub attempts: i32,
+    /// The error the last failed attempt recorded; cleared when a phase completes.
     pub last_error: Option<String>,
+    /// The stored response's HTTP status; `None` while started.
     pub response_status: Option<i16>,
+    /// The stored response body's length in bytes; `None` while started.
     pub response_bytes: Option<i32>,
+    /// The request fingerprint, as 64 lowercase hex digits.
     pub fingerprint_hex: String,
     /// Age in whole seconds.
     pub age_seconds: i64,
@@ -203,6 +217,8 @@ fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
     }
 }
 
+/// Everything about one key ([`KeyReport`]), for operators; `None` if there is none. Tenant and
+/// key are plain text here: the caller validates them (or not) as it sees fit.
 pub async fn key_report(
     connection: &mut PgConnection,
     tenant: &str,
@@ -249,6 +265,8 @@ pub struct TableStats {
     pub resumer_lag_ms: i64,
 }
 
+/// The table at a glance ([`TableStats`]), for operators. Three statements, not one snapshot; the
+/// counts read every row of the table.
 pub async fn table_stats(connection: &mut PgConnection) -> Result<TableStats, StoreError> {
     let counts: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT workflow, state, count(*) FROM idempotency_keys GROUP BY workflow, state ORDER BY workflow, state",

@@ -1,6 +1,6 @@
 //! The engine's statements on `idempotency_keys` that other code must send exactly as the engine
 //! does: the benchmark's pgbench scripts are built from these texts (values substituted for the
-//! `$n` parameters), never from a copy. A tidy test (tests/tidy.rs) fails when SQL naming
+//! `$n` parameters), never from a copy. A tidy test (tests/it/tidy.rs) fails when SQL naming
 //! `idempotency_keys` appears in library code outside this crate, but where it says why.
 
 /// The look-up: the key's row (what deciding needs, the response of a finished key) or, when

@@ -16,6 +16,8 @@ pub enum StoreError {
     /// deleted). The caller must roll back its transaction and stop working on the key.
     #[error("fenced: the lease on this key was lost to another owner")]
     Fenced,
+    /// A statement failed or the connection broke: sqlx's error, as it came. A transaction it
+    /// happened in is lost.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// A stored row breaks the schema's promises (for instance a fingerprint that is not 32
@@ -43,10 +45,12 @@ impl Owner {
         }
     }
 
+    /// The tenant the key belongs to.
     pub fn tenant(&self) -> &TenantId {
         &self.tenant
     }
 
+    /// The idempotency key owned.
     pub fn key(&self) -> &Key {
         &self.key
     }
@@ -60,28 +64,45 @@ impl Owner {
 /// Everything a claim stores.
 #[derive(Debug)]
 pub struct ClaimRequest<'a> {
+    /// The tenant the key belongs to.
     pub tenant: &'a TenantId,
+    /// The idempotency key claimed.
     pub key: &'a Key,
     /// The claim's fencing token, drawn by the look-up that found the key absent
     /// ([`LookUp::Absent`]): unique, so no owner of an earlier life of this key holds it.
     pub lock_version: i64,
+    /// The request's fingerprint: a later request with the same key and another fingerprint is
+    /// refused.
     pub fingerprint: &'a Fingerprint,
+    /// The name (and version) of the workflow that runs the key: a resumer finds it by this name.
     pub workflow: &'a str,
+    /// The workflow's input, stored so a resumer in another process can run the key from its
+    /// first phase.
     pub request: &'a Value,
+    /// How long the claim's lease lasts, from the insert, by the database clock; only the owner
+    /// may advance the key before it ends. Stored in whole milliseconds (rounded down).
     pub lease: Duration,
 }
 
 /// A key row as an operator sees it ([`inspect`]).
 #[derive(Debug, Clone)]
 pub struct KeyRow {
+    /// The fingerprint of the request that claimed the key.
     pub fingerprint: Fingerprint,
+    /// The name of the workflow that claimed the key.
     pub workflow: String,
+    /// Whether the key is finished (its response stored); otherwise it is started.
     pub done: bool,
+    /// The name of the last completed phase, `start` before any.
     pub recovery_point: String,
     /// Time left on the lease by the database clock; zero when expired (or done).
     pub lease_left: Duration,
+    /// The current fencing token.
     pub lock_version: i64,
+    /// Executions begun at this recovery point (the claim, each takeover); back to 1 when a
+    /// phase completes.
     pub attempts: i32,
+    /// The error the last failed attempt recorded; cleared when a phase completes.
     pub last_error: Option<String>,
     /// Present when `done`.
     pub response: Option<StoredResponse>,
@@ -90,11 +111,15 @@ pub struct KeyRow {
 /// What a successful takeover returns: the new fencing token and where execution stands.
 #[derive(Debug, Clone)]
 pub struct TakenOver {
+    /// The new owner, holding the fencing token the takeover drew.
     pub owner: Owner,
     /// Executions begun at this recovery point, this one included.
     pub attempts: i32,
+    /// The name of the last completed phase, `start` before any: execution resumes after it.
     pub recovery_point: String,
+    /// That phase's stored output; `None` at `start`.
     pub phase_output: Option<Value>,
+    /// The workflow's input, as the claim stored it.
     pub request: Value,
     /// The error the previous attempt recorded, if it recorded one.
     pub last_error: Option<String>,
@@ -145,19 +170,26 @@ pub enum LookUp {
     /// No committed row, but a claim of this key is in flight: its transaction has not
     /// committed yet. The request is concurrent with it.
     Claiming,
-    /// No row and no claim in flight: the key is new. `lock_version` is a fresh fencing token
-    /// for its claim, drawn from the `idempotency_keys_fence` sequence in the same statement.
-    Absent { lock_version: i64 },
+    /// No row and no claim in flight: the key is new.
+    Absent {
+        /// A fresh fencing token for its claim, drawn from the `idempotency_keys_fence` sequence
+        /// in the same statement.
+        lock_version: i64,
+    },
 }
 
 /// A key as the look-up sees it: what deciding a request needs, no more.
 #[derive(Debug, Clone)]
 pub struct FoundKey {
+    /// The fingerprint of the request that claimed the key.
     pub fingerprint: Fingerprint,
+    /// The name of the workflow that claimed the key.
     pub workflow: String,
+    /// Whether the key is finished (its response stored); otherwise it is started.
     pub done: bool,
     /// Time left on the lease by the database clock; zero when expired (or done).
     pub lease_left: Duration,
+    /// The current fencing token: a takeover of an expired lease must name it.
     pub lock_version: i64,
     /// Present when `done`.
     pub response: Option<StoredResponse>,

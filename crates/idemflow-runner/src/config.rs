@@ -15,5 +15,6 @@ pub enum TerminalPolicy {
 /// ([`crate::RetryPolicy`]).
 #[derive(Debug, Clone, Default)]
 pub struct RunnerConfig {
+    /// What a terminal phase error does to its key. Default [`TerminalPolicy::Store`].
     pub terminal_errors: TerminalPolicy,
 }

@@ -14,13 +14,25 @@ use crate::workflow::{Step, Workflow};
 pub enum CrashPoint {
     /// A transaction is about to commit; `phase` is the last phase it records (`claim` when it
     /// records only the claim or a takeover).
-    BeforeCommit { phase: &'static str },
+    BeforeCommit {
+        /// The last phase the transaction records, or `claim`.
+        phase: &'static str,
+    },
     /// That transaction committed (after the first one: the claim is durable).
-    AfterCommit { phase: &'static str },
+    AfterCommit {
+        /// The last phase the transaction recorded, or `claim`.
+        phase: &'static str,
+    },
     /// A foreign phase is about to be called (its input committed).
-    BeforeCall { phase: &'static str },
+    BeforeCall {
+        /// The foreign phase about to be called.
+        phase: &'static str,
+    },
     /// The foreign call returned; its result is not recorded yet.
-    AfterCall { phase: &'static str },
+    AfterCall {
+        /// The foreign phase that was called.
+        phase: &'static str,
+    },
     /// The transaction holding the last local effects and the response is about to commit.
     BeforeFinish,
     /// The response is stored.

@@ -4,6 +4,8 @@ use idemflow_pg::StoreError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunError {
+    /// A statement failed or the database could not be reached. What the run had not committed
+    /// is rolled back; the client retries with the same key (answer 503).
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// This owner lost its lease to a takeover while it ran: it committed nothing since, and the
@@ -14,10 +16,18 @@ pub enum RunError {
     /// resumable, its retry policy applies), so this is a bug to fix, not a request to repeat
     /// at once (answer 500).
     #[error("phase {phase} panicked: {message}")]
-    Panicked { phase: String, message: String },
+    Panicked {
+        /// The phase that panicked.
+        phase: String,
+        /// The panic's message (its payload, when that is text).
+        message: String,
+    },
     /// A crash hook stopped the run at this crash point (tests only).
     #[error("crashed at {0}")]
     Crashed(String),
+    /// A stored row breaks the schema's or the workflow's promises (a finished key without a
+    /// response, say), or the store failed in a way this runner does not know. Never expected;
+    /// reported rather than guessed around.
     #[error("corrupt key row: {0}")]
     Corrupt(String),
 }

@@ -1,5 +1,7 @@
 //! Typed phases, workflows, and the runner that executes them under idempotency keys.
 
+#![deny(missing_docs)]
+
 mod config;
 mod crash;
 mod drive;

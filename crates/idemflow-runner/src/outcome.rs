@@ -13,7 +13,10 @@ pub enum Outcome {
     /// `Idempotent-Replayed: true`).
     Replayed(StoredResponse),
     /// Another owner holds a live lease on the key (409, `Retry-After` from `retry_after`).
-    InProgress { retry_after: Duration },
+    InProgress {
+        /// What is left of the owner's lease; 1 s while the key is being claimed or changes hands.
+        retry_after: Duration,
+    },
     /// The key was used for a different request, or by another workflow (422).
     Mismatch,
     /// Rejected before execution: nothing was stored, the client may fix the request and send
@@ -24,7 +27,9 @@ pub enum Outcome {
     /// ends after `retry_after` (503 with `Retry-After`, or 202 for an API that resumes in the
     /// background).
     Interrupted {
+        /// When the key may be tried again: the phase's backoff, or the wait its error asked for.
         retry_after: Duration,
+        /// The error recorded as the key's `last_error`: the phase, and what it said.
         error: String,
     },
     /// A phase failed terminally under [`crate::TerminalPolicy::Forget`]: the key was deleted,
@@ -36,10 +41,15 @@ pub enum Outcome {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Rejection {
+    /// The idempotency key is not 1 to 255 bytes of printable ASCII (400).
     #[error("invalid idempotency key: {0}")]
     InvalidKey(#[from] KeyError),
+    /// The body is not JSON that canonicalizes (RFC 8785): invalid UTF-8, a syntax error, a
+    /// duplicate member, a number beyond a double (400).
     #[error("invalid JSON body: {0}")]
     InvalidBody(#[from] CanonicalError),
+    /// The body is JSON but not the workflow's request: it does not decode into the request type,
+    /// fails the workflow's check, or holds U+0000, which PostgreSQL's `jsonb` cannot store (422).
     #[error("the body does not fit the workflow's request: {0}")]
     InvalidInput(String),
 }

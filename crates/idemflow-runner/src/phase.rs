@@ -16,7 +16,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> PhaseValue for T {}
 /// Where a phase runs: which key, for which tenant, in which execution.
 #[derive(Debug, Clone)]
 pub struct PhaseContext {
+    /// The tenant the key belongs to.
     pub tenant: TenantId,
+    /// The client's idempotency key.
     pub key: Key,
     /// Executions begun at the key's current recovery point, this one included: 1 for the first,
     /// +1 for each takeover (by a client retry or a resumer).
@@ -38,7 +40,10 @@ pub trait LocalPhase: Send + Sync + 'static {
     /// The durable name of this phase, stored as the recovery point. Never rename it while keys
     /// may be left at it.
     const NAME: &'static str;
+    /// What the phase takes: the request for the first phase, the previous phase's output
+    /// otherwise.
     type Input: PhaseValue;
+    /// What the phase hands on: the next phase's input, or the response for the last phase.
     type Output: PhaseValue;
 
     /// How retryable errors of this phase are retried.
@@ -54,6 +59,8 @@ pub trait LocalPhase: Send + Sync + 'static {
         None
     }
 
+    /// Runs the phase's statements on `connection`, the runner's open transaction, and returns
+    /// its output. An error rolls the transaction back; [`PhaseError`] says what happens next.
     async fn run(
         &self,
         connection: &mut PgConnection,
@@ -72,7 +79,12 @@ pub trait LocalPhase: Send + Sync + 'static {
 pub trait ForeignPhase: Send + Sync + 'static {
     /// The durable name of this phase; also part of the derived key.
     const NAME: &'static str;
+    /// What the phase takes: the request for the first phase, the previous phase's output
+    /// otherwise.
     type Input: PhaseValue;
+    /// What the other system answered: the next phase's input, or the response for the last
+    /// phase. Once it is committed (before the next foreign call at the latest), the call is
+    /// never made again for the key.
     type Output: PhaseValue;
 
     /// The longest the runner waits for `call` before treating it as a retryable failure. Must be
@@ -87,6 +99,9 @@ pub trait ForeignPhase: Send + Sync + 'static {
         RetryPolicy::default()
     }
 
+    /// Calls the other system, sending `key` as its idempotency key, and returns its answer. An
+    /// error, or no answer within [`ForeignPhase::timeout`], fails the attempt: see
+    /// [`PhaseError`].
     async fn call(
         &self,
         key: &DerivedKey,
@@ -102,8 +117,11 @@ pub struct Failure<Request> {
     pub request: Request,
     /// The phase whose retries ran out.
     pub phase: &'static str,
-    /// The last completed phase (`start` before any) and its stored output, to know what to undo.
+    /// The last completed phase (`start` before any), to know what to undo.
     pub recovery_point: String,
+    /// The output of `recovery_point` when this attempt is what recorded it (a foreign call's
+    /// result, committed with the give-up). `None` at `start`, and when an earlier attempt
+    /// recorded the point: the key's row still holds that output then (`phase_output`).
     pub recovery_output: Option<serde_json::Value>,
     /// The last error.
     pub error: String,
@@ -116,8 +134,11 @@ pub struct Failure<Request> {
 /// finish, so no key stays started forever. If it fails itself, a generic 500 problem is stored.
 #[async_trait]
 pub trait FailurePhase: Send + Sync + 'static {
+    /// The workflow's request type.
     type Request: PhaseValue;
 
+    /// Runs in the transaction that finishes the key, and returns the response to store and
+    /// replay. An error here stores a generic 500 problem instead.
     async fn run(
         &self,
         connection: &mut PgConnection,
@@ -131,16 +152,26 @@ pub trait FailurePhase: Send + Sync + 'static {
 pub enum PhaseErrorKind {
     /// Try again later (the default): nothing is stored but the error; the key stays started and
     /// resumable once `retry_after` (or the runner's default) has passed.
-    Retryable { retry_after: Option<Duration> },
+    Retryable {
+        /// The earliest the key may be tried again; `None`: the phase's backoff
+        /// ([`RetryPolicy::backoff`]).
+        retry_after: Option<Duration>,
+    },
     /// Give up: the request ends here. Its response (the given one, or a 500 problem) is stored
     /// and replayed, unless the runner's policy forgets the key instead.
-    Terminal { response: Option<StoredResponse> },
+    Terminal {
+        /// The response to store; `None`: a 500 problem naming the error.
+        response: Option<StoredResponse>,
+    },
     /// The phase did nothing, and says so: the request was not executed (a routing refusal, a
     /// rate limit, an overloaded dependency that refused it). When no phase of the key has
     /// completed yet, the key is deleted and `response` answered, not stored: the client may
     /// send the same key again, as a new request. After a completed phase the key has effects
     /// that must not run twice, so it is a retryable failure instead.
-    NotExecuted { response: StoredResponse },
+    NotExecuted {
+        /// The answer when the key is deleted; never stored.
+        response: StoredResponse,
+    },
 }
 
 /// A phase's failure. Retryable unless made terminal explicitly.
@@ -171,11 +202,14 @@ pub enum PhaseErrorKind {
 /// it (a blanket conversion would otherwise overlap the conversion of a type into itself).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PhaseError {
+    /// What the failure does to the key.
     pub kind: PhaseErrorKind,
+    /// What went wrong: recorded as the key's `last_error`, logged, and told to the failure path.
     pub message: String,
 }
 
 impl PhaseError {
+    /// A retryable failure: the key is tried again after the phase's backoff.
     pub fn retryable(message: impl Into<String>) -> Self {
         Self {
             kind: PhaseErrorKind::Retryable { retry_after: None },
@@ -183,6 +217,7 @@ impl PhaseError {
         }
     }
 
+    /// A retryable failure, not tried again before `retry_after` (a provider's `Retry-After`).
     pub fn retry_after(message: impl Into<String>, retry_after: Duration) -> Self {
         Self {
             kind: PhaseErrorKind::Retryable {
@@ -218,6 +253,7 @@ impl PhaseError {
         }
     }
 
+    /// Whether the key is tried again (while the phase's retries last).
     pub fn is_retryable(&self) -> bool {
         matches!(self.kind, PhaseErrorKind::Retryable { .. })
     }

@@ -28,10 +28,13 @@ pub enum RegisterError {
 }
 
 impl Registry {
+    /// An empty registry.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Adds `workflow` under its name. Refuses a second workflow under the same name and a
+    /// live-only one ([`RegisterError`]). Returns the registry, so registrations chain.
     pub fn register(
         &mut self,
         workflow: impl Into<Arc<Workflow>>,
@@ -48,14 +51,17 @@ impl Registry {
         Ok(self)
     }
 
+    /// The workflow registered under `name` (with version), if any.
     pub fn get(&self, name: &str) -> Option<&Arc<Workflow>> {
         self.workflows.get(name)
     }
 
+    /// The registered names, sorted: the workflows whose keys a resumer takes over.
     pub fn names(&self) -> Vec<String> {
         self.workflows.keys().cloned().collect()
     }
 
+    /// Whether no workflow is registered: a resumer then takes no key over.
     pub fn is_empty(&self) -> bool {
         self.workflows.is_empty()
     }

@@ -20,21 +20,27 @@ use crate::runner::Runner;
 /// How a [`Resumer`] scans and how much it runs at once.
 #[derive(Debug, Clone)]
 pub struct ResumerConfig {
-    /// Keys taken over per scan (one statement).
+    /// Keys taken over per scan (one statement); never more than the free slots. Default 64.
     pub batch_size: i64,
-    /// Keys resumed at once.
+    /// Keys resumed at once. Default 16.
     pub concurrency: usize,
     /// The wait after an empty scan; it doubles up to `idle_max` while nothing is due, and drops
-    /// back when work appears or a key due now is announced.
+    /// back when work appears or a key due now is announced. Default 100 ms.
     pub idle_min: Duration,
+    /// The longest wait between scans while nothing is due: how late a key whose lease simply
+    /// ran out (nothing announced it) may be noticed. Default 5 s.
     pub idle_max: Duration,
-    /// The longest wait after a database error; waits double from `idle_min` up to it.
+    /// The longest wait after a database error; waits double from `idle_min` up to it. Default
+    /// 30 s.
     pub error_backoff_max: Duration,
-    /// On shutdown, how long keys in flight may take to finish before they are stopped.
+    /// On shutdown, how long keys in flight may take to finish before they are stopped. Default
+    /// 30 s.
     pub shutdown_grace: Duration,
     /// How often the resumer reports its lag and counts due keys of workflows it does not know.
+    /// Default 15 s.
     pub report_every: Duration,
-    /// Deletes old finished keys periodically; `None` leaves retention to someone else.
+    /// Deletes old finished keys periodically; `None` leaves retention to someone else. Default
+    /// [`Retention::default`].
     pub retention: Option<Retention>,
 }
 
@@ -69,6 +75,26 @@ pub struct DrainReport {
 /// Finishes abandoned keys of the registered workflows. Run one or many, in one process or many:
 /// `FOR UPDATE SKIP LOCKED` splits the due keys between them, and the fencing token makes a slow
 /// one harmless.
+///
+/// A worker registers every workflow (every version) whose keys it may finish, and runs until it
+/// is told to stop:
+///
+/// ```no_run
+/// # async fn example(
+/// #     pool: idemflow_runner::PgPool,
+/// #     checkout_v1: idemflow_runner::Workflow,
+/// #     checkout_v2: idemflow_runner::Workflow,
+/// # ) -> Result<(), idemflow_runner::RegisterError> {
+/// use idemflow_runner::{Registry, Resumer, Runner, shutdown_signal};
+///
+/// let mut registry = Registry::new();
+/// registry.register(checkout_v1)?.register(checkout_v2)?;
+/// let resumer = Resumer::new(Runner::new(pool), registry);
+/// // Until Ctrl-C or SIGTERM; keys in flight then get `shutdown_grace` to finish.
+/// resumer.run(shutdown_signal()).await;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Resumer {
     runner: Runner,
@@ -78,10 +104,13 @@ pub struct Resumer {
 }
 
 impl Resumer {
+    /// A resumer of `registry`'s workflows, running their keys with `runner`, with the default
+    /// [`ResumerConfig`].
     pub fn new(runner: Runner, registry: Registry) -> Self {
         Self::with_config(runner, registry, ResumerConfig::default())
     }
 
+    /// As [`Resumer::new`], with `config`.
     pub fn with_config(runner: Runner, registry: Registry, config: ResumerConfig) -> Self {
         Self {
             runner,

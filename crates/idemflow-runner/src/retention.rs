@@ -10,9 +10,30 @@ use crate::error::RunError;
 /// Retention is how long a retry is still recognised as the same request: a client retrying
 /// after its key was deleted runs the request again. Keep it longer than the longest retry
 /// horizon of your clients (an offline mobile client may retry the next day).
+///
+/// A [`crate::Resumer`] runs it (the default one unless [`crate::ResumerConfig::retention`] says
+/// otherwise); a job of your own may run it once:
+///
+/// ```no_run
+/// # async fn example(pool: idemflow_runner::PgPool) -> Result<(), idemflow_runner::RunError> {
+/// use std::time::Duration;
+/// use idemflow_runner::{ResumerConfig, Retention};
+///
+/// // Keep finished keys for a week.
+/// let retention = Retention {
+///     keep_for: Duration::from_secs(7 * 24 * 60 * 60),
+///     ..Retention::default()
+/// };
+/// let config = ResumerConfig { retention: Some(retention), ..ResumerConfig::default() };
+/// // Or once, now:
+/// let deleted = retention.expire(&pool).await?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention {
-    /// Finished keys created longer ago than this are deleted. Default 24 hours.
+    /// Finished keys whose response was stored longer ago than this are deleted. Default 24
+    /// hours.
     pub keep_for: Duration,
     /// Rows deleted per statement (and so per transaction): short locks, bounded WAL bursts.
     /// Default 500.
@@ -22,7 +43,7 @@ pub struct Retention {
     /// (as fast as the database goes). Default 20,000 rows/s: a day of 1,000,000 keys expires
     /// in under a minute, and requests keep their latency (docs/benchmarks.md, workload 6).
     pub max_rows_per_second: Option<u32>,
-    /// How often a worker runs it.
+    /// How often a worker runs it. Default 60 s.
     pub every: Duration,
 }
 
@@ -38,7 +59,7 @@ impl Default for Retention {
 }
 
 impl Retention {
-    /// Deletes every finished key older than `keep_for`, in batches, at most
+    /// Deletes every key finished longer ago than `keep_for`, in batches, at most
     /// `max_rows_per_second`; returns how many. What a worker runs every `every`.
     pub async fn expire(&self, pool: &PgPool) -> Result<u64, RunError> {
         expire_paced(
@@ -51,7 +72,7 @@ impl Retention {
     }
 }
 
-/// Deletes every finished key created more than `older_than` ago, `batch_size` rows per
+/// Deletes every key finished more than `older_than` ago, `batch_size` rows per
 /// transaction, back to back until none is left; returns how many. Started keys are never
 /// deleted. For a one-off clean-up (the CLI's `expire`); a worker paces it ([`Retention`]).
 pub async fn expire(pool: &PgPool, older_than: Duration, batch_size: i64) -> Result<u64, RunError> {

@@ -23,8 +23,13 @@ use crate::workflow::{Carry, Workflow};
 /// A request as the runner fingerprints it: method, path and a JSON body.
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
+    /// The HTTP method, compared byte for byte: pass it as the server received it.
     pub method: &'a str,
+    /// The request's path, compared byte for byte: the same body sent to another path is
+    /// another request.
     pub path: &'a str,
+    /// The JSON body, canonicalized (RFC 8785) before it is fingerprinted, so whitespace and
+    /// member order do not matter.
     pub body: &'a [u8],
 }
 
@@ -40,10 +45,13 @@ pub struct Runner {
 }
 
 impl Runner {
+    /// A runner on `pool`, with the default [`RunnerConfig`] (terminal errors are stored). The
+    /// first runner of a process describes the engine's metrics to the installed recorder.
     pub fn new(pool: PgPool) -> Self {
         Self::with_config(pool, RunnerConfig::default())
     }
 
+    /// As [`Runner::new`], with `config`.
     pub fn with_config(pool: PgPool, config: RunnerConfig) -> Self {
         metrics::describe_once();
         Self {
@@ -60,6 +68,7 @@ impl Runner {
         self
     }
 
+    /// The pool the runner takes its connections from.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

@@ -25,20 +25,29 @@ type Validator = Box<dyn Fn(&Carry) -> Result<(), String> + Send + Sync>;
 /// Why a workflow cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BuildError {
+    /// The workflow's name is not 1 to 128 bytes of printable ASCII without spaces.
     #[error("workflow name {0:?} must be 1 to 128 bytes of printable ASCII without spaces")]
     InvalidWorkflowName(String),
+    /// No phase was added (which compiles only when the request type is a [`StoredResponse`]).
     #[error("a workflow needs at least one phase")]
     NoPhases,
+    /// A phase's `NAME` is not a valid [`PhaseName`].
     #[error(transparent)]
     InvalidPhaseName(#[from] PhaseNameError),
+    /// Two phases share this name: names are recovery points, so each must be unique.
     #[error("phase name {0:?} is used twice; phase names are recovery points and must be unique")]
     DuplicatePhaseName(&'static str),
+    /// A foreign phase's timeout is not shorter than the lease: its owner could still be waiting
+    /// on the call after another took the key over.
     #[error(
         "foreign phase {phase:?} may take {timeout:?}, not shorter than the lease of {lease:?}"
     )]
     TimeoutNotShorterThanLease {
+        /// The foreign phase.
         phase: &'static str,
+        /// Its timeout ([`ForeignPhase::timeout`]).
         timeout: Duration,
+        /// The workflow's lease.
         lease: Duration,
     },
 }
@@ -133,6 +142,49 @@ impl Workflow {
     /// Starts a workflow taking requests of type `Request`. `name` is durable (stored on every
     /// key the workflow claims); version it (`checkout.v1`) and keep old versions registered
     /// while their keys may still be resumed.
+    ///
+    /// Each phase added takes the chain's current output; [`WorkflowBuilder::build`] exists once
+    /// that output is a [`StoredResponse`]:
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use idemflow_core::{DerivedKey, StoredResponse};
+    /// # use idemflow_runner::{ForeignPhase, LocalPhase, PgConnection, PhaseContext, PhaseError, Workflow};
+    /// # #[derive(serde::Serialize, serde::Deserialize)]
+    /// # struct Checkout { amount: u64 }
+    /// # struct Charge;
+    /// # #[async_trait::async_trait]
+    /// # impl ForeignPhase for Charge {
+    /// #     const NAME: &'static str = "charge";
+    /// #     type Input = Checkout;
+    /// #     type Output = String;
+    /// #     async fn call(&self, _: &DerivedKey, _: Checkout, _: &PhaseContext) -> Result<String, PhaseError> {
+    /// #         Ok("ch_1".to_owned())
+    /// #     }
+    /// # }
+    /// # struct Record;
+    /// # #[async_trait::async_trait]
+    /// # impl LocalPhase for Record {
+    /// #     const NAME: &'static str = "record";
+    /// #     type Input = String;
+    /// #     type Output = StoredResponse;
+    /// #     async fn run(&self, _: &mut PgConnection, charge: String, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+    /// #         Ok(StoredResponse::new(201, charge))
+    /// #     }
+    /// # }
+    /// // Charge: Checkout -> String (the provider's charge id); Record: String -> StoredResponse.
+    /// let workflow = Workflow::builder::<Checkout>("checkout.v1")
+    ///     .validate(|checkout| match checkout.amount {
+    ///         0 => Err("the amount must be positive".to_owned()),
+    ///         _ => Ok(()),
+    ///     })
+    ///     .foreign(Charge)
+    ///     .local(Record)
+    ///     .lease(Duration::from_secs(30))
+    ///     .build()?;
+    /// assert_eq!(workflow.phase_names(), ["charge", "record"]);
+    /// # Ok::<(), idemflow_runner::BuildError>(())
+    /// ```
     pub fn builder<Request: PhaseValue>(
         name: impl Into<String>,
     ) -> WorkflowBuilder<Request, Request> {
@@ -148,17 +200,19 @@ impl Workflow {
         }
     }
 
+    /// The workflow's durable name (with version), stored on every key it claims.
     pub fn name(&self) -> &str {
         &self.name
     }
 
-    /// How long an owner holds the key between commits before another may take it over.
     /// Whether only the live request (or a client retry) may run this workflow's keys: see
     /// [`WorkflowBuilder::live_only`].
     pub fn live_only(&self) -> bool {
         self.live_only
     }
 
+    /// How long an owner holds the key between commits before another may take it over.
+    /// Default [`Workflow::DEFAULT_LEASE`].
     pub fn lease(&self) -> Duration {
         self.lease
     }

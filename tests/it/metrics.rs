@@ -1,15 +1,12 @@
 //! The engine's metrics reach whatever recorder the application installs. Each test runs in its
 //! own process under nextest, so installing a global recorder here is safe.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::sync::atomic::Ordering;
 
+use crate::support::*;
 use idemflow::{Outcome, RetryPolicy, Runner};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use sqlx::PgPool;
-use support::*;
 
 fn value(rendered: &str, series: &str) -> Option<f64> {
     rendered

@@ -1,12 +1,10 @@
 //! The protocol end to end against a real PostgreSQL: claim, replay, mismatch, in-progress,
 //! takeover, fencing, failures and resumption. One fresh database per test.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
 use idemflow::store::{self, ClaimRequest, StoreError};
 use idemflow::{
     Fingerprint, Key, Outcome, Rejection, RunError, Runner, RunnerConfig, StoredResponse,
@@ -14,7 +12,6 @@ use idemflow::{
 };
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use support::*;
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn first_attempt_executes_and_retries_replay(pool: PgPool) {

@@ -1,18 +1,15 @@
 //! The resumer against a real PostgreSQL: abandoned keys are finished from their recovery
 //! points, concurrent resumers split the work, retries back off in the lease, exhausted keys take
 //! the failure path, and shutdown gives leases back.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
 use idemflow::{DrainReport, Outcome, Registry, Resumer, ResumerConfig, Runner};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use support::*;
 
 fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer {
     logs();

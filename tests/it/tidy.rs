@@ -1,6 +1,5 @@
 //! Tidy checks over the source tree, in the manner of rust-analyzer's `tidy.rs`: rules a reviewer
 //! would otherwise have to remember.
-#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 

@@ -2,18 +2,15 @@
 //! before it, at their edges: a lost race, a claim in flight, a failing insert, a resumed key
 //! with nothing to commit. Every connection must come back clean (no transaction left open or
 //! aborted), so most tests run on a pool of one connection and use it again afterwards.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::time::Duration;
 
+use crate::support::*;
 use idemflow::store::{self, ClaimRequest, Claimed, LookUp};
 use idemflow::{Fingerprint, Key, Outcome, Runner, TenantId};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use support::*;
 
 fn claim_of<'a>(
     tenant: &'a TenantId,

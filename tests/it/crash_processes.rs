@@ -1,20 +1,17 @@
 //! Real crashes: the checkout service process is killed with SIGKILL at a chosen crash point
 //! (`IDEMFLOW_CRASH_AT`), then a separate worker process finishes the request. The database and
 //! the provider's ledger must show one order, one charge and a stored response.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use crate::support::example::{database_url, example_binary};
 use idemflow::core::PhaseName;
 use idemflow::{DerivedKey, Key, TenantId};
 use idemflow_testkit::provider::MockProvider;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use support::example::{database_url, example_binary};
 
 const BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
 

@@ -6,16 +6,13 @@
 //!
 //! libfaketime comes from the system's packages (Debian: `libfaketime`); `scripts/test` installs
 //! it. Without it this test fails, naming the package: it never skips.
-#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::example::{DEMO_STEPS, DemoRun, database_url, example_binary, run_demo};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use support::example::{DEMO_STEPS, DemoRun, database_url, example_binary, run_demo};
-
-mod support;
 
 const LEASE_SECONDS: &str = "5";
 const DEMO_TIMEOUT: Duration = Duration::from_secs(120);

@@ -1,14 +1,11 @@
 //! The checkout example, run as a newcomer runs it: the built example binary starts the service
 //! with its own mock provider and resumer on a free port, runs its demo against itself and exits.
 //! Every step must behave as described, and the database must hold one order per request.
-#![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
+use crate::support::example::{DEMO_STEPS, DemoRun, database_url, example_binary, run_demo};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use support::example::{DEMO_STEPS, DemoRun, database_url, example_binary, run_demo};
-
-mod support;
 
 /// The lease the demo runs with: its crash step waits for it to end. 5 s gives the provider call a
 /// 2 s timeout, so the concurrent step's held charge (1 s) leaves room on a loaded machine.

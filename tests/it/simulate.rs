@@ -4,16 +4,13 @@
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use idemflow_testkit::simulation::Simulation;
 use sqlx::PgPool;
 
 /// Runs the schedules `seeds` names, one after another, and fails with every broken one.
 async fn explore(pool: &PgPool, seeds: impl IntoIterator<Item = u64>) {
-    support::logs();
+    crate::support::logs();
     let simulation = Simulation::new(pool).await.unwrap();
     let mut failed = Vec::new();
     for seed in seeds {

@@ -1,16 +1,13 @@
 //! Retention: finished keys older than the window are deleted in bounded batches; started keys
 //! and fresh ones are kept.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
 use idemflow::{Registry, Resumer, ResumerConfig, Retention, Runner};
 use sqlx::PgPool;
-use support::*;
 
 /// Seeds `count` keys named `prefix-N` in `state`, created `age` ago.
 async fn seed(pool: &PgPool, prefix: &str, count: i64, state: &str, age: &str) {

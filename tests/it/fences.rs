@@ -1,16 +1,13 @@
 //! Fencing tokens and leases at the store's level: a token never repeats for a key, a lease is
 //! measured from the statement that writes it, and an owner never shortens its own lease.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::time::Duration;
 
+use crate::support::*;
 use idemflow::store::{self, ClaimRequest, Claimed, Owner, StoreError};
 use idemflow::{Fingerprint, Key, StoredResponse, TenantId};
 use serde_json::json;
 use sqlx::PgPool;
-use support::*;
 
 /// Claims a new key and commits the claim; its owner.
 async fn claim_committed(pool: &PgPool, tenant: &TenantId, key: &Key, amount: i64) -> Owner {

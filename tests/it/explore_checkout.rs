@@ -1,9 +1,8 @@
 //! The explorer on the checkout example: every crash point and every provider fault, recovered by
 //! a resumer and by a client retry, must leave one order, one charge and a replayable response.
 //! And the explorer must catch workflows that are broken on purpose.
-#![allow(clippy::unwrap_used)]
 
-#[path = "../examples/checkout/workflow.rs"]
+#[path = "../../examples/checkout/workflow.rs"]
 #[allow(dead_code)]
 mod workflow;
 

@@ -3,15 +3,13 @@
 //! no longer decodes, an unknown recovery point, a commit the database refuses, an output the
 //! store cannot hold). Each is recorded as the attempt it was, so no key is retried without bound:
 //! after the policy's attempts the failure path runs and a response is stored.
-#![allow(clippy::unwrap_used)]
-
-mod support;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use idemflow::{
     DerivedKey, ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, Registry, Resumer,
     ResumerConfig, RetryPolicy, RunError, Runner, RunnerConfig, StoredResponse, TerminalPolicy,
@@ -19,7 +17,6 @@ use idemflow::{
 };
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
-use support::*;
 
 /// What a scripted phase does on one run.
 #[derive(Debug, Clone, Copy, PartialEq)]

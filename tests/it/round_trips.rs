@@ -5,14 +5,11 @@
 //! phases after it (and with finish). Round trips are the engine's statements plus BEGIN and
 //! COMMIT; the phases' own statements are counted separately (one each here). A new key's claim
 //! shares its message with the BEGIN of its transaction.
-#![allow(clippy::unwrap_used)]
 
-mod support;
-
+use crate::support::wire::{Counts, WireCounts, start_proxy};
+use crate::support::*;
 use idemflow::{Outcome, Runner, Workflow};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use support::wire::{Counts, WireCounts, start_proxy};
-use support::*;
 
 /// A pool of one connection through the counting proxy, with statements already prepared, so
 /// what is counted is one request's steady-state traffic.

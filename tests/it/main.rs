@@ -1,0 +1,22 @@
+//! The integration tests, one binary (one build of `support/` and of every dependency's test
+//! profile): each module was once a test binary of its own. Every test that touches storage runs
+//! against a real PostgreSQL (`DATABASE_URL`), one fresh database per test (`#[sqlx::test]`).
+//! Run one module with `cargo nextest run --test it -E 'test(/^simulate::/)'`.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+mod checkout_example;
+mod claim;
+mod clock_skew;
+mod crash_processes;
+mod explore_checkout;
+mod failures;
+mod fences;
+mod metrics;
+mod protocol;
+mod resumer;
+mod retention;
+mod round_trips;
+mod simulate;
+mod tidy;
