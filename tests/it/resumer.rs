@@ -352,6 +352,15 @@ async fn when_retries_run_out_the_failure_path_response_is_stored(pool: PgPool) 
     assert_eq!(body_json["failed_phase"], "charge");
     assert_eq!(body_json["attempts"], 2);
     assert_eq!(body_json["recovery_point"], "create_order");
+    // What to undo: the recovery point's stored output, though an earlier attempt recorded it.
+    let order_id: i64 = sqlx::query_scalar("SELECT id FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        body_json["recovery_output"]["order_id"], order_id,
+        "{body_json}"
+    );
     assert_eq!(
         count(&pool, "SELECT count(*) FROM orders WHERE status = 'failed'").await,
         1

@@ -133,6 +133,9 @@ struct Drive<'r> {
     tx: Option<Tx>,
     hold: Hold,
     recorded_point: String,
+    /// The output stored with `recorded_point` (none at the start): what a failure path is told
+    /// it may have to undo.
+    recorded_output: Option<Value>,
     context: PhaseContext,
     request: Value,
     /// The last completed phase whose output `carry` holds and the row does not yet.
@@ -174,6 +177,7 @@ impl Runner {
             tx,
             hold,
             recorded_point,
+            recorded_output: None,
             context,
             request,
             unrecorded: None,
@@ -224,6 +228,8 @@ impl Drive<'_> {
                         )),
                     )));
                 };
+                // Kept for a failure path; a resumed key's give-up is rare, the clone cheap.
+                self.recorded_output.clone_from(&output);
                 let request = &self.request;
                 let decoded = catch_panic_now(|| {
                     if position == 0 {
@@ -366,6 +372,7 @@ impl Drive<'_> {
         let workflow = self.workflow;
         let runner = self.runner;
         let mut committed = "claim";
+        let mut committed_output = None;
         let mut advanced_at = None;
         // What this transaction commits is charged to the phase it records; a transaction that
         // records none (a takeover right before this call) to the phase about to be called.
@@ -383,6 +390,7 @@ impl Drive<'_> {
                 .await
                 .map_err(|error| store_stop(error, "recording", failure))?;
             committed = name;
+            committed_output = Some(output);
         }
         if let Some(open) = self.tx.take() {
             let key = self.owner.key().clone();
@@ -403,6 +411,7 @@ impl Drive<'_> {
             }
             if committed != "claim" {
                 self.recorded_point = committed.to_owned();
+                self.recorded_output = committed_output;
                 self.context.attempt = 1;
             }
             // Recorded: a failure from here on must not record it again.
@@ -653,7 +662,10 @@ impl Drive<'_> {
                     request: self.request.clone(),
                     phase,
                     recovery_point: recovery_point.clone(),
-                    recovery_output: recovery_output.clone(),
+                    // What to undo: the output recorded now, or by an earlier attempt.
+                    recovery_output: recovery_output
+                        .clone()
+                        .or_else(|| self.recorded_output.clone()),
                     error: message.clone(),
                     attempts,
                 };

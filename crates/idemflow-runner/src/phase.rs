@@ -119,9 +119,9 @@ pub struct Failure<Request> {
     pub phase: &'static str,
     /// The last completed phase (`start` before any), to know what to undo.
     pub recovery_point: String,
-    /// The output of `recovery_point` when this attempt is what recorded it (a foreign call's
-    /// result, committed with the give-up). `None` at `start`, and when an earlier attempt
-    /// recorded the point: the key's row still holds that output then (`phase_output`).
+    /// The output stored with `recovery_point`, whichever attempt recorded it (a foreign call's
+    /// result committed with the give-up, or a phase an earlier attempt completed): what the
+    /// failure path may have to undo (a charge to refund). `None` at `start`.
     pub recovery_output: Option<serde_json::Value>,
     /// The last error.
     pub error: String,

@@ -324,6 +324,7 @@ impl FailurePhase for MarkFailed {
         let body = serde_json::json!({
             "status": 502, "failed_phase": failure.phase, "attempts": failure.attempts,
             "recovery_point": failure.recovery_point, "amount": failure.request.amount,
+            "recovery_output": failure.recovery_output,
         });
         Ok(StoredResponse::problem(502, &body))
     }
