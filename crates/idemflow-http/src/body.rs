@@ -10,44 +10,16 @@ pub(crate) enum BodyError {
     TooLarge,
     /// The stream failed (the client went away, a malformed chunked encoding, a handler's
     /// stream broke).
-    Unreadable(axum::Error),
+    Unreadable(Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// Reads `body` up to `limit` bytes, with one allocation when the size is known up front.
-pub(crate) async fn read_limited(mut body: Body, limit: usize) -> Result<Bytes, BodyError> {
-    let hint = http_body::Body::size_hint(&body);
-    if hint.lower() > limit as u64 {
-        return Err(BodyError::TooLarge);
+/// Reads `body` up to `limit` bytes (a body of one buffer, the usual case, is not copied).
+pub(crate) async fn read_limited(body: Body, limit: usize) -> Result<Bytes, BodyError> {
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(BodyError::TooLarge),
+        Err(error) => Err(BodyError::Unreadable(error)),
     }
-    let capacity = hint.exact().map_or(0, |exact| exact as usize);
-    let mut collected: Option<Vec<u8>> = None;
-    let mut first: Option<Bytes> = None;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(BodyError::Unreadable)?;
-        let Ok(data) = frame.into_data() else {
-            continue; // trailers: not part of what is stored
-        };
-        let read = collected.as_ref().map_or(0, Vec::len) + first.as_ref().map_or(0, Bytes::len);
-        if read + data.len() > limit {
-            return Err(BodyError::TooLarge);
-        }
-        // A body of one frame (the usual case for a buffered response) is kept as it is.
-        match (&mut collected, first.take()) {
-            (None, None) => first = Some(data),
-            (None, Some(earlier)) => {
-                let mut buffer = Vec::with_capacity(capacity.max(earlier.len() + data.len()));
-                buffer.extend_from_slice(&earlier);
-                buffer.extend_from_slice(&data);
-                collected = Some(buffer);
-            }
-            (Some(buffer), _) => buffer.extend_from_slice(&data),
-        }
-    }
-    Ok(match (collected, first) {
-        (Some(buffer), _) => Bytes::from(buffer),
-        (None, Some(only)) => only,
-        (None, None) => Bytes::new(),
-    })
 }
 
 #[cfg(test)]

@@ -228,14 +228,15 @@ impl Drive<'_> {
                         )),
                     )));
                 };
-                // Kept for a failure path; a resumed key's give-up is rare, the clone cheap.
-                self.recorded_output.clone_from(&output);
-                let request = &self.request;
+                // Kept (not copied) for a failure path: what it may have to undo.
+                self.recorded_output = output;
+                let (request, output) = (&self.request, &self.recorded_output);
                 let decoded = catch_panic_now(|| {
                     if position == 0 {
                         workflow.decode_request(request)
                     } else {
-                        workflow.steps[position - 1].decode_output(output.unwrap_or(Value::Null))
+                        workflow.steps[position - 1]
+                            .decode_output(output.as_ref().unwrap_or(&Value::Null))
                     }
                 });
                 let why = match decoded {

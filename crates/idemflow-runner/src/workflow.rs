@@ -192,7 +192,7 @@ impl Workflow {
             name: name.into(),
             steps: Vec::new(),
             lease: Self::DEFAULT_LEASE,
-            decode_request: decode_borrowed::<Request>,
+            decode_request: decode::<Request>,
             validate: None,
             failure: None,
             live_only: false,
@@ -434,12 +434,9 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
     }
 }
 
-fn decode_borrowed<T: PhaseValue>(value: &Value) -> Result<Carry, serde_json::Error> {
+/// Decodes from a borrowed value: a request or a stored output is read, never copied to be read.
+fn decode<T: PhaseValue>(value: &Value) -> Result<Carry, serde_json::Error> {
     Ok(Box::new(T::deserialize(value)?))
-}
-
-fn decode<T: PhaseValue>(value: Value) -> Result<Carry, serde_json::Error> {
-    Ok(Box::new(serde_json::from_value::<T>(value)?))
 }
 
 fn encode<T: PhaseValue>(carry: &Carry) -> Result<Value, serde_json::Error> {
@@ -494,7 +491,7 @@ impl Step {
         }
     }
 
-    pub(crate) fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error> {
+    pub(crate) fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
         match self {
             Self::Local(local) => local.decode_output(value),
             Self::Foreign(foreign) => foreign.decode_output(value),
@@ -514,7 +511,7 @@ pub(crate) trait ErasedLocal: Send + Sync + std::fmt::Debug {
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError>;
     fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
-    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error>;
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error>;
 }
 
 #[async_trait]
@@ -529,7 +526,7 @@ pub(crate) trait ErasedForeign: Send + Sync + std::fmt::Debug {
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError>;
     fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
-    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error>;
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error>;
 }
 
 struct LocalStep<P> {
@@ -572,7 +569,7 @@ impl<P: LocalPhase> ErasedLocal for LocalStep<P> {
         encode::<P::Output>(carry)
     }
 
-    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error> {
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
         decode::<P::Output>(value)
     }
 }
@@ -617,7 +614,7 @@ impl<P: ForeignPhase> ErasedForeign for ForeignStep<P> {
         encode::<P::Output>(carry)
     }
 
-    fn decode_output(&self, value: Value) -> Result<Carry, serde_json::Error> {
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
         decode::<P::Output>(value)
     }
 }
