@@ -7,7 +7,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use idemflow_core::Key;
 
-use crate::workflow::{Step, Workflow};
+use crate::erased::Step;
+use crate::workflow::Workflow;
 
 /// A step boundary of a run.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

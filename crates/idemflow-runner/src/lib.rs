@@ -2,10 +2,14 @@
 
 #![deny(missing_docs)]
 
+mod admission;
+mod claim_cycle;
 mod config;
 mod crash;
 mod drive;
+mod erased;
 mod error;
+mod heartbeat;
 mod metrics;
 pub use metrics::{CATALOGUE as METRICS, describe_metrics};
 /// The sqlx this engine is built with: phases take its `PgConnection`; use this one rather than

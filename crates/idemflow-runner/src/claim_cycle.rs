@@ -1,0 +1,225 @@
+//! The claim cycle: look the key up, then claim it, answer from its row, or take it over.
+//!
+//! One round trip answers a retry, a 409 or a 422 (the look-up, outside any transaction). A new
+//! key costs one more before the first phase runs: `BEGIN` and the claim travel in one message
+//! ([`store::begin_claim`]), on the connection the look-up used. Between the look-up and the
+//! claim (or takeover) the key may change hands; the cycle then looks again, a few times, and
+//! otherwise tells the client to come back shortly. Every way into a drive starts here or at
+//! [`Runner::resume`].
+
+use std::time::{Duration, Instant};
+
+use idemflow_core::{Decision, KeyState, StoredKey, StoredResponse, TenantId, decide};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, FoundKey, LookUp};
+use sqlx::Postgres;
+use sqlx::pool::PoolConnection;
+
+use crate::admission::{Accepted, decode_and_validate};
+use crate::drive::{Hold, Start, Tx};
+use crate::erased::Carry;
+use crate::error::RunError;
+use crate::metrics;
+use crate::outcome::Outcome;
+use crate::runner::Runner;
+use crate::workflow::Workflow;
+
+/// How many times a request looks its key up again when the key changes hands between statements.
+const CLAIM_ROUNDS: usize = 3;
+
+/// Retry-After for a key being claimed (or changing hands) right now: its lease is not visible
+/// yet, and the claim's first transaction is usually over in milliseconds.
+const CLAIMING_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+type Connection = PoolConnection<Postgres>;
+
+/// What a claim of an absent key came to.
+enum Claim {
+    /// Owned, in an open transaction: drive it.
+    Owned(Box<Start>),
+    /// A claim committed between the look-up and ours: look again, with what was decoded.
+    Lost {
+        connection: Connection,
+        accepted: Accepted,
+        input: Carry,
+    },
+}
+
+impl Runner {
+    /// Looks the key up, then claims it, answers from its row, or takes it over.
+    pub(crate) async fn claim_or_decide(
+        &self,
+        workflow: &Workflow,
+        tenant: &TenantId,
+        mut accepted: Accepted,
+    ) -> Result<Outcome, RunError> {
+        // Decoded once, and only for a key about to be claimed.
+        let mut decoded: Option<Carry> = None;
+        let mut kept: Option<Connection> = None;
+        for _ in 0..CLAIM_ROUNDS {
+            let mut connection = match kept.take() {
+                Some(connection) => connection,
+                None => self.pool.acquire().await?,
+            };
+            let row = match store::look_up(&mut connection, tenant, &accepted.key).await? {
+                LookUp::Found(row) => row,
+                LookUp::Claiming => {
+                    // Another request holds this key's uncommitted claim: it is in flight.
+                    metrics::count(metrics::CONFLICTS, workflow.name());
+                    tracing::debug!("in progress: being claimed");
+                    return Ok(being_claimed());
+                }
+                LookUp::Absent { lock_version } => {
+                    let input = match decoded.take() {
+                        Some(input) => input,
+                        None => match decode_and_validate(workflow, &accepted.request) {
+                            Ok(input) => input,
+                            Err(rejection) => {
+                                metrics::count(metrics::REJECTIONS, workflow.name());
+                                return Ok(Outcome::Rejected(rejection));
+                            }
+                        },
+                    };
+                    let claim = claim(connection, workflow, tenant, accepted, lock_version, input);
+                    match claim.await? {
+                        Claim::Owned(start) => return self.drive(workflow, *start).await,
+                        Claim::Lost {
+                            connection,
+                            accepted: again,
+                            input,
+                        } => {
+                            (accepted, decoded, kept) = (again, Some(input), Some(connection));
+                            continue;
+                        }
+                    }
+                }
+            };
+            let decision = decide(&stored_key(&row), &accepted.fingerprint, workflow.name());
+            if decision != Decision::TakeOver {
+                drop(connection);
+                return answer(workflow, decision, row.response);
+            }
+            match take_over(connection, workflow, tenant, &accepted, row.lock_version).await? {
+                Some(start) => return self.drive(workflow, start).await,
+                // Someone else took it over, finished it, or is taking it over right now.
+                None => continue,
+            }
+        }
+        // The key kept changing hands under us: tell the client to come back shortly.
+        Ok(being_claimed())
+    }
+}
+
+/// Claims an absent key: `BEGIN` and the claim in one message, on the look-up's connection.
+async fn claim(
+    connection: Connection,
+    workflow: &Workflow,
+    tenant: &TenantId,
+    accepted: Accepted,
+    lock_version: i64,
+    input: Carry,
+) -> Result<Claim, RunError> {
+    let claim = ClaimRequest {
+        tenant,
+        key: &accepted.key,
+        lock_version,
+        fingerprint: &accepted.fingerprint,
+        workflow: workflow.name(),
+        request: &accepted.request,
+        lease: workflow.lease(),
+    };
+    let claimed_at = Instant::now();
+    match store::begin_claim(connection, &claim, workflow.limits()).await? {
+        Claimed::Owned(tx, owner) => {
+            tracing::Span::current().record("lock_version", owner.lock_version());
+            metrics::count(metrics::CLAIMS, workflow.name());
+            let Accepted {
+                fingerprint,
+                request,
+                ..
+            } = accepted;
+            let start = Start::claimed(owner, tx, fingerprint, input, request, claimed_at);
+            Ok(Claim::Owned(Box::new(start)))
+        }
+        Claimed::Lost(connection) => Ok(Claim::Lost {
+            connection,
+            accepted,
+            input,
+        }),
+    }
+}
+
+/// Takes over a started key whose lease expired, in a transaction that commits with the
+/// request's first one. `None` when the key changed since the look-up saw token `seen`.
+async fn take_over(
+    connection: Connection,
+    workflow: &Workflow,
+    tenant: &TenantId,
+    accepted: &Accepted,
+    seen: i64,
+) -> Result<Option<Start>, RunError> {
+    let mut tx = Tx::begin_limited(connection, workflow.limits()).await?;
+    let taken = store::take_over(&mut tx, tenant, &accepted.key, seen, workflow.lease()).await?;
+    let Some(taken) = taken else {
+        tx.rollback().await?;
+        return Ok(None);
+    };
+    tracing::Span::current().record("lock_version", taken.owner.lock_version());
+    tracing::info!(recovery_point = %taken.recovery_point, "took over an expired lease");
+    metrics::count(metrics::TAKEOVERS, workflow.name());
+    // The stored request (the same fingerprint as this call's) is decoded as a resumer would.
+    Ok(Some(Start::taken_over(
+        taken,
+        Some(tx),
+        Hold::TakeOver { seen },
+    )))
+}
+
+/// The key as the decision reads it.
+fn stored_key(row: &FoundKey) -> StoredKey<'_> {
+    let state = if row.done {
+        KeyState::Done
+    } else {
+        KeyState::Started {
+            lease_left: row.lease_left,
+        }
+    };
+    StoredKey {
+        fingerprint: &row.fingerprint,
+        workflow: &row.workflow,
+        state,
+    }
+}
+
+fn being_claimed() -> Outcome {
+    Outcome::InProgress {
+        retry_after: CLAIMING_RETRY_AFTER,
+    }
+}
+
+/// The answer to a request whose key is someone else's: a replay, a 409 or a 422.
+fn answer(
+    workflow: &Workflow,
+    decision: Decision,
+    response: Option<StoredResponse>,
+) -> Result<Outcome, RunError> {
+    match decision {
+        Decision::Replay => {
+            let response = response
+                .ok_or_else(|| RunError::Corrupt("a done key without a response".into()))?;
+            metrics::count(metrics::REPLAYS, workflow.name());
+            tracing::debug!(status = response.status, "replayed");
+            Ok(Outcome::Replayed(response))
+        }
+        Decision::InProgress { retry_after } => {
+            metrics::count(metrics::CONFLICTS, workflow.name());
+            tracing::debug!(?retry_after, "in progress");
+            Ok(Outcome::InProgress { retry_after })
+        }
+        Decision::Mismatch => {
+            metrics::count(metrics::MISMATCHES, workflow.name());
+            tracing::debug!("mismatch");
+            Ok(Outcome::Mismatch)
+        }
+        Decision::TakeOver => unreachable!("a takeover makes the request ours"),
+    }
+}

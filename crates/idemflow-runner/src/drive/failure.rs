@@ -1,0 +1,354 @@
+//! Recording a failed attempt, in a transaction of its own (the failed one has rolled back).
+//!
+//! A retryable error leaves the key started, its lease set to the next attempt time; once the
+//! attempts at a recovery point ran out, the workflow's failure path runs and its response is
+//! stored. A terminal error stores its response (or, by policy, forgets the key). If this
+//! owner's hold was never committed, the key is claimed or taken over again first, so the record
+//! lands on a key this owner holds, or not at all when another request got the key meanwhile.
+
+use std::time::Duration;
+
+use idemflow_core::{RecoveryPoint, StoredResponse};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner};
+use serde_json::Value;
+
+use super::{Drive, FailedAttempt, Hold, Tx, attempt_of, fenced, problem};
+use crate::config::TerminalPolicy;
+use crate::erased::GiveUp;
+use crate::error::RunError;
+use crate::heartbeat::overrun_grace;
+use crate::metrics;
+use crate::outcome::Outcome;
+use crate::panic::catch_panic;
+use crate::phase::PhaseErrorKind;
+
+impl Drive<'_> {
+    /// Records a failed attempt; see the module's documentation for what is recorded when.
+    pub(super) async fn fail(mut self, failure: FailedAttempt) -> Result<Outcome, RunError> {
+        let FailedAttempt {
+            phase,
+            retry_policy,
+            mut error,
+            panicked,
+            spent,
+        } = failure;
+        tracing::warn!(phase, attempt = self.context.attempt, retryable = error.is_retryable(), error = %error.message, "attempt failed");
+        if let Some(tx) = self.tx.take()
+            && let Err(rollback) = tx.rollback().await
+        {
+            // The connection is not reused; the server rolls back as it closes.
+            tracing::warn!(%rollback, "rolling back the failed attempt failed");
+        }
+
+        if let PhaseErrorKind::NotExecuted { response } = &error.kind {
+            // Nothing of the key's request has run if no phase completed: the key goes, and
+            // the same key may come again as a new request. Otherwise its effects must not run
+            // twice: an ordinary retryable failure.
+            if self.recorded_point == RecoveryPoint::START && self.pending_foreign.is_none() {
+                let response = response.clone();
+                metrics::count_phase(metrics::NOT_EXECUTED, self.workflow.name(), phase);
+                return self.forget(response).await;
+            }
+            error.kind = PhaseErrorKind::Retryable { retry_after: None };
+        }
+        let terminal_response = match &error.kind {
+            PhaseErrorKind::Terminal { response } => Some(
+                response
+                    .clone()
+                    .unwrap_or_else(|| problem(500, "request_failed", &error.message)),
+            ),
+            PhaseErrorKind::Retryable { .. } | PhaseErrorKind::NotExecuted { .. } => None,
+        };
+        if let (Some(response), TerminalPolicy::Forget) =
+            (&terminal_response, self.runner.config.terminal_errors)
+        {
+            return self.forget(response.clone()).await;
+        }
+        // A give-up for a spent budget carries the last recorded error, already named.
+        let message = if spent {
+            error.message.clone()
+        } else {
+            format!("{phase}: {}", error.message)
+        };
+
+        let Some(held) = self.take_again().await? else {
+            return Ok(in_progress());
+        };
+        let (mut held, recorded) = self.record_pending_foreign(held).await?;
+        let exhausted = spent || retry_policy.exhausted(held.attempt);
+        match (terminal_response, error.kind) {
+            (Some(response), _) => {
+                let finished =
+                    store::finish(&mut held.tx, &held.owner, &recorded.point, &response).await;
+                fenced(finished, held.tx).await?.commit().await?;
+                metrics::count(metrics::FINISHED, self.workflow.name());
+                Ok(Outcome::Executed(response))
+            }
+            (None, PhaseErrorKind::Retryable { retry_after }) if !exhausted => {
+                let retry_after = retry_after.unwrap_or_else(|| retry_policy.backoff(held.attempt));
+                let postponed =
+                    store::postpone(&mut held.tx, &held.owner, retry_after, &message).await;
+                let mut tx = fenced(postponed, held.tx).await?;
+                store::notify_due(&mut tx).await?;
+                tx.commit().await?;
+                metrics::count_phase(metrics::RETRIES, self.workflow.name(), phase);
+                if panicked {
+                    return Err(RunError::Panicked {
+                        phase: phase.to_owned(),
+                        message: error.message,
+                    });
+                }
+                Ok(Outcome::Interrupted {
+                    retry_after,
+                    error: message,
+                })
+            }
+            (None, _) => {
+                let attempts = if spent {
+                    held.attempt - 1
+                } else {
+                    held.attempt
+                };
+                self.give_up(held, recorded, phase, attempts, message).await
+            }
+        }
+    }
+
+    /// Deletes the key (fenced), answering with `response`: nothing of it remains to replay.
+    async fn forget(&self, response: StoredResponse) -> Result<Outcome, RunError> {
+        if !self.delete_held().await? {
+            return Ok(in_progress());
+        }
+        Ok(Outcome::Forgotten(response))
+    }
+
+    /// Records a foreign result the failed attempt obtained but did not commit, so the call is
+    /// not repeated; the recovery point the record leaves the key at.
+    async fn record_pending_foreign(&mut self, held: Held) -> Result<(Held, Recorded), RunError> {
+        let Some((name, output)) = self.pending_foreign.take() else {
+            let recorded = Recorded {
+                point: self.recorded_point.clone(),
+                output: None,
+            };
+            return Ok((held, recorded));
+        };
+        let Held { mut tx, owner, .. } = held;
+        let advanced = store::advance(&mut tx, &owner, name, &output, self.workflow.lease()).await;
+        let held = Held {
+            tx: fenced(advanced, tx).await?,
+            owner,
+            // The phase that failed is the first execution after that foreign result.
+            attempt: 1,
+        };
+        let recorded = Recorded {
+            point: name.to_owned(),
+            output: Some(output),
+        };
+        Ok((held, recorded))
+    }
+
+    /// The attempts ran out: runs the failure path and finishes the key with its response; if
+    /// its effects break the commit, with a plain problem and no effects, so the key still ends.
+    async fn give_up(
+        &self,
+        mut held: Held,
+        recorded: Recorded,
+        phase: &'static str,
+        attempts: u32,
+        message: String,
+    ) -> Result<Outcome, RunError> {
+        let workflow = self.workflow;
+        metrics::count_phase(metrics::GIVE_UPS, workflow.name(), phase);
+        tracing::error!(phase, attempts, error = %message, "retries exhausted: giving up");
+        let give_up = GiveUp {
+            request: self.request.clone(),
+            phase,
+            recovery_point: recorded.point.clone(),
+            // What to undo: the output recorded now, or by an earlier attempt.
+            recovery_output: recorded
+                .output
+                .clone()
+                .or_else(|| self.recorded_output.clone()),
+            error: message.clone(),
+            attempts,
+        };
+        let response = self.failure_path(&mut held.tx, give_up).await?;
+        let finished = store::finish(&mut held.tx, &held.owner, &recorded.point, &response).await;
+        if let Err(error) = fenced(finished, held.tx).await?.commit().await {
+            // A deferred constraint broken by the failure path's effects, say.
+            tracing::error!(%error, "the give-up did not commit; storing a generic response");
+            let response = problem(
+                500,
+                "retries_exhausted",
+                &give_up_detail(attempts, &message),
+            );
+            self.store_give_up(&recorded.point, recorded.output, &response)
+                .await?;
+            metrics::count(metrics::FINISHED, workflow.name());
+            return Ok(Outcome::Executed(response));
+        }
+        metrics::count(metrics::FINISHED, workflow.name());
+        Ok(Outcome::Executed(response))
+    }
+
+    /// Deletes the key this owner holds, fenced, after its attempt rolled back. An
+    /// uncommitted claim rolled back with the attempt: there is nothing to delete. False when
+    /// another owner holds the key by now: it is theirs to finish.
+    async fn delete_held(&self) -> Result<bool, RunError> {
+        if matches!(self.hold, Hold::Claim(_)) {
+            return Ok(true);
+        }
+        let Some(Held { mut tx, owner, .. }) = self.take_again().await? else {
+            return Ok(false);
+        };
+        let deleted = store::delete_owned(&mut tx, &owner).await;
+        fenced(deleted, tx).await?.commit().await?;
+        Ok(true)
+    }
+
+    /// Stores a give-up's response alone (no failure path), in a transaction of its own.
+    async fn store_give_up(
+        &self,
+        recovery_point: &str,
+        recovery_output: Option<Value>,
+        response: &StoredResponse,
+    ) -> Result<(), RunError> {
+        let Some(Held { mut tx, owner, .. }) = self.take_again().await? else {
+            return Err(RunError::Fenced);
+        };
+        if let Some(output) = recovery_output {
+            let advanced = store::advance(
+                &mut tx,
+                &owner,
+                recovery_point,
+                &output,
+                self.workflow.lease(),
+            )
+            .await;
+            tx = fenced(advanced, tx).await?;
+        }
+        let finished = store::finish(&mut tx, &owner, recovery_point, response).await;
+        fenced(finished, tx).await?.commit().await?;
+        Ok(())
+    }
+
+    /// A transaction holding the key for this owner again after its failed attempt rolled back:
+    /// the same owner when its hold was committed; otherwise the claim made again (same token,
+    /// which nobody else ever saw) or the takeover made again (compare-and-set on the token it
+    /// took over from). `None` when another request got the key meanwhile: it owns the outcome.
+    async fn take_again(&self) -> Result<Option<Held>, RunError> {
+        let workflow = self.workflow;
+        let pool = self.runner.pool();
+        match &self.hold {
+            Hold::Committed => Ok(Some(Held {
+                tx: Tx::begin_limited(pool.acquire().await?, workflow.limits()).await?,
+                owner: self.owner.clone(),
+                attempt: self.context.attempt,
+            })),
+            Hold::Claim(fingerprint) => {
+                let claim = ClaimRequest {
+                    tenant: self.owner.tenant(),
+                    key: self.owner.key(),
+                    lock_version: self.owner.lock_version(),
+                    fingerprint,
+                    workflow: workflow.name(),
+                    request: &self.request,
+                    lease: workflow.lease(),
+                };
+                let connection = pool.acquire().await?;
+                match store::begin_claim(connection, &claim, workflow.limits()).await? {
+                    Claimed::Owned(tx, owner) => Ok(Some(Held {
+                        tx,
+                        owner,
+                        attempt: 1,
+                    })),
+                    Claimed::Lost(_) => Ok(None),
+                }
+            }
+            Hold::TakeOver { seen } => {
+                let mut tx = Tx::begin_limited(pool.acquire().await?, workflow.limits()).await?;
+                let taken = store::take_over(
+                    &mut tx,
+                    self.owner.tenant(),
+                    self.owner.key(),
+                    *seen,
+                    workflow.lease(),
+                )
+                .await?;
+                match taken {
+                    Some(taken) => Ok(Some(Held {
+                        tx,
+                        attempt: attempt_of(taken.attempts),
+                        owner: taken.owner,
+                    })),
+                    None => {
+                        tx.rollback().await?;
+                        Ok(None)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the workflow's failure path in a savepoint of `tx`, within the local time limit; if
+    /// there is none, or it fails or panics itself, the response is a 500 problem naming the
+    /// last error.
+    async fn failure_path(&self, tx: &mut Tx, give_up: GiveUp) -> Result<StoredResponse, RunError> {
+        let detail = give_up_detail(give_up.attempts, &give_up.error);
+        let Some(failure) = &self.workflow.failure else {
+            return Ok(problem(500, "retries_exhausted", &detail));
+        };
+        let limit = self.workflow.default_local_timeout();
+        let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+        let ran = tokio::time::timeout(
+            limit + overrun_grace(limit),
+            catch_panic(failure.run(&mut savepoint, give_up, &self.context)),
+        )
+        .await;
+        match ran {
+            Ok(Ok(Ok(response))) => {
+                savepoint.commit().await?;
+                Ok(response)
+            }
+            failed => {
+                let why = match failed {
+                    Ok(Ok(Err(error))) => error.message,
+                    Ok(Err(panic)) => format!("panicked: {panic}"),
+                    _ => format!("timed out after {limit:?}"),
+                };
+                // A savepoint rollback needs the connection in a known state: after an overrun
+                // it is not, and the whole record fails (the key stays due and is retried).
+                savepoint.rollback().await?;
+                tracing::error!(error = %why, "the failure path failed; storing a generic response");
+                Ok(problem(500, "retries_exhausted", &detail))
+            }
+        }
+    }
+}
+
+fn in_progress() -> Outcome {
+    // Another request took the key while this one was recording its failure: it owns the
+    // outcome now.
+    Outcome::InProgress {
+        retry_after: Duration::from_secs(1),
+    }
+}
+
+fn give_up_detail(attempts: u32, error: &str) -> String {
+    format!("gave up after {attempts} attempts: {error}")
+}
+
+/// The key held again for this owner, in an open transaction, to record a failed attempt.
+struct Held {
+    tx: Tx,
+    owner: Owner,
+    /// The attempt being recorded, counted at the key's recovery point.
+    attempt: u32,
+}
+
+/// The recovery point a failure record leaves the key at, and the output recorded with it now
+/// (`None` when the record adds nothing to what the row held).
+struct Recorded {
+    point: String,
+    output: Option<Value>,
+}

@@ -1,0 +1,345 @@
+//! Driving an owned key through its phases, committing at the right points, and recording every
+//! failure of the attempt as the attempt it was.
+//!
+//! A drive ends in one of three ways: the key finishes (its response stored); the drive stops
+//! because it is not the owner any more (fenced) or a crash hook stopped it (tests); or the
+//! attempt fails. A failure is anything that goes wrong while this owner holds the key: a phase's
+//! error, panic or overrun, and equally a stored output that no longer decodes, an output the
+//! store cannot hold, or a database error in the engine's own statements (a commit refused by a
+//! deferred constraint). Each is recorded (see `failure.rs`) so the key's attempts count and its
+//! retry policy decides what comes next.
+
+//! The drive is split by what each part does: this module holds where a drive starts and the
+//! loop over the phases; `entry.rs` decides the first phase to run (and whether the attempt is
+//! within its budget); `steps.rs` runs local and foreign phases and commits at the right points;
+//! `failure.rs` records a failed attempt.
+
+mod entry;
+mod failure;
+mod steps;
+
+use std::time::Instant;
+
+use idemflow_core::{Fingerprint, StoredResponse};
+use idemflow_pg::{Owner, StoreError, TakenOver};
+use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::erased::{Carry, Step};
+use crate::error::RunError;
+use crate::metrics;
+use crate::outcome::Outcome;
+use crate::phase::{PhaseContext, PhaseError};
+use crate::retry::RetryPolicy;
+use crate::runner::Runner;
+use crate::workflow::Workflow;
+
+pub(crate) type Tx = idemflow_pg::Transaction;
+
+/// Whether this owner's hold on the key is durable yet. A claim or a takeover made by a request
+/// commits with the request's first transaction (no commit of its own); until then, rolling that
+/// transaction back undoes the hold too, and a failure record must take the key again first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// Committed: the row holds this owner's token.
+    Committed,
+    /// The key's claim, with this fingerprint, is uncommitted: rolled back, the key is absent.
+    Claim(Fingerprint),
+    /// This request's takeover is uncommitted: rolled back, the row holds `seen` again.
+    TakeOver { seen: i64 },
+}
+
+/// Where the first phase to run comes from.
+pub(crate) enum Entry {
+    /// Phase `position`, with its input already decoded (a new claim, or a takeover at `start`
+    /// by the request that brought that same input).
+    Decoded { position: usize, input: Carry },
+    /// The row's recovery point and stored output, decoded here: a value that no longer decodes
+    /// (a deploy changed its type) or a point the workflow does not have is a failed attempt.
+    Stored {
+        recovery_point: String,
+        output: Option<Value>,
+    },
+}
+
+/// Where a drive starts.
+pub(crate) struct Start {
+    owner: Owner,
+    /// The claim's or takeover's open transaction; `None` for a key a resumer took over, which
+    /// begins one only when a local phase or a record needs it (so it may call out at once).
+    tx: Option<Tx>,
+    hold: Hold,
+    entry: Entry,
+    /// The recovery point the row holds.
+    recorded_point: String,
+    context: PhaseContext,
+    /// The request as stored, for the failure path.
+    request: Value,
+    /// The error the previous attempt recorded, for a give-up's message.
+    last_error: Option<String>,
+    /// When the statement that wrote this owner's lease was sent (this process's monotonic
+    /// clock). Before a call to another system the owner must hold a lease that outlasts the
+    /// call's timeout; after a wait (a key a resumer took over and could not start at once, a
+    /// paused process) it confirms its fence first, with a fenced renewal.
+    lease_from: Instant,
+}
+
+impl Start {
+    /// A new key, claimed by this request in `tx` (uncommitted until the first commit).
+    pub(crate) fn claimed(
+        owner: Owner,
+        tx: Tx,
+        fingerprint: Fingerprint,
+        input: Carry,
+        request: Value,
+        claimed_at: Instant,
+    ) -> Self {
+        Self {
+            context: context_of(&owner, 1),
+            owner,
+            tx: Some(tx),
+            hold: Hold::Claim(fingerprint),
+            entry: Entry::Decoded { position: 0, input },
+            recorded_point: idemflow_core::RecoveryPoint::START.to_owned(),
+            request,
+            last_error: None,
+            lease_from: claimed_at,
+        }
+    }
+
+    /// A key taken over from an expired lease, to go on from its recovery point: by a resumer
+    /// (`tx` is `None`, the takeover committed) or by a client retry (in `tx`, uncommitted).
+    /// The stored request is decoded as a resumer would, whoever took it over.
+    pub(crate) fn taken_over(taken: TakenOver, tx: Option<Tx>, hold: Hold) -> Self {
+        Self {
+            context: context_of(&taken.owner, attempt_of(taken.attempts)),
+            owner: taken.owner,
+            tx,
+            hold,
+            entry: Entry::Stored {
+                recovery_point: taken.recovery_point.clone(),
+                output: taken.phase_output,
+            },
+            recorded_point: taken.recovery_point,
+            request: taken.request,
+            last_error: taken.last_error,
+            lease_from: taken.lease_from,
+        }
+    }
+}
+
+/// What a phase is told of the execution it runs in.
+fn context_of(owner: &Owner, attempt: u32) -> PhaseContext {
+    PhaseContext {
+        tenant: owner.tenant().clone(),
+        key: owner.key().clone(),
+        attempt,
+        lock_version: owner.lock_version(),
+    }
+}
+
+/// The store counts attempts in an `int`; a phase is told a `u32`.
+fn attempt_of(attempts: i32) -> u32 {
+    u32::try_from(attempts).unwrap_or(u32::MAX)
+}
+
+/// Why a drive stopped before finishing.
+enum Stop {
+    /// The attempt failed: record it.
+    Failed(Box<FailedAttempt>),
+    /// Not for this owner to record: it lost the key (fenced) or was stopped (crash point).
+    Error(RunError),
+}
+
+impl Stop {
+    fn failed(failure: FailedAttempt) -> Self {
+        Self::Failed(Box::new(failure))
+    }
+}
+
+impl From<RunError> for Stop {
+    fn from(error: RunError) -> Self {
+        Self::Error(error)
+    }
+}
+
+/// A failed attempt, before it is recorded. (Not [`crate::Failure`], which is what a failure
+/// path is told once the attempts ran out.)
+struct FailedAttempt {
+    /// The phase the attempt is charged to: the one that failed, or whose work could not be
+    /// recorded.
+    phase: &'static str,
+    retry_policy: RetryPolicy,
+    error: PhaseError,
+    /// The failure was a panic: the caller hears of it as an error once it is recorded.
+    panicked: bool,
+    /// The attempt ran nothing: earlier attempts spent the budget without recording an outcome.
+    spent: bool,
+}
+
+impl FailedAttempt {
+    fn of(phase: &'static str, retry_policy: RetryPolicy, error: PhaseError) -> Self {
+        Self {
+            phase,
+            retry_policy,
+            error,
+            panicked: false,
+            spent: false,
+        }
+    }
+}
+
+/// A drive in progress: the owner, its open transaction, and what is not yet recorded.
+struct Drive<'r> {
+    runner: &'r Runner,
+    workflow: &'r Workflow,
+    owner: Owner,
+    tx: Option<Tx>,
+    hold: Hold,
+    recorded_point: String,
+    /// The output stored with `recorded_point` (none at the start): what a failure path is told
+    /// it may have to undo.
+    recorded_output: Option<Value>,
+    context: PhaseContext,
+    request: Value,
+    /// The last completed phase whose output `carry` holds and the row does not yet.
+    unrecorded: Option<usize>,
+    /// A foreign output not yet committed, kept encoded so a failure after it can still record
+    /// it (and the call is not repeated).
+    pending_foreign: Option<(&'static str, Value)>,
+    lease_from: Instant,
+}
+
+impl Runner {
+    /// Runs the phases from the entry point to the end, and records the attempt's failure if it
+    /// fails.
+    ///
+    /// Local phases share the open transaction; before each foreign call the transaction commits
+    /// (with the claim or takeover, and the last local output as the recovery point), and a new
+    /// one begins after it. So a request commits 1 + (number of foreign phases) times, and the
+    /// claim is durable before anything leaves the database.
+    pub(crate) async fn drive(
+        &self,
+        workflow: &Workflow,
+        start: Start,
+    ) -> Result<Outcome, RunError> {
+        let Start {
+            owner,
+            tx,
+            hold,
+            entry,
+            recorded_point,
+            context,
+            request,
+            last_error,
+            lease_from,
+        } = start;
+        let mut drive = Drive {
+            runner: self,
+            workflow,
+            owner,
+            tx,
+            hold,
+            recorded_point,
+            recorded_output: None,
+            context,
+            request,
+            unrecorded: None,
+            pending_foreign: None,
+            lease_from,
+        };
+        let ran = match drive.enter(entry, last_error) {
+            Ok((position, carry)) => drive.run(position, carry).await,
+            Err(stop) => Err(stop),
+        };
+        match ran {
+            Ok(outcome) => Ok(outcome),
+            Err(Stop::Error(error)) => {
+                // The open transaction rolls back as it is dropped: nothing of it lands.
+                if matches!(error, RunError::Fenced) {
+                    metrics::count(metrics::FENCED, workflow.name());
+                    tracing::warn!(
+                        "fenced: the lease was lost to another owner; nothing committed"
+                    );
+                }
+                Err(error)
+            }
+            Err(Stop::Failed(failure)) => drive.fail(*failure).await,
+        }
+    }
+}
+
+impl Drive<'_> {
+    async fn run(&mut self, mut position: usize, mut carry: Carry) -> Result<Outcome, Stop> {
+        let steps = &self.workflow.steps;
+        loop {
+            while let Some(Step::Local(local)) = steps.get(position) {
+                carry = self.run_local(local.as_ref(), carry).await?;
+                self.unrecorded = Some(position);
+                position += 1;
+            }
+            let Some(Step::Foreign(foreign)) = steps.get(position) else {
+                return self.finish(position, carry).await;
+            };
+            let unrecorded = self.unrecorded_output(&carry)?;
+            self.record_before_call(position, unrecorded).await?;
+            self.confirm_fence(foreign.as_ref()).await?;
+            carry = self.call(foreign.as_ref(), position, carry).await?;
+            self.unrecorded = Some(position);
+            position += 1;
+        }
+    }
+}
+
+/// The open transaction, begun now (under the workflow's limits) if there is none yet.
+async fn opened<'t>(
+    tx: &'t mut Option<Tx>,
+    pool: &PgPool,
+    workflow: &Workflow,
+) -> Result<&'t mut Tx, sqlx::Error> {
+    let open = match tx.take() {
+        Some(open) => open,
+        None => Tx::begin_limited(pool.acquire().await?, workflow.limits()).await?,
+    };
+    Ok(tx.insert(open))
+}
+
+/// A database error in the engine's own statements, as the attempt's failure.
+fn database_error(doing: &str, error: &sqlx::Error) -> PhaseError {
+    PhaseError::retryable(format!("{doing} failed: {error}"))
+}
+
+/// A store error while the drive writes: fenced stops the drive; anything else fails the
+/// attempt.
+fn store_stop(
+    error: StoreError,
+    doing: &str,
+    failure: impl FnOnce(PhaseError) -> FailedAttempt,
+) -> Stop {
+    match error {
+        StoreError::Fenced => Stop::Error(RunError::Fenced),
+        StoreError::Database(error) => Stop::failed(failure(database_error(doing, &error))),
+        other => Stop::Error(other.into()),
+    }
+}
+
+/// Passes the transaction on after a successful fenced write; rolls it back on failure.
+async fn fenced(result: Result<(), StoreError>, tx: Tx) -> Result<Tx, RunError> {
+    match result {
+        Ok(()) => Ok(tx),
+        Err(error) => {
+            tx.rollback().await?;
+            Err(error.into())
+        }
+    }
+}
+
+/// A problem the engine stores itself, in the one shape (`code` names it in a word).
+fn problem(status: u16, code: &str, detail: &str) -> StoredResponse {
+    let title = if status == 500 {
+        "Internal Server Error"
+    } else {
+        "Error"
+    };
+    StoredResponse::problem_of(status, title, code, detail)
+}

@@ -1,0 +1,282 @@
+//! A built workflow's phases with their types erased, as the runner drives them.
+//!
+//! The builder ([`crate::WorkflowBuilder`]) checks at compile time that each phase takes the
+//! previous one's output; once built, the runner walks a list of [`Step`]s whose values travel as
+//! [`Carry`] (a boxed `Any`) and are encoded to JSON only where a recovery point stores them.
+//! A value of an unexpected type here would be a defect of the builder, and is a terminal error
+//! rather than a panic.
+
+use std::any::Any;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow_core::{DerivedKey, PhaseName, StoredResponse};
+use serde_json::Value;
+use sqlx::PgConnection;
+
+use crate::phase::{
+    Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValue,
+};
+use crate::retry::RetryPolicy;
+
+/// A phase's output on its way to the next phase, its type erased. Values cross a phase boundary
+/// in memory as they are; they are serialized only where a recovery point stores them.
+pub(crate) type Carry = Box<dyn Any + Send>;
+
+/// Decodes from a borrowed value: a request or a stored output is read, never copied to be read.
+pub(crate) fn decode<T: PhaseValue>(value: &Value) -> Result<Carry, serde_json::Error> {
+    Ok(Box::new(T::deserialize(value)?))
+}
+
+fn encode<T: PhaseValue>(carry: &Carry) -> Result<Value, serde_json::Error> {
+    match carry.downcast_ref::<T>() {
+        Some(value) => serde_json::to_value(value),
+        None => Err(serde::ser::Error::custom(
+            "phase output of an unexpected type",
+        )),
+    }
+}
+
+fn downcast<T: 'static>(carry: Carry, phase: &str) -> Result<T, PhaseError> {
+    carry.downcast::<T>().map(|boxed| *boxed).map_err(|_| {
+        PhaseError::terminal(format!(
+            "phase {phase} received an input of an unexpected type"
+        ))
+    })
+}
+
+/// One phase of a built workflow, its types erased.
+#[derive(Debug)]
+pub(crate) enum Step {
+    Local(Box<dyn ErasedLocal>),
+    Foreign(Box<dyn ErasedForeign>),
+}
+
+impl Step {
+    pub(crate) fn local<P: LocalPhase>(phase: P) -> Self {
+        Self::Local(Box::new(LocalStep {
+            name: P::NAME,
+            phase,
+        }))
+    }
+
+    pub(crate) fn foreign<P: ForeignPhase>(phase: P) -> Self {
+        Self::Foreign(Box::new(ForeignStep {
+            name: P::NAME,
+            phase,
+        }))
+    }
+
+    pub(crate) fn raw_name(&self) -> &'static str {
+        match self {
+            Self::Local(local) => local.name(),
+            Self::Foreign(foreign) => foreign.name(),
+        }
+    }
+
+    /// Valid once the workflow is built.
+    pub(crate) fn name(&self) -> PhaseName {
+        PhaseName::new(self.raw_name())
+            .unwrap_or_else(|_| unreachable!("checked by WorkflowBuilder::build"))
+    }
+
+    pub(crate) fn retry_policy(&self) -> RetryPolicy {
+        match self {
+            Self::Local(local) => local.retry_policy(),
+            Self::Foreign(foreign) => foreign.retry_policy(),
+        }
+    }
+
+    pub(crate) fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
+        match self {
+            Self::Local(local) => local.encode_output(carry),
+            Self::Foreign(foreign) => foreign.encode_output(carry),
+        }
+    }
+
+    pub(crate) fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
+        match self {
+            Self::Local(local) => local.decode_output(value),
+            Self::Foreign(foreign) => foreign.decode_output(value),
+        }
+    }
+}
+
+#[async_trait]
+pub(crate) trait ErasedLocal: Send + Sync + std::fmt::Debug {
+    fn name(&self) -> &'static str;
+    fn retry_policy(&self) -> RetryPolicy;
+    fn timeout(&self) -> Option<Duration>;
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        input: Carry,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError>;
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error>;
+}
+
+#[async_trait]
+pub(crate) trait ErasedForeign: Send + Sync + std::fmt::Debug {
+    fn name(&self) -> &'static str;
+    fn retry_policy(&self) -> RetryPolicy;
+    fn timeout(&self) -> Duration;
+    async fn call(
+        &self,
+        key: &DerivedKey,
+        input: Carry,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError>;
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error>;
+}
+
+struct LocalStep<P> {
+    name: &'static str,
+    phase: P,
+}
+
+impl<P> std::fmt::Debug for LocalStep<P> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "LocalStep({})", self.name)
+    }
+}
+
+#[async_trait]
+impl<P: LocalPhase> ErasedLocal for LocalStep<P> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.phase.retry_policy()
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        self.phase.timeout()
+    }
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        input: Carry,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError> {
+        let input = downcast::<P::Input>(input, self.name)?;
+        let output = self.phase.run(connection, input, context).await?;
+        Ok(Box::new(output))
+    }
+
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
+        encode::<P::Output>(carry)
+    }
+
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
+        decode::<P::Output>(value)
+    }
+}
+
+struct ForeignStep<P> {
+    name: &'static str,
+    phase: P,
+}
+
+impl<P> std::fmt::Debug for ForeignStep<P> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "ForeignStep({})", self.name)
+    }
+}
+
+#[async_trait]
+impl<P: ForeignPhase> ErasedForeign for ForeignStep<P> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        self.phase.retry_policy()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.phase.timeout()
+    }
+
+    async fn call(
+        &self,
+        key: &DerivedKey,
+        input: Carry,
+        context: &PhaseContext,
+    ) -> Result<Carry, PhaseError> {
+        let input = downcast::<P::Input>(input, self.name)?;
+        let output = self.phase.call(key, input, context).await?;
+        Ok(Box::new(output))
+    }
+
+    fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
+        encode::<P::Output>(carry)
+    }
+
+    fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
+        decode::<P::Output>(value)
+    }
+}
+
+/// What the runner knows of a failure when it gives up, before the request is decoded.
+#[derive(Debug)]
+pub(crate) struct GiveUp {
+    pub request: Value,
+    pub phase: &'static str,
+    pub recovery_point: String,
+    pub recovery_output: Option<Value>,
+    pub error: String,
+    pub attempts: u32,
+}
+
+#[async_trait]
+pub(crate) trait ErasedFailure: Send + Sync {
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        give_up: GiveUp,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError>;
+}
+
+impl std::fmt::Debug for dyn ErasedFailure {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("FailurePath")
+    }
+}
+
+struct FailureStep<F> {
+    failure: F,
+}
+
+#[async_trait]
+impl<F: FailurePhase> ErasedFailure for FailureStep<F> {
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        give_up: GiveUp,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let request = serde_json::from_value::<F::Request>(give_up.request).map_err(|error| {
+            PhaseError::terminal(format!("the stored request does not decode: {error}"))
+        })?;
+        let failure = Failure {
+            request,
+            phase: give_up.phase,
+            recovery_point: give_up.recovery_point,
+            recovery_output: give_up.recovery_output,
+            error: give_up.error,
+            attempts: give_up.attempts,
+        };
+        self.failure.run(connection, failure, context).await
+    }
+}
+
+/// A failure path, its request type erased.
+pub(crate) fn failure_step<F: FailurePhase>(failure: F) -> Box<dyn ErasedFailure> {
+    Box::new(FailureStep { failure })
+}

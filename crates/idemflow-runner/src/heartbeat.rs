@@ -1,0 +1,66 @@
+//! Keeping an owner's lease alive while its phase runs, and the grace a phase gets past its time
+//! limit.
+//!
+//! A lease must outlast the work done under it, or a resumer takes the key over while its owner
+//! still runs. Phases may run longer than a lease (a slow provider), so the owner renews every
+//! third of the lease; a renewal that finds the token changed means another owner has the key,
+//! and the work is dropped at once rather than allowed to commit or call out as a stale owner.
+
+use std::future::Future;
+use std::time::Duration;
+
+use idemflow_pg::{self as store, Owner, StoreError};
+use sqlx::PgPool;
+
+use crate::error::RunError;
+use crate::runner::Runner;
+
+impl Runner {
+    /// Runs `work`, renewing the owner's lease every third of it while `work` runs. If a renewal
+    /// finds the lease lost (fenced), `work` is dropped and `Fenced` returned: an owner that lost
+    /// its lease stops and commits nothing.
+    pub(crate) async fn with_heartbeat<T>(
+        &self,
+        enabled: bool,
+        owner: &Owner,
+        lease: Duration,
+        work: impl Future<Output = T>,
+    ) -> Result<T, RunError> {
+        if !enabled {
+            return Ok(work.await);
+        }
+        tokio::select! {
+            biased;
+            output = work => Ok(output),
+            lost = heartbeat(&self.pool, owner, lease) => Err(lost),
+        }
+    }
+}
+
+/// How far past its time limit a local phase may run before the runner stops it. The database
+/// cancels a statement at the limit itself (`statement_timeout`), a clean error the phase sees;
+/// the runner's own stop, a little later, covers a phase stuck outside the database.
+pub(crate) fn overrun_grace(limit: Duration) -> Duration {
+    (limit / 10).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// Renews the lease every third of it until a renewal is fenced; returns that.
+async fn heartbeat(pool: &PgPool, owner: &Owner, lease: Duration) -> RunError {
+    let interval = lease / 3;
+    loop {
+        tokio::time::sleep(interval).await;
+        let renewed = match pool.acquire().await {
+            Ok(mut connection) => store::renew_lease(&mut connection, owner, lease).await,
+            Err(error) => Err(StoreError::Database(error)),
+        };
+        match renewed {
+            Ok(()) => tracing::debug!("lease renewed"),
+            Err(StoreError::Fenced) => {
+                tracing::warn!("lease lost while a phase ran: stopping it");
+                return RunError::Fenced;
+            }
+            // The phase goes on; the next renewal tries again, and the fence still protects.
+            Err(error) => tracing::warn!(%error, "lease renewal failed"),
+        }
+    }
+}
