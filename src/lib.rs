@@ -31,3 +31,33 @@ pub use idemflow_runner::{PgConnection, PgPool, sqlx};
 /// The attribute the phase traits are implemented with (`#[idemflow::async_trait]`), re-exported
 /// so an application needs no async-trait dependency of its own.
 pub use async_trait::async_trait;
+
+/// The documents' code blocks, compiled (and, unless `no_run`, run) as this crate's doctests:
+/// `cargo test --doc -p idemflow`. A Rust block in a document that does not compile fails the
+/// test suite, so the documents cannot drift from the code. Every document is listed here
+/// (`tests/it/tidy.rs` checks that none is missing).
+#[cfg(doctest)]
+mod documents {
+    #[doc = include_str!("../README.md")]
+    mod readme {}
+    #[doc = include_str!("../docs/ARCHITECTURE.md")]
+    mod architecture {}
+    #[doc = include_str!("../docs/benchmarks.md")]
+    mod benchmarks {}
+    #[doc = include_str!("../docs/cli.md")]
+    mod cli {}
+    #[doc = include_str!("../docs/client.md")]
+    mod client {}
+    #[doc = include_str!("../docs/http.md")]
+    mod http {}
+    #[doc = include_str!("../docs/mock-provider.md")]
+    mod mock_provider {}
+    #[doc = include_str!("../docs/operations.md")]
+    mod operations {}
+    #[doc = include_str!("../docs/protocol.md")]
+    mod protocol {}
+    #[doc = include_str!("../docs/simulation.md")]
+    mod simulation {}
+    #[doc = include_str!("../docs/testing-your-workflows.md")]
+    mod testing_your_workflows {}
+}

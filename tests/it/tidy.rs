@@ -135,3 +135,225 @@ fn every_mutant_patch_still_applies() {
         );
     }
 }
+
+/// README.md and every `docs/*.md`, relative to the root.
+fn documents(root: &Path) -> Vec<String> {
+    let mut documents = vec!["README.md".to_owned()];
+    for entry in std::fs::read_dir(root.join("docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|extension| extension == "md") {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            documents.push(format!("docs/{name}"));
+        }
+    }
+    documents.sort();
+    documents
+}
+
+/// A fenced code block of a document.
+struct Block {
+    /// The line of its opening fence (1-based).
+    line: usize,
+    /// The info string after the opening fence: the language, then rustdoc's attributes.
+    info: String,
+    text: String,
+}
+
+impl Block {
+    /// The language: the info string's first word (rustdoc's attributes follow it after commas).
+    fn language(&self) -> &str {
+        self.info.split([',', ' ', '\t']).next().unwrap_or_default()
+    }
+
+    fn attributes(&self) -> impl Iterator<Item = &str> {
+        self.info
+            .split([',', ' ', '\t'])
+            .skip(1)
+            .filter(|attribute| !attribute.is_empty())
+    }
+}
+
+/// The fenced blocks (``` or ~~~, at any indentation) of a Markdown text.
+fn fenced_blocks(markdown: &str) -> Vec<Block> {
+    let mut blocks = Vec::new();
+    let mut open: Option<(String, Block)> = None;
+    for (number, line) in markdown.lines().enumerate() {
+        let trimmed = line.trim_start();
+        match &mut open {
+            None => {
+                for marker in ['`', '~'] {
+                    let fence_length = trimmed.chars().take_while(|&c| c == marker).count();
+                    if fence_length >= 3 {
+                        let block = Block {
+                            line: number + 1,
+                            info: trimmed[fence_length..].trim().to_owned(),
+                            text: String::new(),
+                        };
+                        open = Some((trimmed[..fence_length].to_owned(), block));
+                        break;
+                    }
+                }
+            }
+            Some((fence, block)) => {
+                let closing = trimmed.trim_end();
+                if closing.starts_with(fence.as_str())
+                    && closing.chars().all(|c| fence.starts_with(c))
+                {
+                    blocks.push(open.take().unwrap().1);
+                } else {
+                    block.text.push_str(line);
+                    block.text.push('\n');
+                }
+            }
+        }
+    }
+    assert!(open.is_none(), "a code fence is never closed");
+    blocks
+}
+
+/// The languages a document's code block may be tagged with. Rust blocks are doctests; every
+/// other language is one rustdoc leaves alone. An untagged block would be compiled as Rust.
+const LANGUAGES: &[&str] = &["rust", "sh", "text", "sql", "json", "toml", "http"];
+
+/// What a Rust block may add to `rust`: each still compiles. (No `ignore`: a block that does not
+/// compile is a block that drifts.)
+const RUST_ATTRIBUTES: &[&str] = &["no_run", "test_harness", "should_panic", "compile_fail"];
+
+#[test]
+fn every_code_block_in_the_documents_is_tagged_and_rust_ones_are_doctests() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doctests = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
+    let mut offences = Vec::new();
+    for document in documents(root) {
+        let markdown = std::fs::read_to_string(root.join(&document)).unwrap();
+        let blocks = fenced_blocks(&markdown);
+        for block in &blocks {
+            let language = block.language();
+            if !LANGUAGES.contains(&language) {
+                offences.push(format!(
+                    "{document}:{}: a code block tagged {:?}: tag it with one of {LANGUAGES:?}",
+                    block.line, block.info
+                ));
+            } else if language == "rust" {
+                for attribute in block.attributes() {
+                    if !RUST_ATTRIBUTES.contains(&attribute) && !attribute.starts_with("edition") {
+                        offences.push(format!(
+                            "{document}:{}: a Rust block marked {attribute:?}: it must compile (allowed: {RUST_ATTRIBUTES:?})",
+                            block.line
+                        ));
+                    }
+                }
+            }
+        }
+        let included = format!("#[doc = include_str!(\"../{document}\")]");
+        if blocks.iter().any(|block| block.language() == "rust") && !doctests.contains(&included) {
+            offences.push(format!(
+                "{document} has Rust blocks but is not a doctest: add `{included}` to src/lib.rs's `documents`"
+            ));
+        }
+    }
+    assert!(offences.is_empty(), "\n{}", offences.join("\n"));
+}
+
+/// The binaries of the workspace's crates, by the name `cargo run --bin` takes.
+fn binaries(root: &Path) -> Vec<String> {
+    let mut binaries = Vec::new();
+    for entry in std::fs::read_dir(root.join("crates")).unwrap() {
+        let crate_dir = entry.unwrap().path();
+        if let Ok(bins) = std::fs::read_dir(crate_dir.join("src/bin")) {
+            for bin in bins {
+                let path = bin.unwrap().path();
+                if path.extension().is_some_and(|extension| extension == "rs") {
+                    binaries.push(path.file_stem().unwrap().to_string_lossy().into_owned());
+                }
+            }
+        }
+        let manifest = std::fs::read_to_string(crate_dir.join("Cargo.toml")).unwrap();
+        let mut section = "";
+        for line in manifest.lines().map(str::trim) {
+            if line.starts_with('[') {
+                section = line;
+            } else if let Some(name) = line
+                .strip_prefix("name = \"")
+                .and_then(|rest| rest.strip_suffix('"'))
+            {
+                // A package's src/main.rs is a binary of the package's name unless a `[[bin]]`
+                // names it otherwise.
+                let package_main = section == "[package]"
+                    && crate_dir.join("src/main.rs").is_file()
+                    && !manifest.contains("[[bin]]");
+                if section == "[[bin]]" || package_main {
+                    binaries.push(name.to_owned());
+                }
+            }
+        }
+    }
+    binaries
+}
+
+/// Whether `path` (relative to the root, perhaps with `*` in its last component) names a file.
+fn exists(root: &Path, path: &str) -> bool {
+    let Some((directory, pattern)) = path.rsplit_once('/').filter(|_| path.contains('*')) else {
+        return root.join(path).exists();
+    };
+    let (prefix, suffix) = pattern.split_once('*').unwrap();
+    std::fs::read_dir(root.join(directory)).is_ok_and(|entries| {
+        entries.map(|entry| entry.unwrap().file_name()).any(|name| {
+            let name = name.to_string_lossy();
+            name.len() >= prefix.len() + suffix.len()
+                && name.starts_with(prefix)
+                && name.ends_with(suffix)
+        })
+    })
+}
+
+/// Shell blocks cannot compile; what they name must at least exist: every `scripts/…` path, and
+/// every example, binary, package and test target a `cargo` line runs.
+#[test]
+fn what_the_documents_shell_blocks_run_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let binaries = binaries(root);
+    let mut offences = Vec::new();
+    for document in documents(root) {
+        let markdown = std::fs::read_to_string(root.join(&document)).unwrap();
+        for block in fenced_blocks(&markdown) {
+            if block.language() != "sh" {
+                continue;
+            }
+            for (offset, line) in block.text.lines().enumerate() {
+                let at = format!("{document}:{}", block.line + 1 + offset);
+                let words: Vec<&str> = line.split_whitespace().collect();
+                for (index, word) in words.iter().enumerate() {
+                    if let Some(start) = word.find("scripts/") {
+                        let path = word[start..].trim_end_matches(|c: char| ",.:;)'\"".contains(c));
+                        if !exists(root, path) {
+                            offences.push(format!("{at}: {path} does not exist"));
+                        }
+                    }
+                    let Some(name) = words.get(index + 1) else {
+                        continue;
+                    };
+                    let found = match *word {
+                        "--example" => {
+                            root.join(format!("examples/{name}.rs")).is_file()
+                                || root.join(format!("examples/{name}/main.rs")).is_file()
+                        }
+                        "--bin" => binaries.iter().any(|binary| binary == name),
+                        "--test" => {
+                            root.join(format!("tests/{name}.rs")).is_file()
+                                || root.join(format!("tests/{name}/main.rs")).is_file()
+                        }
+                        "-p" | "--package" => {
+                            *name == "idemflow" || root.join("crates").join(name).is_dir()
+                        }
+                        _ => continue,
+                    };
+                    if !found {
+                        offences.push(format!("{at}: {word} {name}: no such target"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(offences.is_empty(), "\n{}", offences.join("\n"));
+}
