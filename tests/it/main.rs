@@ -14,6 +14,7 @@ mod explore_checkout;
 mod failures;
 mod fences;
 mod metrics;
+mod precision;
 mod protocol;
 mod resumer;
 mod retention;

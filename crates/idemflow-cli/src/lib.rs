@@ -18,7 +18,7 @@ mod render;
 use std::fmt;
 use std::time::Duration;
 
-use idemflow_core::{CanonicalError, Fingerprint, Key, TenantId, canonicalize};
+use idemflow_core::{CanonicalError, Fingerprint, Key, TenantId, canonicalize_exact};
 use idemflow_pg::{KeyReport, StoreError, TableStats};
 use idemflow_runner::RunError;
 use serde::Serialize;
@@ -380,7 +380,8 @@ pub fn fingerprint(format: Format, method: &str, path: &str, body: &[u8]) -> Out
 }
 
 fn fingerprint_answer(method: &str, path: &str, body: &[u8]) -> Result<Answer, CliError> {
-    let canonical = canonicalize(body).map_err(CliError::InvalidBody)?;
+    // As the engine reads a request: a number the canonical form would change is refused.
+    let canonical = canonicalize_exact(body).map_err(CliError::InvalidBody)?;
     let fingerprint = Fingerprint::of_canonical_json(method, path, &canonical);
     // canonicalize() accepts UTF-8 only and writes UTF-8.
     let canonical = String::from_utf8_lossy(&canonical);

@@ -24,6 +24,14 @@
 //!   beyond 2^53 therefore lose precision: `9007199254740993` canonicalizes to `9007199254740992`,
 //!   the same as its neighbour. Clients should send large identifiers (and exact decimal amounts)
 //!   as strings. A number so small that it rounds to zero (`1e-400`) is accepted and becomes `0`.
+//! - **A request's numbers are kept as written, or refused.** That rounding is right for a
+//!   fingerprint but wrong for what runs: an amount of `9007199254740993` would be charged as
+//!   `9007199254740992`. [`canonicalize_request`] and [`canonicalize_exact`], what the engine
+//!   applies to request bodies, refuse a number whose canonical spelling has another decimal value
+//!   than the one written ([`CanonicalError::NumberNotExact`]): an integer beyond 2⁵³ that is not
+//!   a double, a fraction with more digits than a double holds (`2500.00000000000001`), a
+//!   non-zero number that rounds to zero. Every number a double holds as written is kept
+//!   (`9007199254740992`, `1e2`, `0.1`, `2500.0`), and [`canonicalize`] itself stays RFC 8785.
 //! - **Strings** are written with only the escapes JCS mandates (`\"`, `\\`, `\b`, `\f`, `\n`, `\r`,
 //!   `\t`, and `\u00xx` in lowercase hex for the other control characters below U+0020); everything
 //!   else, including `/`, U+007F and all non-ASCII text, is written literally as UTF-8. No Unicode
@@ -54,6 +62,18 @@ pub enum CanonicalError {
     /// This number, as written, is beyond the range of a double (`1e400`).
     #[error("the number {0} is beyond the range of a double")]
     NumberOutOfRange(String),
+    /// This number of a request cannot be held by a double as written: it would become another
+    /// number (`9007199254740993` would become `9007199254740992`). Send it as a string.
+    #[error(
+        "the number {written} cannot be held exactly (it would become {becomes}): \
+         send numbers beyond 2^53, or with more than 15 significant digits, as strings"
+    )]
+    NumberNotExact {
+        /// The number as the request wrote it (abbreviated when long).
+        written: String,
+        /// The number it would have become.
+        becomes: String,
+    },
 }
 
 /// Returns the RFC 8785 canonical form of a JSON text.
@@ -61,7 +81,7 @@ pub enum CanonicalError {
 /// The input may have whitespace around the value; the output has none. See the
 /// [module documentation](self) for what is rejected and how numbers and strings are written.
 pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
-    let value = parse(json)?;
+    let value = parse(json, Numbers::Rounded)?;
     let mut out = Vec::with_capacity(json.len());
     write_value(&value, &mut out);
     Ok(out)
@@ -80,15 +100,37 @@ pub struct Canonical {
 /// [`canonicalize`], also handing over the parsed value, so a request is parsed once: the
 /// value equals `serde_json::from_slice(&canonical.bytes)` (numbers as `serde_json` reads their
 /// canonical spelling: an integral number that fits `u64` or `i64` is an integer, any other a
-/// double), so `1e2` decodes as the integer 100 the fingerprint says it is.
-pub fn canonicalize_parsed(json: &[u8]) -> Result<Canonical, CanonicalError> {
-    let value = parse(json)?;
+/// double), so `1e2` decodes as the integer 100 the fingerprint says it is. A number the canonical
+/// form would change is refused ([`CanonicalError::NumberNotExact`]): what the fingerprint
+/// covers and what the workflow decodes is the number the client wrote.
+pub fn canonicalize_request(json: &[u8]) -> Result<Canonical, CanonicalError> {
+    let value = parse(json, Numbers::AsWritten)?;
     let mut bytes = Vec::with_capacity(json.len());
     write_value(&value, &mut bytes);
     Ok(Canonical {
         bytes,
         value: into_json(value),
     })
+}
+
+/// [`canonicalize`] for a request body whose value is read elsewhere (a handler behind the HTTP
+/// layer reads the bytes itself): a number the canonical form would change is refused
+/// ([`CanonicalError::NumberNotExact`]), so two requests that differ in such a number never
+/// share a fingerprint.
+pub fn canonicalize_exact(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
+    let value = parse(json, Numbers::AsWritten)?;
+    let mut out = Vec::with_capacity(json.len());
+    write_value(&value, &mut out);
+    Ok(out)
+}
+
+/// What the parser does with a number a double cannot hold as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Numbers {
+    /// Rounds it to the nearest double, as RFC 8785 specifies.
+    Rounded,
+    /// Refuses it: a request's numbers are executed as written or not at all.
+    AsWritten,
 }
 
 fn into_json(value: Value) -> serde_json::Value {
@@ -134,12 +176,13 @@ fn json_number(number: f64) -> serde_json::Value {
     }
 }
 
-fn parse(json: &[u8]) -> Result<Value, CanonicalError> {
+fn parse(json: &[u8], numbers: Numbers) -> Result<Value, CanonicalError> {
     let text = std::str::from_utf8(json).map_err(|_| CanonicalError::InvalidUtf8)?;
     let mut parser = Parser {
         text,
         bytes: json,
         pos: 0,
+        numbers,
     };
     parser.skip_whitespace();
     let value = parser.parse_value(0)?;
@@ -169,6 +212,7 @@ struct Parser<'a> {
     /// Byte offset of the next unread byte. Only ever advanced past ASCII bytes or whole
     /// characters, so it always sits on a character boundary.
     pos: usize,
+    numbers: Numbers,
 }
 
 impl Parser<'_> {
@@ -408,11 +452,16 @@ impl Parser<'_> {
         let value: f64 = literal
             .parse()
             .map_err(|_| CanonicalError::Syntax(format!("invalid number at byte {start}")))?;
-        if value.is_finite() {
-            Ok(value)
-        } else {
-            Err(CanonicalError::NumberOutOfRange(abbreviate(literal)))
+        if !value.is_finite() {
+            return Err(CanonicalError::NumberOutOfRange(abbreviate(literal)));
         }
+        if self.numbers == Numbers::AsWritten && !held_as_written(literal, value) {
+            return Err(CanonicalError::NumberNotExact {
+                written: abbreviate(literal),
+                becomes: format_number(value),
+            });
+        }
+        Ok(value)
     }
 
     fn skip_digits(&mut self) {
@@ -429,6 +478,61 @@ impl Parser<'_> {
             Err(self.syntax(what))
         }
     }
+}
+
+/// Whether `value`, the double nearest to `literal` (a number in the JSON grammar), has the
+/// decimal value `literal` has, as its canonical spelling writes it: the same significant digits
+/// at the same power of ten. Then decoding the canonical form gives the number the client wrote.
+fn held_as_written(literal: &str, value: f64) -> bool {
+    let written = significant(literal);
+    if value == 0.0 {
+        // -0 and 0e7 are zero as written; 1e-400 is not.
+        return written.is_none();
+    }
+    let Some((digits, exponent)) = written else {
+        return false;
+    };
+    // Any decimal of at most 15 significant digits in the normal range comes back from its
+    // nearest double unchanged (DBL_DIG): the common case, decided without formatting.
+    if digits.len() <= 15 && value.abs() >= f64::MIN_POSITIVE {
+        return true;
+    }
+    let (held_digits, held_exponent) = shortest_digits(value.abs());
+    digits == held_digits && exponent == i64::from(held_exponent)
+}
+
+/// A number literal's significant digits (no leading or trailing zeros) and the power of ten of
+/// the first (scientific notation: `d.ddd × 10^exponent`); `None` for zero.
+fn significant(literal: &str) -> Option<(String, i64)> {
+    let unsigned = literal.strip_prefix('-').unwrap_or(literal);
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        // An exponent too long for an i64 makes the number 0 or infinite, both refused before
+        // or decided by `value == 0.0`; saturating keeps it far out of any double's range.
+        Some((mantissa, exponent)) => (
+            mantissa,
+            exponent
+                .parse::<i64>()
+                .unwrap_or(if exponent.starts_with('-') {
+                    i64::MIN / 2
+                } else {
+                    i64::MAX / 2
+                }),
+        ),
+        None => (unsigned, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all: String = whole.chars().chain(fraction.chars()).collect();
+    let leading = all.len() - all.trim_start_matches('0').len();
+    let digits = all.trim_matches('0');
+    if digits.is_empty() {
+        return None;
+    }
+    let whole_len = i64::try_from(whole.len()).unwrap_or(i64::MAX);
+    let leading = i64::try_from(leading).unwrap_or(i64::MAX);
+    Some((
+        digits.to_owned(),
+        exponent.saturating_add(whole_len - 1 - leading),
+    ))
 }
 
 /// Keeps error messages bounded when a client sends a number thousands of digits long.
@@ -710,6 +814,44 @@ mod tests {
             shown.len() < 100,
             "long literals are abbreviated in errors: {shown}"
         );
+    }
+
+    #[test]
+    fn a_request_s_numbers_are_kept_as_written_or_refused() {
+        let request = |json: &str| canonicalize_exact(json.as_bytes()).map(String::from_utf8);
+        for (written, canonical) in [
+            ("9007199254740992", "9007199254740992"),
+            ("-9007199254740992", "-9007199254740992"),
+            ("1e2", "100"),
+            ("2500.0", "2500"),
+            ("0.1", "0.1"),
+            ("-0", "0"),
+            ("0e999999999999999999999", "0"),
+            ("1.5e300", "1.5e+300"),
+            ("123456789012345", "123456789012345"),
+            ("5e-324", "5e-324"),
+        ] {
+            assert_eq!(request(written), Ok(Ok(canonical.to_owned())), "{written}");
+        }
+        for (written, becomes) in [
+            ("9007199254740993", "9007199254740992"),
+            ("-9007199254740993", "-9007199254740992"),
+            ("2500.00000000000001", "2500"),
+            ("12345678901234567", "12345678901234568"),
+            ("1e-400", "0"),
+            ("4.9e-324", "5e-324"),
+        ] {
+            assert_eq!(
+                request(written),
+                Err(CanonicalError::NumberNotExact {
+                    written: written.to_owned(),
+                    becomes: becomes.to_owned()
+                }),
+                "{written}"
+            );
+            // RFC 8785 itself rounds them, as it must.
+            assert_eq!(canon(written), Ok(becomes.to_owned()), "{written}");
+        }
     }
 
     #[test]

@@ -2,7 +2,7 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
-use crate::canonical::{CanonicalError, canonicalize};
+use crate::canonical::{CanonicalError, canonicalize_exact};
 
 /// SHA-256 over a request's method, path and canonical body: what makes two attempts "the same
 /// request". A retry with the same key and the same fingerprint gets the first result; the same key
@@ -18,14 +18,17 @@ const DOMAIN: &[u8] = b"idemflow.fingerprint.v1";
 impl Fingerprint {
     /// Canonicalizes a JSON body (RFC 8785) and fingerprints it with the method and path.
     ///
-    /// Fails, without side effects, on a body that is not valid I-JSON: invalid UTF-8, a syntax
-    /// error, a duplicate object key, or a number beyond the range of a double.
+    /// Fails, without side effects, on a body that is not valid I-JSON (invalid UTF-8, a syntax
+    /// error, a duplicate object key, a number beyond the range of a double) or that holds a
+    /// number a double cannot hold as written ([`CanonicalError::NumberNotExact`]): two requests
+    /// that differ only in such a number must not share a fingerprint.
     pub fn of_json(method: &str, path: &str, body: &[u8]) -> Result<Self, CanonicalError> {
-        let canonical = canonicalize(body)?;
+        let canonical = canonicalize_exact(body)?;
         Ok(Self::of_canonical_json(method, path, &canonical))
     }
 
-    /// Fingerprints a body already in canonical form (the output of [`canonicalize`]).
+    /// Fingerprints a body already in canonical form (the output of
+    /// [`canonicalize_exact`](crate::canonicalize_exact)).
     pub fn of_canonical_json(method: &str, path: &str, canonical: &[u8]) -> Self {
         Self::hash(b'J', &[method.as_bytes(), path.as_bytes(), canonical])
     }

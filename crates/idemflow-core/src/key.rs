@@ -1,6 +1,7 @@
 use std::fmt;
 
-/// A client's idempotency key, validated: 1 to 255 bytes of printable ASCII (space through `~`).
+/// A client's idempotency key, validated: 1 to 255 bytes of printable ASCII (space through `~`),
+/// not spaces alone.
 ///
 /// Printable ASCII is what an RFC 8941 sf-string can carry, so every key an HTTP client can send
 /// fits, and no key can smuggle control characters into logs or the derived keys sent downstream.
@@ -14,6 +15,10 @@ pub enum KeyError {
     /// The key is the empty string.
     #[error("the idempotency key is empty")]
     Empty,
+    /// The key is spaces alone: empty once trimmed, the mark of a client whose key was never
+    /// set, which would share it with every other such client.
+    #[error("the idempotency key is only spaces")]
+    Blank,
     /// The key is longer than [`Key::MAX_BYTES`].
     #[error("the idempotency key is {length} bytes long; at most {max} are allowed", max = Key::MAX_BYTES)]
     TooLong {
@@ -42,6 +47,9 @@ impl Key {
         }
         if let Some(position) = text.bytes().position(|byte| !(0x20..=0x7e).contains(&byte)) {
             return Err(KeyError::NotPrintable { position });
+        }
+        if text.bytes().all(|byte| byte == b' ') {
+            return Err(KeyError::Blank);
         }
         Ok(Self(text.to_owned()))
     }
@@ -101,6 +109,19 @@ mod tests {
         assert_eq!(
             Key::parse("a\u{7f}"),
             Err(KeyError::NotPrintable { position: 1 })
+        );
+    }
+
+    /// A key of spaces alone is almost always a client's bug (an unset variable padded, a
+    /// template left empty): every such client would share one key.
+    #[test]
+    fn rejects_keys_of_spaces_alone() {
+        assert_eq!(Key::parse(" "), Err(KeyError::Blank));
+        assert_eq!(Key::parse("   "), Err(KeyError::Blank));
+        // Spaces inside or around a key are kept as sent: " a " and "a" are two keys.
+        assert_eq!(
+            Key::parse(" a ").map(|key| key.to_string()),
+            Ok(" a ".to_owned())
         );
     }
 

@@ -18,7 +18,9 @@ mod phase_name;
 mod response;
 mod tenant;
 
-pub use canonical::{Canonical, CanonicalError, canonicalize, canonicalize_parsed};
+pub use canonical::{
+    Canonical, CanonicalError, canonicalize, canonicalize_exact, canonicalize_request,
+};
 pub use decide::{Decision, KeyState, StoredKey, decide};
 pub use derived_key::DerivedKey;
 pub use fingerprint::Fingerprint;

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use idemflow_core::{Fingerprint, canonicalize};
+use idemflow_core::{CanonicalError, Fingerprint, canonicalize};
 use proptest::prelude::*;
 
 /// A JSON value as generated: object keys are unique, numbers are finite.
@@ -359,9 +359,13 @@ fn whitespace_outside_strings(text: &str) -> bool {
     false
 }
 
+/// The fingerprint of a body's RFC 8785 form. (A request's fingerprint, `Fingerprint::of_json`,
+/// also refuses numbers a double cannot hold as written; the generated numbers here include
+/// such, and what these properties test is the canonical form.)
 fn fingerprint(body: &str) -> Fingerprint {
-    Fingerprint::of_json("POST", "/p", body.as_bytes())
-        .unwrap_or_else(|error| panic!("{body:?} should fingerprint: {error}"))
+    let canonical = canonicalize(body.as_bytes())
+        .unwrap_or_else(|error| panic!("{body:?} should canonicalize: {error}"));
+    Fingerprint::of_canonical_json("POST", "/p", &canonical)
 }
 
 proptest! {
@@ -423,11 +427,113 @@ proptest! {
         prop_assert!(!whitespace_outside_strings(text), "whitespace in {}", text);
         let parsed: serde_json::Value = serde_json::from_slice(&canonical).expect("canonical output is JSON");
         prop_assert!(same_as_model(&value, &parsed), "{:?} read back as {:?}", value, parsed);
-        // Parsed once: the value handed over is the canonical bytes read back.
-        let once = idemflow_core::canonicalize_parsed(spelling.as_bytes()).expect("canonicalizes");
-        prop_assert_eq!(&once.bytes, &canonical);
-        prop_assert_eq!(once.value, parsed);
+        // Parsed once: the value handed over is the canonical bytes read back, unless a number
+        // would change (then the request is refused).
+        match idemflow_core::canonicalize_request(spelling.as_bytes()) {
+            Ok(once) => {
+                prop_assert_eq!(&once.bytes, &canonical);
+                prop_assert_eq!(once.value, parsed);
+            }
+            Err(CanonicalError::NumberNotExact { .. }) => {}
+            Err(other) => prop_assert!(false, "{:?}: {}", spelling, other),
+        }
     }
+
+    /// A request is executed with the numbers it was sent with, or refused: the canonical
+    /// spelling of every accepted number has the decimal value of the literal (by decimal
+    /// arithmetic here, not through a double), and a refused one would have changed.
+    #[test]
+    fn a_request_s_numbers_are_kept_as_written_or_refused(literal in arb_number_literal()) {
+        let body = format!("{{\"amount\":{literal}}}");
+        let rounded = canonicalize(body.as_bytes()).expect("valid JSON");
+        let rounded = std::str::from_utf8(&rounded).expect("canonical output is UTF-8")
+            .trim_start_matches("{\"amount\":").trim_end_matches('}').to_owned();
+        let same = decimal(&literal) == decimal(&rounded);
+        match idemflow_core::canonicalize_request(body.as_bytes()) {
+            Ok(request) => {
+                prop_assert!(same, "{} was accepted as {}", literal, rounded);
+                let fingerprint = Fingerprint::of_json("POST", "/p", body.as_bytes());
+                prop_assert_eq!(
+                    fingerprint,
+                    Ok(Fingerprint::of_canonical_json("POST", "/p", &request.bytes))
+                );
+            }
+            Err(CanonicalError::NumberNotExact { written, becomes }) => {
+                prop_assert!(!same, "{} was refused, though it is {}", literal, rounded);
+                prop_assert_eq!(becomes, rounded);
+                prop_assert_eq!(written, literal);
+            }
+            Err(other) => prop_assert!(false, "{}: {}", literal, other),
+        }
+    }
+}
+
+/// Number literals in the JSON grammar, biased to where doubles run out of digits: integers
+/// around 2^53 and 2^63, long fractions, exponents, zeros.
+fn arb_number_literal() -> impl Strategy<Value = String> {
+    let digits = |range: std::ops::RangeInclusive<usize>| {
+        proptest::collection::vec(0u8..10, range).prop_map(|digits| {
+            digits
+                .into_iter()
+                .map(|d| char::from(b'0' + d))
+                .collect::<String>()
+        })
+    };
+    (
+        any::<bool>(),
+        prop_oneof![
+            Just("9007199254740992".to_owned()),
+            Just("9007199254740993".to_owned()),
+            Just("0".to_owned()),
+            (1u8..10, digits(0..=25)).prop_map(|(first, rest)| format!("{first}{rest}")),
+            (9007199254740000u64..9007199254742000).prop_map(|n| n.to_string()),
+        ],
+        proptest::option::of(digits(1..=22)),
+        proptest::option::of(-30i32..30),
+    )
+        .prop_map(|(negative, whole, fraction, exponent)| {
+            let mut literal = String::new();
+            if negative {
+                literal.push('-');
+            }
+            literal.push_str(&whole);
+            if let Some(fraction) = fraction {
+                literal.push('.');
+                literal.push_str(&fraction);
+            }
+            if let Some(exponent) = exponent {
+                literal.push_str(&format!("e{exponent}"));
+            }
+            literal
+        })
+}
+
+/// A number literal's exact decimal value, normalized: sign, significant digits, and the power
+/// of ten of the last digit; zero is `(false, "", 0)` whatever its sign.
+fn decimal(literal: &str) -> (bool, String, i64) {
+    let (negative, unsigned) = match literal.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, literal),
+    };
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        Some((mantissa, exponent)) => (
+            mantissa,
+            exponent.trim_start_matches('+').parse::<i64>().expect("a generated exponent"),
+        ),
+        None => (unsigned, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let mut digits = format!("{whole}{fraction}");
+    let mut last_power = exponent - fraction.len() as i64;
+    while digits.ends_with('0') {
+        digits.pop();
+        last_power += 1;
+    }
+    let digits = digits.trim_start_matches('0').to_owned();
+    if digits.is_empty() {
+        return (false, String::new(), 0);
+    }
+    (negative, digits, last_power)
 }
 
 /// Numbers at the edges of `serde_json`'s integer types read back as `serde_json` reads them.
@@ -449,8 +555,20 @@ fn parsed_once_numbers_match_serde_json_at_the_integer_edges() {
         "0.5",
         "-2.5e-7",
     ] {
-        let once = idemflow_core::canonicalize_parsed(text.as_bytes()).expect("canonicalizes");
-        let read_back: serde_json::Value = serde_json::from_slice(&once.bytes).expect("JSON");
-        assert_eq!(once.value, read_back, "{text}");
+        // Through the rounding form: every one of these is read back as serde_json reads it.
+        let rounded = idemflow_core::canonicalize(text.as_bytes()).expect("canonicalizes");
+        match idemflow_core::canonicalize_request(text.as_bytes()) {
+            Ok(once) => {
+                assert_eq!(once.bytes, rounded, "{text}");
+                let read_back: serde_json::Value =
+                    serde_json::from_slice(&once.bytes).expect("JSON");
+                assert_eq!(once.value, read_back, "{text}");
+            }
+            // Beyond a double's digits: refused, and it would indeed have changed.
+            Err(CanonicalError::NumberNotExact { .. }) => {
+                assert_ne!(rounded, text.as_bytes(), "{text} refused but unchanged");
+            }
+            Err(other) => panic!("{text}: {other}"),
+        }
     }
 }

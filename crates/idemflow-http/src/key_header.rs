@@ -150,5 +150,12 @@ mod tests {
             parse(&[&"k".repeat(256)]),
             Err(KeyHeaderError::Malformed(_))
         ));
+        // Spaces alone, quoted: a key every unset client would share.
+        for blank in [r#"" ""#, r#""   ""#] {
+            assert!(
+                matches!(parse(&[blank]), Err(KeyHeaderError::Malformed(_))),
+                "{blank:?}"
+            );
+        }
     }
 }

@@ -2,7 +2,7 @@
 
 use axum::http::header;
 use axum::http::request::Parts;
-use idemflow_core::{CanonicalError, Fingerprint, canonicalize};
+use idemflow_core::{CanonicalError, Fingerprint, canonicalize_exact};
 
 use crate::multipart;
 
@@ -22,7 +22,8 @@ pub(crate) fn fingerprint(
         .unwrap_or("");
     let essence = media_type(content_type);
     if is_json(&essence) {
-        let canonical = canonicalize(body)?;
+        // Exact: the handler reads the bytes itself, so numbers must mean what they say.
+        let canonical = canonicalize_exact(body)?;
         return Ok(Fingerprint::of_typed_json(
             method, target, &essence, &canonical,
         ));

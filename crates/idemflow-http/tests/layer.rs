@@ -806,3 +806,44 @@ async fn a_body_that_cannot_be_read_is_a_400_not_a_413(pool: PgPool) {
     assert_eq!(problem["code"], "body_unreadable");
     assert_eq!(key_row(&pool, "broken").await, None);
 }
+
+/// The handler reads the body's bytes itself (exactly), while the fingerprint reads numbers as
+/// RFC 8785 doubles: 9007199254740993 and 9007199254740992 were once the same request, so the
+/// second amount under the key was answered with the first one's response. A number a double
+/// cannot hold as written is refused before anything is stored.
+#[sqlx::test]
+async fn a_number_a_double_cannot_hold_is_refused_not_confused_with_its_neighbour(pool: PgPool) {
+    setup(&pool).await;
+    async fn pay(pool: axum::extract::State<PgPool>, body: Bytes) -> impl IntoResponse {
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        sqlx::query("INSERT INTO effects (note) VALUES ($1)")
+            .bind(&text)
+            .execute(&pool.0)
+            .await
+            .unwrap();
+        (StatusCode::CREATED, text)
+    }
+    let router = Router::new()
+        .route("/v1/payments", post(pay))
+        .route_layer(layer(&pool))
+        .with_state(pool.clone());
+    let address = serve(router).await;
+    let send = |amount: &'static str| {
+        post_to(address, "/v1/payments", "pay-1")
+            .header("content-type", "application/json")
+            .body(format!(r#"{{"amount": {amount}}}"#))
+            .send()
+    };
+
+    let refused = send("9007199254740993").await.unwrap();
+    assert_eq!(refused.status(), 400);
+    assert_eq!(refused.headers()["content-type"], "application/problem+json");
+    assert_eq!(key_row(&pool, "pay-1").await, None, "nothing stored");
+    assert_eq!(effects(&pool).await, 0, "the handler never ran");
+
+    let neighbour = send("9007199254740992").await.unwrap();
+    assert_eq!(neighbour.status(), 201);
+    assert!(neighbour.headers().get("idempotent-replayed").is_none());
+    assert_eq!(neighbour.text().await.unwrap(), r#"{"amount": 9007199254740992}"#);
+    assert_eq!(effects(&pool).await, 1);
+}

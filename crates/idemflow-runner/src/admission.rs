@@ -2,7 +2,7 @@
 //! (one parse), a value jsonb can store, and, only for a key about to be claimed, the workflow's
 //! typed decode and its `validate`. A request refused here stores nothing.
 
-use idemflow_core::{Fingerprint, Key, canonicalize_parsed};
+use idemflow_core::{Fingerprint, Key, canonicalize_request};
 use serde_json::Value;
 
 use crate::erased::Carry;
@@ -22,7 +22,7 @@ pub(crate) struct Accepted {
 pub(crate) fn canonical_request(request: Request<'_>) -> Result<(Fingerprint, Value), Rejection> {
     // Parsed once: the value is the canonical form read back, so `1e2` is the integer 100 the
     // fingerprint says it is.
-    let canonical = canonicalize_parsed(request.body)?;
+    let canonical = canonicalize_request(request.body)?;
     let fingerprint =
         Fingerprint::of_canonical_json(request.method, request.path, &canonical.bytes);
     Ok((fingerprint, canonical.value))

@@ -45,7 +45,7 @@ pub enum Rejection {
     #[error("invalid idempotency key: {0}")]
     InvalidKey(#[from] KeyError),
     /// The body is not JSON that canonicalizes (RFC 8785): invalid UTF-8, a syntax error, a
-    /// duplicate member, a number beyond a double (400).
+    /// duplicate member, a number beyond a double or one a double cannot hold as written (400).
     #[error("invalid JSON body: {0}")]
     InvalidBody(#[from] CanonicalError),
     /// The body is JSON but not the workflow's request: it does not decode into the request type,
