@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use idemflow_core::{Decision, KeyState, StoredKey, StoredResponse, TenantId, decide};
-use idemflow_pg::{self as store, ClaimRequest, Claimed, FoundKey, LookUp};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, FoundKey, LookUp, StoreError};
 use sqlx::Postgres;
 use sqlx::pool::PoolConnection;
 
@@ -56,11 +56,14 @@ impl Runner {
         let mut decoded: Option<Carry> = None;
         let mut kept: Option<Connection> = None;
         for _ in 0..CLAIM_ROUNDS {
-            let mut connection = match kept.take() {
-                Some(connection) => connection,
-                None => self.pool.acquire().await?,
+            let (connection, looked) = match kept.take() {
+                Some(mut connection) => {
+                    let looked = store::look_up(&mut connection, tenant, &accepted.key).await?;
+                    (connection, looked)
+                }
+                None => self.look_up_fresh(tenant, &accepted).await?,
             };
-            let row = match store::look_up(&mut connection, tenant, &accepted.key).await? {
+            let row = match looked {
                 LookUp::Found(row) => row,
                 LookUp::Claiming => {
                     // Another request holds this key's uncommitted claim: it is in flight.
@@ -106,6 +109,52 @@ impl Runner {
         }
         // The key kept changing hands under us: tell the client to come back shortly.
         Ok(being_claimed())
+    }
+}
+
+impl Runner {
+    /// The look-up, on a connection from the pool. A pooled connection the database dropped
+    /// while it sat idle (a restart, a pooler recycling it, a killed backend) fails its first
+    /// statement, and the pool only learns of it then: such a connection is discarded and the
+    /// look-up sent on another, as many times as the pool has connections and once more, so the
+    /// request is served by the first live one. Only this first statement is sent again: the
+    /// look-up changes nothing (it draws a fencing token at most, and tokens are never reused).
+    /// A failure of any later statement keeps its answer.
+    async fn look_up_fresh(
+        &self,
+        tenant: &TenantId,
+        accepted: &Accepted,
+    ) -> Result<(Connection, LookUp), RunError> {
+        let mut tries = self.pool.size() as usize + 1;
+        loop {
+            let mut connection = self.pool.acquire().await?;
+            match store::look_up(&mut connection, tenant, &accepted.key).await {
+                Ok(looked) => return Ok((connection, looked)),
+                Err(StoreError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
+                    tries -= 1;
+                    tracing::info!(%error, "a pooled connection was lost; looking up on another");
+                    // Closed rather than handed back: the pool would ping it, fail, and close it
+                    // anyway.
+                    connection.close_on_drop();
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+}
+
+/// Whether the connection died under the statement (the socket closed, or the server said it is
+/// terminating the session) rather than the statement failing on a live one.
+fn is_connection_lost(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(database) => matches!(
+            database.code().as_deref(),
+            // admin_shutdown (pg_terminate_backend, a fast shutdown), crash_shutdown, and the
+            // connection_exception class.
+            Some("57P01" | "57P02" | "08000" | "08003" | "08006")
+        ),
+        _ => false,
     }
 }
 

@@ -35,6 +35,7 @@
 #![deny(missing_docs)]
 
 pub mod explorer;
+pub mod faults;
 pub mod provider;
 pub mod provider_client;
 pub mod simulation;

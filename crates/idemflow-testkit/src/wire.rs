@@ -81,6 +81,32 @@ pub async fn start_proxy(upstream: std::net::SocketAddr) -> (u16, Arc<WireCounts
     (port, counts)
 }
 
+/// Counts one client message of type `kind`; `since_sync` is the number of messages since the
+/// last `Sync` on this connection.
+pub(crate) fn count_message(counts: &WireCounts, kind: u8, body: &[u8], since_sync: &mut u32) {
+    match kind {
+        b'Q' => {
+            counts.round_trips.fetch_add(1, Ordering::SeqCst);
+            if body.to_ascii_uppercase().starts_with(b"COMMIT") {
+                counts.commits.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        b'S' => {
+            if *since_sync == 0 {
+                counts.pings.fetch_add(1, Ordering::SeqCst);
+            } else {
+                counts.round_trips.fetch_add(1, Ordering::SeqCst);
+            }
+            *since_sync = 0;
+        }
+        b'E' => {
+            counts.executes.fetch_add(1, Ordering::SeqCst);
+            *since_sync += 1;
+        }
+        _ => *since_sync += 1,
+    }
+}
+
 async fn relay(
     client: TcpStream,
     server: TcpStream,
@@ -112,27 +138,7 @@ async fn relay(
             let length = client_read.read_i32().await?;
             let mut body = vec![0; usize::try_from(length - 4).unwrap_or(0)];
             client_read.read_exact(&mut body).await?;
-            match kind {
-                b'Q' => {
-                    counts.round_trips.fetch_add(1, Ordering::SeqCst);
-                    if body.to_ascii_uppercase().starts_with(b"COMMIT") {
-                        counts.commits.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
-                b'S' => {
-                    if since_sync == 0 {
-                        counts.pings.fetch_add(1, Ordering::SeqCst);
-                    } else {
-                        counts.round_trips.fetch_add(1, Ordering::SeqCst);
-                    }
-                    since_sync = 0;
-                }
-                b'E' => {
-                    counts.executes.fetch_add(1, Ordering::SeqCst);
-                    since_sync += 1;
-                }
-                _ => since_sync += 1,
-            }
+            count_message(&counts, kind, &body, &mut since_sync);
             server_write.write_u8(kind).await?;
             server_write.write_i32(length).await?;
             server_write.write_all(&body).await?;

@@ -1,0 +1,46 @@
+-- idemflow's least-privilege grants: everything the runtime role (the DATABASE_URL of the
+-- services and workers) may do with the engine's objects, and nothing more.
+-- docs/operations.md, "Least privilege", explains each line; tests/it/roles.rs runs this very
+-- file (with the psql variable replaced by a role name), so the two cannot drift apart.
+--
+-- Run it as the owner role (the role `idemflow migrate` runs as, owner of the database and so of
+-- its `public` schema) after every `idemflow migrate`. Running it again changes nothing:
+--
+--   psql "$OWNER_DATABASE_URL" -v ON_ERROR_STOP=1 -v runtime_role=idemflow_runtime \
+--        -f scripts/sql/grants.sql
+--
+-- :"runtime_role" is psql's interpolation of that variable as a quoted identifier.
+
+BEGIN;
+
+-- Only the owner creates objects in the schema. PostgreSQL 15 and later no longer let every
+-- role create in `public`; a database created by an older version (or restored from one) still
+-- does. USAGE is what names in the schema need to resolve.
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+GRANT USAGE ON SCHEMA public TO :"runtime_role";
+
+-- The keys table. SELECT: the look-up, the reports, and every WHERE clause of the writes.
+-- INSERT: the claim (also through its prepared statement, idemflow_claim_v2). UPDATE: the fenced
+-- writes (advance, finish, renew, postpone), the takeovers, end-lease, and the row locks of
+-- `FOR UPDATE SKIP LOCKED` (the resumer's scan, retention). DELETE: retention and the forget
+-- policy. Revoked first, so a re-run also takes back anything granted by hand since
+-- (TRUNCATE, REFERENCES, TRIGGER).
+REVOKE ALL ON TABLE idempotency_keys FROM :"runtime_role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE idempotency_keys TO :"runtime_role";
+
+-- The fencing tokens: nextval() in the look-up (a new key's token) and in both takeovers. USAGE
+-- allows nextval and currval, not setval: the runtime role cannot move the sequence back and
+-- make a token repeat.
+REVOKE ALL ON SEQUENCE idempotency_keys_fence FROM :"runtime_role";
+GRANT USAGE ON SEQUENCE idempotency_keys_fence TO :"runtime_role";
+
+-- The migrations' history is the owner's alone: a runtime role cannot make the migrator skip or
+-- re-run a migration.
+REVOKE ALL ON TABLE _sqlx_migrations FROM :"runtime_role";
+
+-- Nothing else: the migrations create no function (the engine calls only built-ins that every
+-- role may execute: pg_advisory_xact_lock, pg_try_advisory_xact_lock(_shared), pg_notify),
+-- LISTEN/NOTIFY and SET LOCAL of statement_timeout and idle_in_transaction_session_timeout need
+-- no grant, and advisory locks none either.
+
+COMMIT;
