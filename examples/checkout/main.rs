@@ -182,7 +182,7 @@ async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
         .merge(worker::routes(pool.clone(), metrics));
     let stop = Stop::on_signal();
     let server = tokio::spawn(
-        axum::serve(listener, app)
+        idemflow_http::serve(listener, app, idemflow_http::ServeLimits::default())
             .with_graceful_shutdown(stop.stopped())
             .into_future(),
     );
@@ -288,7 +288,7 @@ async fn serve(args: ServeArgs) -> Result<ExitCode, Failure> {
             ""
         }
     );
-    axum::serve(listener, app)
+    idemflow_http::serve(listener, app, idemflow_http::ServeLimits::default())
         .with_graceful_shutdown(idemflow::shutdown_signal())
         .await?;
     if let Some(mock) = mock {

@@ -53,7 +53,14 @@ pub async fn run(
     let listener = crate::bind(bind, "--metrics-bind").await?;
     let address = listener.local_addr()?;
     println!("worker: metrics on http://{address}/metrics, health on http://{address}/healthz");
-    let server = tokio::spawn(axum::serve(listener, routes(pool.clone(), metrics)).into_future());
+    let server = tokio::spawn(
+        idemflow_http::serve(
+            listener,
+            routes(pool.clone(), metrics),
+            idemflow_http::ServeLimits::default(),
+        )
+        .into_future(),
+    );
     let resumer = resumer(pool, checkout)?;
     println!("worker: resuming abandoned checkouts; Ctrl-C or SIGTERM stops it gracefully");
     resumer.run(shutdown).await;

@@ -23,4 +23,5 @@ mod retention;
 mod roles;
 mod round_trips;
 mod simulate;
+mod slow_clients;
 mod tidy;

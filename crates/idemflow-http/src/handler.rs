@@ -213,6 +213,13 @@ impl<S> Handler<S> {
                     "reading the handler's response: {error}"
                 )));
             }
+            Err(BodyError::TimedOut(timeout)) => {
+                // A response streaming a request body (served with a deadline) that stalled.
+                return Err(PhaseError::retryable(format!(
+                    "reading the handler's response: a request body it streams did not arrive within {} ms",
+                    timeout.as_millis()
+                )));
+            }
         };
         let mut headers = parts.headers;
         for name in HOP_BY_HOP.iter().chain(TRANSFER.iter()) {

@@ -36,7 +36,7 @@ use crate::tenant::TenantResolver;
 /// ```no_run
 /// use axum::Router;
 /// use axum::routing::post;
-/// use idemflow_http::{BearerTenant, IdempotencyLayer};
+/// use idemflow_http::{BearerTenant, IdempotencyLayer, ServeLimits};
 /// use idemflow_runner::Runner;
 ///
 /// async fn refund() -> &'static str {
@@ -49,7 +49,7 @@ use crate::tenant::TenantResolver;
 ///     .route("/v1/orders/{id}/refunds", post(refund))
 ///     .route_layer(IdempotencyLayer::new(runner, "orders-api.v1", BearerTenant)?);
 /// let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
-/// axum::serve(listener, app).await?;
+/// idemflow_http::serve(listener, app, ServeLimits::default()).await?; // slow clients cut off
 /// # Ok(())
 /// # }
 /// ```

@@ -10,6 +10,9 @@
 //! progress → 409 with `Retry-After`; finished → the stored status, headers and body with
 //! `Idempotent-Replayed: true`; body too large → 413; a JSON route given another content type →
 //! 415. Nothing is stored for a request refused before execution. See docs/http.md.
+//!
+//! [`serve`] serves a router with limits on slow and oversized clients (header and body read
+//! timeouts, header size and count), which `axum::serve` does not set.
 
 #![deny(missing_docs)]
 
@@ -25,6 +28,7 @@ mod problem;
 mod recorded;
 mod request_fingerprint;
 mod route;
+mod serve;
 mod tenant;
 
 pub use config::{HttpConfig, Redaction, StatusRules};
@@ -34,4 +38,5 @@ pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyService, L
 pub use problem::{Problem, REPLAYED_HEADER, RunResponse, respond, stored_response};
 pub use recorded::RecordedRequest;
 pub use route::WorkflowService;
+pub use serve::{Serve, ServeLimits, serve};
 pub use tenant::{BearerTenant, TenantResolver};

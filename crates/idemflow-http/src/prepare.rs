@@ -11,7 +11,7 @@ use crate::body::{BodyError, read_limited};
 use crate::config::HttpConfig;
 use crate::extract::key_problem;
 use crate::key_header::{KeyHeaderError, idempotency_key};
-use crate::problem::Problem;
+use crate::problem::{Problem, body_timeout};
 use crate::request_fingerprint;
 use crate::tenant::TenantResolver;
 
@@ -71,6 +71,8 @@ pub(crate) async fn prepare(
     let body = match read_limited(body, config.max_body_bytes).await {
         Ok(body) => body,
         Err(BodyError::TooLarge) => return Err(too_large()),
+        // Before the claim: a client that stalls holds no key, and may send it all again.
+        Err(BodyError::TimedOut(timeout)) => return Err(Refusal::Answer(body_timeout(timeout))),
         Err(BodyError::Unreadable(error)) => {
             return Err(Refusal::Answer(Problem::new(
                 StatusCode::BAD_REQUEST,

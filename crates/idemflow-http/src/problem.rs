@@ -55,6 +55,18 @@ impl Problem {
     }
 }
 
+/// The 408 for a request body that did not arrive within `timeout` (see [`crate::ServeLimits`]).
+pub(crate) fn body_timeout(timeout: Duration) -> Problem {
+    Problem::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "body_timeout",
+        format!(
+            "the request body did not arrive within {} ms; send the request again",
+            timeout.as_millis()
+        ),
+    )
+}
+
 /// A problem as the layer stores it (a handler whose response cannot be stored, say): the same
 /// document it answers, `code` included.
 pub(crate) fn stored_problem(
