@@ -408,6 +408,7 @@ async fn a_terminal_error_after_a_client_takeover_forgets_the_key_by_policy(pool
     scripts.place.then(&[Act::Retryable, Act::Terminal]);
     let config = RunnerConfig {
         terminal_errors: TerminalPolicy::Forget,
+        ..RunnerConfig::default()
     };
     let (runner, workflow) = (Runner::with_config(pool.clone(), config), scripts.chain(8));
     let first = run(&runner, &workflow, &tenant(1), "k", &order(7)).await;

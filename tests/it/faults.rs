@@ -169,3 +169,109 @@ async fn a_cut_under_load_loses_nothing_and_doubles_nothing(
         "one derived key per request"
     );
 }
+
+/// A database that stops answering (every byte swallowed, no reset: a network partition, a host
+/// gone) used to hold each request until the operating system gave up on its socket. Every wait
+/// for the database is bounded by the runner's database timeout: requests end within it, and
+/// once the database answers again they are served at once and what was cut is finished.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_database_that_stops_answering_fails_requests_within_a_bound(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, proxy) = pool_through(options, connect, 4).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    *harness.provider.delay.lock().unwrap() = Some(Duration::from_millis(300));
+    *harness.provider.timeout.lock().unwrap() = Some(Duration::from_secs(1));
+    let wait = Duration::from_millis(400);
+    let config = idemflow::RunnerConfig {
+        database_timeout: wait,
+        ..idemflow::RunnerConfig::default()
+    };
+    let runner = Runner::with_config(pool.clone(), config);
+    let checkout = std::sync::Arc::new(harness.checkout_leased(Duration::from_secs(3)));
+    // The bound a request may take once the database is gone: its current wait, and the failure
+    // record's (a few statements) when the lost statement was a phase's.
+    let bound = 6 * wait + Duration::from_millis(500);
+
+    // One request is calling the provider when the database goes quiet: its record after the
+    // call gets no answer.
+    let in_call = {
+        let (runner, checkout) = (runner.clone(), checkout.clone());
+        tokio::spawn(async move {
+            let key = idemflow::Key::parse("in-call").unwrap();
+            let started = Instant::now();
+            let body = body(5);
+            let outcome = runner
+                .run(&checkout, &tenant(1), &key, request(&body))
+                .await;
+            (outcome, started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.blackhole(true);
+
+    // New requests while the database is quiet, more than the pool has connections.
+    let mut quiet = tokio::task::JoinSet::new();
+    for index in 0..6 {
+        let (runner, checkout) = (runner.clone(), checkout.clone());
+        quiet.spawn(async move {
+            let key = idemflow::Key::parse(&format!("quiet-{index}")).unwrap();
+            let body = body(10 + index);
+            let started = Instant::now();
+            let outcome = runner
+                .run(&checkout, &tenant(1), &key, request(&body))
+                .await;
+            (outcome, started.elapsed())
+        });
+    }
+    while let Some(joined) = quiet.join_next().await {
+        let (outcome, took) = joined.unwrap();
+        assert!(
+            matches!(outcome, Err(idemflow::RunError::DatabaseTimeout(_))),
+            "{outcome:?}"
+        );
+        assert!(
+            took <= bound,
+            "a request waited {took:?} for a quiet database"
+        );
+    }
+    let (outcome, took) = in_call.await.unwrap();
+    assert!(outcome.is_err(), "{outcome:?}");
+    assert!(
+        took <= bound + Duration::from_millis(300),
+        "the request in its call took {took:?}"
+    );
+
+    // The database answers again: requests are served within a bound.
+    proxy.heal();
+    let healed = Instant::now();
+    let served = run(&runner, &checkout, &tenant(1), "after-the-quiet", &body(99)).await;
+    executed(&served);
+    assert!(
+        healed.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        healed.elapsed()
+    );
+
+    // The request cut in its call is finished from its recovery point, charged once.
+    expire_all_leases(&pool).await;
+    let mut registry = idemflow::Registry::new();
+    registry
+        .register(harness.checkout_leased(Duration::from_secs(3)))
+        .unwrap();
+    idemflow::Resumer::new(runner.clone(), registry)
+        .drain()
+        .await
+        .unwrap();
+    let unfinished = count(
+        &pool,
+        "SELECT count(*) FROM idempotency_keys WHERE state <> 'done'",
+    )
+    .await;
+    assert_eq!(unfinished, 0);
+    let keys = count(&pool, "SELECT count(*) FROM idempotency_keys").await;
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, keys);
+    assert_eq!(harness.provider.charge_count() as i64, keys);
+}

@@ -646,6 +646,7 @@ async fn a_terminal_error_can_forget_the_key_instead(pool: PgPool) {
     harness.finish.fail_terminally.store(true, Ordering::SeqCst);
     let config = RunnerConfig {
         terminal_errors: TerminalPolicy::Forget,
+        ..RunnerConfig::default()
     };
     let (runner, workflow) = (
         Runner::with_config(pool.clone(), config),

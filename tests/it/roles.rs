@@ -822,6 +822,7 @@ async fn requests_resumers_and_retention_run_as_the_runtime_role(
             runtime.clone(),
             RunnerConfig {
                 terminal_errors: TerminalPolicy::Forget,
+                ..RunnerConfig::default()
             },
         );
         let declined = payment_body(500, "tok_declined");

@@ -15,6 +15,7 @@ use sqlx::Postgres;
 use sqlx::pool::PoolConnection;
 
 use crate::admission::{Accepted, decode_and_validate};
+use crate::deadline::Within;
 use crate::drive::{Hold, Start, Tx};
 use crate::erased::Carry;
 use crate::error::RunError;
@@ -58,7 +59,9 @@ impl Runner {
         for _ in 0..CLAIM_ROUNDS {
             let (connection, looked) = match kept.take() {
                 Some(mut connection) => {
-                    let looked = store::look_up(&mut connection, tenant, &accepted.key).await?;
+                    let looked = store::look_up(&mut connection, tenant, &accepted.key)
+                        .within(self.config.database_timeout)
+                        .await??;
                     (connection, looked)
                 }
                 None => self.look_up_fresh(tenant, &accepted).await?,
@@ -82,8 +85,11 @@ impl Runner {
                             }
                         },
                     };
-                    let claim = claim(connection, workflow, tenant, accepted, lock_version, input);
-                    match claim.await? {
+                    let claim = claim(connection, workflow, tenant, accepted, lock_version, input)
+                        // The claim may wait behind a concurrent claim of this key, for as long
+                        // as that one's local phases may run (the server ends it there).
+                        .within(self.config.database_timeout + longest_local(workflow));
+                    match claim.await?? {
                         Claim::Owned(start) => return self.drive(workflow, *start).await,
                         Claim::Lost {
                             connection,
@@ -101,7 +107,8 @@ impl Runner {
                 drop(connection);
                 return answer(workflow, decision, row.response);
             }
-            match take_over(connection, workflow, tenant, &accepted, row.lock_version).await? {
+            let wait = self.config.database_timeout;
+            match take_over(connection, workflow, tenant, &accepted, row.lock_version, wait).await? {
                 Some(start) => return self.drive(workflow, start).await,
                 // Someone else took it over, finished it, or is taking it over right now.
                 None => continue,
@@ -125,10 +132,15 @@ impl Runner {
         tenant: &TenantId,
         accepted: &Accepted,
     ) -> Result<(Connection, LookUp), RunError> {
+        let wait = self.config.database_timeout;
         let mut tries = self.pool.size() as usize + 1;
         loop {
-            let mut connection = self.pool.acquire().await?;
-            match store::look_up(&mut connection, tenant, &accepted.key).await {
+            let mut connection = self.pool.acquire().within(wait).await??;
+            let looked = store::look_up(&mut connection, tenant, &accepted.key)
+                .within(wait)
+                .await
+                .inspect_err(|_| connection.close_on_drop())?;
+            match looked {
                 Ok(looked) => return Ok((connection, looked)),
                 Err(StoreError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
                     tries -= 1;
@@ -205,11 +217,16 @@ async fn take_over(
     tenant: &TenantId,
     accepted: &Accepted,
     seen: i64,
+    wait: Duration,
 ) -> Result<Option<Start>, RunError> {
-    let mut tx = Tx::begin_limited(connection, workflow.limits()).await?;
-    let taken = store::take_over(&mut tx, tenant, &accepted.key, seen, workflow.lease()).await?;
+    let mut tx = Tx::begin_limited(connection, workflow.limits())
+        .within(wait)
+        .await??;
+    let taken = store::take_over(&mut tx, tenant, &accepted.key, seen, workflow.lease())
+        .within(wait)
+        .await??;
     let Some(taken) = taken else {
-        tx.rollback().await?;
+        tx.rollback().within(wait).await??;
         return Ok(None);
     };
     tracing::Span::current().record("lock_version", taken.owner.lock_version());
@@ -221,6 +238,12 @@ async fn take_over(
         Some(tx),
         Hold::TakeOver { seen },
     )))
+}
+
+/// The longest time limit of the workflow's local phases (what the server allows a statement of
+/// its transactions).
+fn longest_local(workflow: &Workflow) -> Duration {
+    workflow.limits().statement_timeout.unwrap_or_default()
 }
 
 /// The key as the decision reads it.

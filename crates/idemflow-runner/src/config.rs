@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 /// What a terminal phase error does to its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TerminalPolicy {
@@ -13,8 +15,31 @@ pub enum TerminalPolicy {
 
 /// How a [`crate::Runner`] claims keys and treats failures. Retries are per phase
 /// ([`crate::RetryPolicy`]).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RunnerConfig {
     /// What a terminal phase error does to its key. Default [`TerminalPolicy::Store`].
     pub terminal_errors: TerminalPolicy,
+    /// How long the engine waits for one of its own statements (a look-up, a claim, a record, a
+    /// commit) or for a connection from the pool before it gives the database up for this
+    /// request: [`crate::RunError::DatabaseTimeout`], answered 503. The claim may wait behind a
+    /// concurrent claim of the same key, so it gets this plus the workflow's longest local time
+    /// limit. It bounds waits on a database that does not answer at all (a network that drops
+    /// packets, a failover), which the server's own timeouts cannot. Default
+    /// [`RunnerConfig::DEFAULT_DATABASE_TIMEOUT`] (5 s): the engine's statements take
+    /// milliseconds, and a client told 503 retries with the same key.
+    pub database_timeout: Duration,
+}
+
+impl RunnerConfig {
+    /// The default [`RunnerConfig::database_timeout`].
+    pub const DEFAULT_DATABASE_TIMEOUT: Duration = Duration::from_secs(5);
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self {
+            terminal_errors: TerminalPolicy::default(),
+            database_timeout: Self::DEFAULT_DATABASE_TIMEOUT,
+        }
+    }
 }

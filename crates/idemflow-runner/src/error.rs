@@ -8,6 +8,11 @@ pub enum RunError {
     /// is rolled back; the client retries with the same key (answer 503).
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// The database did not answer one of the engine's statements (or hand over a connection)
+    /// within [`crate::RunnerConfig::database_timeout`]: it is down, unreachable, or overloaded.
+    /// Nothing uncommitted lands; the client retries with the same key (answer 503).
+    #[error("the database did not answer within {0:?}")]
+    DatabaseTimeout(std::time::Duration),
     /// This owner lost its lease to a takeover while it ran: it committed nothing since, and the
     /// new owner finishes the request (answer 409).
     #[error("fenced: the lease on this key was taken over by another owner")]

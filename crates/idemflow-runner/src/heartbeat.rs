@@ -12,6 +12,7 @@ use std::time::Duration;
 use idemflow_pg::{self as store, Owner, StoreError};
 use sqlx::PgPool;
 
+use crate::deadline::Within;
 use crate::error::RunError;
 use crate::runner::Runner;
 
@@ -32,7 +33,7 @@ impl Runner {
         tokio::select! {
             biased;
             output = work => Ok(output),
-            lost = heartbeat(&self.pool, owner, lease) => Err(lost),
+            lost = heartbeat(&self.pool, owner, lease, self.config.database_timeout) => Err(lost),
         }
     }
 }
@@ -45,13 +46,23 @@ pub(crate) fn overrun_grace(limit: Duration) -> Duration {
 }
 
 /// Renews the lease every third of it until a renewal is fenced; returns that.
-async fn heartbeat(pool: &PgPool, owner: &Owner, lease: Duration) -> RunError {
+async fn heartbeat(pool: &PgPool, owner: &Owner, lease: Duration, wait: Duration) -> RunError {
     let interval = lease / 3;
     loop {
         tokio::time::sleep(interval).await;
-        let renewed = match pool.acquire().await {
-            Ok(mut connection) => store::renew_lease(&mut connection, owner, lease).await,
-            Err(error) => Err(StoreError::Database(error)),
+        let renewal = async {
+            match pool.acquire().await {
+                Ok(mut connection) => store::renew_lease(&mut connection, owner, lease).await,
+                Err(error) => Err(StoreError::Database(error)),
+            }
+        };
+        // A renewal the database does not answer is a failed one: the next tries again.
+        let renewed = match renewal.within(wait.min(interval)).await {
+            Ok(renewed) => renewed,
+            Err(timeout) => {
+                tracing::warn!(%timeout, "lease renewal failed");
+                continue;
+            }
         };
         match renewed {
             Ok(()) => tracing::debug!("lease renewed"),

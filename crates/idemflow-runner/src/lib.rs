@@ -6,6 +6,7 @@ mod admission;
 mod claim_cycle;
 mod config;
 mod crash;
+mod deadline;
 mod drive;
 mod erased;
 mod error;

@@ -11,6 +11,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
+use crate::deadline::Within;
 use crate::error::RunError;
 use crate::outcome::Outcome;
 use crate::registry::Registry;
@@ -339,10 +340,14 @@ impl Resumer {
         if self.registry.is_empty() {
             return Ok(Vec::new());
         }
-        let mut connection = self.runner.pool().acquire().await?;
+        let wait = self.runner.config.database_timeout;
+        let mut connection = self.runner.pool().acquire().within(wait).await??;
         let lease = self.registry.longest_lease();
-        let due =
-            store::take_over_due(&mut connection, &self.registry.names(), limit, lease).await?;
+        // Unanswered, the scan may still have taken keys over: their leases run out and the
+        // next scan takes them again (the fence keeps this scan's tokens from ever writing).
+        let due = store::take_over_due(&mut connection, &self.registry.names(), limit, lease)
+            .within(wait)
+            .await??;
         if !due.is_empty() {
             tracing::debug!(taken = due.len(), "resumer took over due keys");
         }
@@ -376,11 +381,17 @@ impl Resumer {
 
     /// Ends the lease of a key whose run was stopped, now; its attempt counts (it had started).
     async fn give_back(&self, owner: &Owner, why: &str) {
-        let given_back = match self.runner.pool().acquire().await {
-            Ok(mut connection) => {
-                store::postpone(&mut connection, owner, Duration::ZERO, why).await
+        let giving_back = async {
+            match self.runner.pool().acquire().await {
+                Ok(mut connection) => {
+                    store::postpone(&mut connection, owner, Duration::ZERO, why).await
+                }
+                Err(error) => Err(error.into()),
             }
-            Err(error) => Err(error.into()),
+        };
+        let given_back = match giving_back.within(self.runner.config.database_timeout).await {
+            Ok(given_back) => given_back.map_err(RunError::from),
+            Err(timeout) => Err(timeout),
         };
         match given_back {
             Ok(()) => {
@@ -395,6 +406,14 @@ impl Resumer {
     /// Reports the lag, and due keys no registered workflow can finish: logged and counted, and
     /// left for a resumer that knows their workflow.
     async fn report(&self) {
+        // A report is worth nothing late: bounded as a whole.
+        let limit = 3 * self.runner.config.database_timeout;
+        if self.report_within().within(limit).await.is_err() {
+            tracing::warn!("the resumer's report got no answer from the database");
+        }
+    }
+
+    async fn report_within(&self) {
         let Ok(mut connection) = self.runner.pool().acquire().await else {
             return;
         };

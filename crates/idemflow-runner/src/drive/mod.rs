@@ -23,10 +23,11 @@ use std::time::Instant;
 use idemflow_core::{Fingerprint, StoredResponse};
 use idemflow_pg::{Owner, StoreError, TakenOver};
 use serde_json::Value;
-use sqlx::PgPool;
 
 use crate::erased::{Carry, Step};
+use crate::deadline::Within;
 use crate::error::RunError;
+use crate::heartbeat::overrun_grace;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::phase::{PhaseContext, PhaseError};
@@ -264,7 +265,14 @@ impl Runner {
                 }
                 Err(error)
             }
-            Err(Stop::Failed(failure)) => drive.fail(*failure).await,
+            Err(Stop::Failed(failure)) => {
+                // Recording takes a few statements and perhaps the failure path (a local phase):
+                // bounded as a whole, so a database gone quiet cannot hold the request.
+                let limit = 4 * self.config.database_timeout
+                    + workflow.default_local_timeout()
+                    + overrun_grace(workflow.default_local_timeout());
+                drive.fail(*failure).within(limit).await?
+            }
         }
     }
 }
@@ -291,17 +299,26 @@ impl Drive<'_> {
     }
 }
 
-/// The open transaction, begun now (under the workflow's limits) if there is none yet.
+/// The open transaction, begun now (under the workflow's limits) if there is none yet; the wait
+/// for a connection and for `BEGIN` bounded by the runner's database timeout.
 async fn opened<'t>(
     tx: &'t mut Option<Tx>,
-    pool: &PgPool,
+    runner: &Runner,
     workflow: &Workflow,
-) -> Result<&'t mut Tx, sqlx::Error> {
+) -> Result<Result<&'t mut Tx, sqlx::Error>, RunError> {
     let open = match tx.take() {
         Some(open) => open,
-        None => Tx::begin_limited(pool.acquire().await?, workflow.limits()).await?,
+        None => {
+            let begin = async {
+                Tx::begin_limited(runner.pool().acquire().await?, workflow.limits()).await
+            };
+            match begin.within(runner.config.database_timeout).await? {
+                Ok(open) => open,
+                Err(error) => return Ok(Err(error)),
+            }
+        }
     };
-    Ok(tx.insert(open))
+    Ok(Ok(tx.insert(open)))
 }
 
 /// A database error in the engine's own statements, as the attempt's failure.

@@ -11,6 +11,7 @@ use tracing::Instrument;
 
 use super::{Drive, FailedAttempt, Hold, Stop, database_error, opened, store_stop};
 use crate::crash::CrashPoint;
+use crate::deadline::Within;
 use crate::erased::{Carry, ErasedForeign, ErasedLocal, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -31,8 +32,8 @@ impl Drive<'_> {
         let workflow = self.workflow;
         let runner = self.runner;
         let failure = |error| FailedAttempt::of(local.name(), local.retry_policy(), error);
-        let open = opened(&mut self.tx, runner.pool(), workflow)
-            .await
+        let open = opened(&mut self.tx, runner, workflow)
+            .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         let span = tracing::debug_span!("idemflow.phase", phase = local.name(), kind = "local");
         let limit = workflow.local_timeout(local);
@@ -114,12 +115,13 @@ impl Drive<'_> {
             charged = step;
             let name = step.raw_name();
             let failure = |error| FailedAttempt::of(name, step.retry_policy(), error);
-            let open = opened(&mut self.tx, runner.pool(), workflow)
-                .await
+            let open = opened(&mut self.tx, runner, workflow)
+                .await?
                 .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
             advanced_at = Some(Instant::now());
             store::advance(open, &self.owner, name, &output, workflow.lease())
-                .await
+                .within(runner.config.database_timeout)
+                .await?
                 .map_err(|error| store_stop(error, "recording", failure))?;
             committed = name;
             committed_output = Some(output);
@@ -130,7 +132,7 @@ impl Drive<'_> {
                 .crash_points
                 .check(|| CrashPoint::BeforeCommit { phase: committed }, &key)
                 .await?;
-            if let Err(error) = open.commit().await {
+            if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
                 return Err(Stop::failed(FailedAttempt::of(
                     charged.raw_name(),
                     charged.retry_policy(),
@@ -167,12 +169,14 @@ impl Drive<'_> {
             return Ok(());
         }
         let failure = |error| FailedAttempt::of(foreign.name(), foreign.retry_policy(), error);
-        let mut connection = self.runner.pool().acquire().await.map_err(|error| {
+        let wait = self.runner.config.database_timeout;
+        let mut connection = self.runner.pool().acquire().within(wait).await?.map_err(|error| {
             Stop::failed(failure(database_error("confirming the fence", &error)))
         })?;
         let renewing = Instant::now();
         store::renew_lease(&mut connection, &self.owner, lease)
-            .await
+            .within(wait)
+            .await?
             .map_err(|error| store_stop(error, "confirming the fence", failure))?;
         self.lease_from = renewing;
         Ok(())
@@ -259,11 +263,12 @@ impl Drive<'_> {
         let last = &workflow.steps[position - 1];
         let failure = |error| FailedAttempt::of(last.raw_name(), last.retry_policy(), error);
         let response = downcast_response(carry)?;
-        let open = opened(&mut self.tx, runner.pool(), workflow)
-            .await
+        let open = opened(&mut self.tx, runner, workflow)
+            .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         store::finish(open, &self.owner, last.raw_name(), &response)
-            .await
+            .within(runner.config.database_timeout)
+            .await?
             .map_err(|error| store_stop(error, "storing the response", failure))?;
         let key = self.owner.key().clone();
         runner
@@ -273,7 +278,7 @@ impl Drive<'_> {
         let Some(open) = self.tx.take() else {
             unreachable!("opened above")
         };
-        if let Err(error) = open.commit().await {
+        if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
             // A deferred constraint, say: the effects, the response and an uncommitted hold
             // roll back together, and the attempt fails.
             return Err(Stop::failed(failure(database_error("committing", &error))));

@@ -524,6 +524,7 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
     let hook = Arc::new(Hook(shared.clone()));
     let config = RunnerConfig {
         terminal_errors: setup.terminal,
+        ..RunnerConfig::default()
     };
     let runner = Runner::with_config(sim.engine.clone(), config).with_crash_hook(hook);
     let workflow = Arc::new(workflow::workflow(&shared, LEASE));
