@@ -518,7 +518,10 @@ fn decimal(literal: &str) -> (bool, String, i64) {
     let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
         Some((mantissa, exponent)) => (
             mantissa,
-            exponent.trim_start_matches('+').parse::<i64>().expect("a generated exponent"),
+            exponent
+                .trim_start_matches('+')
+                .parse::<i64>()
+                .expect("a generated exponent"),
         ),
         None => (unsigned, 0),
     };

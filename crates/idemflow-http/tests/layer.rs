@@ -837,13 +837,19 @@ async fn a_number_a_double_cannot_hold_is_refused_not_confused_with_its_neighbou
 
     let refused = send("9007199254740993").await.unwrap();
     assert_eq!(refused.status(), 400);
-    assert_eq!(refused.headers()["content-type"], "application/problem+json");
+    assert_eq!(
+        refused.headers()["content-type"],
+        "application/problem+json"
+    );
     assert_eq!(key_row(&pool, "pay-1").await, None, "nothing stored");
     assert_eq!(effects(&pool).await, 0, "the handler never ran");
 
     let neighbour = send("9007199254740992").await.unwrap();
     assert_eq!(neighbour.status(), 201);
     assert!(neighbour.headers().get("idempotent-replayed").is_none());
-    assert_eq!(neighbour.text().await.unwrap(), r#"{"amount": 9007199254740992}"#);
+    assert_eq!(
+        neighbour.text().await.unwrap(),
+        r#"{"amount": 9007199254740992}"#
+    );
     assert_eq!(effects(&pool).await, 1);
 }

@@ -1,4 +1,5 @@
-//! The claim of a new key, sent in the same message as the `BEGIN` of its transaction.
+//! The claim of a new key ([`begin_claim`], storing a [`ClaimRequest`]), sent in the same
+//! message as the `BEGIN` of its transaction.
 //!
 //! A new request's first transaction is `BEGIN`, the claim, the leading local phases, and the
 //! commit. Sent one by one, `BEGIN` costs a round trip of its own; here it shares one with the
@@ -19,24 +20,52 @@
 //! aborts the transaction, and [`Transaction`] rolls it back and hands the connection back. The
 //! caller then looks the key up again and answers from the winner's row.
 //!
-//! The advisory lock (on a 64-bit hash of tenant and key, held until the claim's transaction
-//! ends) is what lets [`crate::look_up`] tell "no such key" from "being claimed right now"
-//! without waiting: a concurrent duplicate gets its 409 from one statement.
+//! The advisory lock ([`crate::claim_lock`]: on a 64-bit hash of tenant and key, held until the
+//! claim's transaction ends) is what lets [`look_up`](fn@crate::look_up) tell "no such key" from
+//! "being claimed right now" without waiting: a concurrent duplicate gets its 409 from one
+//! statement.
 //!
 //! The message can also carry the transaction's [`Limits`] (`SET LOCAL …`), still in one round
 //! trip.
 
 use crate::statements;
 use std::fmt::Write;
+use std::time::Duration;
 
-use sha2::{Digest, Sha256};
+use serde_json::Value;
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr};
 
-use idemflow_core::{Key, TenantId};
+use idemflow_core::{Fingerprint, Key, TenantId};
 
-use crate::store::{ClaimRequest, Owner, StoreError, millis};
+use crate::claim_lock::claim_lock;
+use crate::error::StoreError;
+use crate::millis::millis;
+use crate::owner::Owner;
 use crate::transaction::{Limits, Transaction};
+
+/// Everything a claim stores.
+#[derive(Debug)]
+pub struct ClaimRequest<'a> {
+    /// The tenant the key belongs to.
+    pub tenant: &'a TenantId,
+    /// The idempotency key claimed.
+    pub key: &'a Key,
+    /// The claim's fencing token, drawn by the look-up that found the key absent
+    /// ([`crate::LookUp::Absent`]): unique, so no owner of an earlier life of this key holds it.
+    pub lock_version: i64,
+    /// The request's fingerprint: a later request with the same key and another fingerprint is
+    /// refused.
+    pub fingerprint: &'a Fingerprint,
+    /// The name (and version) of the workflow that runs the key: a resumer finds it by this name.
+    pub workflow: &'a str,
+    /// The workflow's input, stored so a resumer in another process can run the key from its
+    /// first phase.
+    pub request: &'a Value,
+    /// How long the claim's lease lasts, from the insert, by the database clock; only the owner
+    /// may advance the key before it ends. Stored in whole milliseconds (rounded down).
+    pub lease: Duration,
+}
 
 /// What [`begin_claim`] did.
 #[derive(Debug)]
@@ -133,21 +162,6 @@ fn has_code(error: &sqlx::Error, code: &str) -> bool {
     matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(code))
 }
 
-/// The advisory lock a claim holds until its transaction ends: the first 8 bytes of
-/// SHA-256("idemflow claim", tenant, key). Two keys sharing a hash would only see each other's
-/// claims as in flight (a 409 the client retries), never each other's rows.
-pub(crate) fn claim_lock(tenant: &TenantId, key: &Key) -> i64 {
-    let mut hash = Sha256::new();
-    hash.update(b"idemflow claim\0");
-    hash.update(tenant.as_str().as_bytes());
-    hash.update(b"\0");
-    hash.update(key.as_str().as_bytes());
-    let digest = hash.finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first)
-}
-
 /// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v2(…)` (or the insert in full), every value a
 /// hex literal or an integer formatted here.
 fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> String {
@@ -208,9 +222,6 @@ fn bytes_literal(sql: &mut String, bytes: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
-    use idemflow_core::Fingerprint;
     use serde_json::json;
 
     use super::*;
@@ -292,14 +303,5 @@ mod tests {
                 .await
                 .expect("row");
         assert_eq!(stored, (vec![3; 32], request));
-    }
-
-    #[test]
-    fn claim_lock_depends_on_tenant_and_key() {
-        let a = TenantId::new("a").expect("tenant");
-        let b = TenantId::new("b").expect("tenant");
-        let k = Key::parse("k").expect("key");
-        assert_ne!(claim_lock(&a, &k), claim_lock(&b, &k));
-        assert_eq!(claim_lock(&a, &k), claim_lock(&a, &k));
     }
 }

@@ -5,16 +5,27 @@
 //! the caller decides which statements share a transaction; [`begin_claim`] is the one exception,
 //! a `BEGIN` and the claim in one message. docs/protocol.md explains why each is
 //! safe at Read Committed.
+//!
+//! Inside, a module per part of a key's life: `look_up` (reading a key before deciding on it),
+//! `claim` and `claim_lock` (claiming a new one), `take_over` (a new owner for an expired lease),
+//! `fenced_writes` (the owner's writes) and `maintenance` (resumers, retention, operators), over
+//! `owner`, `error`, `millis`, `transaction` and `statements`, which they share.
 
 #![deny(missing_docs)]
 
 mod claim;
+mod claim_lock;
+mod error;
+mod fenced_writes;
+mod look_up;
 mod maintenance;
+mod millis;
+mod owner;
 pub mod statements;
-mod store;
+mod take_over;
 mod transaction;
 
-pub use claim::{Claimed, begin_claim};
+pub use claim::{ClaimRequest, Claimed, begin_claim};
 pub use transaction::{Limits, Transaction};
 
 pub use maintenance::{
@@ -22,10 +33,11 @@ pub use maintenance::{
     key_report, notify_due, resumer_lag, stuck_keys, table_stats, take_over_due,
 };
 
-pub use store::{
-    ClaimRequest, FoundKey, KeyRow, LookUp, Owner, StoreError, TakenOver, advance, delete_owned,
-    finish, inspect, look_up, next_lock_version, postpone, renew_lease, take_over,
-};
+pub use error::StoreError;
+pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
+pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version};
+pub use owner::Owner;
+pub use take_over::{TakenOver, take_over};
 
 /// The schema migrations, embedded at build time from the workspace's `migrations/` folder.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");

@@ -7,7 +7,10 @@ use idemflow_core::{Key, TenantId};
 use serde_json::Value;
 use sqlx::{PgConnection, Row};
 
-use crate::store::{Owner, StoreError, TakenOver, millis};
+use crate::error::StoreError;
+use crate::millis::{from_millis, millis};
+use crate::owner::Owner;
+use crate::take_over::TakenOver;
 
 /// The channel on which a key due now is announced (postponed, or its lease ended), so an idle resumer wakes early.
 pub const DUE_CHANNEL: &str = "idemflow_due";
@@ -55,22 +58,22 @@ pub async fn take_over_due(
     .await?;
     rows.into_iter()
         .map(|row| {
-            let tenant: String = row.get(0);
-            let key: String = row.get(1);
+            let tenant: String = row.get("tenant");
+            let key: String = row.get("key");
             let tenant =
                 TenantId::new(tenant).map_err(|error| StoreError::Corrupt(error.to_string()))?;
             let key = Key::parse(&key).map_err(|error| StoreError::Corrupt(error.to_string()))?;
-            let phase_output: Option<sqlx::types::Json<Value>> = row.get(5);
-            let request: sqlx::types::Json<Value> = row.get(6);
+            let phase_output: Option<sqlx::types::Json<Value>> = row.get("phase_output");
+            let request: sqlx::types::Json<Value> = row.get("request");
             Ok(DueKey {
-                workflow: row.get(2),
+                workflow: row.get("workflow"),
                 taken: TakenOver {
-                    owner: Owner::new(tenant, key, row.get(3)),
-                    attempts: row.get(7),
-                    recovery_point: row.get(4),
+                    owner: Owner::new(tenant, key, row.get("lock_version")),
+                    attempts: row.get("attempts"),
+                    recovery_point: row.get("recovery_point"),
                     phase_output: phase_output.map(|json| json.0),
                     request: request.0,
-                    last_error: row.get(8),
+                    last_error: row.get("last_error"),
                     lease_from,
                 },
             })
@@ -103,7 +106,7 @@ pub async fn resumer_lag(connection: &mut PgConnection) -> Result<Duration, Stor
     )
     .fetch_one(connection)
     .await?;
-    Ok(Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0)))
+    Ok(from_millis(lag_ms))
 }
 
 /// Announces that a key is due now, waking idle resumers (delivered when the transaction commits).
@@ -195,25 +198,28 @@ pub struct KeyReport {
 }
 
 const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
-    CASE WHEN state = 'started' THEN ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint END, \
-    lock_version, attempts, last_error, response_status, octet_length(response_body), \
-    encode(fingerprint, 'hex'), floor(extract(epoch FROM now() - created_at))::bigint";
+    CASE WHEN state = 'started' THEN ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint END \
+        AS lease_left_ms, \
+    lock_version, attempts, last_error, response_status, \
+    octet_length(response_body) AS response_bytes, \
+    encode(fingerprint, 'hex') AS fingerprint_hex, \
+    floor(extract(epoch FROM now() - created_at))::bigint AS age_seconds";
 
 fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
     KeyReport {
-        tenant: row.get(0),
-        key: row.get(1),
-        workflow: row.get(2),
-        state: row.get(3),
-        recovery_point: row.get(4),
-        lease_left_ms: row.get(5),
-        lock_version: row.get(6),
-        attempts: row.get(7),
-        last_error: row.get(8),
-        response_status: row.get(9),
-        response_bytes: row.get(10),
-        fingerprint_hex: row.get(11),
-        age_seconds: row.get(12),
+        tenant: row.get("tenant"),
+        key: row.get("key"),
+        workflow: row.get("workflow"),
+        state: row.get("state"),
+        recovery_point: row.get("recovery_point"),
+        lease_left_ms: row.get("lease_left_ms"),
+        lock_version: row.get("lock_version"),
+        attempts: row.get("attempts"),
+        last_error: row.get("last_error"),
+        response_status: row.get("response_status"),
+        response_bytes: row.get("response_bytes"),
+        fingerprint_hex: row.get("fingerprint_hex"),
+        age_seconds: row.get("age_seconds"),
     }
 }
 
@@ -282,6 +288,122 @@ pub async fn table_stats(connection: &mut PgConnection) -> Result<TableStats, St
     Ok(TableStats {
         counts,
         oldest_started_seconds,
-        resumer_lag_ms: i64::try_from(lag.as_millis()).unwrap_or(i64::MAX),
+        resumer_lag_ms: millis(lag),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use idemflow_core::Fingerprint;
+    use serde_json::json;
+
+    use super::*;
+    use crate::{
+        ClaimRequest, Claimed, Limits, advance, begin_claim, next_lock_version, postpone, take_over,
+    };
+
+    /// Every column the takeovers and the reports read by name is there under that name.
+    #[sqlx::test(migrator = "crate::MIGRATOR")]
+    async fn takeovers_and_reports_read_every_column_by_name(pool: sqlx::PgPool) {
+        let tenant = TenantId::new("t-1").expect("tenant");
+        let key = Key::parse("k").expect("key");
+        let fingerprint = Fingerprint::from_slice(&[9; 32]).expect("fingerprint");
+        let request = json!({"amount": 2});
+        let mut connection = pool.acquire().await.expect("connection");
+        let lock_version = next_lock_version(&mut connection).await.expect("token");
+        let claim = ClaimRequest {
+            tenant: &tenant,
+            key: &key,
+            lock_version,
+            fingerprint: &fingerprint,
+            workflow: "w.v1",
+            request: &request,
+            lease: Duration::ZERO,
+        };
+        let claimer = pool.acquire().await.expect("connection");
+        let Ok(Claimed::Owned(transaction, _)) =
+            begin_claim(claimer, &claim, &Limits::default()).await
+        else {
+            panic!("a new key is ours");
+        };
+        transaction.commit().await.expect("commit");
+
+        let report = key_report(&mut connection, "t-1", "k")
+            .await
+            .expect("report")
+            .expect("row");
+        assert_eq!((report.tenant.as_str(), report.key.as_str()), ("t-1", "k"));
+        assert_eq!(report.workflow, "w.v1");
+        assert_eq!(report.state, "started");
+        assert_eq!(report.recovery_point, "start");
+        assert!(report.lease_left_ms.is_some_and(|left| left <= 0));
+        assert_eq!(report.lock_version, lock_version);
+        assert_eq!(report.attempts, 1);
+        assert_eq!(report.last_error, None);
+        assert_eq!(
+            (report.response_status, report.response_bytes),
+            (None, None)
+        );
+        assert_eq!(report.fingerprint_hex, "09".repeat(32));
+        assert!(report.age_seconds >= 0);
+        let stuck = stuck_keys(&mut connection, 100, 10).await.expect("stuck");
+        let [stuck] = stuck.as_slice() else {
+            panic!("one key is stuck: {stuck:?}");
+        };
+        assert_eq!(
+            (
+                stuck.key.as_str(),
+                stuck.lock_version,
+                &stuck.fingerprint_hex
+            ),
+            ("k", lock_version, &report.fingerprint_hex)
+        );
+
+        let taken = take_over(&mut connection, &tenant, &key, lock_version, Duration::ZERO)
+            .await
+            .expect("take over")
+            .expect("an expired lease is taken over");
+        assert!(taken.owner.lock_version() > lock_version);
+        assert_eq!(taken.attempts, 2);
+        assert_eq!(taken.recovery_point, "start");
+        assert_eq!(taken.phase_output, None);
+        assert_eq!(taken.request, request);
+        assert_eq!(taken.last_error, None);
+
+        let output = json!({"order_id": 1});
+        advance(
+            &mut connection,
+            &taken.owner,
+            "first",
+            &output,
+            Duration::ZERO,
+        )
+        .await
+        .expect("advance");
+        postpone(&mut connection, &taken.owner, Duration::ZERO, "boom")
+            .await
+            .expect("postpone");
+        let due = take_over_due(
+            &mut connection,
+            &["w.v1".to_owned()],
+            10,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("take over due");
+        let [due] = due.as_slice() else {
+            panic!("one key is due: {due:?}");
+        };
+        assert_eq!(due.workflow, "w.v1");
+        assert_eq!(
+            (due.taken.owner.tenant(), due.taken.owner.key()),
+            (&tenant, &key)
+        );
+        assert!(due.taken.owner.lock_version() > taken.owner.lock_version());
+        assert_eq!(due.taken.attempts, 2);
+        assert_eq!(due.taken.recovery_point, "first");
+        assert_eq!(due.taken.phase_output, Some(output));
+        assert_eq!(due.taken.request, request);
+        assert_eq!(due.taken.last_error.as_deref(), Some("boom"));
+    }
 }

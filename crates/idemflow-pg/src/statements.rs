@@ -6,10 +6,13 @@
 /// The look-up: the key's row (what deciding needs, the response of a finished key) or, when
 /// there is none, whether a claim of it is in flight (its claim lock is held: the shared try-lock
 /// fails) and a fencing token drawn for the claim this request may make. `$1` tenant, `$2` key,
-/// `$3` the key's claim lock. The second branch runs only when the first returns no row.
-pub const LOOK_UP: &str = "(SELECT fingerprint, workflow, state = 'done', \
-         ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint, \
-         lock_version, response_status, response_headers, response_body, false, NULL \
+/// `$3` the key's claim lock. The second branch runs only when the first returns no row. The
+/// first branch names the columns (`done`, `lease_left_ms`, `claiming`, `new_lock_version` and
+/// the table's own), which is how the store reads them.
+pub const LOOK_UP: &str = "(SELECT fingerprint, workflow, state = 'done' AS done, \
+         ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint AS lease_left_ms, \
+         lock_version, response_status, response_headers, response_body, \
+         false AS claiming, NULL AS new_lock_version \
   FROM idempotency_keys WHERE tenant = $1 AND key = $2) \
  UNION ALL \
  (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \

@@ -46,7 +46,7 @@ impl Limits {
         ] {
             if let Some(limit) = limit {
                 // 0 would mean "no limit": the shortest limit is a millisecond.
-                let millis = crate::store::millis(limit).clamp(1, i64::from(i32::MAX));
+                let millis = crate::millis::millis(limit).clamp(1, i64::from(i32::MAX));
                 let _ = write!(sql, "; SET LOCAL {setting} = {millis}");
             }
         }

@@ -108,7 +108,16 @@ impl Runner {
                 return answer(workflow, decision, row.response);
             }
             let wait = self.config.database_timeout;
-            match take_over(connection, workflow, tenant, &accepted, row.lock_version, wait).await? {
+            match take_over(
+                connection,
+                workflow,
+                tenant,
+                &accepted,
+                row.lock_version,
+                wait,
+            )
+            .await?
+            {
                 Some(start) => return self.drive(workflow, start).await,
                 // Someone else took it over, finished it, or is taking it over right now.
                 None => continue,

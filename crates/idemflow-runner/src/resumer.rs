@@ -389,7 +389,10 @@ impl Resumer {
                 Err(error) => Err(error.into()),
             }
         };
-        let given_back = match giving_back.within(self.runner.config.database_timeout).await {
+        let given_back = match giving_back
+            .within(self.runner.config.database_timeout)
+            .await
+        {
             Ok(given_back) => given_back.map_err(RunError::from),
             Err(timeout) => Err(timeout),
         };

@@ -139,7 +139,9 @@ impl FaultProxy {
     pub fn heal(&self) {
         self.faults.blackhole.store(false, Ordering::SeqCst);
         self.faults.delay_ms.store(0, Ordering::SeqCst);
-        self.faults.cut_next_statement.store(false, Ordering::SeqCst);
+        self.faults
+            .cut_next_statement
+            .store(false, Ordering::SeqCst);
         self.cut_all();
     }
 }

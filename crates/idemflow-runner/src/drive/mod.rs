@@ -24,8 +24,8 @@ use idemflow_core::{Fingerprint, StoredResponse};
 use idemflow_pg::{Owner, StoreError, TakenOver};
 use serde_json::Value;
 
-use crate::erased::{Carry, Step};
 use crate::deadline::Within;
+use crate::erased::{Carry, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
 use crate::metrics;

@@ -170,9 +170,15 @@ impl Drive<'_> {
         }
         let failure = |error| FailedAttempt::of(foreign.name(), foreign.retry_policy(), error);
         let wait = self.runner.config.database_timeout;
-        let mut connection = self.runner.pool().acquire().within(wait).await?.map_err(|error| {
-            Stop::failed(failure(database_error("confirming the fence", &error)))
-        })?;
+        let mut connection = self
+            .runner
+            .pool()
+            .acquire()
+            .within(wait)
+            .await?
+            .map_err(|error| {
+                Stop::failed(failure(database_error("confirming the fence", &error)))
+            })?;
         let renewing = Instant::now();
         store::renew_lease(&mut connection, &self.owner, lease)
             .within(wait)

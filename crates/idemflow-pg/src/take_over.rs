@@ -1,0 +1,85 @@
+//! Taking over a started key whose lease expired: [`take_over`] for one key a request retried,
+//! and [`TakenOver`], what it returns, which the resumer's batch takeover
+//! ([`crate::take_over_due`]) returns too. A takeover is how a key gets a new [`Owner`] after its
+//! claim: it draws a new fencing token, so every write of the previous owner is refused from then
+//! on.
+
+use std::time::Duration;
+
+use idemflow_core::{Key, TenantId};
+use serde_json::Value;
+use sqlx::{PgConnection, Row};
+
+use crate::claim_lock::claim_lock;
+use crate::error::StoreError;
+use crate::millis::millis;
+use crate::owner::Owner;
+
+/// What a successful takeover returns: the new fencing token and where execution stands.
+#[derive(Debug, Clone)]
+pub struct TakenOver {
+    /// The new owner, holding the fencing token the takeover drew.
+    pub owner: Owner,
+    /// Executions begun at this recovery point, this one included.
+    pub attempts: i32,
+    /// The name of the last completed phase, `start` before any: execution resumes after it.
+    pub recovery_point: String,
+    /// That phase's stored output; `None` at `start`.
+    pub phase_output: Option<Value>,
+    /// The workflow's input, as the claim stored it.
+    pub request: Value,
+    /// The error the previous attempt recorded, if it recorded one.
+    pub last_error: Option<String>,
+    /// When the statement that wrote the new lease was sent, by this process's monotonic clock:
+    /// the lease lasts at least until this instant plus its length, whatever the clocks say.
+    pub lease_from: std::time::Instant,
+}
+
+/// Takes over a started key whose lease expired, by compare-and-set on the fencing token the
+/// caller saw: if anyone else took it over (or finished it, or renewed the lease) in between, no
+/// row matches and `None` comes back. The lease is judged by the database clock. The new owner's
+/// token is drawn from the fence sequence: it never equals a token of this key's past.
+///
+/// The takeover also takes the key's claim lock (the advisory lock a claim holds) for its
+/// transaction, trying it without waiting: a second request taking the same key over while the
+/// first one's takeover is uncommitted finds it held and gets `None` at once, instead of waiting
+/// on the row lock for as long as the first one's local phases run.
+pub async fn take_over(
+    connection: &mut PgConnection,
+    tenant: &TenantId,
+    key: &Key,
+    seen_lock_version: i64,
+    lease: Duration,
+) -> Result<Option<TakenOver>, StoreError> {
+    let lease_from = std::time::Instant::now();
+    let row = sqlx::query(
+        "UPDATE idempotency_keys \
+         SET lock_version = nextval('idempotency_keys_fence'), attempts = attempts + 1, \
+             locked_until = clock_timestamp() + $4::bigint * interval '1 millisecond', \
+             updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 \
+           AND state = 'started' AND locked_until <= now() \
+           AND pg_try_advisory_xact_lock($5) \
+         RETURNING lock_version, recovery_point, phase_output, request, attempts, last_error",
+    )
+    .bind(tenant.as_str())
+    .bind(key.as_str())
+    .bind(seen_lock_version)
+    .bind(millis(lease))
+    .bind(claim_lock(tenant, key))
+    .fetch_optional(connection)
+    .await?;
+    Ok(row.map(|row| {
+        let phase_output: Option<sqlx::types::Json<Value>> = row.get("phase_output");
+        let request: sqlx::types::Json<Value> = row.get("request");
+        TakenOver {
+            owner: Owner::new(tenant.clone(), key.clone(), row.get("lock_version")),
+            attempts: row.get("attempts"),
+            recovery_point: row.get("recovery_point"),
+            phase_output: phase_output.map(|json| json.0),
+            request: request.0,
+            last_error: row.get("last_error"),
+            lease_from,
+        }
+    }))
+}
