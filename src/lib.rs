@@ -16,7 +16,7 @@ pub use idemflow_core as core;
 pub use idemflow_pg as store;
 
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
-pub use idemflow_pg::{MIGRATOR, migrate};
+pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
 pub use idemflow_runner::{
     BuildError, CrashHook, CrashPoint, DrainReport, Failure, FailurePhase, ForeignPhase,
     LocalPhase, METRICS, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt,

@@ -30,7 +30,6 @@ use idemflow::Runner;
 use idemflow_testkit::provider::MockProvider;
 use idemflow_testkit::provider_client::ProviderClient;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -343,10 +342,12 @@ async fn connect(database: &Database) -> Result<PgPool, Failure> {
                 "no database: pass --database-url or set DATABASE_URL (scripts/checkout finds one for you)",
             )?,
     };
-    let pool = PgPoolOptions::new()
-        .max_connections(24)
-        .acquire_timeout(Duration::from_secs(10))
-        .test_before_acquire(false)
+    // The engine's pool: no test before acquire, bounded waits, server-side session limits.
+    let settings = idemflow::PoolSettings {
+        max_connections: 24,
+        ..idemflow::PoolSettings::default()
+    };
+    let pool = settings
         .connect(&url)
         .await
         .map_err(|error| {

@@ -9,7 +9,8 @@
 //! Inside, a module per part of a key's life: `look_up` (reading a key before deciding on it),
 //! `claim` and `claim_lock` (claiming a new one), `take_over` (a new owner for an expired lease),
 //! `fenced_writes` (the owner's writes) and `maintenance` (resumers, retention, operators), over
-//! `owner`, `error`, `millis`, `transaction` and `statements`, which they share.
+//! `owner`, `error`, `millis`, `transaction` and `statements`, which they share; `pool` builds the
+//! pool the engine runs best on ([`PoolSettings`]).
 
 #![deny(missing_docs)]
 
@@ -21,6 +22,7 @@ mod look_up;
 mod maintenance;
 mod millis;
 mod owner;
+mod pool;
 pub mod statements;
 mod take_over;
 mod transaction;
@@ -37,6 +39,7 @@ pub use error::StoreError;
 pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
 pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version};
 pub use owner::Owner;
+pub use pool::PoolSettings;
 pub use take_over::{TakenOver, take_over};
 
 /// The schema migrations, embedded at build time from the workspace's `migrations/` folder.
