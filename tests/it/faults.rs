@@ -275,3 +275,133 @@ async fn a_database_that_stops_answering_fails_requests_within_a_bound(
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, keys);
     assert_eq!(harness.provider.charge_count() as i64, keys);
 }
+
+/// The database restarts under load: every connection cut, none accepted for a second and a half,
+/// then back. Clients retry each request with its key until answered, as the client library does.
+/// Every request is answered (0 lost), each executed once (0 duplicated), and the time from the
+/// database's return to the first request served is reported and bounded.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_database_restart_under_load_loses_and_duplicates_nothing(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, proxy) = pool_through(options, connect, 8).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    *harness.provider.delay.lock().unwrap() = Some(Duration::from_millis(10));
+    *harness.provider.timeout.lock().unwrap() = Some(Duration::from_secs(1));
+    let config = idemflow::RunnerConfig {
+        database_timeout: Duration::from_millis(500),
+        ..idemflow::RunnerConfig::default()
+    };
+    let runner = Runner::with_config(pool.clone(), config);
+    let checkout = std::sync::Arc::new(harness.checkout_leased(Duration::from_secs(2)));
+    // A resumer runs all along, as in production: it finishes what the restart interrupted.
+    let mut registry = idemflow::Registry::new();
+    registry
+        .register(harness.checkout_leased(Duration::from_secs(2)))
+        .unwrap();
+    let resumer = idemflow::Resumer::with_config(
+        runner.clone(),
+        registry,
+        idemflow::ResumerConfig {
+            idle_max: Duration::from_millis(200),
+            error_backoff_max: Duration::from_millis(500),
+            shutdown_grace: Duration::from_secs(2),
+            retention: None,
+            ..idemflow::ResumerConfig::default()
+        },
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let resuming = tokio::spawn(async move {
+        resumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let started = Instant::now();
+    let up_at = std::sync::Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let first_after_up = std::sync::Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let clients = 16;
+    let per_client = 12;
+    let mut tasks = tokio::task::JoinSet::new();
+    for client in 0..clients {
+        let (runner, checkout) = (runner.clone(), checkout.clone());
+        let (up_at, first_after_up) = (up_at.clone(), first_after_up.clone());
+        tasks.spawn(async move {
+            for request_number in 0..per_client {
+                let key =
+                    idemflow::Key::parse(&format!("restart-{client}-{request_number}")).unwrap();
+                let body = body(i64::from(client * 100 + request_number));
+                let mut tries = 0;
+                loop {
+                    tries += 1;
+                    assert!(tries < 200, "{key:?} never answered");
+                    let outcome = runner
+                        .run(&checkout, &tenant(1), &key, request(&body))
+                        .await;
+                    if let Ok(Outcome::Executed(_) | Outcome::Replayed(_)) = outcome {
+                        let up = *up_at.lock().unwrap();
+                        if let Some(up) = up {
+                            first_after_up
+                                .lock()
+                                .unwrap()
+                                .get_or_insert(Instant::now().max(up));
+                        }
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    proxy.down(true);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    proxy.down(false);
+    *up_at.lock().unwrap() = Some(Instant::now());
+    while let Some(joined) = tasks.join_next().await {
+        joined.unwrap();
+    }
+    let _ = stop.send(());
+    resuming.await.unwrap();
+
+    let up = up_at.lock().unwrap().unwrap();
+    let recovered = first_after_up
+        .lock()
+        .unwrap()
+        .map(|first| first.duration_since(up));
+    println!(
+        "database restart: {} requests in {:?}; first request served {:?} after the database was back",
+        clients * per_client,
+        started.elapsed(),
+        recovered
+    );
+    let recovered = recovered.expect("a request was served after the restart");
+    assert!(
+        recovered < Duration::from_secs(2),
+        "recovered after {recovered:?}"
+    );
+
+    let requests = i64::from(clients * per_client);
+    let done = count(
+        &pool,
+        "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",
+    )
+    .await;
+    assert_eq!(
+        done, requests,
+        "every request answered and finished (0 lost)"
+    );
+    let doubled = count(
+        &pool,
+        "SELECT count(*) FROM (SELECT key FROM orders GROUP BY key HAVING count(*) > 1) doubled",
+    )
+    .await;
+    assert_eq!(doubled, 0, "an order created twice (duplicated)");
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, requests);
+    assert_eq!(harness.provider.charge_count() as i64, requests);
+}

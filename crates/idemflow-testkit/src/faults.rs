@@ -27,6 +27,8 @@
 //! - [`FaultProxy::delay`]: every client message waits this long before it is forwarded.
 //! - [`FaultProxy::blackhole`]: while on, bytes in both directions are read and dropped, and new
 //!   connections are accepted and never forwarded: only a client's own timeouts end a request.
+//! - [`FaultProxy::down`]: the database restarting: every open connection is cut, and while down a
+//!   new connection is closed as soon as it is accepted (no server behind it).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -45,6 +47,7 @@ struct Faults {
     cuts: watch::Sender<u64>,
     cut_next_statement: AtomicBool,
     blackhole: AtomicBool,
+    down: AtomicBool,
     delay_ms: AtomicU64,
     connections: AtomicU64,
 }
@@ -68,6 +71,7 @@ impl FaultProxy {
             cuts,
             cut_next_statement: AtomicBool::new(false),
             blackhole: AtomicBool::new(false),
+            down: AtomicBool::new(false),
             delay_ms: AtomicU64::new(0),
             connections: AtomicU64::new(0),
         });
@@ -77,6 +81,11 @@ impl FaultProxy {
             while let Ok((client, _)) = listener.accept().await {
                 let (faults, counts) = (shared.clone(), shared_counts.clone());
                 tokio::spawn(async move {
+                    if faults.down.load(Ordering::SeqCst) {
+                        // Nothing listens behind the proxy: the connection ends at once.
+                        drop(client);
+                        return;
+                    }
                     if faults.blackhole.load(Ordering::SeqCst) {
                         swallow_until_healed(client, &faults).await;
                         return;
@@ -134,10 +143,20 @@ impl FaultProxy {
         self.faults.blackhole.store(on, Ordering::SeqCst);
     }
 
+    /// While down, the database is restarting: every open connection is cut when it goes down,
+    /// and each new one is closed as soon as it is accepted. Up again, connections are forwarded.
+    pub fn down(&self, down: bool) {
+        self.faults.down.store(down, Ordering::SeqCst);
+        if down {
+            self.cut_all();
+        }
+    }
+
     /// Ends every fault: no blackhole, no delay, no pending cut. Connections cut stay cut; those a
     /// blackhole held are closed, as a network that comes back finds the old sessions gone.
     pub fn heal(&self) {
         self.faults.blackhole.store(false, Ordering::SeqCst);
+        self.faults.down.store(false, Ordering::SeqCst);
         self.faults.delay_ms.store(0, Ordering::SeqCst);
         self.faults
             .cut_next_statement
