@@ -405,3 +405,170 @@ async fn a_database_restart_under_load_loses_and_duplicates_nothing(
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, requests);
     assert_eq!(harness.provider.charge_count() as i64, requests);
 }
+
+/// Every statement of a checkout, in turn, is cut after it reached the server and before its
+/// answer came back: the look-up, the claim with its `BEGIN`, the phase's insert, each record,
+/// each `COMMIT` (which may have committed without the client knowing). Generated, not listed:
+/// the sweep goes on until a request sends fewer statements than the cut's position. After each
+/// cut the client retries with its key until answered (a resumer finishing what the cut left):
+/// one order and one charge per key, the key finished, and a first answer, if the client got
+/// one, is what every retry replays.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_cut_at_every_statement_of_a_checkout_runs_it_once(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    // The test's own reads and rewinds go straight to the database, past the proxy.
+    let observer = PgPool::connect_with(connect.clone()).await.unwrap();
+    let (engine_pool, proxy) = pool_through(options, connect, 2).await;
+    create_orders(&observer).await;
+    let pool = observer;
+    let harness = Harness::default();
+    *harness.provider.timeout.lock().unwrap() = Some(Duration::from_secs(1));
+    let runner = Runner::new(engine_pool.clone());
+    let checkout = harness.checkout_leased(Duration::from_secs(2));
+    let mut registry = idemflow::Registry::new();
+    registry
+        .register(harness.checkout_leased(Duration::from_secs(2)))
+        .unwrap();
+    let resumer = idemflow::Resumer::new(runner.clone(), registry);
+    // Statements prepared on both connections first, so every position is the request's own.
+    for warm in 0..2 {
+        executed(
+            &run(
+                &runner,
+                &checkout,
+                &tenant(1),
+                &format!("warm-{warm}"),
+                &body(1),
+            )
+            .await,
+        );
+    }
+
+    let mut position = 1;
+    loop {
+        let key = format!("cut-{position}");
+        let body = body(i64::from(position));
+        proxy.cut_statement(position);
+        let first = run_key(&runner, &checkout, &key, &body).await;
+        if proxy.cut_pending() {
+            // The request sent fewer statements than `position`: every one has been cut.
+            proxy.heal();
+            executed(&first.expect("an uncut request runs"));
+            break;
+        }
+        // Retry until answered, as a client does; what the cut left is the resumer's too.
+        let mut answer = None;
+        for _ in 0..20 {
+            if let Some(Outcome::Executed(response) | Outcome::Replayed(response)) =
+                run_key(&runner, &checkout, &key, &body).await
+            {
+                answer = Some(response);
+                break;
+            }
+            expire_lease(&pool, &key).await;
+            resumer.drain().await.unwrap();
+        }
+        let answer = answer.unwrap_or_else(|| panic!("{key} never answered"));
+        if let Some(Outcome::Executed(response)) = &first {
+            assert_eq!(
+                response, &answer,
+                "{key}: the replay differs from the first answer"
+            );
+        }
+        let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders WHERE key = $1")
+            .bind(&key)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(orders, 1, "{key}: {orders} orders");
+        position += 1;
+        assert!(position < 40, "the sweep never ended");
+    }
+    println!(
+        "cut each of the {} statements of a checkout in turn",
+        position - 1
+    );
+    assert!(
+        position > 8,
+        "a checkout sends more statements than {position}"
+    );
+    let keys = count(&pool, "SELECT count(*) FROM idempotency_keys").await;
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, keys);
+    assert_eq!(harness.provider.charge_count() as i64, keys);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys WHERE state <> 'done'"
+        )
+        .await,
+        0
+    );
+}
+
+/// One attempt of `key`; `None` when it ended in an error (the cut connection, say).
+async fn run_key(
+    runner: &Runner,
+    workflow: &idemflow::Workflow,
+    key: &str,
+    body: &[u8],
+) -> Option<Outcome> {
+    let key = idemflow::Key::parse(key).unwrap();
+    runner
+        .run(workflow, &tenant(1), &key, request(body))
+        .await
+        .ok()
+}
+
+/// A slow network (every message to the database delayed): requests take longer, and nothing
+/// else changes: each is executed once, with the round trips of a fast network.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_slow_network_changes_nothing_but_time(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, proxy) = pool_through(options, connect, 4).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    let checkout = std::sync::Arc::new(harness.checkout());
+    let batch = |prefix: &'static str| {
+        let (runner, checkout) = (runner.clone(), checkout.clone());
+        async move {
+            let mut tasks = tokio::task::JoinSet::new();
+            for index in 0..8 {
+                let (runner, checkout) = (runner.clone(), checkout.clone());
+                tasks.spawn(async move {
+                    let key = format!("{prefix}-{index}");
+                    executed(&run(&runner, &checkout, &tenant(1), &key, &body(index)).await).clone()
+                });
+            }
+            while let Some(joined) = tasks.join_next().await {
+                joined.unwrap();
+            }
+        }
+    };
+    batch("warm").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = proxy.counts().snapshot();
+    batch("fast").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let fast = proxy.counts().snapshot() - before;
+
+    proxy.delay(Duration::from_millis(15));
+    let started = Instant::now();
+    let before = proxy.counts().snapshot();
+    batch("slow").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let slow = proxy.counts().snapshot() - before;
+    proxy.delay(Duration::ZERO);
+
+    assert!(
+        started.elapsed() >= Duration::from_millis(15 * 9),
+        "the delay was felt"
+    );
+    assert_eq!(slow.round_trips, fast.round_trips, "{slow:?} vs {fast:?}");
+    assert_eq!(slow.commits, fast.commits, "{slow:?} vs {fast:?}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 24);
+}

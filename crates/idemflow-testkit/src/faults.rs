@@ -21,9 +21,9 @@
 //! - [`FaultProxy::cut_all`]: every open connection is closed (both sides see end of stream) the
 //!   moment the proxy learns of it; new connections work. A pooled connection that was idle fails
 //!   on its next use: the restart of a database, a pooler's recycling, a load balancer's idle cut.
-//! - [`FaultProxy::cut_next_statement`]: the next statement (`Query` or `Execute`) is forwarded to
-//!   the server and the connection closed before any answer returns: the client cannot know
-//!   whether it ran.
+//! - [`FaultProxy::cut_statement`]: the n-th statement from now (`Query` or `Execute`, on any
+//!   connection) is forwarded to the server and its connection closed before any answer returns:
+//!   the client cannot know whether it ran (a `COMMIT` cut so may have committed).
 //! - [`FaultProxy::delay`]: every client message waits this long before it is forwarded.
 //! - [`FaultProxy::blackhole`]: while on, bytes in both directions are read and dropped, and new
 //!   connections are accepted and never forwarded: only a client's own timeouts end a request.
@@ -31,7 +31,7 @@
 //!   new connection is closed as soon as it is accepted (no server behind it).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -45,7 +45,8 @@ use crate::wire::{WireCounts, count_message};
 struct Faults {
     /// Raised by `cut_all`: each connection ends when it sees the generation change.
     cuts: watch::Sender<u64>,
-    cut_next_statement: AtomicBool,
+    /// Statements to forward before the one whose connection is cut; negative: no cut pending.
+    cut_countdown: AtomicI64,
     blackhole: AtomicBool,
     down: AtomicBool,
     delay_ms: AtomicU64,
@@ -69,7 +70,7 @@ impl FaultProxy {
         let (cuts, _) = watch::channel(0);
         let faults = Arc::new(Faults {
             cuts,
-            cut_next_statement: AtomicBool::new(false),
+            cut_countdown: AtomicI64::new(-1),
             blackhole: AtomicBool::new(false),
             down: AtomicBool::new(false),
             delay_ms: AtomicU64::new(0),
@@ -128,7 +129,19 @@ impl FaultProxy {
     /// Forwards the next statement to the database, then closes its connection before the answer
     /// comes back.
     pub fn cut_next_statement(&self) {
-        self.faults.cut_next_statement.store(true, Ordering::SeqCst);
+        self.cut_statement(1);
+    }
+
+    /// As [`FaultProxy::cut_next_statement`], for the `n`-th statement from now (1: the next).
+    pub fn cut_statement(&self, n: u32) {
+        self.faults
+            .cut_countdown
+            .store(i64::from(n) - 1, Ordering::SeqCst);
+    }
+
+    /// Whether a statement cut is still pending (its statement has not been sent yet).
+    pub fn cut_pending(&self) -> bool {
+        self.faults.cut_countdown.load(Ordering::SeqCst) >= 0
     }
 
     /// Delays every client message by `delay` before it is forwarded (zero: no delay).
@@ -158,9 +171,7 @@ impl FaultProxy {
         self.faults.blackhole.store(false, Ordering::SeqCst);
         self.faults.down.store(false, Ordering::SeqCst);
         self.faults.delay_ms.store(0, Ordering::SeqCst);
-        self.faults
-            .cut_next_statement
-            .store(false, Ordering::SeqCst);
+        self.faults.cut_countdown.store(-1, Ordering::SeqCst);
         self.cut_all();
     }
 }
@@ -255,7 +266,14 @@ async fn forward_messages(
         to.write_i32(length).await?;
         to.write_all(&body).await?;
         let statement = kind == b'Q' || kind == b'E';
-        if statement && faults.cut_next_statement.swap(false, Ordering::SeqCst) {
+        let cut_here = statement
+            && faults
+                .cut_countdown
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                    (left >= 0).then(|| left - 1)
+                })
+                == Ok(0);
+        if cut_here {
             // An Execute is answered only after the Sync that follows it: send that too, so
             // the statement runs, then close before the answer can come back.
             if kind == b'E' {
