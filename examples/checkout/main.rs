@@ -70,6 +70,11 @@ struct Database {
     /// PostgreSQL URL [default: $DATABASE_URL]
     #[arg(long, value_name = "URL")]
     database_url: Option<String>,
+    /// Change no schema at start-up: the engine's migrations and the example's table were
+    /// created by the schema's owner (`idemflow migrate`), and this process runs as a role
+    /// that may only read and write (docs/operations.md, Least privilege)
+    #[arg(long)]
+    no_migrate: bool,
 }
 
 #[derive(Debug, Args)]
@@ -356,9 +361,26 @@ async fn connect(database: &Database) -> Result<PgPool, Failure> {
                 redact_password(&url)
             )
         })?;
-    idemflow::migrate(&pool).await?;
-    sqlx::query(workflow::ORDERS_TABLE).execute(&pool).await?;
+    if !database.no_migrate {
+        create_schema(&pool).await?;
+    }
     Ok(pool)
+}
+
+/// The schema this process needs, created by whichever of the processes starting at once gets
+/// there first. The engine's migrator serializes itself (an advisory lock); the example's table
+/// is created under a lock of its own, in one transaction: `CREATE TABLE IF NOT EXISTS` checks
+/// for the table before it inserts into the catalog, so two processes creating it at once both
+/// find none and one dies on the catalog's unique index.
+async fn create_schema(pool: &PgPool) -> Result<(), Failure> {
+    idemflow::migrate(pool).await?;
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idemflow.examples.checkout.schema'))")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(workflow::ORDERS_TABLE).execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 /// `postgres://user:secret@host/db` → `postgres://user:***@host/db`.

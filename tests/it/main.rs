@@ -23,5 +23,6 @@ mod retention;
 mod roles;
 mod round_trips;
 mod simulate;
+mod startup;
 mod slow_clients;
 mod tidy;

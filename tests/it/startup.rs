@@ -1,0 +1,82 @@
+//! Start-up is safe however many processes start at once: every step that changes the schema (the
+//! engine's migrations, the example's own table) is serialized, so no process dies of another's
+//! concurrent `CREATE` (once: `duplicate key value violates unique constraint
+//! "pg_type_typname_nsp_index"`, the example creating its table outside the migrator's lock).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use idemflow_testkit::provider::MockProvider;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::support::example::{database_url, example_binary};
+
+/// Kills its processes however the test ends.
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn services_and_workers_started_at_once_on_a_fresh_database_all_come_up(
+    _: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
+    let provider = MockProvider::start().await;
+    let url = database_url(&connect);
+    let mut processes = Processes(Vec::new());
+    // Four services and four workers, all started before any has migrated.
+    for index in 0..8 {
+        let mut command = Command::new(&binary);
+        if index % 2 == 0 {
+            command.args(["serve", "--bind", "127.0.0.1:0"]);
+        } else {
+            command.args(["worker", "--metrics-bind", "127.0.0.1:0"]);
+        }
+        command
+            .args(["--database-url", &url, "--psp-url", provider.url()])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        processes.0.push(command.spawn().unwrap());
+    }
+    // Each must come up: a service says "listening on", a worker "resuming abandoned checkouts"; a process
+    // that dies first has its stderr shown.
+    let mut waits = Vec::new();
+    for child in &mut processes.0 {
+        let stdout = child.stdout.take().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        waits.push(tokio::task::spawn_blocking(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            for line in lines.by_ref() {
+                let line = line.unwrap();
+                if line.contains("listening on") || line.contains("resuming abandoned") {
+                    return Ok(line);
+                }
+            }
+            let mut error = String::new();
+            for line in BufReader::new(stderr).lines() {
+                error.push_str(&line.unwrap());
+                error.push('\n');
+            }
+            Err(error)
+        }));
+    }
+    for (index, wait) in waits.into_iter().enumerate() {
+        let came_up = tokio::time::timeout(std::time::Duration::from_secs(60), wait)
+            .await
+            .expect("a process neither came up nor ended")
+            .unwrap();
+        if let Err(error) = came_up {
+            panic!("process {index} died at start-up:\n{error}");
+        }
+    }
+}
