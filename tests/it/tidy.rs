@@ -357,3 +357,112 @@ fn what_the_documents_shell_blocks_run_exists() {
     }
     assert!(offences.is_empty(), "\n{}", offences.join("\n"));
 }
+
+/// The store's modules on the request path: every statement a request sends. (The resumer's scan,
+/// retention and operators' reports in maintenance.rs span tenants by design.)
+const REQUEST_PATH: &[&str] = &[
+    "statements.rs",
+    "look_up.rs",
+    "claim.rs",
+    "take_over.rs",
+    "fenced_writes.rs",
+];
+
+/// The string literals of a Rust source (up to its tests), with `\`-newline continuations joined.
+fn string_literals(source: &str) -> Vec<String> {
+    let source = source.split("#[cfg(test)]").next().unwrap_or(source);
+    let mut literals = Vec::new();
+    let mut chars = source.chars().peekable();
+    let mut in_comment = false;
+    let mut previous = ' ';
+    while let Some(ch) = chars.next() {
+        if in_comment {
+            in_comment = ch != '\n';
+            continue;
+        }
+        if ch == '/' && previous == '/' {
+            in_comment = true;
+            continue;
+        }
+        previous = ch;
+        if ch != '"' {
+            continue;
+        }
+        let mut literal = String::new();
+        while let Some(ch) = chars.next() {
+            match ch {
+                '"' => break,
+                '\\' => match chars.next() {
+                    Some('\n') => {
+                        while chars.peek().is_some_and(|next| next.is_whitespace()) {
+                            chars.next();
+                        }
+                    }
+                    Some(escaped) => literal.push(escaped),
+                    None => {}
+                },
+                _ => literal.push(ch),
+            }
+        }
+        literals.push(literal);
+        previous = ' ';
+    }
+    literals
+}
+
+/// The statements of `source` that read or write `idempotency_keys` without naming a tenant, and
+/// how many statements on the table it holds.
+fn statements_without_tenant(source: &str) -> (Vec<String>, usize) {
+    let (mut missing, mut checked) = (Vec::new(), 0);
+    for literal in string_literals(source) {
+        for statement in literal.split(';') {
+            let sql = statement.split_whitespace().collect::<Vec<_>>().join(" ");
+            let upper = format!("{} ", sql.to_ascii_uppercase());
+            let insert = upper.contains("INTO IDEMPOTENCY_KEYS ");
+            let names_table = insert
+                || upper.contains("FROM IDEMPOTENCY_KEYS ")
+                || upper.contains("UPDATE IDEMPOTENCY_KEYS ");
+            if !names_table {
+                continue;
+            }
+            checked += 1;
+            let names_tenant = if insert {
+                upper.contains("(TENANT,")
+            } else {
+                upper.contains("WHERE TENANT = $")
+            };
+            if !names_tenant {
+                missing.push(sql);
+            }
+        }
+    }
+    (missing, checked)
+}
+
+/// Every statement on the request path names its tenant, so each can be routed to the one node
+/// holding that tenant's keys when the table is distributed by tenant (docs/scaling.md): a read,
+/// update or delete of `idempotency_keys` filters on `tenant = $n`, an insert writes the tenant.
+#[test]
+fn every_request_path_statement_filters_by_tenant() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for file in REQUEST_PATH {
+        let source =
+            std::fs::read_to_string(root.join("crates/idemflow-pg/src").join(file)).unwrap();
+        let (missing, found) = statements_without_tenant(&source);
+        assert!(
+            missing.is_empty(),
+            "{file}: request-path statements that do not name their tenant: {missing:#?}"
+        );
+        checked += found;
+    }
+    assert!(
+        checked >= 8,
+        "only {checked} statements found: the scan is broken"
+    );
+    // The check itself catches a statement by key alone.
+    let (missing, _) = statements_without_tenant(
+        "const S: &str = \"UPDATE idempotency_keys \\\n SET x = 1 WHERE key = $1\";",
+    );
+    assert_eq!(missing.len(), 1, "{missing:?}");
+}
