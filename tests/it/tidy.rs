@@ -440,7 +440,7 @@ fn statements_without_tenant(source: &str) -> (Vec<String>, usize) {
 }
 
 /// Every statement on the request path names its tenant, so each can be routed to the one node
-/// holding that tenant's keys when the table is distributed by tenant (docs/scaling.md): a read,
+/// holding that tenant's keys when the table is distributed by tenant (Citus, say): a read,
 /// update or delete of `idempotency_keys` filters on `tenant = $n`, an insert writes the tenant.
 #[test]
 fn every_request_path_statement_filters_by_tenant() {
