@@ -47,6 +47,14 @@ const ALLOWED: &[(&str, &str)] = &[
         "seeds finished keys in bulk and counts rows, as a test would",
     ),
     (
+        "crates/idemflow-bench/src/mass_crash.rs",
+        "checks what a crash left (counts, stuck keys) and ends the killed services' leases, as a test would",
+    ),
+    (
+        "crates/idemflow-bench/src/provider_storm.rs",
+        "counts finished keys to check the storm, as a test would",
+    ),
+    (
         "crates/idemflow-testkit/src/explorer.rs",
         "a test harness: reads rows and rewinds leases, as tests do",
     ),

@@ -30,7 +30,35 @@ pub struct Config {
     pub retention_clients: usize,
     /// Requests counted on the wire per workload (after a warm-up).
     pub wire_requests: u64,
+    /// Workload 8 (the duplicate storm through the mock provider): keys, sends per key, clients.
+    pub provider_storm_keys: usize,
+    pub provider_storm_duplicates: usize,
+    pub provider_storm_clients: usize,
+    /// Workload 9 (the mass crash): checkout `serve` processes, keys sent to them (spread over
+    /// the ramp), the ramp, and the numbers of `worker` processes that recover them (a run each).
+    pub crash_serves: usize,
+    pub crash_keys: usize,
+    pub crash_ramp: Duration,
+    pub crash_workers: Vec<usize>,
+    /// Only these sections run (`--only`); `None`: all of them.
+    pub only: Option<Vec<&'static str>>,
 }
+
+/// The sections a run can be limited to (`--only`), by name; workloads also by number (`--only
+/// 8,9`) or by their report identifier (`8-provider-storm`).
+pub const SECTIONS: &[(&str, &str)] = &[
+    ("wire", "wire"),
+    ("1", "checkout"),
+    ("2", "local-only"),
+    ("3", "replay"),
+    ("pgbench", "pgbench"),
+    ("4", "storm"),
+    ("5", "drain"),
+    ("6", "retention"),
+    ("7", "http"),
+    ("8", "provider-storm"),
+    ("9", "mass-crash"),
+];
 
 impl Config {
     /// The full run documented in docs/benchmarks.md.
@@ -52,6 +80,14 @@ impl Config {
             retention_batch: 1000,
             retention_clients: 8,
             wire_requests: 20,
+            provider_storm_keys: 1000,
+            provider_storm_duplicates: 20,
+            provider_storm_clients: 50,
+            crash_serves: 2,
+            crash_keys: 2200,
+            crash_ramp: Duration::from_secs(2),
+            crash_workers: vec![1, 2, 4],
+            only: None,
         }
     }
 
@@ -70,8 +106,64 @@ impl Config {
             drain_keys: 300,
             retention_rows: 20_000,
             wire_requests: 10,
+            provider_storm_keys: 40,
+            provider_storm_duplicates: 5,
+            provider_storm_clients: 8,
+            crash_keys: 60,
+            crash_ramp: Duration::from_millis(200),
+            crash_workers: vec![1],
             ..Self::full(database_url)
         }
+    }
+
+    /// Limits the run to the named sections (see [`SECTIONS`]): a workload's number, its name, or
+    /// its report identifier (`8`, `provider-storm`, `8-provider-storm`), or `wire`, `pgbench`.
+    pub fn select(&mut self, names: &[String]) -> Result<(), String> {
+        let mut chosen = Vec::new();
+        for name in names
+            .iter()
+            .map(|name| name.trim())
+            .filter(|name| !name.is_empty())
+        {
+            let found = SECTIONS.iter().find(|(short, long)| {
+                name == *short
+                    || name == *long
+                    || name
+                        .split_once('-')
+                        .is_some_and(|(number, rest)| number == *short && rest == *long)
+            });
+            match found {
+                Some(&(_, long)) => chosen.push(long),
+                None => {
+                    let known: Vec<String> = SECTIONS
+                        .iter()
+                        .map(|(short, long)| {
+                            if short == long {
+                                (*long).to_owned()
+                            } else {
+                                format!("{short} ({long})")
+                            }
+                        })
+                        .collect();
+                    return Err(format!(
+                        "--only {name}: no such workload; one of {}",
+                        known.join(", ")
+                    ));
+                }
+            }
+        }
+        if chosen.is_empty() {
+            return Err("--only names no workload".to_owned());
+        }
+        self.only = Some(chosen);
+        Ok(())
+    }
+
+    /// Whether a section runs: by its name in [`SECTIONS`] (`checkout`, `mass-crash`, ...).
+    pub fn runs(&self, section: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|only| only.contains(&section))
     }
 
     /// The client count the targets are judged at: 32 when measured, else the largest.
@@ -81,5 +173,26 @@ impl Config {
         } else {
             self.clients.iter().copied().max().unwrap_or(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Config;
+
+    #[test]
+    fn only_takes_numbers_names_and_report_identifiers() {
+        let mut config = Config::quick("postgres://localhost/x");
+        assert!(config.runs("checkout") && config.runs("mass-crash"));
+        let names = ["8-provider-storm", " 9", "wire"].map(str::to_owned);
+        assert_eq!(config.select(&names), Ok(()));
+        assert_eq!(
+            config.only.as_deref(),
+            Some(&["provider-storm", "mass-crash", "wire"][..])
+        );
+        assert!(config.runs("provider-storm") && !config.runs("checkout"));
+        assert!(config.select(&["10".to_owned()]).is_err());
+        assert!(config.select(&["9-storm".to_owned()]).is_err());
+        assert!(config.select(&[String::new()]).is_err());
     }
 }

@@ -10,7 +10,9 @@ mod config;
 mod db;
 mod http;
 mod load;
+mod mass_crash;
 mod pgbench;
+mod provider_storm;
 mod raw;
 pub mod report;
 mod wire_counts;
@@ -19,7 +21,7 @@ mod workloads;
 
 use std::time::Instant;
 
-pub use config::Config;
+pub use config::{Config, SECTIONS};
 pub use db::ServerCounts;
 pub use load::LatencySummary;
 pub use report::Report;

@@ -31,6 +31,11 @@ struct Args {
     /// Skip pgbench even where it is installed
     #[arg(long)]
     no_pgbench: bool,
+    /// Run only these, comma-separated: workload numbers or names (1 checkout, 2 local-only,
+    /// 3 replay, 4 storm, 5 drain, 6 retention, 7 http, 8 provider-storm, 9 mass-crash), wire,
+    /// pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
+    #[arg(long, value_delimiter = ',', value_name = "WORKLOADS")]
+    only: Option<Vec<String>>,
     /// The server (a scratch database is created on it); default $DATABASE_URL
     #[arg(long)]
     database_url: Option<String>,
@@ -64,6 +69,18 @@ async fn main() -> ExitCode {
     }
     if args.no_pgbench {
         config.pgbench = false;
+    }
+    let only = args.only.or_else(|| {
+        std::env::var("IDEMFLOW_BENCH_ONLY")
+            .ok()
+            .filter(|names| !names.trim().is_empty())
+            .map(|names| names.split(',').map(str::to_owned).collect())
+    });
+    if let Some(names) = only
+        && let Err(message) = config.select(&names)
+    {
+        eprintln!("idemflow-bench: {message}");
+        return ExitCode::from(2);
     }
     let report = match idemflow_bench::run(&config).await {
         Ok(report) => report,

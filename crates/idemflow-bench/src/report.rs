@@ -17,6 +17,8 @@ pub const DRAIN: &str = "5-drain";
 pub const RETENTION: &str = "6-retention";
 pub const HTTP_CHECKOUT: &str = "7-http-checkout";
 pub const HTTP_REPLAY: &str = "7-http-replay";
+pub const PROVIDER_STORM: &str = "8-provider-storm";
+pub const MASS_CRASH: &str = "9-mass-crash";
 
 /// Variants of a workload.
 pub const ENGINE: &str = "engine";
@@ -43,6 +45,10 @@ pub struct Report {
     pub storm: Option<Storm>,
     pub drain: Vec<Drain>,
     pub retention: Option<Retention>,
+    /// Workload 8: the duplicate storm through the checkout workflow and the mock provider.
+    pub provider_storm: Option<ProviderStorm>,
+    /// Workload 9: one run per number of recovering worker processes.
+    pub mass_crash: Vec<MassCrash>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -114,6 +120,82 @@ pub struct Storm {
     pub winners: LatencySummary,
     pub in_progress_latency: LatencySummary,
     pub replayed_latency: LatencySummary,
+}
+
+/// Workload 8: `keys` keys, each sent `duplicates` times by `clients` clients taking the sends
+/// in order from one queue (a key's sends are consecutive, so they run at once on different
+/// clients), through the engine with a checkout workflow whose foreign phase charges the
+/// testkit's mock provider over HTTP.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProviderStorm {
+    pub clients: usize,
+    pub keys: usize,
+    pub duplicates: usize,
+    pub requests: u64,
+    pub seconds: f64,
+    pub per_second: f64,
+    /// Outcomes: first runs, stored answers, 409s (the key in progress), anything else.
+    pub executed: u64,
+    pub replayed: u64,
+    pub in_progress: u64,
+    pub other: u64,
+    /// The most `Executed` outcomes any one key got (1 when every key ran once).
+    pub max_executions_per_key: u64,
+    /// Orders rows of the storm's keys; the provider's own ledger: charges and calls under the
+    /// storm's derived keys.
+    pub orders: u64,
+    pub provider_charges: u64,
+    pub provider_calls: u64,
+    /// Every replayed body was byte-equal to its key's first answer.
+    pub replays_byte_equal: bool,
+    /// One Executed, one order, one provider call and charge, one finished key per key.
+    pub one_execution_per_key: bool,
+    pub executed_latency: LatencySummary,
+    pub replayed_latency: LatencySummary,
+    pub in_progress_latency: LatencySummary,
+}
+
+/// Workload 9: `serves` checkout `serve` processes SIGKILLed at once with requests in flight,
+/// then recovered by `workers` checkout `worker` processes (started before the load).
+#[derive(Debug, Clone, Serialize)]
+pub struct MassCrash {
+    pub serves: usize,
+    pub workers: usize,
+    /// Keys sent (one request each), spread over the serves and over the ramp.
+    pub keys: u64,
+    pub ramp_secs: f64,
+    /// The provider's script: calls held without an answer (never executed), and calls
+    /// executed `delay_margin_ms` after the end of the ramp (after the kill, their callers gone).
+    pub held_keys: u64,
+    pub delayed_keys: u64,
+    pub delay_margin_ms: f64,
+    /// Load start → the kill (every key's call had reached the provider by then).
+    pub kill_at_secs: f64,
+    /// Requests answered before the kill, and sent but not answered when it came.
+    pub answered_before_kill: u64,
+    pub in_flight_at_kill: u64,
+    /// Keys the engine had claimed by the kill (the rest never reached it).
+    pub claimed: u64,
+    pub done_at_kill: u64,
+    /// Charges the provider executed for the run's keys by the kill, and after it.
+    pub charged_at_kill: u64,
+    pub charged_after_kill: u64,
+    /// Kill → the provider had nothing in flight and the leases were ended in SQL.
+    pub settle_seconds: f64,
+    /// Kill → every claimed key done (the drain time).
+    pub drain_seconds: f64,
+    /// Leases ended → every claimed key done: the workers' own time.
+    pub workers_seconds: f64,
+    /// Keys the workers finished per second of `workers_seconds`.
+    pub keys_per_second: f64,
+    /// The provider's ledger per derived key of a claimed key: the most calls, and whether each
+    /// holds exactly one charge.
+    pub max_provider_calls_per_key: u64,
+    pub one_charge_per_key: bool,
+    /// One order, paid, per claimed key.
+    pub one_order_per_key: bool,
+    /// Claimed keys not done by the deadline.
+    pub stuck: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -229,86 +311,90 @@ impl Report {
                 ""
             },
         );
-        let _ = writeln!(out);
-        let _ = writeln!(
-            out,
-            "{:<16} {:<33} {:>3} {:>9} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
-            "workload",
-            "variant",
-            "cl",
-            "req/s",
-            "p50 ms",
-            "p95 ms",
-            "p99 ms",
-            "ratio",
-            "cpu µs",
-            "xc/req",
-            "st/req",
-            "target",
-            "met?"
-        );
-        for run in &self.runs {
-            let target = self.target_for(run);
+        if !self.runs.is_empty() {
+            let _ = writeln!(out);
             let _ = writeln!(
                 out,
-                "{:<16} {:<33} {:>3} {:>9.0} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
-                run.workload,
-                run.variant,
-                run.clients,
-                run.per_second,
-                ms(run.latency.p50_ms.or(run.latency.mean_ms)),
-                ms(run.latency.p95_ms),
-                ms(run.latency.p99_ms),
-                self.ratio(run)
-                    .map_or("".to_owned(), |ratio| format!("{ratio:.2}")),
-                run.client_cpu_us_per_request
-                    .map_or("".to_owned(), |us| format!("{us:.0}")),
-                run.server
-                    .map_or("".to_owned(), |s| format!("{:.2}", s.commits_per_request)),
-                run.server
-                    .and_then(|s| s.statements_per_request)
-                    .map_or("".to_owned(), |s| format!("{s:.2}")),
-                target.map_or("", |target| target.target.as_str()),
-                target.map_or("", |target| met(target.met)),
+                "{:<16} {:<33} {:>3} {:>9} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
+                "workload",
+                "variant",
+                "cl",
+                "req/s",
+                "p50 ms",
+                "p95 ms",
+                "p99 ms",
+                "ratio",
+                "cpu µs",
+                "xc/req",
+                "st/req",
+                "target",
+                "met?"
+            );
+            for run in &self.runs {
+                let target = self.target_for(run);
+                let _ = writeln!(
+                    out,
+                    "{:<16} {:<33} {:>3} {:>9.0} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
+                    run.workload,
+                    run.variant,
+                    run.clients,
+                    run.per_second,
+                    ms(run.latency.p50_ms.or(run.latency.mean_ms)),
+                    ms(run.latency.p95_ms),
+                    ms(run.latency.p99_ms),
+                    self.ratio(run)
+                        .map_or("".to_owned(), |ratio| format!("{ratio:.2}")),
+                    run.client_cpu_us_per_request
+                        .map_or("".to_owned(), |us| format!("{us:.0}")),
+                    run.server
+                        .map_or("".to_owned(), |s| format!("{:.2}", s.commits_per_request)),
+                    run.server
+                        .and_then(|s| s.statements_per_request)
+                        .map_or("".to_owned(), |s| format!("{s:.2}")),
+                    target.map_or("", |target| target.target.as_str()),
+                    target.map_or("", |target| met(target.met)),
+                );
+            }
+            let _ = writeln!(
+                out,
+                "ratio: engine rows ÷ raw sqlx at the same clients; pgbench rows: engine ÷ pgbench. \
+                 cpu µs: this process's CPU time per request (engine + sqlx + tokio; HTTP rows: + server and client). \
+                 xc/req: pg_stat_database xact_commit per request (read-only transactions included); \
+                 st/req: pg_stat_statements calls per request."
             );
         }
-        let _ = writeln!(
-            out,
-            "ratio: engine rows ÷ raw sqlx at the same clients; pgbench rows: engine ÷ pgbench. \
-             cpu µs: this process's CPU time per request (engine + sqlx + tokio; HTTP rows: + server and client). \
-             xc/req: pg_stat_database xact_commit per request (read-only transactions included); \
-             st/req: pg_stat_statements calls per request."
-        );
 
-        let _ = writeln!(out, "\ncounted on the wire (one client, after a warm-up):");
-        let _ = writeln!(
-            out,
-            "{:<16} {:<33} {:>5} {:>8} {:>12} {:>6} {:>10}",
-            "workload", "variant", "reqs", "commits", "round trips", "pings", "documented"
-        );
-        for count in &self.wire {
-            let documented = match (count.expected_commits, count.expected_round_trips) {
-                (Some(commits), Some(trips)) => format!(
-                    "{commits}/{trips} {}",
-                    if count.as_documented() {
-                        "ok"
-                    } else {
-                        "DIFFERS"
-                    }
-                ),
-                _ => String::new(),
-            };
+        if !self.wire.is_empty() {
+            let _ = writeln!(out, "\ncounted on the wire (one client, after a warm-up):");
             let _ = writeln!(
                 out,
-                "{:<16} {:<33} {:>5} {:>8.2} {:>12.2} {:>6.2} {:>10}",
-                count.workload,
-                count.variant,
-                count.requests,
-                count.commits_per_request,
-                count.round_trips_per_request,
-                count.pings_per_request,
-                documented
+                "{:<16} {:<33} {:>5} {:>8} {:>12} {:>6} {:>10}",
+                "workload", "variant", "reqs", "commits", "round trips", "pings", "documented"
             );
+            for count in &self.wire {
+                let documented = match (count.expected_commits, count.expected_round_trips) {
+                    (Some(commits), Some(trips)) => format!(
+                        "{commits}/{trips} {}",
+                        if count.as_documented() {
+                            "ok"
+                        } else {
+                            "DIFFERS"
+                        }
+                    ),
+                    _ => String::new(),
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<16} {:<33} {:>5} {:>8.2} {:>12.2} {:>6.2} {:>10}",
+                    count.workload,
+                    count.variant,
+                    count.requests,
+                    count.commits_per_request,
+                    count.round_trips_per_request,
+                    count.pings_per_request,
+                    documented
+                );
+            }
         }
         if let Some(calls) = self.hook_calls_per_request {
             let _ = writeln!(
@@ -391,6 +477,102 @@ impl Report {
             }
         }
 
+        if let Some(storm) = &self.provider_storm {
+            let _ = writeln!(
+                out,
+                "\nduplicate storm through the mock provider (8): {} keys × {} sends from {} clients = {} \
+                 requests in {:.2} s ({:.0}/s): {} executed, {} answered 409 in progress, {} replayed, {} other",
+                storm.keys,
+                storm.duplicates,
+                storm.clients,
+                storm.requests,
+                storm.seconds,
+                storm.per_second,
+                storm.executed,
+                storm.in_progress,
+                storm.replayed,
+                storm.other
+            );
+            let _ = writeln!(
+                out,
+                "  orders {}, provider charges {} (calls {}), executions per key at most {}, replays \
+                 byte-equal: {}; one execution per key: {}",
+                storm.orders,
+                storm.provider_charges,
+                storm.provider_calls,
+                storm.max_executions_per_key,
+                storm.replays_byte_equal,
+                storm.one_execution_per_key
+            );
+            let _ = writeln!(
+                out,
+                "  latency p50/p99/max ms: first runs {}, replays {}, 409s {}",
+                triple(&storm.executed_latency),
+                triple(&storm.replayed_latency),
+                triple(&storm.in_progress_latency)
+            );
+        }
+        if !self.mass_crash.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nmass crash (9): checkout serve processes SIGKILLed at once with requests in flight, \
+                 leases then ended in SQL; worker processes finish the keys:"
+            );
+            let _ = writeln!(
+                out,
+                "  {:>2} {:>7} {:>6} {:>6} {:>9} {:>7} {:>7} {:>8} {:>9} {:>9} {:>9} {:>6} {:>5} {:>5} {:>5}",
+                "sv",
+                "workers",
+                "keys",
+                "kill@s",
+                "in flight",
+                "claimed",
+                "done@k",
+                "charged",
+                "settle s",
+                "drain s",
+                "workers s",
+                "keys/s",
+                "calls",
+                "1 chg",
+                "stuck"
+            );
+            for run in &self.mass_crash {
+                let _ = writeln!(
+                    out,
+                    "  {:>2} {:>7} {:>6} {:>6.2} {:>9} {:>7} {:>7} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>6.0} {:>5} {:>5} {:>5}",
+                    run.serves,
+                    run.workers,
+                    run.keys,
+                    run.kill_at_secs,
+                    run.in_flight_at_kill,
+                    run.claimed,
+                    run.done_at_kill,
+                    format!("{}+{}", run.charged_at_kill, run.charged_after_kill),
+                    run.settle_seconds,
+                    run.drain_seconds,
+                    run.workers_seconds,
+                    run.keys_per_second,
+                    run.max_provider_calls_per_key,
+                    if run.one_charge_per_key && run.one_order_per_key {
+                        "yes"
+                    } else {
+                        "NO"
+                    },
+                    run.stuck
+                );
+            }
+            let _ = writeln!(
+                out,
+                "  kill@s: load start → kill (every call at the provider by then; ramp {:.1} s); \
+                 in flight: sent, not answered at the kill; done@k: keys already done then; charged: \
+                 provider charges by the kill + after it (delayed calls whose callers were gone); \
+                 settle: kill → the provider has nothing in flight and the leases are ended; drain: \
+                 kill → every claimed key done; workers s: leases ended → done; calls: most provider \
+                 calls under one derived key; 1 chg: one charge and one paid order per key",
+                self.mass_crash[0].ramp_secs
+            );
+        }
         let _ = writeln!(
             out,
             "\ntargets (judged at {} clients):",

@@ -84,7 +84,7 @@ pub const INSERT_ORDER: &str =
     "INSERT INTO orders (tenant, key, amount) VALUES ($1, $2, $3) RETURNING id";
 pub const MARK_PAID: &str = "UPDATE orders SET status = $2, paid_by = $3 WHERE id = $1";
 
-struct CreateOrder;
+pub(crate) struct CreateOrder;
 
 #[async_trait::async_trait]
 impl LocalPhase for CreateOrder {
@@ -148,7 +148,7 @@ impl ForeignPhase for Charge {
     }
 }
 
-struct MarkPaid;
+pub(crate) struct MarkPaid;
 
 #[async_trait::async_trait]
 impl LocalPhase for MarkPaid {

@@ -24,7 +24,10 @@ use crate::report::{
 };
 use crate::wire_counts::{self, WireCount, counted_pool, settle};
 use crate::workflows::{self, CLAIMED_AT, CountingHook, Ledger, NeverCrash, TENANT};
-use crate::{DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, http, pgbench};
+use crate::{
+    DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, http, mass_crash,
+    pgbench, provider_storm,
+};
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, Error>> + Send>>;
 /// One request of a workload: `(client, sequence)` → the request's claim time, if it has one.
@@ -115,24 +118,35 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
     };
     trace("start");
 
-    eprintln!("idemflow-bench: counting commits and round trips on the wire");
-    let (wire, hook_calls_per_request) = wire_counts(&ctx).await?;
+    let (wire, hook_calls_per_request) = if config.runs("wire") {
+        eprintln!("idemflow-bench: counting commits and round trips on the wire");
+        wire_counts(&ctx).await?
+    } else {
+        (Vec::new(), None)
+    };
 
     let mut runs = Vec::new();
-    for &clients in &config.clients {
-        trace(&format!("workloads 1-3 at {clients} clients"));
-        let plans: [&[(&str, &str)]; 3] = [
+    let plans: [(&str, &[(&str, &str)]); 3] = [
+        (
+            "checkout",
             &[(CHECKOUT, ENGINE), (CHECKOUT, ENGINE_HOOK), (CHECKOUT, RAW)],
-            &[(LOCAL_ONLY, ENGINE), (LOCAL_ONLY, RAW)],
-            &[(REPLAY, ENGINE), (REPLAY, RAW)],
-        ];
-        for plan in plans {
-            runs.extend(interleaved(&ctx, clients, plan).await?);
+        ),
+        ("local-only", &[(LOCAL_ONLY, ENGINE), (LOCAL_ONLY, RAW)]),
+        ("replay", &[(REPLAY, ENGINE), (REPLAY, RAW)]),
+    ];
+    if plans.iter().any(|(section, _)| config.runs(section)) {
+        for &clients in &config.clients {
+            trace(&format!("workloads 1-3 at {clients} clients"));
+            for (section, plan) in plans {
+                if config.runs(section) {
+                    runs.extend(interleaved(&ctx, clients, plan).await?);
+                }
+            }
         }
     }
 
-    match (config.pgbench, pgbench::version()) {
-        (false, _) => notes.push("pgbench skipped (quick mode or --no-pgbench)".to_owned()),
+    match (config.pgbench && config.runs("pgbench"), pgbench::version()) {
+        (false, _) => notes.push("pgbench skipped (quick mode, --no-pgbench or --only)".to_owned()),
         (true, None) => {
             notes.push("pgbench is not installed: no C-client limit measured".to_owned())
         }
@@ -143,20 +157,59 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         }
     }
 
-    trace("storm");
-    eprintln!("idemflow-bench: duplicate storm");
-    let storm = storm(&ctx).await?;
+    let storm = if config.runs("storm") {
+        trace("storm");
+        eprintln!("idemflow-bench: duplicate storm");
+        Some(storm(&ctx).await?)
+    } else {
+        None
+    };
     let mut drains = Vec::new();
-    for &resumers in &config.drain_resumers {
-        drains.push(drain(&ctx, resumers).await?);
+    if config.runs("drain") {
+        for &resumers in &config.drain_resumers {
+            drains.push(drain(&ctx, resumers).await?);
+        }
     }
-    trace("retention");
-    let retention = retention(&ctx).await?;
-    trace("http");
-    for &clients in &config.clients {
-        runs.extend(
-            interleaved(&ctx, clients, &[(HTTP_CHECKOUT, HTTP), (HTTP_REPLAY, HTTP)]).await?,
+    let retention = if config.runs("retention") {
+        trace("retention");
+        Some(retention(&ctx).await?)
+    } else {
+        None
+    };
+    if config.runs("http") {
+        trace("http");
+        for &clients in &config.clients {
+            runs.extend(
+                interleaved(&ctx, clients, &[(HTTP_CHECKOUT, HTTP), (HTTP_REPLAY, HTTP)]).await?,
+            );
+        }
+    }
+    let provider_storm = if config.runs("provider-storm") {
+        trace("provider storm");
+        eprintln!(
+            "idemflow-bench: duplicate storm through the mock provider: {} keys × {} sends, {} clients",
+            config.provider_storm_keys,
+            config.provider_storm_duplicates,
+            config.provider_storm_clients
         );
+        let prefix = ctx.prefix("provider-storm");
+        Some(provider_storm::run(config, scratch, &ctx.tenant, &prefix).await?)
+    } else {
+        None
+    };
+    let mut mass_crash = Vec::new();
+    if config.runs("mass-crash") {
+        trace("mass crash");
+        let binary = tokio::task::spawn_blocking(mass_crash::checkout_binary).await??;
+        for &workers in &config.crash_workers {
+            eprintln!(
+                "idemflow-bench: mass crash: {} keys over {} serve processes, recovered by {workers} \
+                 worker process(es)",
+                config.crash_keys, config.crash_serves
+            );
+            let prefix = ctx.prefix(&format!("crash{workers}"));
+            mass_crash.push(mass_crash::run(config, scratch, &binary, workers, &prefix).await?);
+        }
     }
 
     trace("end");
@@ -175,6 +228,18 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
     if config.quick {
         notes.push("quick mode: a smoke test; only the counts are meaningful".to_owned());
     }
+    if let Some(only) = &config.only {
+        notes.push(format!("only these ran (--only): {}", only.join(", ")));
+    }
+    if !mass_crash.is_empty() {
+        notes.push(
+            "mass crash: the leases of the keys left started were ended in SQL after the kill \
+             (UPDATE … SET locked_until = least(locked_until, now()), then NOTIFY idemflow_due, as \
+             the CLI's end-lease does), once the provider had nothing in flight: recovery time is \
+             the workers', not the 30 s lease's"
+                .to_owned(),
+        );
+    }
 
     let mut report = Report {
         quick: config.quick,
@@ -190,15 +255,21 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         wire,
         hook_calls_per_request,
         hook_nanos_per_call: Some(workflows::hook_nanos_per_call().await),
-        storm: Some(storm),
+        storm,
         drain: drains,
-        retention: Some(retention),
+        retention,
+        provider_storm,
+        mass_crash,
         targets: Vec::new(),
         load_trace,
         notes,
         seconds: 0.0,
     };
     report.targets = targets(config, &report);
+    if config.only.is_some() {
+        // Only what was measured.
+        report.targets.retain(|target| target.met.is_some());
+    }
     Ok(report)
 }
 
@@ -1216,6 +1287,49 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
             }),
             target: "1".to_owned(),
             met: replay_trips.map(|trips| trips <= 1.0),
+        });
+    }
+    if let Some(storm) = &report.provider_storm {
+        targets.push(Target {
+            name: "8 provider storm: executions per key".to_owned(),
+            measured: if storm.one_execution_per_key {
+                "exactly 1"
+            } else {
+                "not 1"
+            }
+            .to_owned(),
+            target: "exactly 1".to_owned(),
+            met: Some(storm.one_execution_per_key),
+        });
+        targets.push(Target {
+            name: "8 provider storm: provider charges = orders = keys".to_owned(),
+            measured: format!("{} = {}", storm.provider_charges, storm.orders),
+            target: format!("{}", storm.keys),
+            met: Some(
+                storm.provider_charges == storm.keys as u64 && storm.orders == storm.keys as u64,
+            ),
+        });
+    }
+    for run in &report.mass_crash {
+        targets.push(Target {
+            name: format!(
+                "9 mass crash, {} worker(s): charges per derived key",
+                run.workers
+            ),
+            measured: if run.one_charge_per_key {
+                "exactly 1"
+            } else {
+                "not 1"
+            }
+            .to_owned(),
+            target: "exactly 1".to_owned(),
+            met: Some(run.one_charge_per_key && run.one_order_per_key),
+        });
+        targets.push(Target {
+            name: format!("9 mass crash, {} worker(s): stuck keys", run.workers),
+            measured: format!("{}", run.stuck),
+            target: "0".to_owned(),
+            met: Some(run.stuck == 0),
         });
     }
     let one = report.drain.iter().find(|drain| drain.resumers == 1);

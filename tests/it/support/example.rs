@@ -146,3 +146,80 @@ pub const DEMO_STEPS: &[&str] = &[
     "== demo passed: every step behaved as expected ==",
     "checkout: stopped",
 ];
+
+/// A process of the example, SIGKILLed and reaped when dropped: a failing test leaves none behind.
+pub struct Process {
+    pub name: String,
+    child: std::process::Child,
+}
+
+impl Process {
+    /// SIGKILL now, without reaping: kill several at once, then [`Process::kill`] each.
+    pub fn signal_kill(&mut self) {
+        let _ = self.child.kill();
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Starts the example's binary with `arguments` (`RUST_LOG=error`, stderr inherited) and waits
+/// at most a minute for its first stdout line containing `marker`, which it returns; the rest of
+/// stdout is read and dropped, so the process never blocks on a full pipe.
+pub async fn start_process(
+    binary: &std::path::Path,
+    name: &str,
+    arguments: &[&str],
+    marker: &'static str,
+) -> (Process, String) {
+    use std::io::BufRead;
+    use std::process::Stdio;
+
+    let mut child = Command::new(binary)
+        .args(arguments)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let process = Process {
+        name: name.to_owned(),
+        child,
+    };
+    let (ready, line) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut ready = Some(ready);
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line.contains(marker)
+                && let Some(ready) = ready.take()
+            {
+                let _ = ready.send(line);
+            }
+        }
+    });
+    let line = tokio::time::timeout(std::time::Duration::from_secs(60), line)
+        .await
+        .unwrap_or_else(|_| panic!("{name} did not print {marker:?} within a minute"))
+        .unwrap_or_else(|_| panic!("{name} ended before printing {marker:?}"));
+    (process, line)
+}
+
+/// The first `http://…` word of a line (a service's "listening on" line).
+pub fn url_in(line: &str) -> String {
+    line.split_whitespace()
+        .find(|word| word.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_owned()
+}
