@@ -18,11 +18,12 @@ pub use idemflow_pg as store;
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
 pub use idemflow_runner::{
-    BuildError, CrashHook, CrashPoint, DrainReport, Failure, FailurePhase, ForeignPhase,
-    LocalPhase, METRICS, Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt,
-    PhaseValue, RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention,
-    RetryPolicy, RunError, Runner, RunnerConfig, TerminalPolicy, Workflow, WorkflowBuilder,
-    describe_metrics, expire, expire_paced, shutdown_signal,
+    BuildError, CrashHook, CrashPoint, DrainReport, Failure, FailurePhase, ForeignPhase, Keyring,
+    KeyringError, LocalPhase, METRICS, Outcome, PhaseContext, PhaseError, PhaseErrorKind,
+    PhaseResultExt, PhaseValue, RegisterError, Registry, Rejection, Request, Resumer,
+    ResumerConfig, Retention, RetryPolicy, RunError, Runner, RunnerConfig, SealError,
+    TerminalPolicy, Workflow, WorkflowBuilder, describe_metrics, expire, expire_paced,
+    shutdown_signal,
 };
 /// The sqlx this engine is built with: a local phase gets its `PgConnection`. Use this one
 /// (`idemflow::sqlx`) rather than pinning a second copy.

@@ -352,15 +352,12 @@ async fn connect(database: &Database) -> Result<PgPool, Failure> {
         max_connections: 24,
         ..idemflow::PoolSettings::default()
     };
-    let pool = settings
-        .connect(&url)
-        .await
-        .map_err(|error| {
-            format!(
-                "cannot connect to PostgreSQL at {}: {error}",
-                redact_password(&url)
-            )
-        })?;
+    let pool = settings.connect(&url).await.map_err(|error| {
+        format!(
+            "cannot connect to PostgreSQL at {}: {error}",
+            redact_password(&url)
+        )
+    })?;
     if !database.no_migrate {
         create_schema(&pool).await?;
     }
@@ -378,7 +375,9 @@ async fn create_schema(pool: &PgPool) -> Result<(), Failure> {
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idemflow.examples.checkout.schema'))")
         .execute(&mut *tx)
         .await?;
-    sqlx::query(workflow::ORDERS_TABLE).execute(&mut *tx).await?;
+    sqlx::query(workflow::ORDERS_TABLE)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     Ok(())
 }

@@ -42,3 +42,73 @@ idemflow_require_libfaketime() {
     '/usr/lib/*/faketime/libfaketime.so.1' '/usr/lib/faketime/libfaketime.so.1' \
     '/usr/lib64/faketime/libfaketime.so.1'
 }
+
+# pgbouncer: tests/it/pgbouncer.rs runs the engine behind a PgBouncer in transaction pooling mode,
+# which needs PgBouncer 1.21+ (max_prepared_statements: without it sqlx's prepared statements land
+# on other clients' server connections). Debian 12 packages 1.18, so when the one found is older,
+# the release Debian 13 packages is built once from Debian's own source archive (checked against
+# its SHA-256) into a cache every user can run it from, and IDEMFLOW_PGBOUNCER names it.
+IDEMFLOW_PGBOUNCER_VERSION=1.24.1
+IDEMFLOW_PGBOUNCER_SHA256=da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e0
+IDEMFLOW_PGBOUNCER_SOURCE="https://deb.debian.org/debian/pool/main/p/pgbouncer/pgbouncer_${IDEMFLOW_PGBOUNCER_VERSION}.orig.tar.gz"
+
+# Whether `pgbouncer --version` of $1 says 1.21 or later.
+idemflow_pgbouncer_recent() {
+  local version major minor
+  version=$("$1" --version 2>/dev/null | sed -n 's/^PgBouncer \([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p' | head -n 1)
+  [[ -n $version ]] || return 1
+  major=${version%%.*}
+  minor=${version#*.}
+  ((major > 1 || (major == 1 && minor >= 21)))
+}
+
+idemflow_require_pgbouncer() {
+  if [[ -n ${IDEMFLOW_PGBOUNCER:-} ]]; then
+    return 0
+  fi
+  idemflow_require pgbouncer '/usr/sbin/pgbouncer' '/usr/bin/pgbouncer' '/usr/local/sbin/pgbouncer' \
+    '/usr/local/bin/pgbouncer' || return 1
+  local found
+  for found in /usr/sbin/pgbouncer /usr/bin/pgbouncer /usr/local/sbin/pgbouncer /usr/local/bin/pgbouncer; do
+    if [[ -x $found ]] && idemflow_pgbouncer_recent "$found"; then
+      export IDEMFLOW_PGBOUNCER="$found"
+      return 0
+    fi
+  done
+  # Root's home is not readable by the user the test runs pgbouncer as: a shared cache then.
+  local cache
+  if [[ $(id -u) -eq 0 ]]; then
+    cache=/var/cache/idemflow/pgbouncer-$IDEMFLOW_PGBOUNCER_VERSION
+  else
+    cache=${XDG_CACHE_HOME:-$HOME/.cache}/idemflow/pgbouncer-$IDEMFLOW_PGBOUNCER_VERSION
+  fi
+  if [[ -x $cache/bin/pgbouncer ]] && idemflow_pgbouncer_recent "$cache/bin/pgbouncer"; then
+    export IDEMFLOW_PGBOUNCER="$cache/bin/pgbouncer"
+    return 0
+  fi
+  printf '\n==> building pgbouncer %s (the installed one is older than 1.21)\n' \
+    "$IDEMFLOW_PGBOUNCER_VERSION" >&2
+  idemflow_require libevent-dev '/usr/include/event2/event.h' || return 1
+  idemflow_require libssl-dev '/usr/include/openssl/ssl.h' || return 1
+  idemflow_require pkg-config '/usr/bin/pkg-config' || return 1
+  idemflow_require curl '/usr/bin/curl' || return 1
+  local work
+  work=$(mktemp -d)
+  if ! (
+    set -e
+    cd "$work"
+    curl -fsSL --retry 3 -o source.tar.gz "$IDEMFLOW_PGBOUNCER_SOURCE"
+    echo "$IDEMFLOW_PGBOUNCER_SHA256  source.tar.gz" | sha256sum -c --quiet -
+    tar xzf source.tar.gz
+    cd "pgbouncer-$IDEMFLOW_PGBOUNCER_VERSION"
+    ./configure --prefix="$cache" >configure.log 2>&1
+    make -j"$(nproc)" >make.log 2>&1
+    make install >install.log 2>&1
+  ) >&2; then
+    printf 'error: building pgbouncer %s failed (logs in %s)\n' "$IDEMFLOW_PGBOUNCER_VERSION" "$work" >&2
+    return 1
+  fi
+  rm -rf "$work"
+  chmod -R a+rX "$(dirname "$cache")"
+  export IDEMFLOW_PGBOUNCER="$cache/bin/pgbouncer"
+}

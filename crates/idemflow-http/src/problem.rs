@@ -170,6 +170,17 @@ pub fn respond(result: Result<Outcome, RunError>) -> Response {
             )
             .into_response()
         }
+        Err(RunError::Sealing(error)) => {
+            // A stored value did not open (a key id removed from the keyring, a ciphertext moved
+            // between rows): a retry cannot help until an operator does.
+            tracing::error!(%error, "a stored value did not open");
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "the request failed on an internal error",
+            )
+            .into_response()
+        }
         Err(error) => {
             // Logged in full here, answered in general terms: no database text leaves.
             tracing::error!(%error, "request failed");

@@ -22,6 +22,7 @@ use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::runner::Runner;
+use crate::sealing::{Keyring, Sealer, Slot};
 use crate::workflow::Workflow;
 
 /// How many times a request looks its key up again when the key changes hands between statements.
@@ -85,10 +86,20 @@ impl Runner {
                             }
                         },
                     };
-                    let claim = claim(connection, workflow, tenant, accepted, lock_version, input)
-                        // The claim may wait behind a concurrent claim of this key, for as long
-                        // as that one's local phases may run (the server ends it there).
-                        .within(self.config.database_timeout + longest_local(workflow));
+                    let keyring = self.config.keyring.as_ref();
+                    // Boxed, as the drive: only a new key pays for the claim's state.
+                    let claim = Box::pin(claim(
+                        connection,
+                        workflow,
+                        tenant,
+                        accepted,
+                        lock_version,
+                        input,
+                        keyring,
+                    ))
+                    // The claim may wait behind a concurrent claim of this key, for as long
+                    // as that one's local phases may run (the server ends it there).
+                    .within(self.config.database_timeout + longest_local(workflow));
                     match claim.await?? {
                         Claim::Owned(start) => return self.drive(workflow, *start).await,
                         Claim::Lost {
@@ -105,17 +116,18 @@ impl Runner {
             let decision = decide(&stored_key(&row), &accepted.fingerprint, workflow.name());
             if decision != Decision::TakeOver {
                 drop(connection);
-                return answer(workflow, decision, row.response);
+                let sealer = self.sealer(tenant, &accepted.key);
+                return answer(workflow, decision, row.response, &sealer);
             }
             let wait = self.config.database_timeout;
-            match take_over(
+            match Box::pin(take_over(
                 connection,
                 workflow,
                 tenant,
                 &accepted,
                 row.lock_version,
                 wait,
-            )
+            ))
             .await?
             {
                 Some(start) => return self.drive(workflow, start).await,
@@ -180,6 +192,7 @@ fn is_connection_lost(error: &sqlx::Error) -> bool {
 }
 
 /// Claims an absent key: `BEGIN` and the claim in one message, on the look-up's connection.
+/// The request is stored redacted by the workflow and sealed by the keyring.
 async fn claim(
     connection: Connection,
     workflow: &Workflow,
@@ -187,14 +200,28 @@ async fn claim(
     accepted: Accepted,
     lock_version: i64,
     input: Carry,
+    keyring: Option<&Keyring>,
 ) -> Result<Claim, RunError> {
+    let redacted = workflow
+        .redacted_request(&accepted.request)
+        .transpose()
+        .map_err(|error| RunError::Corrupt(format!("the request does not redact: {error}")))?;
+    let sealer = Sealer {
+        keyring,
+        tenant,
+        key: &accepted.key,
+    };
+    let stored = sealer.seal_value(
+        Slot::Request,
+        redacted.as_ref().unwrap_or(&accepted.request),
+    )?;
     let claim = ClaimRequest {
         tenant,
         key: &accepted.key,
         lock_version,
         fingerprint: &accepted.fingerprint,
         workflow: workflow.name(),
-        request: &accepted.request,
+        request: &stored,
         lease: workflow.lease(),
     };
     let claimed_at = Instant::now();
@@ -207,6 +234,9 @@ async fn claim(
                 request,
                 ..
             } = accepted;
+            // The phases of this attempt get `input`, as sent; the rest of the drive (a failure
+            // path, a claim made again) the request as stored, before sealing.
+            let request = redacted.unwrap_or(request);
             let start = Start::claimed(owner, tx, fingerprint, input, request, claimed_at);
             Ok(Claim::Owned(Box::new(start)))
         }
@@ -277,16 +307,19 @@ fn being_claimed() -> Outcome {
     }
 }
 
-/// The answer to a request whose key is someone else's: a replay, a 409 or a 422.
+/// The answer to a request whose key is someone else's: a replay (its response opened), a 409
+/// or a 422.
 fn answer(
     workflow: &Workflow,
     decision: Decision,
     response: Option<StoredResponse>,
+    sealer: &Sealer<'_>,
 ) -> Result<Outcome, RunError> {
     match decision {
         Decision::Replay => {
             let response = response
                 .ok_or_else(|| RunError::Corrupt("a done key without a response".into()))?;
+            let response = sealer.open_response(response)?;
             metrics::count(metrics::REPLAYS, workflow.name());
             tracing::debug!(status = response.status, "replayed");
             Ok(Outcome::Replayed(response))

@@ -1,5 +1,7 @@
 use std::time::Duration;
 
+use crate::sealing::Keyring;
+
 /// What a terminal phase error does to its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TerminalPolicy {
@@ -28,6 +30,11 @@ pub struct RunnerConfig {
     /// [`RunnerConfig::DEFAULT_DATABASE_TIMEOUT`] (5 s): the engine's statements take
     /// milliseconds, and a client told 503 retries with the same key.
     pub database_timeout: Duration,
+    /// Seals (AES-256-GCM) the stored request, phase outputs and responses, so a dump of the
+    /// table shows none of them; every runner and resumer reading the same rows needs the key
+    /// ids they were sealed under. Default `None`: values are stored as they are. See
+    /// [`Keyring`] and docs/operations.md, "What is stored".
+    pub keyring: Option<Keyring>,
 }
 
 impl RunnerConfig {
@@ -40,6 +47,7 @@ impl Default for RunnerConfig {
         Self {
             terminal_errors: TerminalPolicy::default(),
             database_timeout: Self::DEFAULT_DATABASE_TIMEOUT,
+            keyring: None,
         }
     }
 }

@@ -1,5 +1,7 @@
 use idemflow_pg::StoreError;
 
+use crate::sealing::SealError;
+
 /// Why a run failed without an [`crate::Outcome`]: the database, not the request.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -35,6 +37,11 @@ pub enum RunError {
     /// reported rather than guessed around.
     #[error("corrupt key row: {0}")]
     Corrupt(String),
+    /// A stored value did not open with the runner's keyring ([`crate::RunnerConfig::keyring`]),
+    /// or could not be sealed: nothing is answered from it (answer 500). A replay of a response
+    /// sealed under a key id the keyring no longer holds, or moved from another row, ends here.
+    #[error(transparent)]
+    Sealing(#[from] SealError),
 }
 
 impl From<StoreError> for RunError {

@@ -25,6 +25,7 @@ mod resumer;
 mod retention;
 mod retry;
 mod runner;
+mod sealing;
 mod storable;
 mod workflow;
 
@@ -41,4 +42,5 @@ pub use resumer::{DrainReport, Resumer, ResumerConfig, shutdown_signal};
 pub use retention::{Retention, expire, expire_paced};
 pub use retry::RetryPolicy;
 pub use runner::{Request, Runner};
+pub use sealing::{Keyring, KeyringError, SealError};
 pub use workflow::{BuildError, Workflow, WorkflowBuilder};

@@ -43,6 +43,12 @@ pub struct ResumerConfig {
     /// Deletes old finished keys periodically; `None` leaves retention to someone else. Default
     /// [`Retention::default`].
     pub retention: Option<Retention>,
+    /// Wake at once when a key is announced due (`LISTEN` on a connection of its own, from the
+    /// pool's options). Default `true`. Turn it off when the pool reaches PostgreSQL through a
+    /// pooler in transaction mode: there `LISTEN` hears nothing and leaves a shared server
+    /// connection subscribed, so a notification breaks another client's statement
+    /// (docs/operations.md). Without it the resumer polls, at most `idle_max` apart.
+    pub listen: bool,
 }
 
 impl Default for ResumerConfig {
@@ -56,6 +62,7 @@ impl Default for ResumerConfig {
             shutdown_grace: Duration::from_secs(30),
             report_every: Duration::from_secs(15),
             retention: Some(Retention::default()),
+            listen: true,
         }
     }
 }
@@ -219,10 +226,12 @@ impl Resumer {
     /// (it never holds a key it has not started: it takes over only as many as it can start).
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
-        let listener = tokio::spawn(listen_for_due_keys(
-            self.runner.pool().clone(),
-            self.wake.clone(),
-        ));
+        let listener = self.config.listen.then(|| {
+            tokio::spawn(listen_for_due_keys(
+                self.runner.pool().clone(),
+                self.wake.clone(),
+            ))
+        });
         let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
         let mut owners: HashMap<tokio::task::Id, Owner> = HashMap::new();
         let mut idle = self.config.idle_min;
@@ -307,7 +316,9 @@ impl Resumer {
         }
 
         tracing::info!(running = running.len(), "resumer shutting down");
-        listener.abort();
+        if let Some(listener) = listener {
+            listener.abort();
+        }
         let grace = tokio::time::sleep(self.config.shutdown_grace);
         tokio::pin!(grace);
         while !running.is_empty() {

@@ -13,6 +13,7 @@ use crate::drive::{Hold, Start};
 use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
+use crate::sealing::Sealer;
 use crate::workflow::Workflow;
 
 /// A request as the runner fingerprints it: method, path and a JSON body.
@@ -65,6 +66,15 @@ impl Runner {
         &self.pool
     }
 
+    /// The runner's keyring applied to one key's values.
+    pub(crate) fn sealer<'a>(&'a self, tenant: &'a TenantId, key: &'a Key) -> Sealer<'a> {
+        Sealer {
+            keyring: self.config.keyring.as_ref(),
+            tenant,
+            key,
+        }
+    }
+
     /// Runs `request` under (`tenant`, `key`) through `workflow`: claims the key and executes it,
     /// or replays its stored response, or reports that it is in progress, used for another
     /// request, or invalid. A started key whose lease expired is taken over and finished from
@@ -105,7 +115,8 @@ impl Runner {
 
     /// Runs a request whose fingerprint the caller computed (an HTTP layer fingerprinting a
     /// non-JSON body by its bytes and content type, say). `request` is what the workflow's
-    /// request type decodes from, and what is stored for a resumer.
+    /// request type decodes from, and what is stored for a resumer (redacted by the workflow,
+    /// sealed by the runner's keyring, if they say so).
     pub async fn run_fingerprinted(
         &self,
         workflow: &Workflow,

@@ -12,11 +12,18 @@ use serde_json::Value;
 
 use crate::erased::{Carry, ErasedFailure, ErasedLocal, Step, decode, failure_step};
 use crate::heartbeat::overrun_grace;
+use crate::panic::{Panic, catch_panic_now};
 use crate::phase::{FailurePhase, ForeignPhase, LocalPhase, PhaseValue};
 use crate::retry::RetryPolicy;
 
 /// A workflow's request check, its type erased.
 type Validator = Box<dyn Fn(&Carry) -> Result<(), String> + Send + Sync>;
+
+/// A workflow's request redaction, its type erased: the request as it is stored.
+type RequestRedaction = Box<dyn Fn(&Value) -> Result<Value, serde_json::Error> + Send + Sync>;
+
+/// A workflow's response redaction.
+type ResponseRedaction = Box<dyn Fn(&mut StoredResponse) + Send + Sync>;
 
 /// Why a workflow cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -116,6 +123,8 @@ pub struct Workflow {
     limits: Limits,
     decode_request: fn(&Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
+    redact_request: Option<RequestRedaction>,
+    redact_response: Option<ResponseRedaction>,
     pub(crate) failure: Option<Box<dyn ErasedFailure>>,
     live_only: bool,
 }
@@ -127,6 +136,8 @@ impl std::fmt::Debug for Workflow {
             .field("name", &self.name)
             .field("steps", &self.steps)
             .field("lease", &self.lease)
+            .field("redacts_requests", &self.redact_request.is_some())
+            .field("redacts_responses", &self.redact_response.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -190,6 +201,8 @@ impl Workflow {
             lease: Self::DEFAULT_LEASE,
             decode_request: decode::<Request>,
             validate: None,
+            redact_request: None,
+            redact_response: None,
             failure: None,
             live_only: false,
             _chain: PhantomData,
@@ -257,6 +270,33 @@ impl Workflow {
             .map_or(Ok(()), |validate| validate(request))
     }
 
+    /// The request as it is stored, redacted by [`WorkflowBuilder::redact_request`]; `None`
+    /// when the workflow redacts nothing (the request is stored as sent).
+    pub(crate) fn redacted_request(
+        &self,
+        request: &Value,
+    ) -> Option<Result<Value, serde_json::Error>> {
+        self.redact_request.as_ref().map(|redact| redact(request))
+    }
+
+    /// A response as it is stored and answered, redacted by
+    /// [`WorkflowBuilder::redact_response`]; `Err` if the redaction panicked.
+    pub(crate) fn redacted_response(
+        &self,
+        mut response: StoredResponse,
+    ) -> Result<StoredResponse, Panic> {
+        let Some(redact) = &self.redact_response else {
+            return Ok(response);
+        };
+        catch_panic_now(|| redact(&mut response))?;
+        Ok(response)
+    }
+
+    /// Whether the workflow redacts its responses.
+    pub(crate) fn redacts_responses(&self) -> bool {
+        self.redact_response.is_some()
+    }
+
     /// The index of the first phase to run for a key left at `recovery_point`; `None` for a name
     /// this workflow does not have.
     pub(crate) fn position_after(&self, recovery_point: &str) -> Option<usize> {
@@ -277,6 +317,8 @@ pub struct WorkflowBuilder<Request, Chain> {
     lease: Duration,
     decode_request: fn(&Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
+    redact_request: Option<RequestRedaction>,
+    redact_response: Option<ResponseRedaction>,
     failure: Option<Box<dyn ErasedFailure>>,
     live_only: bool,
     _chain: PhantomData<fn(Request) -> Chain>,
@@ -301,6 +343,57 @@ impl<Request: PhaseValue> WorkflowBuilder<Request, Request> {
                 Some(request) => check(request),
                 None => Err("the request has an unexpected type".to_owned()),
             }
+        }));
+        self
+    }
+
+    /// Redacts the request before it is stored: drop or mask what must never be written to the
+    /// database (a card number, say). The value stored is the redacted request as its type
+    /// serializes it, so members the type does not know are not stored either; the fingerprint
+    /// is still taken over the request as sent, so a retry with the same card matches.
+    ///
+    /// **What the phases see.** The phases of the attempt that claims the key get the request
+    /// as sent, in memory. Everything that reads the request back from the row gets the
+    /// redacted one: a resumer or a client retry taking the key over from `start` (no phase
+    /// completed, or the first failed and is retried), and the failure path. So a redacted
+    /// field may be needed only until the first phase that uses it completes, and that phase's
+    /// output (its recovery point, stored) must not hold it: turn the card into a token there.
+    /// A phase that may run again after a crash must tolerate the redacted value, and should
+    /// answer (for instance `PhaseError::terminal_with` a 422 asking for the details again)
+    /// rather than act on a mask. The redaction runs before the claim, like
+    /// [`WorkflowBuilder::validate`].
+    ///
+    /// ```
+    /// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
+    /// # use idemflow_core::StoredResponse;
+    /// # use sqlx::PgConnection;
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct Payment { amount: u64, card: String }
+    /// # struct Pay;
+    /// # #[async_trait::async_trait]
+    /// # impl LocalPhase for Pay {
+    /// #     const NAME: &'static str = "pay";
+    /// #     type Input = Payment;
+    /// #     type Output = StoredResponse;
+    /// #     async fn run(&self, _: &mut PgConnection, _: Payment, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+    /// #         Ok(StoredResponse::new(201, "paid"))
+    /// #     }
+    /// # }
+    /// let workflow = Workflow::builder::<Payment>("pay.v1")
+    ///     .redact_request(|payment| {
+    ///         let digits = payment.card.chars().count();
+    ///         let last4: String = payment.card.chars().skip(digits.saturating_sub(4)).collect();
+    ///         payment.card = format!("****{last4}");
+    ///     })
+    ///     .local(Pay)
+    ///     .build()?;
+    /// # Ok::<(), idemflow_runner::BuildError>(())
+    /// ```
+    pub fn redact_request(mut self, redact: impl Fn(&mut Request) + Send + Sync + 'static) -> Self {
+        self.redact_request = Some(Box::new(move |value: &Value| {
+            let mut request = Request::deserialize(value)?;
+            redact(&mut request);
+            serde_json::to_value(&request)
         }));
         self
     }
@@ -342,6 +435,25 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
         self
     }
 
+    /// Redacts every response before it is stored: mask what must not be written to the
+    /// database (a card number echoed in a body, a header).
+    ///
+    /// **What is answered.** The redacted response is the answer, the first time and on every
+    /// replay: [`crate::Outcome::Executed`] carries it too, so a client that lost the first
+    /// answer and retries gets the same bytes as one that did not. It applies to every stored
+    /// response: the last phase's, a terminal error's, the failure path's and a give-up's. It
+    /// may run more than once on one response (a response recorded as a foreign phase's result
+    /// is redacted when recorded and again when stored), so it must leave a redacted response
+    /// as it is: masking does. A panic in it fails the attempt (retried as any failure is); on
+    /// the failure path, a 500 problem is stored in its place. Never the unredacted response.
+    pub fn redact_response(
+        mut self,
+        redact: impl Fn(&mut StoredResponse) + Send + Sync + 'static,
+    ) -> Self {
+        self.redact_response = Some(Box::new(redact));
+        self
+    }
+
     fn retype<Next>(self) -> WorkflowBuilder<Request, Next> {
         WorkflowBuilder {
             name: self.name,
@@ -349,6 +461,8 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
             lease: self.lease,
             decode_request: self.decode_request,
             validate: self.validate,
+            redact_request: self.redact_request,
+            redact_response: self.redact_response,
             failure: self.failure,
             live_only: self.live_only,
             _chain: PhantomData,
@@ -418,6 +532,8 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
             limits,
             decode_request: self.decode_request,
             validate: self.validate,
+            redact_request: self.redact_request,
+            redact_response: self.redact_response,
             failure: self.failure,
             live_only: self.live_only,
         })

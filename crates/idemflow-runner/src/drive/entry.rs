@@ -8,6 +8,7 @@ use crate::erased::Carry;
 use crate::panic::catch_panic_now;
 use crate::phase::PhaseError;
 use crate::retry::RetryPolicy;
+use crate::sealing::{SealError, Slot};
 
 impl Drive<'_> {
     /// The first phase to run and its input. A takeover past its attempt budget runs nothing:
@@ -36,6 +37,15 @@ impl Drive<'_> {
                         )),
                     )));
                 };
+                // Sealed values open first; one that does not (an unknown key id, a value moved
+                // from another row) fails the attempt as a value that does not decode does.
+                let output = self.open_stored(&recovery_point, output).map_err(|error| {
+                    Stop::failed(FailedAttempt::of(
+                        workflow.step_name(position),
+                        workflow.retry_policy_at(position),
+                        PhaseError::retryable(error.to_string()),
+                    ))
+                })?;
                 // Kept (not copied) for a failure path: what it may have to undo.
                 self.recorded_output = output;
                 let (request, output) = (&self.request, &self.recorded_output);
@@ -62,6 +72,20 @@ impl Drive<'_> {
             }
         };
         self.within_budget(position, carry, last_error)
+    }
+
+    /// Opens the stored request (in place: the failure path reads it too) and the output stored
+    /// with `recovery_point`.
+    fn open_stored(
+        &mut self,
+        recovery_point: &str,
+        output: Option<Value>,
+    ) -> Result<Option<Value>, SealError> {
+        let sealer = self.runner.sealer(self.owner.tenant(), self.owner.key());
+        self.request = sealer.open_value(Slot::Request, std::mem::take(&mut self.request))?;
+        output
+            .map(|output| sealer.open_value(Slot::Output(recovery_point), output))
+            .transpose()
     }
 
     /// `Ok` unless this attempt is past the attempt budget of the phase it would run first.

@@ -12,7 +12,7 @@ use idemflow_core::{RecoveryPoint, StoredResponse};
 use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner};
 use serde_json::Value;
 
-use super::{Drive, FailedAttempt, Hold, Tx, attempt_of, fenced, problem};
+use super::{Drive, FailedAttempt, Hold, Tx, attempt_of, fenced, problem, redacted_or_problem};
 use crate::config::TerminalPolicy;
 use crate::erased::GiveUp;
 use crate::error::RunError;
@@ -21,6 +21,7 @@ use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::catch_panic;
 use crate::phase::PhaseErrorKind;
+use crate::sealing::Slot;
 
 impl Drive<'_> {
     /// Records a failed attempt; see the module's documentation for what is recorded when.
@@ -78,8 +79,10 @@ impl Drive<'_> {
         let exhausted = spent || retry_policy.exhausted(held.attempt);
         match (terminal_response, error.kind) {
             (Some(response), _) => {
+                let response = redacted_or_problem(self.workflow, response);
+                let stored = self.sealer().seal_response(&response)?;
                 let finished =
-                    store::finish(&mut held.tx, &held.owner, &recorded.point, &response).await;
+                    store::finish(&mut held.tx, &held.owner, &recorded.point, &stored).await;
                 fenced(finished, held.tx).await?.commit().await?;
                 metrics::count(metrics::FINISHED, self.workflow.name());
                 Ok(Outcome::Executed(response))
@@ -133,7 +136,8 @@ impl Drive<'_> {
             return Ok((held, recorded));
         };
         let Held { mut tx, owner, .. } = held;
-        let advanced = store::advance(&mut tx, &owner, name, &output, self.workflow.lease()).await;
+        let stored = self.sealer().seal_value(Slot::Output(name), &output)?;
+        let advanced = store::advance(&mut tx, &owner, name, &stored, self.workflow.lease()).await;
         let held = Held {
             tx: fenced(advanced, tx).await?,
             owner,
@@ -173,14 +177,19 @@ impl Drive<'_> {
             attempts,
         };
         let response = self.failure_path(&mut held.tx, give_up).await?;
-        let finished = store::finish(&mut held.tx, &held.owner, &recorded.point, &response).await;
+        let response = redacted_or_problem(workflow, response);
+        let stored = self.sealer().seal_response(&response)?;
+        let finished = store::finish(&mut held.tx, &held.owner, &recorded.point, &stored).await;
         if let Err(error) = fenced(finished, held.tx).await?.commit().await {
             // A deferred constraint broken by the failure path's effects, say.
             tracing::error!(%error, "the give-up did not commit; storing a generic response");
-            let response = problem(
-                500,
-                "retries_exhausted",
-                &give_up_detail(attempts, &message),
+            let response = redacted_or_problem(
+                workflow,
+                problem(
+                    500,
+                    "retries_exhausted",
+                    &give_up_detail(attempts, &message),
+                ),
             );
             self.store_give_up(&recorded.point, recorded.output, &response)
                 .await?;
@@ -217,17 +226,21 @@ impl Drive<'_> {
             return Err(RunError::Fenced);
         };
         if let Some(output) = recovery_output {
+            let stored = self
+                .sealer()
+                .seal_value(Slot::Output(recovery_point), &output)?;
             let advanced = store::advance(
                 &mut tx,
                 &owner,
                 recovery_point,
-                &output,
+                &stored,
                 self.workflow.lease(),
             )
             .await;
             tx = fenced(advanced, tx).await?;
         }
-        let finished = store::finish(&mut tx, &owner, recovery_point, response).await;
+        let stored = self.sealer().seal_response(response)?;
+        let finished = store::finish(&mut tx, &owner, recovery_point, &stored).await;
         fenced(finished, tx).await?.commit().await?;
         Ok(())
     }
@@ -246,13 +259,14 @@ impl Drive<'_> {
                 attempt: self.context.attempt,
             })),
             Hold::Claim(fingerprint) => {
+                let request = self.sealer().seal_value(Slot::Request, &self.request)?;
                 let claim = ClaimRequest {
                     tenant: self.owner.tenant(),
                     key: self.owner.key(),
                     lock_version: self.owner.lock_version(),
                     fingerprint,
                     workflow: workflow.name(),
-                    request: &self.request,
+                    request: &request,
                     lease: workflow.lease(),
                 };
                 let connection = pool.acquire().await?;

@@ -33,6 +33,7 @@ use crate::outcome::Outcome;
 use crate::phase::{PhaseContext, PhaseError};
 use crate::retry::RetryPolicy;
 use crate::runner::Runner;
+use crate::sealing::Sealer;
 use crate::workflow::Workflow;
 
 pub(crate) type Tx = idemflow_pg::Transaction;
@@ -219,11 +220,20 @@ impl Runner {
     /// (with the claim or takeover, and the last local output as the recovery point), and a new
     /// one begins after it. So a request commits 1 + (number of foreign phases) times, and the
     /// claim is durable before anything leaves the database.
-    pub(crate) async fn drive(
-        &self,
-        workflow: &Workflow,
+    ///
+    /// Boxed: a drive's state is large (tens of kilobytes across its awaits), and inline it would
+    /// make every request's future that size, a replay's and a 409's too, which never drive. One
+    /// allocation per execution instead.
+    pub(crate) fn drive<'a>(
+        &'a self,
+        workflow: &'a Workflow,
         start: Start,
-    ) -> Result<Outcome, RunError> {
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Outcome, RunError>> + Send + 'a>>
+    {
+        Box::pin(self.drive_inline(workflow, start))
+    }
+
+    async fn drive_inline(&self, workflow: &Workflow, start: Start) -> Result<Outcome, RunError> {
         let Start {
             owner,
             tx,
@@ -297,6 +307,28 @@ impl Drive<'_> {
             position += 1;
         }
     }
+}
+
+impl Drive<'_> {
+    /// The runner's keyring applied to this key's values.
+    fn sealer(&self) -> Sealer<'_> {
+        self.runner.sealer(self.owner.tenant(), self.owner.key())
+    }
+}
+
+/// A response the failure path stores (and answers): redacted by the workflow, or, if the
+/// redaction panicked, a 500 problem in its place. Never the response unredacted.
+fn redacted_or_problem(workflow: &Workflow, response: StoredResponse) -> StoredResponse {
+    workflow
+        .redacted_response(response)
+        .unwrap_or_else(|panic| {
+            tracing::error!(%panic, "redacting the response panicked; storing a problem instead");
+            problem(
+                500,
+                "response_not_redacted",
+                "the response could not be redacted, so it was not stored",
+            )
+        })
 }
 
 /// The open transaction, begun now (under the workflow's limits) if there is none yet; the wait

@@ -19,7 +19,9 @@ use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::{catch_panic, catch_panic_now};
 use crate::phase::PhaseError;
+use crate::sealing::Slot;
 use crate::storable::holds_nul;
+use crate::workflow::Workflow;
 
 impl Drive<'_> {
     /// Runs a local phase in the open transaction (begun now if there is none), within its time
@@ -115,11 +117,15 @@ impl Drive<'_> {
             charged = step;
             let name = step.raw_name();
             let failure = |error| FailedAttempt::of(name, step.retry_policy(), error);
+            let stored = self
+                .sealer()
+                .seal_value(Slot::Output(name), &output)
+                .map_err(RunError::from)?;
             let open = opened(&mut self.tx, runner, workflow)
                 .await?
                 .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
             advanced_at = Some(Instant::now());
-            store::advance(open, &self.owner, name, &output, workflow.lease())
+            store::advance(open, &self.owner, name, &stored, workflow.lease())
                 .within(runner.config.database_timeout)
                 .await?
                 .map_err(|error| store_stop(error, "recording", failure))?;
@@ -256,23 +262,39 @@ impl Drive<'_> {
             .await?;
         // Encoded now, so a failure in the phases after it can still record the result (and
         // an output the store cannot hold fails this attempt before anything depends on it).
-        let encoded =
-            storable_output(step, &output).map_err(|error| Stop::failed(failure(error)))?;
+        // The last phase's output is the response: recorded redacted, as it is stored.
+        let encoded = if position + 1 == workflow.steps.len() && workflow.redacts_responses() {
+            recorded_response(workflow, &output)
+        } else {
+            storable_output(step, &output)
+        };
+        let encoded = encoded.map_err(|error| Stop::failed(failure(error)))?;
         self.pending_foreign = Some((foreign.name(), encoded));
         Ok(output)
     }
 
-    /// Stores the response with the last local effects and commits.
+    /// Stores the response (redacted, sealed) with the last local effects and commits; the
+    /// answer is the response as stored, before sealing.
     pub(super) async fn finish(&mut self, position: usize, carry: Carry) -> Result<Outcome, Stop> {
         let workflow = self.workflow;
         let runner = self.runner;
         let last = &workflow.steps[position - 1];
         let failure = |error| FailedAttempt::of(last.raw_name(), last.retry_policy(), error);
-        let response = downcast_response(carry)?;
+        let response = workflow
+            .redacted_response(downcast_response(carry)?)
+            .map_err(|panic| {
+                Stop::failed(failure(PhaseError::retryable(format!(
+                    "redacting the response panicked: {panic}"
+                ))))
+            })?;
+        let stored = self
+            .sealer()
+            .seal_response(&response)
+            .map_err(RunError::from)?;
         let open = opened(&mut self.tx, runner, workflow)
             .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
-        store::finish(open, &self.owner, last.raw_name(), &response)
+        store::finish(open, &self.owner, last.raw_name(), &stored)
             .within(runner.config.database_timeout)
             .await?
             .map_err(|error| store_stop(error, "storing the response", failure))?;
@@ -315,6 +337,29 @@ fn storable_output(step: &Step, carry: &Carry) -> Result<Value, PhaseError> {
             )));
         }
     };
+    if holds_nul(&encoded) {
+        return Err(PhaseError::retryable(
+            "its output cannot be stored: a string holds U+0000",
+        ));
+    }
+    Ok(encoded)
+}
+
+/// The last phase's output when it is foreign, encoded for its recovery point as the response
+/// is stored: redacted.
+fn recorded_response(workflow: &Workflow, carry: &Carry) -> Result<Value, PhaseError> {
+    let Some(response) = carry.downcast_ref::<StoredResponse>() else {
+        return Err(PhaseError::retryable(
+            "the last phase did not produce a response",
+        ));
+    };
+    let redacted = workflow
+        .redacted_response(response.clone())
+        .map_err(|panic| {
+            PhaseError::retryable(format!("redacting the response panicked: {panic}"))
+        })?;
+    let encoded = serde_json::to_value(&redacted)
+        .map_err(|error| PhaseError::retryable(format!("its output does not encode: {error}")))?;
     if holds_nul(&encoded) {
         return Err(PhaseError::retryable(
             "its output cannot be stored: a string holds U+0000",
