@@ -156,7 +156,9 @@ impl Runner {
         let wait = self.config.database_timeout;
         let mut tries = self.pool.size() as usize + 1;
         loop {
-            let mut connection = self.pool.acquire().within(wait).await??;
+            // Boxed: sqlx's acquire future is kilobytes (it may open a connection), and inline it
+            // would be copied with every request's future.
+            let mut connection = Box::pin(self.pool.acquire()).within(wait).await??;
             let looked = store::look_up(&mut connection, tenant, &accepted.key)
                 .within(wait)
                 .await
