@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use crate::support::*;
 use idemflow::store::{self, ClaimRequest, Claimed, LookUp};
-use idemflow::{Fingerprint, Key, Outcome, Runner, TenantId};
+use idemflow::{Fingerprint, Key, Outcome, Runner, RunnerConfig, TenantId, TerminalPolicy};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::sync::atomic::Ordering;
 
 fn claim_of<'a>(
     tenant: &'a TenantId,
@@ -325,4 +326,67 @@ async fn a_takeover_in_flight_makes_a_duplicate_in_progress_at_once(pool: PgPool
     );
     harness.create.resume.notify_one();
     executed(&taking.await.unwrap().unwrap());
+}
+
+/// A claim that never committed vanishes with its session (killed, or closed past a time limit):
+/// the key is free at once, and the engine may tell another request so. The late record of the
+/// vanished attempt must not claim the key again. Once, it did: request B ran under the free key
+/// and was forgotten (its client told the key is free), then A's failure record re-claimed the
+/// key with A's request, and B's next request under it was refused.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_failure_record_never_brings_back_a_claim_that_vanished(pool: PgPool) {
+    create_orders(&pool).await;
+    let first = Harness::default();
+    first.create.hang_next.store(true, Ordering::SeqCst);
+    first.create.fail_next.store(1, Ordering::SeqCst);
+    let runner = Runner::new(pool.clone());
+    let a = {
+        let (runner, workflow) = (runner.clone(), first.local_only());
+        tokio::spawn(async move { run(&runner, &workflow, &tenant(1), "k", &body(1)).await })
+    };
+    // A holds its uncommitted claim and is inside its phase; then its session dies, and the
+    // server rolls the claim back.
+    first.create.entered.notified().await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_locks \
+         WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1, "A's claim holds the key's advisory lock");
+
+    // B, another request under the key, runs and is forgotten: its client is told the key is free.
+    let second = Harness::default();
+    second.create.fail_terminally.store(true, Ordering::SeqCst);
+    let forgetting = Runner::with_config(
+        pool.clone(),
+        RunnerConfig {
+            terminal_errors: TerminalPolicy::Forget,
+            ..RunnerConfig::default()
+        },
+    );
+    let b = run(&forgetting, &second.local_only(), &tenant(1), "k", &body(2)).await;
+    assert!(matches!(b, Outcome::Forgotten(_)), "{b:?}");
+
+    // A's phase now fails, and A deals with its attempt.
+    first.create.resume.notify_one();
+    let a = a.await.unwrap();
+    assert!(
+        !matches!(a, Outcome::Executed(_) | Outcome::Replayed(_)),
+        "{a:?}"
+    );
+    let keys = count(&pool, "SELECT count(*) FROM idempotency_keys").await;
+    assert_eq!(keys, 0, "A's vanished claim came back");
+
+    // The key is free, as B was told: the next request under it runs.
+    let next = run(
+        &runner,
+        &Harness::default().local_only(),
+        &tenant(1),
+        "k",
+        &body(3),
+    )
+    .await;
+    executed(&next);
 }

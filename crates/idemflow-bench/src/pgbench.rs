@@ -90,8 +90,9 @@ pub fn write_scripts(
              \\set prepared 1\n\
              \\endif\n\
              BEGIN \\; EXECUTE {name}(:k, {tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), \
-             {workflow_hex}, {request_hex}::jsonb, {LEASE_MS}, {token});\n",
+             {workflow_hex}, {request_hex}::jsonb, {LEASE_MS}, {token}) \\; {savepoint};\n",
             prepare = statements::PREPARE_CLAIM,
+            savepoint = statements::CLAIMED_SAVEPOINT,
             name = statements::CLAIM_NAME,
             tenant_hex = text_hex(TENANT),
             workflow_hex = text_hex(workflow),

@@ -162,8 +162,8 @@ fn has_code(error: &sqlx::Error, code: &str) -> bool {
     matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(code))
 }
 
-/// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v2(…)` (or the insert in full), every value a
-/// hex literal or an integer formatted here.
+/// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v2(…); SAVEPOINT idemflow_claimed` (or the insert
+/// in full), every value a hex literal or an integer formatted here.
 fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> String {
     let request = serde_json::to_string(claim.request).unwrap_or_else(|_| "null".to_owned());
     let lease_ms = millis(claim.lease);
@@ -203,6 +203,7 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
             );
         }
     }
+    let _ = write!(sql, "; {}", statements::CLAIMED_SAVEPOINT);
     sql
 }
 

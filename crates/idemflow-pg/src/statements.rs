@@ -34,6 +34,15 @@ pub const PREPARE_CLAIM: &str = "PREPARE idemflow_claim_v2 \
      SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8 \
      FROM (SELECT pg_advisory_xact_lock($1)) AS locked";
 
+/// Ends the claim's message: the point a failed first attempt rolls back to, undoing its phases'
+/// effects and keeping the claim, so its failure is recorded under a claim that never left (a
+/// claim rolled back entirely frees the key, and may not be taken again: another request may have
+/// been told it is free).
+pub const CLAIMED_SAVEPOINT: &str = "SAVEPOINT idemflow_claimed";
+
+/// Back to [`CLAIMED_SAVEPOINT`].
+pub const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT idemflow_claimed";
+
 /// Records a completed phase (fenced): `$1` tenant, `$2` key, `$3` lock_version, `$4` recovery
 /// point, `$5` its output, `$6` lease in ms, measured from this statement and never shortening.
 pub const ADVANCE: &str = "UPDATE idempotency_keys \

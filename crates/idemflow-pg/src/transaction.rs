@@ -132,6 +132,15 @@ impl Transaction {
         Ok(())
     }
 
+    /// Rolls back to the savepoint the claim's message ends with ([`crate::statements::CLAIMED_SAVEPOINT`]):
+    /// every effect since the claim is undone and the claim is kept, still uncommitted, so a
+    /// failed first attempt is recorded under it. Works in a transaction a failed statement
+    /// aborted; an error means the connection (and with it the claim) is gone.
+    pub async fn back_to_claim(&mut self) -> Result<(), sqlx::Error> {
+        sqlx::Executor::execute(&mut *self.connection, crate::statements::BACK_TO_CLAIM).await?;
+        Ok(())
+    }
+
     /// Rolls back and waits for the server to confirm.
     pub async fn rollback(mut self) -> Result<(), sqlx::Error> {
         PgTransactionManager::rollback(&mut self.connection).await?;

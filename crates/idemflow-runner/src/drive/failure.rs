@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use super::{Drive, FailedAttempt, Hold, Tx, attempt_of, fenced, problem, redacted_or_problem};
 use crate::config::TerminalPolicy;
+use crate::deadline::Within;
 use crate::erased::GiveUp;
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -34,11 +35,32 @@ impl Drive<'_> {
             spent,
         } = failure;
         tracing::warn!(phase, attempt = self.context.attempt, retryable = error.is_retryable(), error = %error.message, "attempt failed");
-        if let Some(tx) = self.tx.take()
-            && let Err(rollback) = tx.rollback().await
-        {
-            // The connection is not reused; the server rolls back as it closes.
-            tracing::warn!(%rollback, "rolling back the failed attempt failed");
+        match (self.tx.take(), &self.hold) {
+            // A claim never committed: back to the savepoint its message ended with. The
+            // phases' effects are undone and the claim kept, so the failure is recorded under
+            // it. Rolled back entirely, the claim would free the key, and it may not be taken
+            // again: meanwhile another request may have run under it and been told it is free.
+            // Bounded: after a phase overran its limit a statement may still be running on it.
+            (Some(mut tx), Hold::Claim(_)) => {
+                let wait = self.runner.config.database_timeout;
+                match tx.back_to_claim().within(wait).await {
+                    Ok(Ok(())) => self.tx = Some(tx),
+                    lost => {
+                        tracing::warn!(
+                            ?lost,
+                            "the failed attempt's claim is gone with its connection"
+                        );
+                        tx.abandon();
+                    }
+                }
+            }
+            (Some(tx), _) => {
+                if let Err(rollback) = tx.rollback().await {
+                    // The connection is not reused; the server rolls back as it closes.
+                    tracing::warn!(%rollback, "rolling back the failed attempt failed");
+                }
+            }
+            (None, _) => {}
         }
 
         if let PhaseErrorKind::NotExecuted { response } = &error.kind {
@@ -73,6 +95,17 @@ impl Drive<'_> {
         };
 
         let Some(held) = self.take_again().await? else {
+            if matches!(self.hold, Hold::Claim(_)) {
+                // The claim vanished with its session (killed, or closed past a time limit):
+                // nothing of the attempt was kept and the key is free. Answered, not recorded.
+                return Ok(match terminal_response {
+                    Some(response) => Outcome::Forgotten(response),
+                    None => Outcome::Interrupted {
+                        retry_after: retry_policy.backoff(1),
+                        error: message,
+                    },
+                });
+            }
             return Ok(in_progress());
         };
         let (mut held, recorded) = self.record_pending_foreign(held).await?;
@@ -118,7 +151,7 @@ impl Drive<'_> {
     }
 
     /// Deletes the key (fenced), answering with `response`: nothing of it remains to replay.
-    async fn forget(&self, response: StoredResponse) -> Result<Outcome, RunError> {
+    async fn forget(&mut self, response: StoredResponse) -> Result<Outcome, RunError> {
         if !self.delete_held().await? {
             return Ok(in_progress());
         }
@@ -154,7 +187,7 @@ impl Drive<'_> {
     /// The attempts ran out: runs the failure path and finishes the key with its response; if
     /// its effects break the commit, with a plain problem and no effects, so the key still ends.
     async fn give_up(
-        &self,
+        &mut self,
         mut held: Held,
         recorded: Recorded,
         phase: &'static str,
@@ -203,8 +236,13 @@ impl Drive<'_> {
     /// Deletes the key this owner holds, fenced, after its attempt rolled back. An
     /// uncommitted claim rolled back with the attempt: there is nothing to delete. False when
     /// another owner holds the key by now: it is theirs to finish.
-    async fn delete_held(&self) -> Result<bool, RunError> {
+    async fn delete_held(&mut self) -> Result<bool, RunError> {
         if matches!(self.hold, Hold::Claim(_)) {
+            // The claim, kept after the failure or already gone: rolled back entirely, the key
+            // is free.
+            if let Some(tx) = self.tx.take() {
+                tx.rollback().await?;
+            }
             return Ok(true);
         }
         let Some(Held { mut tx, owner, .. }) = self.take_again().await? else {
@@ -217,7 +255,7 @@ impl Drive<'_> {
 
     /// Stores a give-up's response alone (no failure path), in a transaction of its own.
     async fn store_give_up(
-        &self,
+        &mut self,
         recovery_point: &str,
         recovery_output: Option<Value>,
         response: &StoredResponse,
@@ -249,7 +287,7 @@ impl Drive<'_> {
     /// the same owner when its hold was committed; otherwise the claim made again (same token,
     /// which nobody else ever saw) or the takeover made again (compare-and-set on the token it
     /// took over from). `None` when another request got the key meanwhile: it owns the outcome.
-    async fn take_again(&self) -> Result<Option<Held>, RunError> {
+    async fn take_again(&mut self) -> Result<Option<Held>, RunError> {
         let workflow = self.workflow;
         let pool = self.runner.pool();
         match &self.hold {
@@ -258,7 +296,22 @@ impl Drive<'_> {
                 owner: self.owner.clone(),
                 attempt: self.context.attempt,
             })),
+            // The claim kept after the failure (see `fail`). Gone with its session (killed,
+            // closed), it is never claimed again: the key was free from then on, and another
+            // request may have run under it and been told so. Only a refused first `COMMIT`
+            // is answered by claiming again at once (same token, nobody else ever saw it),
+            // one round trip after the claim vanished.
             Hold::Claim(fingerprint) => {
+                if let Some(tx) = self.tx.take() {
+                    return Ok(Some(Held {
+                        tx,
+                        owner: self.owner.clone(),
+                        attempt: 1,
+                    }));
+                }
+                if !self.claim_refused {
+                    return Ok(None);
+                }
                 let request = self.sealer().seal_value(Slot::Request, &self.request)?;
                 let claim = ClaimRequest {
                     tenant: self.owner.tenant(),

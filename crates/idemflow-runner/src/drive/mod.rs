@@ -210,6 +210,9 @@ struct Drive<'r> {
     /// it (and the call is not repeated).
     pending_foreign: Option<(&'static str, Value)>,
     lease_from: Instant,
+    /// The claim's first `COMMIT` was refused (a deferred constraint): the claim vanished at a
+    /// moment this owner knows, one round trip before its failure record claims the key again.
+    claim_refused: bool,
 }
 
 impl Runner {
@@ -258,6 +261,7 @@ impl Runner {
             unrecorded: None,
             pending_foreign: None,
             lease_from,
+            claim_refused: false,
         };
         let ran = match drive.enter(entry, last_error) {
             Ok((position, carry)) => drive.run(position, carry).await,

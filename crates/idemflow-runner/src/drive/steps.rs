@@ -63,7 +63,11 @@ impl Drive<'_> {
             Ok(Err(_elapsed)) => {
                 // A statement may still be running on the connection: nobody can vouch for its
                 // state, so it is closed rather than handed back, and the server rolls back.
-                if let Some(tx) = self.tx.take() {
+                // A claim's transaction is kept: the failure record tries to go back to the claim
+                // on it (bounded), and closes it if it cannot.
+                if !matches!(self.hold, Hold::Claim(_))
+                    && let Some(tx) = self.tx.take()
+                {
                     tx.abandon();
                 }
                 Err(Stop::failed(failure(PhaseError::retryable(format!(
@@ -139,6 +143,7 @@ impl Drive<'_> {
                 .check(|| CrashPoint::BeforeCommit { phase: committed }, &key)
                 .await?;
             if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
+                self.claim_refused = matches!(self.hold, Hold::Claim(_));
                 return Err(Stop::failed(FailedAttempt::of(
                     charged.raw_name(),
                     charged.retry_policy(),
@@ -309,6 +314,7 @@ impl Drive<'_> {
         if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
             // A deferred constraint, say: the effects, the response and an uncommitted hold
             // roll back together, and the attempt fails.
+            self.claim_refused = matches!(self.hold, Hold::Claim(_));
             return Err(Stop::failed(failure(database_error("committing", &error))));
         }
         self.hold = Hold::Committed;
