@@ -16,6 +16,7 @@ mod faults;
 mod fences;
 mod isolation;
 mod load;
+mod many_processes;
 mod metrics;
 mod pgbouncer;
 mod precision;
