@@ -7,63 +7,12 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::support::example::{Process, database_url, example_binary, start_process, url_in};
-use idemflow::core::PhaseName;
-use idemflow::{DerivedKey, Key, TenantId};
+use crate::support::example::{
+    Answer, charge_key, database_url, example_binary, post_checkout, start_serve, start_worker,
+};
 use idemflow_testkit::provider::{Fault, MockProvider};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-
-const TENANT: &str = "acme";
-const BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
-
-/// What a client got back.
-#[derive(Debug, Clone, PartialEq)]
-struct Answer {
-    status: u16,
-    replayed: bool,
-    content_type: Option<String>,
-    body: Vec<u8>,
-}
-
-/// One checkout request; `None` when no answer came (the service died).
-async fn post(client: &reqwest::Client, base: &str, key: &str) -> Option<Answer> {
-    let response = client
-        .post(format!("{base}/v1/checkouts"))
-        .header("authorization", format!("Bearer {TENANT}"))
-        .header("content-type", "application/json")
-        .header("idempotency-key", key)
-        .body(BODY)
-        .send()
-        .await
-        .ok()?;
-    let status = response.status().as_u16();
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_owned)
-    };
-    let replayed = header("idempotent-replayed").as_deref() == Some("true");
-    let content_type = header("content-type");
-    let body = response.bytes().await.ok()?.to_vec();
-    Some(Answer {
-        status,
-        replayed,
-        content_type,
-        body,
-    })
-}
-
-fn derived(key: &str) -> String {
-    DerivedKey::new(
-        &TenantId::new(TENANT).unwrap(),
-        &Key::parse(key).unwrap(),
-        PhaseName::new("charge").unwrap(),
-    )
-    .to_string()
-}
 
 /// The services' and workers' common arguments.
 fn common<'a>(url: &'a str, provider: &'a MockProvider) -> [&'a str; 6] {
@@ -75,21 +24,6 @@ fn common<'a>(url: &'a str, provider: &'a MockProvider) -> [&'a str; 6] {
         "--lease-seconds",
         "30",
     ]
-}
-
-/// `serve` on a free port; returns it with its base URL. One at a time: each creates the
-/// example's table when it is missing.
-async fn serve(binary: &std::path::Path, name: &str, common: &[&str]) -> (Process, String) {
-    let mut arguments = vec!["serve", "--bind", "127.0.0.1:0"];
-    arguments.extend(common);
-    let (process, line) = start_process(binary, name, &arguments, "listening on").await;
-    (process, url_in(&line))
-}
-
-async fn worker(binary: &std::path::Path, name: &str, common: &[&str]) -> Process {
-    let mut arguments = vec!["worker", "--metrics-bind", "127.0.0.1:0"];
-    arguments.extend(common);
-    start_process(binary, name, &arguments, "resuming").await.0
 }
 
 /// Keys by state and their orders by status, for the keys starting with `prefix`.
@@ -130,7 +64,7 @@ async fn assert_once_each(pool: &PgPool, provider: &MockProvider, prefix: &str, 
     }
     for key in keys {
         assert_eq!(
-            charges.get(&derived(key)).copied(),
+            charges.get(&charge_key(key)).copied(),
             Some(1),
             "{key}: one charge"
         );
@@ -154,7 +88,7 @@ async fn a_duplicate_storm_over_http_executes_each_key_once(
     let provider = MockProvider::start().await;
     let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
     let common = common(&url, &provider);
-    let (_service, base) = serve(&binary, "serve", &common).await;
+    let (_service, base) = start_serve(&binary, "serve", &common).await;
 
     // The sends of one key are consecutive in one queue that all clients take from: they are
     // taken by different clients at nearly the same moment, and run concurrently.
@@ -172,7 +106,7 @@ async fn a_duplicate_storm_over_http_executes_each_key_once(
                     return answers;
                 }
                 let key = &keys[send / DUPLICATES];
-                let answer = post(&client, &base, key).await.expect("an answer");
+                let answer = post_checkout(&client, &base, key).await.expect("an answer");
                 answers.push((key.clone(), answer));
             }
         });
@@ -242,12 +176,12 @@ async fn two_services_killed_with_requests_in_flight_are_recovered_by_two_worker
     let provider = MockProvider::start().await;
     let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
     let common = common(&url, &provider);
-    let (mut first_service, first_url) = serve(&binary, "serve 1", &common).await;
-    let (mut second_service, second_url) = serve(&binary, "serve 2", &common).await;
+    let (mut first_service, first_url) = start_serve(&binary, "serve 1", &common).await;
+    let (mut second_service, second_url) = start_serve(&binary, "serve 2", &common).await;
     // Running from the start, as in production: idle until leases end.
     let workers = [
-        worker(&binary, "worker 1", &common).await,
-        worker(&binary, "worker 2", &common).await,
+        start_worker(&binary, "worker 1", &common).await,
+        start_worker(&binary, "worker 2", &common).await,
     ];
     let bases = [first_url, second_url];
     let client = reqwest::Client::new();
@@ -256,7 +190,7 @@ async fn two_services_killed_with_requests_in_flight_are_recovered_by_two_worker
     let mut keys = Vec::new();
     for i in 0..ANSWERED {
         let key = format!("crash-answered-{i:02}");
-        let answer = post(&client, &bases[i % 2], &key).await.unwrap();
+        let answer = post_checkout(&client, &bases[i % 2], &key).await.unwrap();
         assert_eq!((answer.status, answer.replayed), (201, false), "{answer:?}");
         first.insert(key.clone(), answer);
         keys.push(key);
@@ -269,17 +203,17 @@ async fn two_services_killed_with_requests_in_flight_are_recovered_by_two_worker
     let mut delayed = Vec::new();
     for (i, key) in in_flight.iter().enumerate() {
         if i % 2 == 0 {
-            provider.push_fault_for(derived(key), Fault::Timeout);
+            provider.push_fault_for(charge_key(key), Fault::Timeout);
         } else {
-            provider.push_fault_for(derived(key), Fault::Delay(delay));
-            delayed.push(derived(key));
+            provider.push_fault_for(charge_key(key), Fault::Delay(delay));
+            delayed.push(charge_key(key));
         }
     }
     let mut requests = tokio::task::JoinSet::new();
     for (i, key) in in_flight.iter().enumerate() {
         let (client, base, key) = (client.clone(), bases[i % 2].clone(), key.clone());
         requests.spawn(async move {
-            let answer = post(&client, &base, &key).await;
+            let answer = post_checkout(&client, &base, &key).await;
             (key, answer)
         });
     }
@@ -369,14 +303,14 @@ async fn two_services_killed_with_requests_in_flight_are_recovered_by_two_worker
     assert_eq!(provider.charges().len(), total);
     for key in &in_flight {
         // The killed call and the worker's: the second replayed or made the one charge.
-        assert!(provider.calls_for(&derived(key)) <= 2, "{key}");
+        assert!(provider.calls_for(&charge_key(key)) <= 2, "{key}");
     }
 
     // Every key again, through a new service: the stored answers, byte for byte the first ones
     // where a client got one; nothing executed again.
-    let (_service, base) = serve(&binary, "serve 3", &common).await;
+    let (_service, base) = start_serve(&binary, "serve 3", &common).await;
     for key in &keys {
-        let answer = post(&client, &base, key).await.unwrap();
+        let answer = post_checkout(&client, &base, key).await.unwrap();
         assert_eq!((answer.status, answer.replayed), (201, true), "{key}");
         if let Some(original) = first.get(key) {
             assert_eq!(answer.body, original.body, "{key}: replayed body");

@@ -12,15 +12,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::support::example::{Process, database_url, example_binary, start_process, url_in};
-use idemflow::core::PhaseName;
-use idemflow::{DerivedKey, Key, TenantId};
+use crate::support::example::{
+    Answer, charge_key, database_url, example_binary, post_checkout, start_serve, start_worker,
+};
 use idemflow_testkit::provider::{Fault, MockProvider};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-const TENANT: &str = "acme";
-const BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
 const SERVES: usize = 2;
 const WORKERS: usize = 3;
 const KEYS: usize = 150;
@@ -66,45 +64,6 @@ fn seed() -> u64 {
     }
 }
 
-/// What a client got back.
-#[derive(Debug, Clone, PartialEq)]
-struct Answer {
-    status: u16,
-    replayed: bool,
-    content_type: Option<String>,
-    body: Vec<u8>,
-}
-
-/// One checkout request; `None` when no answer came (the service died, or was never there).
-async fn post(client: &reqwest::Client, base: &str, key: &str) -> Option<Answer> {
-    let response = client
-        .post(format!("{base}/v1/checkouts"))
-        .header("authorization", format!("Bearer {TENANT}"))
-        .header("content-type", "application/json")
-        .header("idempotency-key", key)
-        .body(BODY)
-        .send()
-        .await
-        .ok()?;
-    let status = response.status().as_u16();
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_owned)
-    };
-    let replayed = header("idempotent-replayed").as_deref() == Some("true");
-    let content_type = header("content-type");
-    let body = response.bytes().await.ok()?.to_vec();
-    Some(Answer {
-        status,
-        replayed,
-        content_type,
-        body,
-    })
-}
-
 /// The base URLs of the services alive now.
 type Live = Arc<RwLock<Vec<String>>>;
 
@@ -136,7 +95,7 @@ async fn answer(
             live[turn % live.len()].clone()
         };
         turn += 1;
-        match post(client, &base, key).await {
+        match post_checkout(client, &base, key).await {
             None => {
                 retries.connection_errors.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -152,35 +111,6 @@ async fn answer(
             Some(answer) => return answer,
         }
     }
-}
-
-fn derived(key: &str) -> String {
-    DerivedKey::new(
-        &TenantId::new(TENANT).unwrap(),
-        &Key::parse(key).unwrap(),
-        PhaseName::new("charge").unwrap(),
-    )
-    .to_string()
-}
-
-/// `serve` on a free port (after `extra`); returns it with its base URL.
-async fn serve(
-    binary: &std::path::Path,
-    name: &str,
-    common: &[&str],
-    extra: &[&str],
-) -> (Process, String) {
-    let mut arguments = vec!["serve", "--bind", "127.0.0.1:0"];
-    arguments.extend(common);
-    arguments.extend(extra);
-    let (process, line) = start_process(binary, name, &arguments, "listening on").await;
-    (process, url_in(&line))
-}
-
-async fn worker(binary: &std::path::Path, name: &str, common: &[&str]) -> Process {
-    let mut arguments = vec!["worker", "--metrics-bind", "127.0.0.1:0", "--no-migrate"];
-    arguments.extend(common);
-    start_process(binary, name, &arguments, "resuming").await.0
 }
 
 async fn scalar(pool: &PgPool, sql: &'static str) -> i64 {
@@ -212,16 +142,18 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
         "--lease-seconds",
         LEASE_SECONDS,
     ];
+    // Every process after the first changes no schema: start-up races are another test's.
+    let no_migrate: Vec<&str> = common.iter().copied().chain(["--no-migrate"]).collect();
 
     // The schema, once: a service that migrates, stopped as soon as it listens.
-    serve(&binary, "migrate", &common, &[]).await.0.kill();
+    start_serve(&binary, "migrate", &common).await.0.kill();
     let mut serves = Vec::new();
     for i in 0..SERVES {
-        serves.push(serve(&binary, &format!("serve {i}"), &common, &["--no-migrate"]).await);
+        serves.push(start_serve(&binary, &format!("serve {i}"), &no_migrate).await);
     }
     let mut workers = Vec::new();
     for i in 0..WORKERS {
-        workers.push(worker(&binary, &format!("worker {i}"), &common).await);
+        workers.push(start_worker(&binary, &format!("worker {i}"), &no_migrate).await);
     }
     let live: Live = Arc::new(RwLock::new(
         serves.iter().map(|(_, base)| base.clone()).collect(),
@@ -230,7 +162,7 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
     // Every third charge is held a while at the provider: more requests in flight at a kill.
     let keys: Vec<String> = (0..KEYS).map(|i| format!("many-{i:03}")).collect();
     for key in keys.iter().step_by(3) {
-        provider.push_fault_for(derived(key), Fault::Delay(Duration::from_millis(400)));
+        provider.push_fault_for(charge_key(key), Fault::Delay(Duration::from_millis(400)));
     }
 
     let client = reqwest::Client::builder()
@@ -276,7 +208,7 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
             eprintln!("many_processes: kill {} ({base})", process.name);
             process.kill();
             serve_kills += 1;
-            let replacement = serve(&binary, &name, &common, &["--no-migrate"]).await;
+            let replacement = start_serve(&binary, &name, &no_migrate).await;
             live.write().unwrap().push(replacement.1.clone());
             serves[victim] = replacement;
         } else {
@@ -284,7 +216,7 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
             eprintln!("many_processes: kill {}", workers[victim].name);
             workers[victim].kill();
             worker_kills += 1;
-            workers[victim] = worker(&binary, &name, &common).await;
+            workers[victim] = start_worker(&binary, &name, &no_migrate).await;
         }
     }
 
@@ -374,7 +306,7 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
         *charges.entry(charge.idempotency_key).or_default() += 1;
     }
     for key in &keys {
-        assert_eq!(charges.get(&derived(key)), Some(&1), "{key}: one charge");
+        assert_eq!(charges.get(&charge_key(key)), Some(&1), "{key}: one charge");
     }
     assert_eq!(provider.charges().len(), KEYS, "charges in all");
 

@@ -223,3 +223,78 @@ pub fn url_in(line: &str) -> String {
         .unwrap_or_else(|| panic!("no URL in {line:?}"))
         .to_owned()
 }
+
+/// The tenant the checkout example's clients send as (its bearer token).
+pub const CHECKOUT_TENANT: &str = "acme";
+
+/// The checkout body the process tests send.
+pub const CHECKOUT_BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
+
+/// What a client of the checkout service got back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub status: u16,
+    pub replayed: bool,
+    pub content_type: Option<String>,
+    pub body: Vec<u8>,
+}
+
+/// One checkout request under `key`; `None` when no answer came (the service died, or was never
+/// there).
+pub async fn post_checkout(client: &reqwest::Client, base: &str, key: &str) -> Option<Answer> {
+    let response = client
+        .post(format!("{base}/v1/checkouts"))
+        .header("authorization", format!("Bearer {CHECKOUT_TENANT}"))
+        .header("content-type", "application/json")
+        .header("idempotency-key", key)
+        .body(CHECKOUT_BODY)
+        .send()
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    };
+    let replayed = header("idempotent-replayed").as_deref() == Some("true");
+    let content_type = header("content-type");
+    let body = response.bytes().await.ok()?.to_vec();
+    Some(Answer {
+        status,
+        replayed,
+        content_type,
+        body,
+    })
+}
+
+/// The derived key the checkout's charge phase calls the provider with, for `key`.
+pub fn charge_key(key: &str) -> String {
+    idemflow::DerivedKey::new(
+        &idemflow::TenantId::new(CHECKOUT_TENANT).unwrap(),
+        &idemflow::Key::parse(key).unwrap(),
+        idemflow::core::PhaseName::new("charge").unwrap(),
+    )
+    .to_string()
+}
+
+/// `checkout serve` on a free port with `arguments`; returns it with its base URL.
+pub async fn start_serve(
+    binary: &std::path::Path,
+    name: &str,
+    arguments: &[&str],
+) -> (Process, String) {
+    let mut all = vec!["serve", "--bind", "127.0.0.1:0"];
+    all.extend(arguments);
+    let (process, line) = start_process(binary, name, &all, "listening on").await;
+    (process, url_in(&line))
+}
+
+/// `checkout worker` with `arguments`, once it resumes.
+pub async fn start_worker(binary: &std::path::Path, name: &str, arguments: &[&str]) -> Process {
+    let mut all = vec!["worker", "--metrics-bind", "127.0.0.1:0"];
+    all.extend(arguments);
+    start_process(binary, name, &all, "resuming").await.0
+}
