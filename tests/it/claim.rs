@@ -349,7 +349,8 @@ async fn a_failure_record_never_brings_back_a_claim_that_vanished(pool: PgPool) 
     first.create.entered.notified().await;
     let killed: i64 = sqlx::query_scalar(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_locks \
-         WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()",
+         WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid() \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
     .fetch_one(&pool)
     .await
