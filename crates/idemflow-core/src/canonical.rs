@@ -484,6 +484,15 @@ impl Parser<'_> {
 /// decimal value `literal` has, as its canonical spelling writes it: the same significant digits
 /// at the same power of ten. Then decoding the canonical form gives the number the client wrote.
 fn held_as_written(literal: &str, value: f64) -> bool {
+    // Any decimal of at most 15 significant digits in the normal range comes back from its
+    // nearest double unchanged (DBL_DIG): the common case (an amount, a quantity), decided by
+    // counting the mantissa's digits, without allocating or formatting.
+    let mantissa = literal.split(['e', 'E']).next().unwrap_or(literal);
+    if value.abs() >= f64::MIN_POSITIVE
+        && mantissa.bytes().filter(u8::is_ascii_digit).count() <= 15
+    {
+        return true;
+    }
     let written = significant(literal);
     if value == 0.0 {
         // -0 and 0e7 are zero as written; 1e-400 is not.
@@ -492,8 +501,6 @@ fn held_as_written(literal: &str, value: f64) -> bool {
     let Some((digits, exponent)) = written else {
         return false;
     };
-    // Any decimal of at most 15 significant digits in the normal range comes back from its
-    // nearest double unchanged (DBL_DIG): the common case, decided without formatting.
     if digits.len() <= 15 && value.abs() >= f64::MIN_POSITIVE {
         return true;
     }
