@@ -188,14 +188,15 @@ if [[ $apt == yes ]]; then
     fi
   fi
   checks=$((checks + 1))
-  cmd="source '$tmp/postgres.sh'; idemflow_postgres_up; echo UP"
+  # A marker no temp dir name can hold (mktemp draws letters and digits: "UP" once matched one).
+  cmd="source '$tmp/postgres.sh'; idemflow_postgres_up; echo postgres-came-up"
   if [[ ${as_user[0]:-} == su ]]; then
     got=$(cd "$tmp" && "${as_user[@]}" "$(printf '%q ' "${bare_env[@]}" bash -c "$cmd")" 2>&1)
   else
     got=$(cd "$tmp" && "${as_user[@]}" "${bare_env[@]}" bash -c "$cmd" 2>&1)
   fi
   status=$?
-  if [[ $status -ne 1 || $got != *"sudo apt-get install -y postgresql"* || $got == *UP* ]]; then
+  if [[ $status -ne 1 || $got != *"sudo apt-get install -y postgresql"* || $got == *postgres-came-up* ]]; then
     fail "bare machine, not root: expected a loud failure naming sudo apt-get install, got status $status: $got"
   fi
 fi
