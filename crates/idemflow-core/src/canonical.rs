@@ -488,8 +488,7 @@ fn held_as_written(literal: &str, value: f64) -> bool {
     // nearest double unchanged (DBL_DIG): the common case (an amount, a quantity), decided by
     // counting the mantissa's digits, without allocating or formatting.
     let mantissa = literal.split(['e', 'E']).next().unwrap_or(literal);
-    if value.abs() >= f64::MIN_POSITIVE
-        && mantissa.bytes().filter(u8::is_ascii_digit).count() <= 15
+    if value.abs() >= f64::MIN_POSITIVE && mantissa.bytes().filter(u8::is_ascii_digit).count() <= 15
     {
         return true;
     }
