@@ -8,10 +8,12 @@
 //! This crate gathers the parts:
 //! - [`core`]: keys, tenants, canonical JSON fingerprints and the claim decision (pure, no IO);
 //! - [`store`]: every SQL statement, and the migrations ([`migrate`]);
-//! - the runner, workflows and phases, re-exported at the top level.
+//! - the runner, workflows and phases, re-exported at the top level;
+//! - [`consumer`]: the idempotent consumer, a message applied at most once per subscriber.
 
 #![deny(missing_docs)]
 
+pub use idemflow_consumer as consumer;
 pub use idemflow_core as core;
 pub use idemflow_pg as store;
 
@@ -49,6 +51,8 @@ mod documents {
     mod cli {}
     #[doc = include_str!("../docs/client.md")]
     mod client {}
+    #[doc = include_str!("../docs/consumer.md")]
+    mod consumer {}
     #[doc = include_str!("../docs/http.md")]
     mod http {}
     #[doc = include_str!("../docs/mock-provider.md")]

@@ -28,6 +28,17 @@ GRANT USAGE ON SCHEMA public TO :"runtime_role";
 REVOKE ALL ON TABLE idempotency_keys FROM :"runtime_role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE idempotency_keys TO :"runtime_role";
 
+-- Response bodies stored apart: written by the finish (an upsert), read by replays, deleted by
+-- retention with their keys.
+REVOKE ALL ON TABLE idempotency_responses FROM :"runtime_role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE idempotency_responses TO :"runtime_role";
+
+-- The idempotent consumer's records (docs/consumer.md). INSERT: a message's identity, with its
+-- effects. SELECT: a duplicate's fingerprint. UPDATE: the row locks of retention's
+-- `FOR UPDATE SKIP LOCKED`. DELETE: retention.
+REVOKE ALL ON TABLE processed_messages FROM :"runtime_role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE processed_messages TO :"runtime_role";
+
 -- The fencing tokens: nextval() in the look-up (a new key's token) and in both takeovers. USAGE
 -- allows nextval and currval, not setval: the runtime role cannot move the sequence back and
 -- make a token repeat.

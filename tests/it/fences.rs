@@ -77,7 +77,7 @@ async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
     let response = StoredResponse::new(200, "from an earlier life");
     for stale in [&claimer, &taker.owner] {
         let results = [
-            store::finish(&mut connection, stale, "phase", &response).await,
+            store::finish(&mut connection, stale, "phase", &response, usize::MAX).await,
             store::advance(&mut connection, stale, "phase", &json!({}), long).await,
             store::renew_lease(&mut connection, stale, long).await,
             store::postpone(&mut connection, stale, Duration::ZERO, "stale").await,
@@ -93,7 +93,7 @@ async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
             .unwrap();
     assert_eq!((state.as_str(), request), ("started", json!({"amount": 2})));
     // The new owner's writes still land.
-    store::finish(&mut connection, &new_owner, "phase", &response)
+    store::finish(&mut connection, &new_owner, "phase", &response, usize::MAX)
         .await
         .unwrap();
 }

@@ -580,7 +580,7 @@ async fn every_kind_of_stale_write_is_fenced(pool: PgPool) {
     let long = Duration::from_secs(60);
     let results = [
         store::advance(&mut connection, &stale, "phase", &output, long).await,
-        store::finish(&mut connection, &stale, "phase", &response).await,
+        store::finish(&mut connection, &stale, "phase", &response, usize::MAX).await,
         store::renew_lease(&mut connection, &stale, long).await,
         store::postpone(&mut connection, &stale, Duration::ZERO, "stale").await,
         store::delete_owned(&mut connection, &stale).await,

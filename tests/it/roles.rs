@@ -41,6 +41,14 @@ pub(crate) const RUNTIME_PRIVILEGES: &[(&str, &str)] = &[
     ("idempotency_keys", "SELECT"),
     ("idempotency_keys", "UPDATE"),
     ("idempotency_keys_fence", "USAGE"),
+    ("idempotency_responses", "DELETE"),
+    ("idempotency_responses", "INSERT"),
+    ("idempotency_responses", "SELECT"),
+    ("idempotency_responses", "UPDATE"),
+    ("processed_messages", "DELETE"),
+    ("processed_messages", "INSERT"),
+    ("processed_messages", "SELECT"),
+    ("processed_messages", "UPDATE"),
     ("schema public", "USAGE"),
 ];
 
@@ -616,6 +624,11 @@ async fn the_grants_file_gives_the_runtime_role_exactly_what_the_engine_needs(
                 "idempotency_keys_finished_at",
                 "idempotency_keys_pkey",
                 "idempotency_keys_started_lease",
+                "idempotency_responses",
+                "idempotency_responses_pkey",
+                "processed_messages",
+                "processed_messages_pkey",
+                "processed_messages_processed_at",
             ]
         );
 
@@ -856,8 +869,9 @@ async fn requests_resumers_and_retention_run_as_the_runtime_role(
 }
 
 /// Every public statement of the store, called directly as the runtime role: the look-up, the
-/// claim with its `PREPARE` and `SET LOCAL` limits, the fenced writes, both takeovers, the
-/// reports, the announcement, end-lease, retention's batch and the owner's delete.
+/// claim with its `PREPARE` and `SET LOCAL` limits, the fenced writes (a response stored out of
+/// the row too), both takeovers, the reports, the announcement, end-lease, retention's batch and
+/// the owner's delete.
 #[sqlx::test(migrations = false)]
 async fn every_statement_of_the_store_runs_as_the_runtime_role(
     _: PgPoolOptions,
@@ -977,9 +991,17 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
             panic!("one key is due: {due:?}");
         };
         let response = StoredResponse::json(201, &json!({"ok": true}));
-        store::finish(&mut connection, &due.taken.owner, "charge", &response)
+        // Stored out of the row (any body is above a threshold of 0), and read back from there.
+        store::finish(&mut connection, &due.taken.owner, "charge", &response, 0)
             .await
             .unwrap();
+        let LookUp::Found(found) = store::look_up(&mut connection, &tenant, &key)
+            .await
+            .unwrap()
+        else {
+            panic!("a finished key is found");
+        };
+        assert_eq!(found.response, Some(response));
         // Retention's batch deletes it once it is older than the window (here: any age).
         sqlx::query("UPDATE idempotency_keys SET finished_at = now() - interval '1 minute'")
             .execute(&admin)

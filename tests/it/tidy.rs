@@ -51,6 +51,10 @@ const ALLOWED: &[(&str, &str)] = &[
         "checks what a crash left (counts, stuck keys) and ends the killed services' leases, as a test would",
     ),
     (
+        "crates/idemflow-bench/src/large_responses.rs",
+        "the raw baseline (the body by primary key) and retention's rewind, as a test would",
+    ),
+    (
         "crates/idemflow-bench/src/provider_storm.rs",
         "counts finished keys to check the storm, as a test would",
     ),
@@ -418,18 +422,21 @@ fn string_literals(source: &str) -> Vec<String> {
     literals
 }
 
-/// The statements of `source` that read or write `idempotency_keys` without naming a tenant, and
-/// how many statements on the table it holds.
+/// The statements of `source` that read or write `idempotency_keys` (or the response bodies
+/// stored apart, `idempotency_responses`) without naming a tenant, and how many statements on
+/// those tables it holds.
 fn statements_without_tenant(source: &str) -> (Vec<String>, usize) {
     let (mut missing, mut checked) = (Vec::new(), 0);
     for literal in string_literals(source) {
         for statement in literal.split(';') {
             let sql = statement.split_whitespace().collect::<Vec<_>>().join(" ");
             let upper = format!("{} ", sql.to_ascii_uppercase());
-            let insert = upper.contains("INTO IDEMPOTENCY_KEYS ");
+            let insert = upper.contains("INTO IDEMPOTENCY_KEYS ")
+                || upper.contains("INTO IDEMPOTENCY_RESPONSES ");
             let names_table = insert
                 || upper.contains("FROM IDEMPOTENCY_KEYS ")
-                || upper.contains("UPDATE IDEMPOTENCY_KEYS ");
+                || upper.contains("UPDATE IDEMPOTENCY_KEYS ")
+                || upper.contains("FROM IDEMPOTENCY_RESPONSES ");
             if !names_table {
                 continue;
             }
@@ -473,4 +480,37 @@ fn every_request_path_statement_filters_by_tenant() {
         "const S: &str = \"UPDATE idempotency_keys \\\n SET x = 1 WHERE key = $1\";",
     );
     assert_eq!(missing.len(), 1, "{missing:?}");
+}
+
+/// A response stored apart is deleted by the statement that deletes its key, so no body outlives
+/// its key (there is no foreign key to cascade: see migrations/20261201000200_responses_apart.sql).
+/// Every statement of the store that deletes keys either deletes only started keys (which have no
+/// response) or deletes their bodies apart in the same statement.
+#[test]
+fn every_delete_of_a_finished_key_deletes_its_body_apart() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    rust_files(&root.join("crates/idemflow-pg/src"), &mut files);
+    let mut deletes = 0;
+    for file in files {
+        let source = std::fs::read_to_string(&file).unwrap();
+        for literal in string_literals(&source) {
+            let upper = literal.split_whitespace().collect::<Vec<_>>().join(" ");
+            let upper = upper.to_ascii_uppercase();
+            if !upper.contains("DELETE FROM IDEMPOTENCY_KEYS") {
+                continue;
+            }
+            deletes += 1;
+            assert!(
+                upper.contains("STATE = 'STARTED'")
+                    || upper.contains("DELETE FROM IDEMPOTENCY_RESPONSES"),
+                "{}: a delete of finished keys that leaves their bodies apart behind: {literal}",
+                file.display()
+            );
+        }
+    }
+    assert!(
+        deletes >= 2,
+        "only {deletes} deletes found: the scan is broken"
+    );
 }

@@ -58,6 +58,7 @@ pub const SECTIONS: &[(&str, &str)] = &[
     ("7", "http"),
     ("8", "provider-storm"),
     ("9", "mass-crash"),
+    ("10", "large-responses"),
 ];
 
 impl Config {

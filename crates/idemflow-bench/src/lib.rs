@@ -9,6 +9,7 @@
 mod config;
 mod db;
 mod http;
+mod large_responses;
 mod load;
 mod mass_crash;
 mod pgbench;

@@ -19,6 +19,7 @@ pub const HTTP_CHECKOUT: &str = "7-http-checkout";
 pub const HTTP_REPLAY: &str = "7-http-replay";
 pub const PROVIDER_STORM: &str = "8-provider-storm";
 pub const MASS_CRASH: &str = "9-mass-crash";
+pub const LARGE_RESPONSES: &str = "10-large-responses";
 
 /// Variants of a workload.
 pub const ENGINE: &str = "engine";
@@ -49,6 +50,8 @@ pub struct Report {
     pub provider_storm: Option<ProviderStorm>,
     /// Workload 9: one run per number of recovering worker processes.
     pub mass_crash: Vec<MassCrash>,
+    /// Workload 10: one row per body size and placement (in the row, apart).
+    pub large_responses: Vec<LargeResponse>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -120,6 +123,24 @@ pub struct Storm {
     pub winners: LatencySummary,
     pub in_progress_latency: LatencySummary,
     pub replayed_latency: LatencySummary,
+}
+
+/// Workload 10: keys answered with `body_bytes` bytes, stored in the row or apart.
+#[derive(Debug, Clone, Serialize)]
+pub struct LargeResponse {
+    pub body_bytes: usize,
+    pub apart: bool,
+    pub keys: u64,
+    /// What each key added to the keys table's heap (the hot table), its TOAST table, and the
+    /// table of bodies apart (with its TOAST and index).
+    pub heap_bytes_per_key: f64,
+    pub toast_bytes_per_key: f64,
+    pub apart_bytes_per_key: f64,
+    /// Engine replays per second, and the raw primary-key select of the same bytes, interleaved.
+    pub replays_per_second: f64,
+    pub raw_selects_per_second: f64,
+    /// Retention's time per key deleted (batches of 500, back to back).
+    pub retention_micros_per_key: f64,
 }
 
 /// Workload 8: `keys` keys, each sent `duplicates` times by `clients` clients taking the sends
@@ -511,6 +532,30 @@ impl Report {
                 triple(&storm.replayed_latency),
                 triple(&storm.in_progress_latency)
             );
+        }
+        if !self.large_responses.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nlarge responses (10): bytes per key added to the keys heap / its TOAST / the \
+                 bodies apart; replays/s (8 clients) engine vs raw select of the same bytes; retention µs per key"
+            );
+            for row in &self.large_responses {
+                let _ = writeln!(
+                    out,
+                    "  {:>8} B {:<6} {:>5} keys: heap {:>7.0}  toast {:>8.0}  apart {:>8.0}   \
+                     replays {:>7.0}/s  raw {:>7.0}/s  ({:.2}×)   retention {:>6.1} µs/key",
+                    row.body_bytes,
+                    if row.apart { "apart" } else { "in row" },
+                    row.keys,
+                    row.heap_bytes_per_key,
+                    row.toast_bytes_per_key,
+                    row.apart_bytes_per_key,
+                    row.replays_per_second,
+                    row.raw_selects_per_second,
+                    row.replays_per_second / row.raw_selects_per_second,
+                    row.retention_micros_per_key
+                );
+            }
         }
         if !self.mass_crash.is_empty() {
             let _ = writeln!(

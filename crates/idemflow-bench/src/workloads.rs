@@ -25,8 +25,8 @@ use crate::report::{
 use crate::wire_counts::{self, WireCount, counted_pool, settle};
 use crate::workflows::{self, CLAIMED_AT, CountingHook, Ledger, NeverCrash, TENANT};
 use crate::{
-    DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, http, mass_crash,
-    pgbench, provider_storm,
+    DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, http, large_responses,
+    mass_crash, pgbench, provider_storm,
 };
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, Error>> + Send>>;
@@ -212,6 +212,15 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         }
     }
 
+    let large_responses = if config.runs("large-responses") {
+        trace("large responses");
+        eprintln!("idemflow-bench: large responses: 1 KiB, 64 KiB, 1 MiB, in the row and apart");
+        let prefix = ctx.prefix("large");
+        large_responses::run(config, scratch, &ctx.tenant, &prefix).await?
+    } else {
+        Vec::new()
+    };
+
     trace("end");
     if scratch.statements_unavailable.is_some() {
         notes.push(
@@ -260,6 +269,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         retention,
         provider_storm,
         mass_crash,
+        large_responses,
         targets: Vec::new(),
         load_trace,
         notes,

@@ -47,13 +47,24 @@ pub async fn advance(
 /// Finishes a key: stores the response, marks it done and clears the lease. Fenced. Run in the
 /// same transaction as the last local effect, so the response exists exactly when the effects do.
 /// Its time is the start of the key's retention window.
+///
+/// A body longer than `apart_above` bytes is stored out of the key's row, in
+/// `idempotency_responses` ([`statements::FINISH_APART`]), by the same statement: the keys table
+/// stays narrow, and a look-up that is not a replay (a 409, a 422, a takeover) never reads it.
 pub async fn finish(
     connection: &mut PgConnection,
     owner: &Owner,
     recovery_point: &str,
     response: &StoredResponse,
+    apart_above: usize,
 ) -> Result<(), StoreError> {
-    let result = sqlx::query(statements::FINISH)
+    let apart = response.body.len() > apart_above;
+    let statement = if apart {
+        statements::FINISH_APART
+    } else {
+        statements::FINISH
+    };
+    let result = sqlx::query(statement)
         .bind(owner.tenant().as_str())
         .bind(owner.key().as_str())
         .bind(owner.lock_version())

@@ -64,32 +64,67 @@ pub async fn look_up(
     tenant: &TenantId,
     key: &Key,
 ) -> Result<LookUp, StoreError> {
+    // A body stored apart is read by a second statement, and retention may delete the key in
+    // between: then the key is looked up again (it is gone, or someone claimed it anew).
+    for _ in 0..LOOK_UP_ROUNDS {
+        if let Some(looked) = look_up_once(connection, tenant, key).await? {
+            return Ok(looked);
+        }
+    }
+    Err(StoreError::Corrupt(format!(
+        "the response of key {key} stored apart kept vanishing"
+    )))
+}
+
+/// How many times [`look_up`] reads a key whose response, stored apart, vanished under it.
+const LOOK_UP_ROUNDS: usize = 3;
+
+/// One look-up; `None` when the key's response is stored apart and was deleted (with its key)
+/// between the two statements.
+async fn look_up_once(
+    connection: &mut PgConnection,
+    tenant: &TenantId,
+    key: &Key,
+) -> Result<Option<LookUp>, StoreError> {
     let row = sqlx::query(statements::LOOK_UP)
         .bind(tenant.as_str())
         .bind(key.as_str())
         .bind(claim_lock(tenant, key))
-        .fetch_one(connection)
+        .fetch_one(&mut *connection)
         .await?;
     let fingerprint: Option<Vec<u8>> = row.get("fingerprint");
     let Some(fingerprint) = fingerprint else {
         let claiming: bool = row.get("claiming");
-        return Ok(if claiming {
+        return Ok(Some(if claiming {
             LookUp::Claiming
         } else {
             LookUp::Absent {
                 lock_version: row.get("new_lock_version"),
             }
-        });
+        }));
     };
     let fingerprint = fingerprint_of(&fingerprint)?;
     let done: bool = row.get("done");
     let lease_left_ms: Option<i64> = row.get("lease_left_ms");
     let response = if done {
-        Some(stored_response(&row)?)
+        let (mut response, in_row) = stored_response(&row)?;
+        if !in_row {
+            // Stored apart (a done key has its body in the row or apart: the schema says so).
+            let body: Option<Vec<u8>> = sqlx::query_scalar(statements::RESPONSE_APART)
+                .bind(tenant.as_str())
+                .bind(key.as_str())
+                .fetch_optional(&mut *connection)
+                .await?;
+            let Some(body) = body else {
+                return Ok(None);
+            };
+            response.body = body;
+        }
+        Some(response)
     } else {
         None
     };
-    Ok(LookUp::Found(FoundKey {
+    Ok(Some(LookUp::Found(FoundKey {
         fingerprint,
         workflow: row.get("workflow"),
         done,
@@ -100,7 +135,7 @@ pub async fn look_up(
         },
         lock_version: row.get("lock_version"),
         response,
-    }))
+    })))
 }
 
 /// Draws a fencing token for a claim from the fence sequence, in a statement of its own. A
@@ -148,8 +183,12 @@ pub async fn inspect(
                 CASE WHEN state = 'started' \
                      THEN greatest(0, ceil(extract(epoch FROM locked_until - now()) * 1000))::bigint \
                      ELSE 0 END AS lease_left_ms, \
-                lock_version, attempts, last_error, response_status, response_headers, response_body \
-         FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+                lock_version, attempts, last_error, response_status, response_headers, \
+                coalesce(response_body, \
+                         (SELECT body FROM idempotency_responses AS apart \
+                          WHERE apart.tenant = keys.tenant AND apart.key = keys.key)) \
+                    AS response_body \
+         FROM idempotency_keys AS keys WHERE tenant = $1 AND key = $2",
     )
     .bind(tenant.as_str())
     .bind(key.as_str())
@@ -164,7 +203,8 @@ fn key_row(row: &PgRow) -> Result<KeyRow, StoreError> {
     let done: bool = row.get("done");
     let lease_left_ms: i64 = row.get("lease_left_ms");
     let response = if done {
-        Some(stored_response(row)?)
+        // The statement reads a body stored apart in the same snapshot.
+        Some(stored_response(row)?.0)
     } else {
         None
     };
@@ -187,17 +227,23 @@ fn fingerprint_of(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
         .ok_or_else(|| StoreError::Corrupt(format!("fingerprint of {} bytes", bytes.len())))
 }
 
-/// The `response_status`, `response_headers` and `response_body` columns of a done key.
-fn stored_response(row: &PgRow) -> Result<StoredResponse, StoreError> {
+/// The `response_status`, `response_headers` and `response_body` columns of a done key, and
+/// whether the body was in the row: when it is stored apart the body is left empty here.
+fn stored_response(row: &PgRow) -> Result<(StoredResponse, bool), StoreError> {
     let status: i16 = row.get("response_status");
     let headers: sqlx::types::Json<Vec<(String, String)>> = row.get("response_headers");
     let status = u16::try_from(status)
         .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?;
-    Ok(StoredResponse {
-        status,
-        headers: headers.0,
-        body: row.get("response_body"),
-    })
+    let body: Option<Vec<u8>> = row.get("response_body");
+    let in_row = body.is_some();
+    Ok((
+        StoredResponse {
+            status,
+            headers: headers.0,
+            body: body.unwrap_or_default(),
+        },
+        in_row,
+    ))
 }
 
 #[cfg(test)]
@@ -271,7 +317,7 @@ mod tests {
             headers: vec![("content-type".to_owned(), "application/json".to_owned())],
             body: b"{\"ok\":true}".to_vec(),
         };
-        finish(&mut connection, &owner, "last", &response)
+        finish(&mut connection, &owner, "last", &response, usize::MAX)
             .await
             .expect("finish");
         let Ok(LookUp::Found(found)) = look_up(&mut connection, &tenant, &key).await else {

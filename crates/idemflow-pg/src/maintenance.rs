@@ -128,21 +128,30 @@ pub async fn expire_batch(
     older_than: Duration,
     batch_size: i64,
 ) -> Result<u64, StoreError> {
-    let result = sqlx::query(
-        "DELETE FROM idempotency_keys AS keys USING ( \
-             SELECT tenant, key FROM idempotency_keys \
-             WHERE state = 'done' AND finished_at < now() - $1::bigint * interval '1 millisecond' \
-             ORDER BY finished_at \
-             LIMIT $2 \
-             FOR UPDATE SKIP LOCKED \
-         ) AS old \
-         WHERE keys.tenant = old.tenant AND keys.key = old.key",
+    // A response stored apart goes with its key, in the same statement: no body outlives its key.
+    let deleted: i64 = sqlx::query_scalar(
+        "WITH gone AS ( \
+             DELETE FROM idempotency_keys AS keys USING ( \
+                 SELECT tenant, key FROM idempotency_keys \
+                 WHERE state = 'done' \
+                   AND finished_at < now() - $1::bigint * interval '1 millisecond' \
+                 ORDER BY finished_at \
+                 LIMIT $2 \
+                 FOR UPDATE SKIP LOCKED \
+             ) AS old \
+             WHERE keys.tenant = old.tenant AND keys.key = old.key \
+             RETURNING keys.tenant, keys.key, keys.response_apart \
+         ), bodies AS ( \
+             DELETE FROM idempotency_responses AS apart USING gone \
+             WHERE gone.response_apart AND apart.tenant = gone.tenant AND apart.key = gone.key \
+         ) \
+         SELECT count(*) FROM gone",
     )
     .bind(millis(older_than))
     .bind(batch_size)
-    .execute(connection)
+    .fetch_one(connection)
     .await?;
-    Ok(result.rows_affected())
+    Ok(u64::try_from(deleted).unwrap_or(0))
 }
 
 /// Ends a started key's lease now, if its fencing token is still `lock_version`, so a resumer or
@@ -201,7 +210,10 @@ const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
     CASE WHEN state = 'started' THEN ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint END \
         AS lease_left_ms, \
     lock_version, attempts, last_error, response_status, \
-    octet_length(response_body) AS response_bytes, \
+    coalesce(octet_length(response_body), \
+             (SELECT octet_length(body) FROM idempotency_responses AS apart \
+              WHERE apart.tenant = idempotency_keys.tenant AND apart.key = idempotency_keys.key)) \
+        AS response_bytes, \
     encode(fingerprint, 'hex') AS fingerprint_hex, \
     floor(extract(epoch FROM now() - created_at))::bigint AS age_seconds";
 

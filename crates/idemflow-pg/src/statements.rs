@@ -56,9 +56,30 @@ pub const ADVANCE: &str = "UPDATE idempotency_keys \
 /// lock_version, `$4` recovery point, `$5` status, `$6` headers, `$7` body.
 pub const FINISH: &str = "UPDATE idempotency_keys \
  SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
-     response_status = $5, response_headers = $6, response_body = $7, \
+     response_status = $5, response_headers = $6, response_body = $7, response_apart = false, \
      finished_at = clock_timestamp(), updated_at = now() \
  WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+
+/// [`FINISH`] for a response stored out of the key's row: the key is marked done with its status
+/// and headers and no body, and the body goes to `idempotency_responses`, in one statement. The
+/// insert reads the update's `RETURNING`, so a fenced-out owner writes neither, and a crash leaves
+/// both or neither (one transaction). `ON CONFLICT`: a body left by an earlier life of the key
+/// (there should be none: the statement that deletes a key deletes its body) is replaced, never
+/// served. The same parameters as [`FINISH`]; `$7` is the body.
+pub const FINISH_APART: &str = "WITH finished AS ( \
+     UPDATE idempotency_keys \
+     SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
+         response_status = $5, response_headers = $6, response_body = NULL, \
+         response_apart = true, finished_at = clock_timestamp(), updated_at = now() \
+     WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+     RETURNING tenant, key) \
+ INSERT INTO idempotency_responses (tenant, key, body) \
+ SELECT tenant, key, $7 FROM finished \
+ ON CONFLICT (tenant, key) DO UPDATE SET body = excluded.body";
+
+/// The body of a response stored apart ([`FINISH_APART`]): `$1` tenant, `$2` key.
+pub const RESPONSE_APART: &str =
+    "SELECT body FROM idempotency_responses WHERE tenant = $1 AND key = $2";
 
 /// A fresh fencing token.
 pub const NEXT_FENCE: &str = "SELECT nextval('idempotency_keys_fence')";

@@ -35,11 +35,22 @@ pub struct RunnerConfig {
     /// ids they were sealed under. Default `None`: values are stored as they are. See
     /// [`Keyring`] and docs/operations.md, "What is stored".
     pub keyring: Option<Keyring>,
+    /// A stored response body longer than this many bytes (after sealing) is kept out of the
+    /// key's row, in a table of its own, written in the same statement as the finish and read
+    /// back by a replay with one more statement. Default
+    /// [`RunnerConfig::DEFAULT_RESPONSE_APART_ABOVE`]; `usize::MAX` keeps every body in the row.
+    /// See docs/operations.md, "Large responses".
+    pub response_apart_above: usize,
 }
 
 impl RunnerConfig {
     /// The default [`RunnerConfig::database_timeout`].
     pub const DEFAULT_DATABASE_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// The default [`RunnerConfig::response_apart_above`]: 64 KiB. Below it a body costs a
+    /// replay nothing extra in the row (PostgreSQL compresses and moves it out of line itself
+    /// past about 2 KB); above it the second statement costs less than the body's transfer.
+    pub const DEFAULT_RESPONSE_APART_ABOVE: usize = 64 * 1024;
 }
 
 impl Default for RunnerConfig {
@@ -48,6 +59,7 @@ impl Default for RunnerConfig {
             terminal_errors: TerminalPolicy::default(),
             database_timeout: Self::DEFAULT_DATABASE_TIMEOUT,
             keyring: None,
+            response_apart_above: Self::DEFAULT_RESPONSE_APART_ABOVE,
         }
     }
 }

@@ -29,9 +29,13 @@
 //!   connections are accepted and never forwarded: only a client's own timeouts end a request.
 //! - [`FaultProxy::down`]: the database restarting: every open connection is cut, and while down a
 //!   new connection is closed as soon as it is accepted (no server behind it).
+//! - [`FaultProxy::retarget`]: the address moved to another server (a virtual IP or a DNS name
+//!   switched to a promoted standby): every open connection is cut, and new ones reach the new
+//!   server. Until then, new connections go to the old one, refused once it is gone.
 
-use std::sync::Arc;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -51,6 +55,14 @@ struct Faults {
     down: AtomicBool,
     delay_ms: AtomicU64,
     connections: AtomicU64,
+    /// Where new connections are forwarded; [`FaultProxy::retarget`] moves it.
+    upstream: Mutex<SocketAddr>,
+}
+
+impl Faults {
+    fn upstream(&self) -> SocketAddr {
+        *self.upstream.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// A fault-injecting proxy; see the [module documentation](self). Dropped, it keeps running until
@@ -64,7 +76,7 @@ pub struct FaultProxy {
 
 impl FaultProxy {
     /// Starts the proxy on a loopback port, forwarding to `upstream`.
-    pub async fn start(upstream: std::net::SocketAddr) -> Self {
+    pub async fn start(upstream: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let (cuts, _) = watch::channel(0);
@@ -75,6 +87,7 @@ impl FaultProxy {
             down: AtomicBool::new(false),
             delay_ms: AtomicU64::new(0),
             connections: AtomicU64::new(0),
+            upstream: Mutex::new(upstream),
         });
         let counts = Arc::new(WireCounts::default());
         let (shared, shared_counts) = (faults.clone(), counts.clone());
@@ -91,11 +104,15 @@ impl FaultProxy {
                         swallow_until_healed(client, &faults).await;
                         return;
                     }
-                    let Ok(server) = TcpStream::connect(upstream).await else {
+                    // Subscribed before connecting: a cut (a retarget) while this connection is
+                    // still being opened to the old server ends it too.
+                    let cuts = faults.cuts.subscribe();
+                    // Read per connection: a retarget applies to every connection opened after it.
+                    let Ok(server) = TcpStream::connect(faults.upstream()).await else {
                         return;
                     };
                     faults.connections.fetch_add(1, Ordering::SeqCst);
-                    relay(client, server, &faults, &counts).await;
+                    relay(client, server, cuts, &faults, &counts).await;
                 });
             }
         });
@@ -165,6 +182,24 @@ impl FaultProxy {
         }
     }
 
+    /// Points the proxy at another server, as a virtual IP or a DNS name is moved to a promoted
+    /// standby: every open connection is cut (its client sees end of stream, as when the old
+    /// server's host is gone), and every connection opened from now on is forwarded to
+    /// `upstream`. The faults in force stay in force.
+    pub fn retarget(&self, upstream: SocketAddr) {
+        *self
+            .faults
+            .upstream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = upstream;
+        self.cut_all();
+    }
+
+    /// Where new connections are forwarded now.
+    pub fn upstream(&self) -> SocketAddr {
+        self.faults.upstream()
+    }
+
     /// Ends every fault: no blackhole, no delay, no pending cut. Connections cut stay cut; those a
     /// blackhole held are closed, as a network that comes back finds the old sessions gone.
     pub fn heal(&self) {
@@ -191,10 +226,15 @@ async fn swallow_until_healed(mut client: TcpStream, faults: &Faults) {
     }
 }
 
-async fn relay(client: TcpStream, server: TcpStream, faults: &Arc<Faults>, counts: &WireCounts) {
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    mut cuts: watch::Receiver<u64>,
+    faults: &Arc<Faults>,
+    counts: &WireCounts,
+) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    let mut cuts = faults.cuts.subscribe();
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     let downstream = tokio::spawn(forward_answers(server_read, client_write, faults.clone()));
@@ -287,5 +327,60 @@ async fn forward_messages(
         if kind == b'X' {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A server that greets every connection with `name` and keeps it open until the client
+    /// goes: enough to tell which upstream a connection reached.
+    async fn greeter(name: u8) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut connection, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    connection.write_all(&[name]).await.unwrap();
+                    let mut sink = [0_u8; 64];
+                    while matches!(connection.read(&mut sink).await, Ok(read) if read > 0) {}
+                });
+            }
+        });
+        address
+    }
+
+    async fn greeting(connection: &mut TcpStream) -> Option<u8> {
+        let mut byte = [0_u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(5), connection.read(&mut byte))
+            .await
+            .expect("an answer or end of stream in time");
+        match read {
+            Ok(1) => Some(byte[0]),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_retarget_cuts_open_connections_and_sends_new_ones_to_the_new_upstream() {
+        let (old, new) = (greeter(b'o').await, greeter(b'n').await);
+        let proxy = FaultProxy::start(old).await;
+        let mut before = TcpStream::connect(("127.0.0.1", proxy.port()))
+            .await
+            .unwrap();
+        assert_eq!(greeting(&mut before).await, Some(b'o'));
+
+        proxy.retarget(new);
+        assert_eq!(proxy.upstream(), new);
+        // The connection opened before is cut, not left talking to the old server.
+        assert_eq!(greeting(&mut before).await, None);
+        let mut after = TcpStream::connect(("127.0.0.1", proxy.port()))
+            .await
+            .unwrap();
+        assert_eq!(greeting(&mut after).await, Some(b'n'));
+        assert_eq!(proxy.connections(), 2);
     }
 }

@@ -114,8 +114,14 @@ impl Drive<'_> {
             (Some(response), _) => {
                 let response = redacted_or_problem(self.workflow, response);
                 let stored = self.sealer().seal_response(&response)?;
-                let finished =
-                    store::finish(&mut held.tx, &held.owner, &recorded.point, &stored).await;
+                let finished = store::finish(
+                    &mut held.tx,
+                    &held.owner,
+                    &recorded.point,
+                    &stored,
+                    self.runner.config.response_apart_above,
+                )
+                .await;
                 fenced(finished, held.tx).await?.commit().await?;
                 metrics::count(metrics::FINISHED, self.workflow.name());
                 Ok(Outcome::Executed(response))
@@ -212,7 +218,14 @@ impl Drive<'_> {
         let response = self.failure_path(&mut held.tx, give_up).await?;
         let response = redacted_or_problem(workflow, response);
         let stored = self.sealer().seal_response(&response)?;
-        let finished = store::finish(&mut held.tx, &held.owner, &recorded.point, &stored).await;
+        let finished = store::finish(
+            &mut held.tx,
+            &held.owner,
+            &recorded.point,
+            &stored,
+            self.runner.config.response_apart_above,
+        )
+        .await;
         if let Err(error) = fenced(finished, held.tx).await?.commit().await {
             // A deferred constraint broken by the failure path's effects, say.
             tracing::error!(%error, "the give-up did not commit; storing a generic response");
@@ -278,7 +291,8 @@ impl Drive<'_> {
             tx = fenced(advanced, tx).await?;
         }
         let stored = self.sealer().seal_response(response)?;
-        let finished = store::finish(&mut tx, &owner, recovery_point, &stored).await;
+        let apart_above = self.runner.config.response_apart_above;
+        let finished = store::finish(&mut tx, &owner, recovery_point, &stored, apart_above).await;
         fenced(finished, tx).await?.commit().await?;
         Ok(())
     }

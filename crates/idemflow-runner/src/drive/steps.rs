@@ -299,7 +299,8 @@ impl Drive<'_> {
         let open = opened(&mut self.tx, runner, workflow)
             .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
-        store::finish(open, &self.owner, last.raw_name(), &stored)
+        let apart_above = runner.config.response_apart_above;
+        store::finish(open, &self.owner, last.raw_name(), &stored, apart_above)
             .within(runner.config.database_timeout)
             .await?
             .map_err(|error| store_stop(error, "storing the response", failure))?;

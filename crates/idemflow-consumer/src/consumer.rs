@@ -1,0 +1,267 @@
+//! [`Consumer::process`]: the identity first, then the effects, one commit.
+
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use sqlx::{PgConnection, PgPool};
+use tracing::Instrument;
+
+use crate::identity::{Message, Subscriber, hex};
+use crate::metrics::{self, DUPLICATES, FAILED, PROCESSED, REFUSED, count};
+
+/// What a handler's error becomes: any error converts (`?` on sqlx's, serde's, yours).
+pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Applies a message: its effects go through `connection`, the open transaction that also records
+/// the message's identity, so they commit together or not at all.
+///
+/// A handler must do nothing outside that transaction that it cannot do twice: a message whose
+/// commit failed, or whose process died before it, is delivered again and the handler runs again.
+#[async_trait]
+pub trait Handler: Send + Sync {
+    /// The message's effects. An error rolls them back with the identity: the delivery is to be
+    /// redelivered (negatively acknowledged, or left to the broker).
+    async fn handle(
+        &self,
+        connection: &mut PgConnection,
+        message: &Message,
+    ) -> Result<(), HandlerError>;
+}
+
+/// What a delivery became. Both are to be acknowledged to the broker: the message is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Processed {
+    /// This delivery ran the handler; its effects and the identity committed.
+    Applied,
+    /// The subscriber had applied this message before (same id, same payload): nothing ran.
+    Duplicate,
+}
+
+/// Why a delivery was not applied.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumerError {
+    /// The subscriber applied a message with this id and another payload. Nothing ran. Not a
+    /// retryable failure: redelivering it can only be refused again. Reject it (to a dead-letter
+    /// queue) and look at the publisher, which reused an id for another message.
+    #[error(
+        "message {message_id:?} was applied by {subscriber:?} with another payload \
+         (stored fingerprint {stored}, this delivery's {received}): refused"
+    )]
+    PayloadMismatch {
+        /// The subscriber that applied the first payload.
+        subscriber: String,
+        /// The reused message id.
+        message_id: String,
+        /// The fingerprint (hex SHA-256) of the payload applied.
+        stored: String,
+        /// The fingerprint (hex SHA-256) of this delivery's payload.
+        received: String,
+    },
+    /// The handler failed; its effects rolled back and nothing was recorded.
+    #[error("the handler failed (rolled back): {0}")]
+    Handler(#[source] HandlerError),
+    /// The database failed; nothing was recorded unless the failure was the commit's answer
+    /// lost, in which case a redelivery is recognised as a duplicate.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The message's identity was inserted and deleted again (retention) between two statements
+    /// three times over: try the delivery again.
+    #[error("message {0:?} kept changing under retention; try again")]
+    Contended(String),
+    /// A [`CrashHook`] stopped the delivery at a crash point, as a crash would have.
+    #[error("stopped at crash point {0}")]
+    Crashed(CrashPoint),
+}
+
+/// A step boundary of [`Consumer::process`] at which a test can stop it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CrashPoint {
+    /// The handler ran; its effects and the identity are about to commit.
+    BeforeCommit,
+    /// Committed; the caller has not acknowledged the delivery yet.
+    AfterCommit,
+}
+
+impl fmt::Display for CrashPoint {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(match self {
+            Self::BeforeCommit => "before_commit",
+            Self::AfterCommit => "after_commit",
+        })
+    }
+}
+
+/// Decides at each crash point whether the delivery stops there; it may also take its time (or
+/// never return: a process frozen until a test kills it). In production there is none.
+#[async_trait]
+pub trait CrashHook: Send + Sync + fmt::Debug {
+    /// `true`: stop as a crash would: before the commit the transaction rolls back; after it the
+    /// caller is told [`ConsumerError::Crashed`] and must not acknowledge.
+    async fn crash_at(&self, point: CrashPoint, message: &Message) -> bool;
+}
+
+/// Applies messages for one subscriber, each at most once, on a pool.
+#[derive(Debug, Clone)]
+pub struct Consumer {
+    pool: PgPool,
+    subscriber: Subscriber,
+    crash_hook: Option<Arc<dyn CrashHook>>,
+}
+
+/// How often an identity found and gone again is tried before [`ConsumerError::Contended`].
+const ROUNDS: usize = 3;
+
+impl Consumer {
+    /// A consumer for `subscriber`. Describes the metrics to the installed recorder once per
+    /// process. The pool's database must be migrated (`idemflow::migrate`).
+    pub fn new(pool: PgPool, subscriber: Subscriber) -> Self {
+        metrics::describe_once();
+        Self {
+            pool,
+            subscriber,
+            crash_hook: None,
+        }
+    }
+
+    /// The same consumer, stopping where `hook` says: for crash tests.
+    pub fn with_crash_hook(mut self, hook: Arc<dyn CrashHook>) -> Self {
+        self.crash_hook = Some(hook);
+        self
+    }
+
+    /// Whose identity this consumer records.
+    pub fn subscriber(&self) -> &Subscriber {
+        &self.subscriber
+    }
+
+    /// The pool it works on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies `message` with `handler` unless this subscriber already did.
+    ///
+    /// In one transaction: insert the identity first (`ON CONFLICT DO NOTHING`); if it was new,
+    /// run the handler and commit both. If it was there, compare the payload's fingerprint:
+    /// equal, [`Processed::Duplicate`]; different, [`ConsumerError::PayloadMismatch`]. A
+    /// concurrent delivery of the same message waits on the first one's uncommitted identity
+    /// (PostgreSQL's unique index blocks the second insert) and is then a duplicate if the first
+    /// committed, or applies it if the first rolled back: the handler never runs twice.
+    ///
+    /// Acknowledge the delivery on `Ok` only; on any error leave it to be redelivered, except
+    /// [`ConsumerError::PayloadMismatch`], which will never pass.
+    pub async fn process<H: Handler + ?Sized>(
+        &self,
+        handler: &H,
+        message: &Message,
+    ) -> Result<Processed, ConsumerError> {
+        let span = tracing::info_span!(
+            "idemflow.consume",
+            subscriber = %self.subscriber,
+            message_id = %message.id(),
+            outcome = tracing::field::Empty,
+        );
+        async {
+            let result = self.process_in_transaction(handler, message).await;
+            let (outcome, metric) = match &result {
+                Ok(Processed::Applied) => ("applied", Some(PROCESSED)),
+                Ok(Processed::Duplicate) => ("duplicate", Some(DUPLICATES)),
+                Err(ConsumerError::PayloadMismatch { .. }) => ("refused", Some(REFUSED)),
+                Err(ConsumerError::Crashed(_)) => ("crashed", None),
+                Err(_) => ("failed", Some(FAILED)),
+            };
+            tracing::Span::current().record("outcome", outcome);
+            if let Some(metric) = metric {
+                count(metric, self.subscriber.as_str());
+            }
+            match &result {
+                Err(error @ ConsumerError::PayloadMismatch { .. }) => {
+                    tracing::error!(%error, "message id reused with another payload");
+                }
+                Err(ConsumerError::Crashed(_)) | Ok(_) => {}
+                Err(error) => tracing::warn!(%error, "delivery rolled back"),
+            }
+            result
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn process_in_transaction<H: Handler + ?Sized>(
+        &self,
+        handler: &H,
+        message: &Message,
+    ) -> Result<Processed, ConsumerError> {
+        let mut transaction = self.pool.begin().await?;
+        let mut rounds = 0;
+        // The identity before the effects: a second delivery in flight blocks here, on the
+        // first's uncommitted row, rather than running the handler beside it.
+        loop {
+            let inserted = sqlx::query(
+                "INSERT INTO processed_messages (subscriber, message_id, fingerprint) \
+                 VALUES ($1, $2, $3) ON CONFLICT (subscriber, message_id) DO NOTHING",
+            )
+            .bind(self.subscriber.as_str())
+            .bind(message.id())
+            .bind(message.fingerprint().as_slice())
+            .execute(&mut *transaction)
+            .await?
+            .rows_affected();
+            if inserted == 1 {
+                break;
+            }
+            // A separate statement, so a fresh snapshot (Read Committed) sees the row that the
+            // insert found, committed by another transaction after this one began.
+            let stored: Option<Vec<u8>> = sqlx::query_scalar(
+                "SELECT fingerprint FROM processed_messages \
+                 WHERE subscriber = $1 AND message_id = $2",
+            )
+            .bind(self.subscriber.as_str())
+            .bind(message.id())
+            .fetch_optional(&mut *transaction)
+            .await?;
+            match stored {
+                Some(stored) => {
+                    transaction.rollback().await?;
+                    if stored.as_slice() == message.fingerprint().as_slice() {
+                        return Ok(Processed::Duplicate);
+                    }
+                    return Err(ConsumerError::PayloadMismatch {
+                        subscriber: self.subscriber.to_string(),
+                        message_id: message.id().to_owned(),
+                        stored: hex(&stored),
+                        received: hex(message.fingerprint()),
+                    });
+                }
+                // Retention deleted it between the two statements: the insert may win now.
+                None if rounds + 1 < ROUNDS => rounds += 1,
+                None => return Err(ConsumerError::Contended(message.id().to_owned())),
+            }
+        }
+        if let Err(error) = handler.handle(&mut transaction, message).await {
+            transaction.rollback().await?;
+            return Err(ConsumerError::Handler(error));
+        }
+        if self.crashes_at(CrashPoint::BeforeCommit, message).await {
+            // Dropping the transaction rolls it back, as the server does when a process dies.
+            drop(transaction);
+            return Err(ConsumerError::Crashed(CrashPoint::BeforeCommit));
+        }
+        transaction.commit().await?;
+        if self.crashes_at(CrashPoint::AfterCommit, message).await {
+            return Err(ConsumerError::Crashed(CrashPoint::AfterCommit));
+        }
+        Ok(Processed::Applied)
+    }
+
+    async fn crashes_at(&self, point: CrashPoint, message: &Message) -> bool {
+        match &self.crash_hook {
+            None => false,
+            Some(hook) => hook.crash_at(point, message).await,
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! The idempotent consumer: a message delivered at least once is applied at most once per
+//! subscriber.
+//!
+//! A broker redelivers a message whose acknowledgement it never got: after a consumer crashed
+//! between its commit and its ack, or when a publisher sent it twice. [`Consumer::process`] records
+//! the message's identity `(subscriber, message_id)` in `processed_messages` in the same
+//! PostgreSQL transaction as the [`Handler`]'s effects, so either both committed or neither did. A
+//! delivery whose identity is already there is [`Processed::Duplicate`]: acknowledge it, nothing
+//! ran. The same id with another payload is refused ([`ConsumerError::PayloadMismatch`]): a SHA-256
+//! fingerprint of the payload is kept with the identity.
+//!
+//! The crate knows no broker: a [`Message`] is an id and a payload. Acknowledge a delivery once
+//! `process` returned `Ok` (after the commit), never before. `examples/consumer` does it on
+//! RabbitMQ; docs/consumer.md says what the broker promises and what the table adds.
+//!
+//! ```no_run
+//! use idemflow_consumer::{Consumer, Handler, HandlerError, Message, Processed, Subscriber};
+//! use sqlx::PgConnection;
+//!
+//! struct Ledger;
+//!
+//! #[async_trait::async_trait]
+//! impl Handler for Ledger {
+//!     async fn handle(&self, connection: &mut PgConnection, message: &Message) -> Result<(), HandlerError> {
+//!         // The effects, in the transaction that records the message.
+//!         sqlx::query("INSERT INTO ledger (message_id, body) VALUES ($1, $2)")
+//!             .bind(message.id())
+//!             .bind(message.payload())
+//!             .execute(connection)
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn example(pool: sqlx::PgPool, id: String, payload: Vec<u8>) -> Result<(), Box<dyn std::error::Error>> {
+//! let consumer = Consumer::new(pool, Subscriber::new("ledger")?);
+//! let message = Message::new(id, payload)?;
+//! match consumer.process(&Ledger, &message).await? {
+//!     Processed::Applied | Processed::Duplicate => { /* acknowledge the delivery now */ }
+//!     _ => {}
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+#![deny(missing_docs)]
+
+mod consumer;
+mod identity;
+mod metrics;
+mod retention;
+
+pub use consumer::{
+    Consumer, ConsumerError, CrashHook, CrashPoint, Handler, HandlerError, Processed,
+};
+pub use identity::{InvalidIdentity, Message, Subscriber};
+pub use metrics::{CATALOGUE, describe_metrics};
+pub use retention::{MessageRetention, expire_batch, expire_processed};

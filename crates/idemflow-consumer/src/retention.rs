@@ -1,0 +1,145 @@
+//! Retention for processed messages: records older than a window are deleted in bounded batches,
+//! as finished keys are.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use sqlx::{PgConnection, PgPool};
+
+use crate::metrics::EXPIRED;
+
+/// How long processed-message records are kept, and how they are deleted.
+///
+/// The window is how long a redelivery is still recognised: a message delivered again after its
+/// record was deleted is applied again. Keep it longer than any message can stay in the broker
+/// (a queue's message TTL, a dead-letter queue replayed by hand days later) plus the publisher's
+/// own retry horizon.
+///
+/// ```no_run
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// use std::time::Duration;
+/// use idemflow_consumer::MessageRetention;
+///
+/// let retention = MessageRetention { keep_for: Duration::from_secs(3 * 24 * 60 * 60), ..MessageRetention::default() };
+/// let deleted = retention.expire(&pool).await?;        // once, now
+/// retention.run(&pool, std::future::pending()).await;  // or every `every`, until shutdown
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageRetention {
+    /// Records of messages processed longer ago than this are deleted. Default 7 days: a record
+    /// is small (its id, a 32-byte fingerprint, a time), and messages outlive requests' retries
+    /// in queues and dead-letter queues.
+    pub keep_for: Duration,
+    /// Rows deleted per statement (and so per transaction): short locks, bounded WAL bursts.
+    /// Default 500.
+    pub batch_size: i64,
+    /// At most this many rows deleted per second, so the deliveries processed meanwhile keep the
+    /// CPU and the WAL. `None`: batches back to back. Default 20,000 rows/s.
+    pub max_rows_per_second: Option<u32>,
+    /// How often [`MessageRetention::run`] expires. Default 60 s.
+    pub every: Duration,
+}
+
+impl Default for MessageRetention {
+    fn default() -> Self {
+        Self {
+            keep_for: Duration::from_secs(7 * 24 * 60 * 60),
+            batch_size: 500,
+            max_rows_per_second: Some(20_000),
+            every: Duration::from_secs(60),
+        }
+    }
+}
+
+impl MessageRetention {
+    /// Deletes every record older than `keep_for`, in batches, at most `max_rows_per_second`;
+    /// returns how many.
+    pub async fn expire(&self, pool: &PgPool) -> Result<u64, sqlx::Error> {
+        expire_processed(
+            pool,
+            self.keep_for,
+            self.batch_size,
+            self.max_rows_per_second,
+        )
+        .await
+    }
+
+    /// Expires now and then every `every` until `shutdown` completes. A failed run is logged and
+    /// tried again at the next tick: retention is never urgent.
+    pub async fn run(&self, pool: &PgPool, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut ticks = tokio::time::interval(self.every.max(Duration::from_millis(1)));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return,
+                _ = ticks.tick() => {}
+            }
+            if let Err(error) = self.expire(pool).await {
+                tracing::warn!(%error, "processed-message retention failed; trying again later");
+            }
+        }
+    }
+}
+
+/// Deletes up to `batch_size` records processed more than `older_than` ago; returns how many.
+/// The oldest are chosen through the `processed_at` index and deleted by primary key;
+/// `SKIP LOCKED` lets two workers' retention runs split the rows instead of queueing on each
+/// other. A delivery that found a record this deletes before it could read it inserts again
+/// ([`crate::Consumer::process`] loops).
+pub async fn expire_batch(
+    connection: &mut PgConnection,
+    older_than: Duration,
+    batch_size: i64,
+) -> Result<u64, sqlx::Error> {
+    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    let result = sqlx::query(
+        "DELETE FROM processed_messages AS processed USING ( \
+             SELECT subscriber, message_id FROM processed_messages \
+             WHERE processed_at < now() - $1::bigint * interval '1 millisecond' \
+             ORDER BY processed_at \
+             LIMIT $2 \
+             FOR UPDATE SKIP LOCKED \
+         ) AS old \
+         WHERE processed.subscriber = old.subscriber AND processed.message_id = old.message_id",
+    )
+    .bind(older_than_ms)
+    .bind(batch_size)
+    .execute(connection)
+    .await?;
+    Ok(result.rows_affected())
+}
+
+/// Deletes every record processed more than `older_than` ago, `batch_size` rows per
+/// transaction, paced to at most `max_rows_per_second` (`None`: back to back); returns how many.
+pub async fn expire_processed(
+    pool: &PgPool,
+    older_than: Duration,
+    batch_size: i64,
+    max_rows_per_second: Option<u32>,
+) -> Result<u64, sqlx::Error> {
+    let batch_size = batch_size.max(1);
+    let rate = max_rows_per_second.filter(|&rate| rate > 0).map(f64::from);
+    let began = Instant::now();
+    let mut total = 0;
+    loop {
+        let mut connection = pool.acquire().await?;
+        let deleted = expire_batch(&mut connection, older_than, batch_size).await?;
+        drop(connection);
+        total += deleted;
+        if deleted < u64::try_from(batch_size).unwrap_or(u64::MAX) {
+            if total > 0 {
+                tracing::info!(deleted = total, "retention expired processed messages");
+            }
+            metrics::counter!(EXPIRED).increment(total);
+            return Ok(total);
+        }
+        // Paced against the whole run's schedule, so each short sleep's rounding does not add up.
+        if let Some(rate) = rate {
+            let due = began + Duration::from_secs_f64(total as f64 / rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
+    }
+}
