@@ -110,9 +110,7 @@ pub async fn run(
             // Each variant in fresh tables of its own (a schema first on the search path), so
             // the sizes are what its keys took, not space another variant freed.
             let schema = format!("large_{bytes}_{place}");
-            scratch
-                .execute(&format!("CREATE SCHEMA {schema}"))
-                .await?;
+            scratch.execute(&format!("CREATE SCHEMA {schema}")).await?;
             let connect = scratch
                 .connect
                 .clone()
