@@ -192,7 +192,9 @@ mod tests {
             Some(&["provider-storm", "mass-crash", "wire"][..])
         );
         assert!(config.runs("provider-storm") && !config.runs("checkout"));
-        assert!(config.select(&["10".to_owned()]).is_err());
+        assert!(config.select(&["11".to_owned()]).is_err());
+        assert_eq!(config.select(&["10".to_owned()]), Ok(()));
+        assert!(config.runs("large-responses") && !config.runs("mass-crash"));
         assert!(config.select(&["9-storm".to_owned()]).is_err());
         assert!(config.select(&[String::new()]).is_err());
     }
