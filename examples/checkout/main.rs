@@ -75,6 +75,11 @@ struct Database {
     /// that may only read and write (docs/operations.md, Least privilege)
     #[arg(long)]
     no_migrate: bool,
+    /// Connections this process may hold: size it so that every process's pool fits under the
+    /// server's max_connections (docs/scaling.md)
+    #[arg(long, value_name = "N", default_value_t = 24,
+          value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pool_size: u32,
 }
 
 #[derive(Debug, Args)]
@@ -349,7 +354,7 @@ async fn connect(database: &Database) -> Result<PgPool, Failure> {
     };
     // The engine's pool: no test before acquire, bounded waits, server-side session limits.
     let settings = idemflow::PoolSettings {
-        max_connections: 24,
+        max_connections: database.pool_size,
         ..idemflow::PoolSettings::default()
     };
     let pool = settings.connect(&url).await.map_err(|error| {

@@ -51,6 +51,10 @@ const ALLOWED: &[(&str, &str)] = &[
         "checks what a crash left (counts, stuck keys) and ends the killed services' leases, as a test would",
     ),
     (
+        "crates/idemflow-bench/src/fleet.rs",
+        "checks what a run left (keys done, orders per key), as a test would",
+    ),
+    (
         "crates/idemflow-bench/src/large_responses.rs",
         "the raw baseline (the body by primary key) and retention's rewind, as a test would",
     ),

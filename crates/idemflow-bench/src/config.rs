@@ -40,6 +40,11 @@ pub struct Config {
     pub crash_keys: usize,
     pub crash_ramp: Duration,
     pub crash_workers: Vec<usize>,
+    /// Workload 11: serve and worker processes of the fleet, its keys, its HTTP clients.
+    pub fleet_serves: usize,
+    pub fleet_workers: usize,
+    pub fleet_requests: usize,
+    pub fleet_clients: usize,
     /// Only these sections run (`--only`); `None`: all of them.
     pub only: Option<Vec<&'static str>>,
 }
@@ -59,6 +64,7 @@ pub const SECTIONS: &[(&str, &str)] = &[
     ("8", "provider-storm"),
     ("9", "mass-crash"),
     ("10", "large-responses"),
+    ("11", "fleet"),
 ];
 
 impl Config {
@@ -88,6 +94,10 @@ impl Config {
             crash_keys: 2200,
             crash_ramp: Duration::from_secs(2),
             crash_workers: vec![1, 2, 4],
+            fleet_serves: 4,
+            fleet_workers: 4,
+            fleet_requests: 10_000,
+            fleet_clients: 64,
             only: None,
         }
     }
@@ -113,6 +123,10 @@ impl Config {
             crash_keys: 60,
             crash_ramp: Duration::from_millis(200),
             crash_workers: vec![1],
+            fleet_serves: 2,
+            fleet_workers: 2,
+            fleet_requests: 60,
+            fleet_clients: 8,
             ..Self::full(database_url)
         }
     }
@@ -192,7 +206,7 @@ mod tests {
             Some(&["provider-storm", "mass-crash", "wire"][..])
         );
         assert!(config.runs("provider-storm") && !config.runs("checkout"));
-        assert!(config.select(&["11".to_owned()]).is_err());
+        assert!(config.select(&["12".to_owned()]).is_err());
         assert_eq!(config.select(&["10".to_owned()]), Ok(()));
         assert!(config.runs("large-responses") && !config.runs("mass-crash"));
         assert!(config.select(&["9-storm".to_owned()]).is_err());

@@ -8,6 +8,7 @@
 
 mod config;
 mod db;
+mod fleet;
 mod http;
 mod large_responses;
 mod load;

@@ -141,7 +141,7 @@ pub async fn start(
 }
 
 /// The first `http://…` word of a line.
-fn url_in(line: &str) -> Result<String, Error> {
+pub(crate) fn url_in(line: &str) -> Result<String, Error> {
     Ok(line
         .split_whitespace()
         .find(|word| word.starts_with("http://"))

@@ -20,6 +20,7 @@ pub const HTTP_REPLAY: &str = "7-http-replay";
 pub const PROVIDER_STORM: &str = "8-provider-storm";
 pub const MASS_CRASH: &str = "9-mass-crash";
 pub const LARGE_RESPONSES: &str = "10-large-responses";
+pub const FLEET: &str = "11-fleet";
 
 /// Variants of a workload.
 pub const ENGINE: &str = "engine";
@@ -52,6 +53,8 @@ pub struct Report {
     pub mass_crash: Vec<MassCrash>,
     /// Workload 10: one row per body size and placement (in the row, apart).
     pub large_responses: Vec<LargeResponse>,
+    /// Workload 11: one process of each kind, then the fleet, then the fleet under kills.
+    pub fleet: Vec<Fleet>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -123,6 +126,33 @@ pub struct Storm {
     pub winners: LatencySummary,
     pub in_progress_latency: LatencySummary,
     pub replayed_latency: LatencySummary,
+}
+
+/// Workload 11: `requests` checkouts through `serves` serve and `workers` worker processes of the
+/// checkout example, with or without processes SIGKILLed at random and replaced.
+#[derive(Debug, Clone, Serialize)]
+pub struct Fleet {
+    pub serves: usize,
+    pub workers: usize,
+    pub kills: bool,
+    pub clients: usize,
+    pub requests: u64,
+    pub seconds: f64,
+    pub per_second: f64,
+    /// Requests per second ÷ the single-process run's.
+    pub ratio_to_single: f64,
+    pub serve_kills: u64,
+    pub worker_kills: u64,
+    /// Client retries: connection errors (a killed service), 409 (a key in flight), 503.
+    pub connection_errors: u64,
+    pub in_progress: u64,
+    pub unavailable: u64,
+    pub all_done: bool,
+    pub one_order_per_key: bool,
+    pub one_charge_per_key: bool,
+    pub sampled_replays_byte_equal: bool,
+    /// The kill schedule's seed (`IDEMFLOW_SEED` replays it), when there were kills.
+    pub seed: Option<u64>,
 }
 
 /// Workload 10: keys answered with `body_bytes` bytes, stored in the row or apart.
@@ -532,6 +562,38 @@ impl Report {
                 triple(&storm.replayed_latency),
                 triple(&storm.in_progress_latency)
             );
+        }
+        if !self.fleet.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nfleet (11): checkouts over HTTP through the example's serve and worker processes, \
+                 each key sent until answered"
+            );
+            for run in &self.fleet {
+                let _ = writeln!(
+                    out,
+                    "  {} serve × {} worker{}: {} requests from {} clients in {:.2} s = {:.0}/s \
+                     ({:.2}× one process); kills {} serve + {} worker; retries {} connection, {} \
+                     409, {} 503; all done {}, one order {}, one charge {}, replays byte-equal {}",
+                    run.serves,
+                    run.workers,
+                    if run.kills { ", killed at random" } else { "" },
+                    run.requests,
+                    run.clients,
+                    run.seconds,
+                    run.per_second,
+                    run.ratio_to_single,
+                    run.serve_kills,
+                    run.worker_kills,
+                    run.connection_errors,
+                    run.in_progress,
+                    run.unavailable,
+                    run.all_done,
+                    run.one_order_per_key,
+                    run.one_charge_per_key,
+                    run.sampled_replays_byte_equal
+                );
+            }
         }
         if !self.large_responses.is_empty() {
             let _ = writeln!(

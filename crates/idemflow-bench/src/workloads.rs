@@ -25,8 +25,8 @@ use crate::report::{
 use crate::wire_counts::{self, WireCount, counted_pool, settle};
 use crate::workflows::{self, CLAIMED_AT, CountingHook, Ledger, NeverCrash, TENANT};
 use crate::{
-    DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, http, large_responses,
-    mass_crash, pgbench, provider_storm,
+    DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, fleet, http,
+    large_responses, mass_crash, pgbench, provider_storm,
 };
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, Error>> + Send>>;
@@ -221,6 +221,20 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         Vec::new()
     };
 
+    let fleet = if config.runs("fleet") {
+        trace("fleet");
+        eprintln!(
+            "idemflow-bench: fleet: {} requests, 1 serve × 1 worker, then {} × {}, then the same \
+             killed at random",
+            config.fleet_requests, config.fleet_serves, config.fleet_workers
+        );
+        let binary = tokio::task::spawn_blocking(mass_crash::checkout_binary).await??;
+        let prefix = ctx.prefix("fleet");
+        fleet::run(config, scratch, &binary, &prefix).await?
+    } else {
+        Vec::new()
+    };
+
     trace("end");
     if scratch.statements_unavailable.is_some() {
         notes.push(
@@ -270,6 +284,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         provider_storm,
         mass_crash,
         large_responses,
+        fleet,
         targets: Vec::new(),
         load_trace,
         notes,
