@@ -292,6 +292,97 @@ async fn wait_for_a_lock_wait(pool: &PgPool) {
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_delivery_held_past_the_wait_limit_is_told_so_and_runs_nothing(pool: PgPool) {
+    sqlx::query(EFFECTS_TABLE).execute(&pool).await.unwrap();
+    let consumer = consumer(&pool, "ledger");
+    let held = Arc::new(Effects {
+        gate: Some(Notify::new()),
+        ..Effects::default()
+    });
+    let message = message("m-held", "{}");
+    let first = tokio::spawn({
+        let (consumer, held, message) = (consumer.clone(), Arc::clone(&held), message.clone());
+        async move { consumer.process(&*held, &message).await }
+    });
+    held.entered.notified().await;
+
+    // Behind the first delivery's open transaction, a limited one gives up in about its limit.
+    let limited = consumer.clone().with_wait_limit(Duration::from_millis(200));
+    let began = std::time::Instant::now();
+    let second = limited.process(&Effects::default(), &message).await;
+    let waited = began.elapsed();
+    assert!(
+        matches!(&second, Err(ConsumerError::HeldElsewhere(id)) if id == "m-held"),
+        "{second:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(150) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+
+    held.gate.as_ref().unwrap().notify_one();
+    assert_eq!(first.await.unwrap().unwrap(), Processed::Applied);
+    // Redelivered later, it is a duplicate; the limit costs an uncontended delivery nothing.
+    assert_eq!(
+        limited
+            .process(&Effects::default(), &message)
+            .await
+            .unwrap(),
+        Processed::Duplicate
+    );
+    assert_eq!(
+        limited
+            .process(&Effects::default(), &self::message("m-free", "{}"))
+            .await
+            .unwrap(),
+        Processed::Applied
+    );
+    assert_eq!(effects(&pool, "m-held").await, 1);
+}
+
+/// Writes its effect, then panics.
+struct Panics;
+
+#[idemflow::async_trait]
+impl Handler for Panics {
+    async fn handle(
+        &self,
+        connection: &mut PgConnection,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO effects (subscriber, message_id, payload) VALUES ('', $1, $2)")
+            .bind(message.id())
+            .bind(message.payload())
+            .execute(&mut *connection)
+            .await?;
+        panic!("the handler's bug");
+    }
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_panicking_handler_is_an_error_that_rolls_back_and_records_nothing(pool: PgPool) {
+    sqlx::query(EFFECTS_TABLE).execute(&pool).await.unwrap();
+    let consumer = consumer(&pool, "ledger");
+    let message = message("m-panics", "{}");
+    let panicked = consumer.process(&Panics, &message).await;
+    assert!(
+        matches!(&panicked, Err(ConsumerError::Panicked(why)) if why == "the handler's bug"),
+        "{panicked:?}"
+    );
+    assert_eq!(effects(&pool, "m-panics").await, 0);
+    assert_eq!(recorded(&pool).await, 0);
+    // The redelivery, once the handler is fixed, applies it once.
+    assert_eq!(
+        consumer
+            .process(&Effects::default(), &message)
+            .await
+            .unwrap(),
+        Processed::Applied
+    );
+    assert_eq!(effects(&pool, "m-panics").await, 1);
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn many_deliveries_of_each_message_at_once_apply_each_once(pool: PgPool) {
     sqlx::query(EFFECTS_TABLE).execute(&pool).await.unwrap();
     let consumer = consumer(&pool, "ledger");

@@ -1,7 +1,13 @@
 //! [`Consumer::process`]: the identity first, then the effects, one commit.
 
+use std::any::Any;
 use std::fmt;
+use std::future::Future;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::{PgConnection, PgPool};
@@ -71,6 +77,16 @@ pub enum ConsumerError {
     /// three times over: try the delivery again.
     #[error("message {0:?} kept changing under retention; try again")]
     Contended(String),
+    /// Another delivery of this message held it (its transaction open) for longer than the
+    /// consumer's wait limit ([`Consumer::with_wait_limit`]): it is being applied elsewhere right
+    /// now. Nothing ran here; redeliver it later, when it will be a duplicate (or applied, if the
+    /// other delivery rolled back).
+    #[error("another delivery of message {0:?} held it past the wait limit; redeliver later")]
+    HeldElsewhere(String),
+    /// The handler panicked; its effects rolled back and nothing was recorded. A bug in the
+    /// handler: redelivering runs it again.
+    #[error("the handler panicked (rolled back): {0}")]
+    Panicked(String),
     /// A [`CrashHook`] stopped the delivery at a crash point, as a crash would have.
     #[error("stopped at crash point {0}")]
     Crashed(CrashPoint),
@@ -110,6 +126,8 @@ pub struct Consumer {
     pool: PgPool,
     subscriber: Subscriber,
     crash_hook: Option<Arc<dyn CrashHook>>,
+    /// The transaction's `BEGIN`, with its `lock_timeout` when a wait limit is set.
+    begin: String,
 }
 
 /// How often an identity found and gone again is tried before [`ConsumerError::Contended`].
@@ -124,7 +142,20 @@ impl Consumer {
             pool,
             subscriber,
             crash_hook: None,
+            begin: "BEGIN".to_owned(),
         }
+    }
+
+    /// The same consumer, waiting at most `limit` on another delivery of the same message that
+    /// is in flight (its uncommitted identity): past it the delivery ends with
+    /// [`ConsumerError::HeldElsewhere`] rather than holding its connection and its broker slot
+    /// for as long as the other handler runs. Without a limit it waits as long as the server lets
+    /// it. Sent with the `BEGIN`, in the same message: no round trip of its own.
+    pub fn with_wait_limit(mut self, limit: Duration) -> Self {
+        // Whole milliseconds, at least one: `lock_timeout = 0` would mean no limit at all.
+        let millis = limit.as_millis().clamp(1, i32::MAX as u128);
+        self.begin = format!("BEGIN; SET LOCAL lock_timeout = {millis}");
+        self
     }
 
     /// The same consumer, stopping where `hook` says: for crash tests.
@@ -196,7 +227,11 @@ impl Consumer {
         handler: &H,
         message: &Message,
     ) -> Result<Processed, ConsumerError> {
-        let mut transaction = self.pool.begin().await?;
+        // Only digits this crate formatted ever join the BEGIN (with_wait_limit).
+        let mut transaction = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(self.begin.clone()))
+            .await?;
         let mut rounds = 0;
         // The identity before the effects: a second delivery in flight blocks here, on the
         // first's uncommitted row, rather than running the handler beside it.
@@ -209,8 +244,15 @@ impl Consumer {
             .bind(message.id())
             .bind(message.fingerprint().as_slice())
             .execute(&mut *transaction)
-            .await?
-            .rows_affected();
+            .await;
+            let inserted = match inserted {
+                Ok(done) => done.rows_affected(),
+                // lock_not_available: the wait limit passed behind another delivery's identity.
+                Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("55P03") => {
+                    return Err(ConsumerError::HeldElsewhere(message.id().to_owned()));
+                }
+                Err(error) => return Err(error.into()),
+            };
             if inserted == 1 {
                 break;
             }
@@ -242,9 +284,17 @@ impl Consumer {
                 None => return Err(ConsumerError::Contended(message.id().to_owned())),
             }
         }
-        if let Err(error) = handler.handle(&mut transaction, message).await {
-            transaction.rollback().await?;
-            return Err(ConsumerError::Handler(error));
+        match CatchPanic(Box::pin(handler.handle(&mut transaction, message))).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                transaction.rollback().await?;
+                return Err(ConsumerError::Handler(error));
+            }
+            Err(panic) => {
+                // The transaction may be mid-statement: dropped, it is closed and rolled back.
+                drop(transaction);
+                return Err(ConsumerError::Panicked(panic));
+            }
         }
         if self.crashes_at(CrashPoint::BeforeCommit, message).await {
             // Dropping the transaction rolls it back, as the server does when a process dies.
@@ -264,4 +314,32 @@ impl Consumer {
             Some(hook) => hook.crash_at(point, message).await,
         }
     }
+}
+
+/// A handler's future with its panics caught: a panic must not unwind through the caller's
+/// delivery loop (and its broker channel) with the transaction's outcome unknown.
+///
+/// Unwind safety: what the handler touched of this crate's state is the transaction, which is
+/// dropped (rolled back) after a panic.
+struct CatchPanic<'a, T>(Pin<Box<dyn Future<Output = T> + Send + 'a>>);
+
+impl<T> Future for CatchPanic<'_, T> {
+    type Output = Result<T, String>;
+
+    fn poll(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
+        let future = self.0.as_mut();
+        match catch_unwind(AssertUnwindSafe(|| future.poll(context))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Err(payload) => Poll::Ready(Err(panic_message(payload.as_ref()))),
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|text| (*text).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a payload that is not text".to_owned())
 }
