@@ -1,15 +1,23 @@
 //! Workload 7: the checkout and the replay through the HTTP route (idemflow_http's
-//! WorkflowService under axum) on 127.0.0.1, driven by a reqwest client over loopback.
+//! WorkflowService under axum) on 127.0.0.1, driven by a reqwest client over loopback, and the
+//! same through a hand-written axum handler sending the raw statements (the HTTP baseline).
 
 use std::sync::Arc;
 
 use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing;
 use axum::serve::ListenerExt;
 use idemflow::{Runner, Workflow};
 use idemflow_http::{BearerTenant, WorkflowService};
+use sqlx::PgPool;
 use tokio::task::JoinHandle;
 
 use crate::Error;
+use crate::raw::{self, Shape};
 use crate::workflows::{BODY, PATH, TENANT};
 
 /// The HTTP service, serving until dropped.
@@ -27,7 +35,61 @@ impl Drop for Server {
 
 pub async fn serve(runner: Runner, workflow: Arc<Workflow>) -> Result<Server, Error> {
     let service = WorkflowService::new(runner, workflow, BearerTenant);
-    let router = Router::new().route_service(PATH, service);
+    serve_router(Router::new().route_service(PATH, service)).await
+}
+
+/// The HTTP baseline: an axum handler as a service without the engine would write it (the body
+/// parsed as JSON, the key from its header, the raw statements with sqlx), on the same server
+/// and client as the engine's route.
+pub async fn serve_raw(pool: PgPool, shape: Shape) -> Result<Server, Error> {
+    let router = Router::new()
+        .route(PATH, routing::post(raw_handler))
+        .with_state(Arc::new((pool, shape)));
+    serve_router(router).await
+}
+
+async fn raw_handler(
+    State(state): State<Arc<(PgPool, Shape)>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|key| key.to_str().ok())
+    else {
+        return (StatusCode::BAD_REQUEST, "no idempotency key").into_response();
+    };
+    if serde_json::from_slice::<serde_json::Value>(&body).is_err() {
+        return (StatusCode::BAD_REQUEST, "the body is not JSON").into_response();
+    }
+    let (pool, shape) = &*state;
+    match raw::answer(pool, shape, key).await {
+        Ok((replayed, status, stored_headers, body)) => {
+            let mut response = (
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                body,
+            )
+                .into_response();
+            for (name, value) in stored_headers {
+                if let (Ok(name), Ok(value)) = (
+                    HeaderName::try_from(name.as_str()),
+                    HeaderValue::try_from(value.as_str()),
+                ) {
+                    response.headers_mut().insert(name, value);
+                }
+            }
+            if replayed {
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            response
+        }
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+async fn serve_router(router: Router) -> Result<Server, Error> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let address = listener.local_addr()?;
     let listener = listener.tap_io(|tcp| {

@@ -62,6 +62,11 @@ async fn claim(
 /// Workload 1, raw: BEGIN, claim, order insert, advance, COMMIT; (no-op); BEGIN, order update,
 /// finish, COMMIT.
 pub async fn checkout(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error> {
+    checkout_answer(pool, shape, key).await.map(drop)
+}
+
+/// [`checkout`], returning the response body it stored.
+async fn checkout_answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<String, Error> {
     let mut tx = pool.begin().await?;
     let lock_version = claim(&mut tx, shape, CHECKOUT, key).await?;
     let (order_id,): (i64,) = sqlx::query_as(INSERT_ORDER)
@@ -101,7 +106,25 @@ pub async fn checkout(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Err
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
-    Ok(())
+    Ok(body)
+}
+
+/// What the raw HTTP handler answers: whether it is a replay, the status, headers and body.
+pub type Answer = (bool, u16, Vec<(String, String)>, Vec<u8>);
+
+/// Workload 7, raw: what a hand-written handler does for one POST under `key`: the stored response
+/// by primary key if there is one (a replay), else the raw checkout and its response.
+pub async fn answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Answer, Error> {
+    let stored: Option<StoredRow> = sqlx::query_as(SELECT_RESPONSE)
+        .bind(TENANT)
+        .bind(key)
+        .fetch_optional(pool)
+        .await?;
+    if let Some((status, headers, body)) = stored {
+        return Ok((true, u16::try_from(status)?, headers.0, body));
+    }
+    let body = checkout_answer(pool, shape, key).await?;
+    Ok((false, 201, headers().0, body.into_bytes()))
 }
 
 /// Workload 2, raw: BEGIN, claim, order insert, finish, COMMIT.

@@ -27,6 +27,7 @@ pub const ENGINE: &str = "engine";
 pub const ENGINE_HOOK: &str = "engine + never-firing crash hook";
 pub const RAW: &str = "raw sqlx";
 pub const HTTP: &str = "engine over HTTP";
+pub const HTTP_RAW: &str = "raw sqlx over HTTP";
 pub const PGBENCH_ENGINE: &str = "pgbench: engine statements";
 pub const PGBENCH_REFERENCE: &str = "pgbench: reference shape";
 pub const PGBENCH_RAW_SELECT: &str = "pgbench: raw select";
@@ -318,8 +319,11 @@ impl Report {
         if run.variant.starts_with("pgbench") {
             let engine = self.run(base, ENGINE, run.clients)?;
             Some(engine.per_second / run.per_second)
-        } else if run.variant == RAW {
+        } else if run.variant == RAW || run.variant == HTTP_RAW {
             None
+        } else if let Some(raw) = self.run(&run.workload, HTTP_RAW, run.clients) {
+            // Over HTTP, against the hand-written handler over HTTP when it ran: like with like.
+            Some(run.per_second / raw.per_second)
         } else {
             let raw = self.run(base, RAW, run.clients)?;
             Some(run.per_second / raw.per_second)
@@ -725,6 +729,8 @@ pub fn target_name(workload: &str, variant: &str, clients: usize) -> Option<Stri
         (CHECKOUT, ENGINE_HOOK) => "crash hook: throughput lost in workload 1",
         (LOCAL_ONLY, ENGINE) => "2 one local phase: engine ÷ raw sqlx",
         (REPLAY, ENGINE) => "3 replay: engine ÷ raw primary-key select",
+        (HTTP_CHECKOUT, HTTP) => "7 checkout over HTTP: engine ÷ raw sqlx handler",
+        (HTTP_REPLAY, HTTP) => "7 replay over HTTP: engine ÷ raw sqlx handler",
         _ => return None,
     };
     Some(format!("{name} @{clients}"))

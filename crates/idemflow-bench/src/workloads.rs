@@ -18,7 +18,7 @@ use crate::db::{Mark, Scratch, ServerCounts};
 use crate::load::{Latencies, LatencySummary, Measured, Until, closed_loop, process_cpu};
 use crate::raw::{self, Shape};
 use crate::report::{
-    self, CHECKOUT, DRAIN, Drain, ENGINE, ENGINE_HOOK, HTTP, HTTP_CHECKOUT, HTTP_REPLAY,
+    self, CHECKOUT, DRAIN, Drain, ENGINE, ENGINE_HOOK, HTTP, HTTP_CHECKOUT, HTTP_RAW, HTTP_REPLAY,
     LOCAL_ONLY, Machine, PGBENCH_ENGINE, PGBENCH_REFERENCE, Paced, RAW, REPLAY, Report, Retention,
     Run, Settings, Storm, Target,
 };
@@ -180,7 +180,17 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         trace("http");
         for &clients in &config.clients {
             runs.extend(
-                interleaved(&ctx, clients, &[(HTTP_CHECKOUT, HTTP), (HTTP_REPLAY, HTTP)]).await?,
+                interleaved(
+                    &ctx,
+                    clients,
+                    &[
+                        (HTTP_CHECKOUT, HTTP),
+                        (HTTP_CHECKOUT, HTTP_RAW),
+                        (HTTP_REPLAY, HTTP),
+                        (HTTP_REPLAY, HTTP_RAW),
+                    ],
+                )
+                .await?,
             );
         }
     }
@@ -514,7 +524,9 @@ async fn sample(
     duration: Duration,
 ) -> Result<Sample, Error> {
     match (workload, variant) {
-        (HTTP_CHECKOUT | HTTP_REPLAY, _) => http_run(ctx, workload, clients, duration).await,
+        (HTTP_CHECKOUT | HTTP_REPLAY, _) => {
+            http_run(ctx, workload, variant, clients, duration).await
+        }
         (_, RAW) => raw_run(ctx, workload, clients, duration).await,
         _ => engine_run(ctx, workload, variant, clients, duration).await,
     }
@@ -646,16 +658,21 @@ async fn raw_run(
 async fn http_run(
     ctx: &Ctx<'_>,
     workload: &'static str,
+    variant: &'static str,
     clients: usize,
     duration: Duration,
 ) -> Result<Sample, Error> {
     let mark = ctx.scratch.mark().await?;
     let pool = ctx.scratch.pool(clients).await?;
-    let server = http::serve(
-        Runner::new(pool.clone()),
-        Arc::new(workflows::checkout(None)?),
-    )
-    .await?;
+    let server = if variant == HTTP_RAW {
+        http::serve_raw(pool.clone(), ctx.shape.clone()).await?
+    } else {
+        http::serve(
+            Runner::new(pool.clone()),
+            Arc::new(workflows::checkout(None)?),
+        )
+        .await?
+    };
     let client = http::client(clients)?;
     let replay_keys = (workload == HTTP_REPLAY).then_some(ctx.config.replay_keys);
     let prefix = ctx.prefix(workload);
@@ -1281,6 +1298,13 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
         over(rate(REPLAY, ENGINE), rate(REPLAY, RAW)),
         0.9,
     ));
+    for workload in [HTTP_CHECKOUT, HTTP_REPLAY] {
+        targets.push(ratio_target(
+            name(workload, HTTP),
+            over(rate(workload, HTTP), rate(workload, HTTP_RAW)),
+            0.9,
+        ));
+    }
     let replay_trips = wire(REPLAY, ENGINE).map(|count| count.round_trips_per_request);
     targets.push(exact(
         "3 replay: round trips per request",
