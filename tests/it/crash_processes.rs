@@ -76,7 +76,13 @@ async fn crash_then_finish(pool: &PgPool, url: &str, provider: &MockProvider, po
     ];
 
     // The service, told to stop for good at `point`.
-    let mut arguments = vec!["serve", "--bind", "127.0.0.1:0"];
+    let mut arguments = vec![
+        "serve",
+        "--bind",
+        "127.0.0.1:0",
+        "--pool-size",
+        crate::support::example::POOL_SIZE,
+    ];
     arguments.extend(common);
     let (mut service, mut stdout) = start(&binary, &arguments, Some(point));
     let listening = wait_for_line(&mut stdout, "listening on");
@@ -113,7 +119,13 @@ async fn crash_then_finish(pool: &PgPool, url: &str, provider: &MockProvider, po
     .execute(pool)
     .await
     .unwrap();
-    let mut arguments = vec!["worker", "--metrics-bind", "127.0.0.1:0"];
+    let mut arguments = vec![
+        "worker",
+        "--metrics-bind",
+        "127.0.0.1:0",
+        "--pool-size",
+        crate::support::example::POOL_SIZE,
+    ];
     arguments.extend(common);
     let (mut worker, _stdout) = start(&binary, &arguments, None);
     let mut done = false;

@@ -232,6 +232,9 @@ async fn crash(
         provider.url(),
         "--lease-seconds",
         LEASE_SECONDS,
+        // The smoke test runs beside other tests on the same server: a smaller share there.
+        "--pool-size",
+        if config.quick { "6" } else { "24" },
     ];
 
     // One at a time: each creates the example's table if it is missing.

@@ -280,13 +280,17 @@ pub fn charge_key(key: &str) -> String {
     .to_string()
 }
 
+/// Each example process's pool in the tests: small, so that the processes of tests running side by
+/// side (and the benchmark's smoke test) fit under the server's max_connections of 100 together.
+pub const POOL_SIZE: &str = "6";
+
 /// `checkout serve` on a free port with `arguments`; returns it with its base URL.
 pub async fn start_serve(
     binary: &std::path::Path,
     name: &str,
     arguments: &[&str],
 ) -> (Process, String) {
-    let mut all = vec!["serve", "--bind", "127.0.0.1:0"];
+    let mut all = vec!["serve", "--bind", "127.0.0.1:0", "--pool-size", POOL_SIZE];
     all.extend(arguments);
     let (process, line) = start_process(binary, name, &all, "listening on").await;
     (process, url_in(&line))
@@ -294,7 +298,13 @@ pub async fn start_serve(
 
 /// `checkout worker` with `arguments`, once it resumes.
 pub async fn start_worker(binary: &std::path::Path, name: &str, arguments: &[&str]) -> Process {
-    let mut all = vec!["worker", "--metrics-bind", "127.0.0.1:0"];
+    let mut all = vec![
+        "worker",
+        "--metrics-bind",
+        "127.0.0.1:0",
+        "--pool-size",
+        POOL_SIZE,
+    ];
     all.extend(arguments);
     start_process(binary, name, &all, "resuming").await.0
 }
