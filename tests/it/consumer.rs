@@ -759,32 +759,9 @@ impl TestQueue {
     }
 }
 
-/// Builds the consumer example (examples get no `CARGO_BIN_EXE_*`) into this test binary's
-/// target directory and profile, and returns its path.
+/// The consumer example, built into this test binary's target directory and profile.
 fn consumer_binary() -> PathBuf {
-    let test_binary = std::env::current_exe().unwrap();
-    let profile_dir = test_binary
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let profile = match profile_dir.file_name().and_then(|name| name.to_str()) {
-        Some("debug") | None => "dev".to_owned(),
-        Some(name) => name.to_owned(),
-    };
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", "consumer", "--profile"])
-        .arg(&profile)
-        .arg("--target-dir")
-        .arg(profile_dir.parent().unwrap())
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .unwrap();
-    assert!(status.success(), "building the consumer example failed");
-    profile_dir
-        .join("examples")
-        .join(format!("consumer{}", std::env::consts::EXE_SUFFIX))
+    crate::support::example::built_example("consumer")
 }
 
 /// A running `consumer consume`: its stdout lines as they come, SIGKILLed when dropped.

@@ -21,11 +21,9 @@ use idemflow_testkit::provider::MockProvider;
 use crate::Error;
 use crate::config::Config;
 use crate::db::Scratch;
-use crate::mass_crash::{Process, start, url_in};
+use crate::mass_crash::{Process, TENANT, count, post, start, url_in};
 use crate::report::Fleet;
 
-const TENANT: &str = "acme";
-const BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
 /// Short, so a key a killed process left started is taken over within the run.
 const LEASE_SECONDS: &str = "4";
 /// Each process's pool: eight processes of 10 fit under the default max_connections of 100,
@@ -56,22 +54,6 @@ struct Retries {
     connection_errors: AtomicU64,
     in_progress: AtomicU64,
     unavailable: AtomicU64,
-}
-
-/// One send: the status and body, or `None` when the connection failed.
-async fn post(client: &reqwest::Client, url: &str, key: &str) -> Option<(u16, Vec<u8>)> {
-    let response = client
-        .post(format!("{url}/v1/checkouts"))
-        .header("authorization", format!("Bearer {TENANT}"))
-        .header("content-type", "application/json")
-        .header("idempotency-key", key)
-        .body(BODY)
-        .send()
-        .await
-        .ok()?;
-    let status = response.status().as_u16();
-    let body = response.bytes().await.ok()?;
-    Some((status, body.to_vec()))
 }
 
 /// Sends `key` until a service answers it with something other than 409 or 503.
@@ -108,13 +90,6 @@ async fn answered(
             Some(answer) => return Ok(answer),
         }
     }
-}
-
-async fn count(pool: &sqlx::PgPool, sql: String) -> Result<u64, Error> {
-    let value: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .fetch_one(pool)
-        .await?;
-    Ok(u64::try_from(value)?)
 }
 
 /// The three runs; the first is the baseline the others' ratios divide by.
@@ -320,7 +295,7 @@ async fn one_run(
     let deadline = Instant::now() + Duration::from_secs(60);
     let started =
         format!("SELECT count(*) FROM idempotency_keys WHERE key LIKE {like} AND state <> 'done'");
-    while count(&watch, started.clone()).await? > 0 {
+    while count(&watch, &started).await? > 0 {
         if Instant::now() > deadline {
             return Err("fleet: keys left started a minute after the load".into());
         }
@@ -328,12 +303,12 @@ async fn one_run(
     }
     let done = count(
         &watch,
-        format!("SELECT count(*) FROM idempotency_keys WHERE key LIKE {like} AND state = 'done'"),
+        &format!("SELECT count(*) FROM idempotency_keys WHERE key LIKE {like} AND state = 'done'"),
     )
     .await?;
     let bad_orders = count(
         &watch,
-        format!(
+        &format!(
             "SELECT count(*) FROM idempotency_keys AS k LEFT JOIN ( \
                  SELECT request_key, count(*) AS orders, \
                      count(*) FILTER (WHERE status = 'paid') AS paid \

@@ -27,7 +27,7 @@ use crate::db::Scratch;
 use crate::report::MassCrash;
 
 /// The checkout example's tenant and request.
-const TENANT: &str = "acme";
+pub(crate) const TENANT: &str = "acme";
 const BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
 /// Long enough that no lease runs out during a run by itself (it is ended in SQL instead).
 const LEASE_SECONDS: &str = "30";
@@ -150,7 +150,7 @@ pub(crate) fn url_in(line: &str) -> Result<String, Error> {
 }
 
 /// One count from the table.
-async fn count(pool: &sqlx::PgPool, sql: &str) -> Result<u64, Error> {
+pub(crate) async fn count(pool: &sqlx::PgPool, sql: &str) -> Result<u64, Error> {
     let value: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
         .fetch_one(pool)
         .await?;
@@ -180,7 +180,8 @@ fn class(index: usize) -> Class {
     }
 }
 
-async fn post(client: &reqwest::Client, url: &str, key: &str) -> Option<u16> {
+/// One checkout POST under `key`: the status and body, or `None` when the connection failed.
+pub(crate) async fn post(client: &reqwest::Client, url: &str, key: &str) -> Option<(u16, Vec<u8>)> {
     let response = client
         .post(format!("{url}/v1/checkouts"))
         .header("authorization", format!("Bearer {TENANT}"))
@@ -191,8 +192,8 @@ async fn post(client: &reqwest::Client, url: &str, key: &str) -> Option<u16> {
         .await
         .ok()?;
     let status = response.status().as_u16();
-    response.bytes().await.ok()?;
-    Some(status)
+    let body = response.bytes().await.ok()?;
+    Some((status, body.to_vec()))
 }
 
 pub async fn run(
@@ -301,7 +302,9 @@ async fn crash(
         let leave = started + ramp.mul_f64(index as f64 / keys as f64);
         requests.spawn(async move {
             tokio::time::sleep_until(leave.into()).await;
-            post(&client, &urls[index % urls.len()], &name).await
+            post(&client, &urls[index % urls.len()], &name)
+                .await
+                .map(|(status, _)| status)
         });
     }
 

@@ -5,10 +5,15 @@ use std::process::Command;
 
 use sqlx::postgres::PgConnectOptions;
 
-/// Builds the example (examples get no `CARGO_BIN_EXE_*`) and returns its path, next to this
-/// test binary's target directory (`<target>/<profile>/deps/<this test>`), so `CARGO_TARGET_DIR`
-/// and the profile are respected.
+/// Builds the checkout example and returns its path ([`built_example`]).
 pub fn example_binary() -> PathBuf {
+    built_example("checkout")
+}
+
+/// Builds the root crate's example `name` (examples get no `CARGO_BIN_EXE_*`) and returns its
+/// path, next to this test binary's target directory (`<target>/<profile>/deps/<this test>`), so
+/// `CARGO_TARGET_DIR` and the profile are respected.
+pub fn built_example(name: &str) -> PathBuf {
     let test_binary = std::env::current_exe().unwrap();
     let profile_dir = test_binary
         .parent()
@@ -22,17 +27,17 @@ pub fn example_binary() -> PathBuf {
     };
     let target_dir = profile_dir.parent().unwrap();
     let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", "checkout", "--profile"])
+        .args(["build", "--quiet", "--example", name, "--profile"])
         .arg(&profile)
         .arg("--target-dir")
         .arg(target_dir)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .unwrap();
-    assert!(status.success(), "building the checkout example failed");
+    assert!(status.success(), "building the {name} example failed");
     profile_dir
         .join("examples")
-        .join(format!("checkout{}", std::env::consts::EXE_SUFFIX))
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
 }
 
 /// The URL of the test's own database; the password, if any, comes from `DATABASE_URL` (the
