@@ -16,6 +16,7 @@ use crate::support::example::{
     Answer, charge_key, database_url, example_binary, post_checkout, start_serve, start_worker,
 };
 use idemflow_testkit::provider::{Fault, MockProvider};
+use idemflow_testkit::simulation::Rng;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -35,23 +36,6 @@ const KILL_EVERY: Duration = Duration::from_millis(300);
 const LEASE_SECONDS: &str = "4";
 /// No client waits longer than this for its answer.
 const PATIENCE: Duration = Duration::from_secs(60);
-
-/// SplitMix64: small, seeded, good enough to pick what to kill.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 /// `IDEMFLOW_SEED`, or one from the clock.
 fn seed() -> u64 {
@@ -124,7 +108,7 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
 ) {
     let seed = seed();
     eprintln!("many_processes: seed {seed} (IDEMFLOW_SEED={seed} replays the kill schedule)");
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let url = database_url(&connect);
     let pool = options
         .max_connections(2)
@@ -197,12 +181,13 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
     // guards whatever happens.
     let (mut serve_kills, mut worker_kills, mut started) = (0, 0, SERVES + WORKERS);
     while load_started.elapsed() < KILLING {
-        let pause = KILL_EVERY.as_millis() as u64 / 2 + rng.next() % KILL_EVERY.as_millis() as u64;
+        let pause =
+            KILL_EVERY.as_millis() as u64 / 2 + rng.next_u64() % KILL_EVERY.as_millis() as u64;
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let name = format!("replacement {started}");
         started += 1;
         if rng.below(2) == 0 {
-            let victim = rng.below(serves.len());
+            let victim = rng.below(serves.len() as u64) as usize;
             let (process, base) = &mut serves[victim];
             live.write().unwrap().retain(|live| live != base);
             eprintln!("many_processes: kill {} ({base})", process.name);
@@ -212,7 +197,7 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
             live.write().unwrap().push(replacement.1.clone());
             serves[victim] = replacement;
         } else {
-            let victim = rng.below(workers.len());
+            let victim = rng.below(workers.len() as u64) as usize;
             eprintln!("many_processes: kill {}", workers[victim].name);
             workers[victim].kill();
             worker_kills += 1;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use idemflow::core::PhaseName;
 use idemflow::{DerivedKey, Key, TenantId};
 use idemflow_testkit::provider::MockProvider;
+use idemflow_testkit::simulation::Rng;
 
 use crate::Error;
 use crate::config::Config;
@@ -31,23 +32,6 @@ const LEASE_SECONDS: &str = "4";
 const POOL_SIZE: &str = "10";
 /// The kill schedule's seed (fixed: runs are comparable); `IDEMFLOW_SEED` picks another.
 const SEED: u64 = 0x1de7_f10e;
-
-/// SplitMix64: small and seeded, to choose what to kill and when.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 #[derive(Default)]
 struct Retries {
@@ -237,7 +221,7 @@ async fn one_run(
         .ok()
         .and_then(|seed| seed.parse().ok())
         .unwrap_or(SEED);
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let (mut serve_kills, mut worker_kills) = (0_u64, 0_u64);
     let mut ticks = tokio::time::interval(Duration::from_millis(10));
     let mut next_kill = Instant::now() + Duration::from_millis(150 + rng.below(300));

@@ -42,6 +42,7 @@ use std::sync::Arc;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
+pub use rng::Rng;
 pub use world::Counts;
 
 use crate::provider::MockProvider;

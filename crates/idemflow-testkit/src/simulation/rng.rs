@@ -1,16 +1,19 @@
 //! A small seeded random source (SplitMix64): every decision of a schedule comes from it, so a
-//! seed names a schedule.
+//! seed names a schedule. Public for other seeded choices (which process to kill, and when), so
+//! a printed seed replays them too.
 
 /// A seeded stream of random numbers.
 #[derive(Debug, Clone)]
-pub(crate) struct Rng(u64);
+pub struct Rng(u64);
 
 impl Rng {
-    pub(crate) fn new(seed: u64) -> Self {
+    /// The stream named by `seed`.
+    pub fn new(seed: u64) -> Self {
         Self(seed)
     }
 
-    pub(crate) fn next_u64(&mut self) -> u64 {
+    /// The next number of the stream.
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -19,7 +22,7 @@ impl Rng {
     }
 
     /// A number in `0..n` (0 when `n` is 0).
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         if n == 0 { 0 } else { self.next_u64() % n }
     }
 
