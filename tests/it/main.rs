@@ -21,6 +21,7 @@ mod large_responses;
 mod load;
 mod many_processes;
 mod metrics;
+mod partitions;
 mod pgbouncer;
 mod precision;
 mod protocol;

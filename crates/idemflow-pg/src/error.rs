@@ -18,4 +18,8 @@ pub enum StoreError {
     /// bytes). Never expected; reported rather than guessed around.
     #[error("corrupt key row: {0}")]
     Corrupt(String),
+    /// The table's layout does not allow what was asked (adopting the partitioned layout twice,
+    /// a partition plan that cannot work).
+    #[error("layout: {0}")]
+    Layout(String),
 }

@@ -22,6 +22,7 @@ mod look_up;
 mod maintenance;
 mod millis;
 mod owner;
+pub mod partitions;
 mod pool;
 pub mod statements;
 mod take_over;

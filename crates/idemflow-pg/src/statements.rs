@@ -63,19 +63,21 @@ pub const FINISH: &str = "UPDATE idempotency_keys \
 /// [`FINISH`] for a response stored out of the key's row: the key is marked done with its status
 /// and headers and no body, and the body goes to `idempotency_responses`, in one statement. The
 /// insert reads the update's `RETURNING`, so a fenced-out owner writes neither, and a crash leaves
-/// both or neither (one transaction). `ON CONFLICT`: a body left by an earlier life of the key
-/// (there should be none: the statement that deletes a key deletes its body) is replaced, never
-/// served. The same parameters as [`FINISH`]; `$7` is the body.
+/// both or neither (one transaction). The body row carries the key's `created_at`, which names
+/// this life of the key. `ON CONFLICT`: a body left by an earlier life of the key (a partition
+/// drop deletes the bodies of its keys only after the keys have left) is replaced, never served,
+/// and its `created_at` with it, so that drop then spares it. The same parameters as [`FINISH`];
+/// `$7` is the body.
 pub const FINISH_APART: &str = "WITH finished AS ( \
      UPDATE idempotency_keys \
      SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
          response_status = $5, response_headers = $6, response_body = NULL, \
          response_apart = true, finished_at = clock_timestamp(), updated_at = now() \
      WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
-     RETURNING tenant, key) \
- INSERT INTO idempotency_responses (tenant, key, body) \
- SELECT tenant, key, $7 FROM finished \
- ON CONFLICT (tenant, key) DO UPDATE SET body = excluded.body";
+     RETURNING tenant, key, created_at) \
+ INSERT INTO idempotency_responses (tenant, key, created_at, body) \
+ SELECT tenant, key, created_at, $7 FROM finished \
+ ON CONFLICT (tenant, key) DO UPDATE SET body = excluded.body, created_at = excluded.created_at";
 
 /// The body of a response stored apart ([`FINISH_APART`]): `$1` tenant, `$2` key.
 pub const RESPONSE_APART: &str =

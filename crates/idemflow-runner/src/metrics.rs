@@ -87,7 +87,22 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     (
         "idemflow_expired_total",
         "counter",
-        "Finished keys deleted by retention.",
+        "Finished keys deleted by retention (on the partitioned layout: the keys of the partitions it dropped).",
+    ),
+    (
+        "idemflow_partitions_dropped_total",
+        "counter",
+        "Partitions of the keys table dropped by retention, every key in them past its window (partitioned layout).",
+    ),
+    (
+        "idemflow_partitions_kept_for_started_keys",
+        "gauge",
+        "Partitions past the retention window kept because they hold started keys, at the last retention run: alert when above 0 (partitioned layout).",
+    ),
+    (
+        "idemflow_partitions_ahead",
+        "gauge",
+        "Partitions of the keys table that exist ahead of the current one, at the last retention run: claims fail once none is left (partitioned layout).",
     ),
 ];
 

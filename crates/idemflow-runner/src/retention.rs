@@ -61,7 +61,19 @@ impl Default for Retention {
 impl Retention {
     /// Deletes every key finished longer ago than `keep_for`, in batches, at most
     /// `max_rows_per_second`; returns how many. What a worker runs every `every`.
+    ///
+    /// On the partitioned layout ([`store::partitions`]) it maintains the partitions instead:
+    /// creates those due ahead of the clock and drops those whose every key is past `keep_for`
+    /// (no row is deleted one by one), and returns the keys dropped with them. That needs the
+    /// rights of the table's owner (docs/operations.md, "Partitioned expiry").
     pub async fn expire(&self, pool: &PgPool) -> Result<u64, RunError> {
+        let partitioned = {
+            let mut connection = pool.acquire().await?;
+            store::partitions::is_partitioned(&mut connection).await?
+        };
+        if partitioned {
+            return maintain_partitions(pool, self.keep_for).await;
+        }
         expire_paced(
             pool,
             self.keep_for,
@@ -109,4 +121,38 @@ pub async fn expire_paced(
             tokio::time::sleep_until(due.into()).await;
         }
     }
+}
+
+/// Retention on the partitioned layout: one maintenance run, reported in logs and metrics.
+async fn maintain_partitions(pool: &PgPool, keep_for: Duration) -> Result<u64, RunError> {
+    let maintained = store::partitions::maintain(pool, keep_for).await?;
+    if maintained.skipped {
+        return Ok(0);
+    }
+    let keys: u64 = maintained.dropped.iter().map(|dropped| dropped.keys).sum();
+    for dropped in &maintained.dropped {
+        tracing::info!(
+            partition = %dropped.name,
+            keys = dropped.keys,
+            bodies_apart = dropped.bodies_apart,
+            "retention dropped a partition of expired keys"
+        );
+    }
+    for created in &maintained.created {
+        tracing::info!(partition = %created, "retention created a partition ahead");
+    }
+    for kept in &maintained.kept {
+        // Past the window and still holding started keys: nobody finished them. Alert on it.
+        tracing::warn!(
+            partition = %kept.name,
+            started_keys = kept.started_keys,
+            "a partition past the retention window is kept: it holds started keys"
+        );
+    }
+    metrics::counter!("idemflow_expired_total").increment(keys);
+    metrics::counter!("idemflow_partitions_dropped_total")
+        .increment(maintained.dropped.len() as u64);
+    metrics::gauge!("idemflow_partitions_kept_for_started_keys").set(maintained.kept.len() as f64);
+    metrics::gauge!("idemflow_partitions_ahead").set(f64::from(maintained.ahead));
+    Ok(keys)
 }
