@@ -1041,6 +1041,85 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
 
 /// The runtime role can change neither the schema nor the fencing tokens nor the migrations'
 /// history, and cannot run the migrator: each refused with insufficient_privilege (42501).
+/// The partitioned layout under least privilege: the owner adopts it and maintains it; the
+/// runtime role keeps exactly its privileges (the partitions and the trigger's functions need no
+/// grant: rows are reached through the parent, and the trigger runs with its owner's rights), runs
+/// requests on it as before, including the trigger's uniqueness check, and may not maintain it.
+#[sqlx::test(migrations = false)]
+async fn the_partitioned_layout_is_the_owners_to_maintain_and_the_runtime_roles_to_use(
+    _: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    deployed(connect, |deployment| async move {
+        let Deployment {
+            admin,
+            owner,
+            runtime,
+            roles,
+        } = deployment;
+        let plan = store::partitions::PartitionPlan {
+            width: Duration::from_secs(60 * 60),
+            ahead: 2,
+        };
+        // Only the owner converts the table.
+        assert!(matches!(
+            store::partitions::adopt(&runtime, &plan).await,
+            Err(store::StoreError::Database(_))
+        ));
+        store::partitions::adopt(&owner, &plan).await.unwrap();
+        assert_eq!(
+            privileges(&admin, &roles.runtime.name).await,
+            expected_runtime_privileges()
+        );
+
+        grant_payments(&owner, &roles.runtime.name).await;
+        let provider = MockProvider::start().await;
+        let workflow = payments(&provider);
+        let runner = Runner::new(runtime.clone());
+        let tenant = TenantId::new("acme").unwrap();
+        let visa = payment_body(1200, "tok_visa");
+        let first = executed(&pay(&runner, &workflow, &tenant, "k1", &visa).await, 201);
+        assert_eq!(
+            pay(&runner, &workflow, &tenant, "k1", &visa).await,
+            Outcome::Replayed(first)
+        );
+        // A second row of the key in another partition is refused by the trigger, for the
+        // runtime role as for anyone.
+        let refused = sqlx::query(
+            "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, \
+                 locked_until, created_at) \
+             VALUES ('acme', 'k1', sha256('x'), 'w', '{}', now(), now() + interval '1 hour')",
+        )
+        .execute(&runtime)
+        .await
+        .unwrap_err();
+        assert_eq!(
+            refused
+                .as_database_error()
+                .and_then(|error| error.constraint()),
+            Some("idempotency_keys_pkey")
+        );
+
+        // Maintenance changes the schema: the owner's, refused to the runtime role (42501).
+        let day = Duration::from_secs(24 * 60 * 60);
+        let denied = store::partitions::maintain(&runtime, day)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&denied, store::StoreError::Database(error)
+                if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("42501")),
+            "{denied:?}"
+        );
+        let maintained = store::partitions::maintain(&owner, day).await.unwrap();
+        assert!(
+            maintained.kept.is_empty() && !maintained.skipped,
+            "{maintained:?}"
+        );
+        assert_eq!(maintained.ahead, 2);
+    })
+    .await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn the_runtime_role_cannot_change_the_schema_or_run_migrations(
     _: PgPoolOptions,

@@ -45,6 +45,12 @@ pub struct Config {
     pub fleet_workers: usize,
     pub fleet_requests: usize,
     pub fleet_clients: usize,
+    /// Workload 12 (partitioned expiry): finished keys expired by each variant (workload 6's
+    /// clients run meanwhile), the numbers of live partitions whose look-up and claim are
+    /// measured against the unpartitioned table, and the clients of those runs.
+    pub partitioned_keys: u64,
+    pub partition_counts: Vec<usize>,
+    pub partitioned_clients: usize,
     /// Only these sections run (`--only`); `None`: all of them.
     pub only: Option<Vec<&'static str>>,
 }
@@ -65,6 +71,7 @@ pub const SECTIONS: &[(&str, &str)] = &[
     ("9", "mass-crash"),
     ("10", "large-responses"),
     ("11", "fleet"),
+    ("12", "partitioned-expiry"),
 ];
 
 impl Config {
@@ -98,6 +105,9 @@ impl Config {
             fleet_workers: 4,
             fleet_requests: 10_000,
             fleet_clients: 64,
+            partitioned_keys: 1_000_000,
+            partition_counts: vec![2, 8, 31],
+            partitioned_clients: 32,
             only: None,
         }
     }
@@ -127,6 +137,8 @@ impl Config {
             fleet_workers: 2,
             fleet_requests: 60,
             fleet_clients: 8,
+            partitioned_keys: 20_000,
+            partitioned_clients: 8,
             ..Self::full(database_url)
         }
     }
@@ -206,7 +218,9 @@ mod tests {
             Some(&["provider-storm", "mass-crash", "wire"][..])
         );
         assert!(config.runs("provider-storm") && !config.runs("checkout"));
-        assert!(config.select(&["12".to_owned()]).is_err());
+        assert!(config.select(&["13".to_owned()]).is_err());
+        assert_eq!(config.select(&["12".to_owned()]), Ok(()));
+        assert!(config.runs("partitioned-expiry") && !config.runs("fleet"));
         assert_eq!(config.select(&["10".to_owned()]), Ok(()));
         assert!(config.runs("large-responses") && !config.runs("mass-crash"));
         assert!(config.select(&["9-storm".to_owned()]).is_err());

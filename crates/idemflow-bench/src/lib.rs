@@ -13,6 +13,7 @@ mod http;
 mod large_responses;
 mod load;
 mod mass_crash;
+mod partitioned;
 mod pgbench;
 mod provider_storm;
 mod raw;

@@ -21,6 +21,7 @@ pub const PROVIDER_STORM: &str = "8-provider-storm";
 pub const MASS_CRASH: &str = "9-mass-crash";
 pub const LARGE_RESPONSES: &str = "10-large-responses";
 pub const FLEET: &str = "11-fleet";
+pub const PARTITIONED_EXPIRY: &str = "12-partitioned-expiry";
 
 /// Variants of a workload.
 pub const ENGINE: &str = "engine";
@@ -56,6 +57,9 @@ pub struct Report {
     pub large_responses: Vec<LargeResponse>,
     /// Workload 11: one process of each kind, then the fleet, then the fleet under kills.
     pub fleet: Vec<Fleet>,
+    /// Workload 12: expiry by dropping partitions vs by deleting, and the partitioned layout's
+    /// look-up and claim cost.
+    pub partitioned_expiry: Option<PartitionedExpiry>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -154,6 +158,70 @@ pub struct Fleet {
     pub sampled_replays_byte_equal: bool,
     /// The kill schedule's seed (`IDEMFLOW_SEED` replays it), when there were kills.
     pub seed: Option<u64>,
+}
+
+/// Workload 12: the partitioned layout (`idemflow::store::partitions`).
+#[derive(Debug, Clone, Serialize)]
+pub struct PartitionedExpiry {
+    /// Finished keys each expiry variant expires, and the clients of the load meanwhile.
+    pub keys: u64,
+    pub clients: usize,
+    pub keep_for_hours: f64,
+    /// One per variant: delete flat out, delete paced (the default), drop partitions.
+    pub expiries: Vec<Expiry>,
+    /// Replays and claims per second on each layout, at `cost_clients` clients.
+    pub cost_clients: usize,
+    pub costs: Vec<LayoutCost>,
+}
+
+/// One way of expiring the keys, in a schema of its own, with new requests running meanwhile.
+#[derive(Debug, Clone, Serialize)]
+pub struct Expiry {
+    pub how: String,
+    pub partitioned: bool,
+    /// Partitions of the keys table before and after (0: unpartitioned).
+    pub partitions_before: usize,
+    pub partitions_after: usize,
+    pub expired: u64,
+    /// The expiry's wall time.
+    pub seconds: f64,
+    /// Seeding, adopting the layout and the VACUUM (ANALYZE) after.
+    pub seed_seconds: f64,
+    /// The load (new one-local-phase requests) just before the expiry, and during it; their
+    /// `claim` is request start → the phase began (look-up, BEGIN and the claim done).
+    pub before: Run,
+    pub during: Run,
+    /// pg_stat_user_tables over the keys table's tree after the expiry (autovacuum off on it):
+    /// dead tuples, of which the load's own updates (one dead version per request's finish),
+    /// rows deleted one by one, and so the dead tuples the expiry itself left.
+    pub dead_tuples_after: i64,
+    pub load_updates: i64,
+    pub rows_deleted: i64,
+    pub dead_tuples_left_by_expiry: i64,
+    /// pg_total_relation_size over the tree (heaps, indexes, TOAST) before and after.
+    pub bytes_before: i64,
+    pub bytes_after: i64,
+    /// A manual VACUUM of the keys table after the expiry: the work it left to autovacuum.
+    pub vacuum_seconds: f64,
+    /// Autovacuum runs on the tree over the measurement (0: it was off, as meant).
+    pub autovacuums: i64,
+}
+
+/// Replays and new claims through the engine on one layout (0 partitions: unpartitioned).
+#[derive(Debug, Clone, Serialize)]
+pub struct LayoutCost {
+    pub partitions: usize,
+    pub replays_per_second: f64,
+    pub replay_latency: LatencySummary,
+    pub replay_spread: Option<f64>,
+    /// ÷ the unpartitioned table's, interleaved in the same run.
+    pub replay_ratio: f64,
+    pub claims_per_second: f64,
+    pub claim_latency: LatencySummary,
+    /// Request start → the phase began (look-up, BEGIN and the claim done).
+    pub claim_time: LatencySummary,
+    pub claim_spread: Option<f64>,
+    pub claim_ratio: f64,
 }
 
 /// Workload 10: keys answered with `body_bytes` bytes, stored in the row or apart.
@@ -623,6 +691,9 @@ impl Report {
                 );
             }
         }
+        if let Some(partitioned) = &self.partitioned_expiry {
+            partitioned_table(&mut out, partitioned);
+        }
         if !self.mass_crash.is_empty() {
             let _ = writeln!(
                 out,
@@ -717,6 +788,88 @@ impl Report {
             let _ = writeln!(out, "note: {note}");
         }
         out
+    }
+}
+
+fn partitioned_table(out: &mut String, p: &PartitionedExpiry) {
+    let _ = writeln!(
+        out,
+        "\npartitioned expiry (12): {} finished keys past a {:.0} h window, expired while {} clients \
+         send new one-local-phase requests (claim p50/p99 ms before → during, samples during)",
+        p.keys, p.keep_for_hours, p.clients
+    );
+    let _ = writeln!(
+        out,
+        "  {:<72} {:>5} {:>8} {:>17} {:>17} {:>6} {:>9} {:>9} {:>13} {:>8}",
+        "expiry",
+        "parts",
+        "seconds",
+        "claim before",
+        "claim during",
+        "n",
+        "dead left",
+        "dead all",
+        "MB bef→aft",
+        "VACUUM s"
+    );
+    for e in &p.expiries {
+        let pair = |run: &Run| {
+            run.claim.as_ref().map_or("-".to_owned(), |claim| {
+                format!("{}/{}", ms(claim.p50_ms), ms(claim.p99_ms))
+            })
+        };
+        let _ = writeln!(
+            out,
+            "  {:<72} {:>5} {:>8.2} {:>17} {:>17} {:>6} {:>9} {:>9} {:>13} {:>8.2}",
+            e.how,
+            format!("{}→{}", e.partitions_before, e.partitions_after),
+            e.seconds,
+            pair(&e.before),
+            pair(&e.during),
+            e.during.claim.map_or(0, |claim| claim.samples),
+            e.dead_tuples_left_by_expiry,
+            e.dead_tuples_after,
+            format!(
+                "{}→{}",
+                e.bytes_before / 1_000_000,
+                e.bytes_after / 1_000_000
+            ),
+            e.vacuum_seconds
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  dead left: n_dead_tup after, minus the load's own updates (one per request); autovacuum \
+         off on the keys table meanwhile (runs: {}); VACUUM s: a manual VACUUM after, the work left",
+        p.expiries
+            .iter()
+            .map(|e| e.autovacuums.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let _ = writeln!(
+        out,
+        "  layout cost at {} clients, interleaved: {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>10}",
+        p.cost_clients, "replays/s", "ratio", "p99 ms", "claims/s", "ratio", "p99 ms", "claim p99"
+    );
+    for cost in &p.costs {
+        let label = if cost.partitions == 0 {
+            "unpartitioned".to_owned()
+        } else {
+            format!("{} partitions", cost.partitions)
+        };
+        let _ = writeln!(
+            out,
+            "  {:<36} {:>10.0} {:>7.2}× {:>8} {:>10.0} {:>7.2}× {:>8} {:>10}",
+            label,
+            cost.replays_per_second,
+            cost.replay_ratio,
+            ms(cost.replay_latency.p99_ms),
+            cost.claims_per_second,
+            cost.claim_ratio,
+            ms(cost.claim_latency.p99_ms),
+            ms(cost.claim_time.p99_ms)
+        );
     }
 }
 

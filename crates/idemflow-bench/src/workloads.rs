@@ -26,7 +26,7 @@ use crate::wire_counts::{self, WireCount, counted_pool, settle};
 use crate::workflows::{self, CLAIMED_AT, CountingHook, Ledger, NeverCrash, TENANT};
 use crate::{
     DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, fleet, http,
-    large_responses, mass_crash, pgbench, provider_storm,
+    large_responses, mass_crash, partitioned, pgbench, provider_storm,
 };
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, Error>> + Send>>;
@@ -245,6 +245,14 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         Vec::new()
     };
 
+    let partitioned_expiry = if config.runs("partitioned-expiry") {
+        trace("partitioned expiry");
+        let prefix = ctx.prefix("partitioned");
+        Some(partitioned::run(config, scratch, &ctx.tenant, &prefix).await?)
+    } else {
+        None
+    };
+
     trace("end");
     if scratch.statements_unavailable.is_some() {
         notes.push(
@@ -295,6 +303,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         mass_crash,
         large_responses,
         fleet,
+        partitioned_expiry,
         targets: Vec::new(),
         load_trace,
         notes,
@@ -583,7 +592,7 @@ async fn interleaved(
     Ok(runs)
 }
 
-fn run_row(
+pub(crate) fn run_row(
     workload: &str,
     variant: &str,
     clients: usize,
@@ -1421,6 +1430,9 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
             judge("paced", paced.rows_per_second, &paced.during);
         }
     }
+    if let Some(partitioned) = &report.partitioned_expiry {
+        partitioned_targets(partitioned, &mut targets);
+    }
     // End to end, the difference drowns in the run-to-run noise (shown as the larger half-to-half
     // spread of the two variants); the direct estimate is calls × cost per call over the
     // machine's CPU time per request at the measured rate (cores ÷ requests per second).
@@ -1452,4 +1464,41 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
         met: direct.map(|direct| direct < 0.01),
     });
     targets
+}
+
+/// Workload 12's goals: expiry by dropping partitions costs the claim nothing measurable and
+/// leaves no dead tuples, and the look-up on 8 partitions stays within 10% of the unpartitioned
+/// table's.
+fn partitioned_targets(partitioned: &report::PartitionedExpiry, targets: &mut Vec<Target>) {
+    for expiry in partitioned.expiries.iter().filter(|e| e.partitioned) {
+        let p99 = |run: &Run| run.claim.and_then(|claim| claim.p99_ms);
+        let ratio = p99(&expiry.during)
+            .zip(p99(&expiry.before))
+            .map(|(during, before)| during / before);
+        targets.push(Target {
+            name: format!(
+                "12 partition drop: claim p99 during ÷ before (@{})",
+                partitioned.clients
+            ),
+            measured: ratio.map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
+            target: "≤ 1.2×".to_owned(),
+            met: ratio.map(|ratio| ratio <= 1.2),
+        });
+        targets.push(Target {
+            name: "12 partition drop: dead tuples left".to_owned(),
+            measured: format!("{}", expiry.dead_tuples_left_by_expiry),
+            target: "0".to_owned(),
+            met: Some(expiry.dead_tuples_left_by_expiry <= 0),
+        });
+    }
+    if let Some(cost) = partitioned.costs.iter().find(|cost| cost.partitions == 8) {
+        targets.push(ratio_target(
+            format!(
+                "12 look-up on 8 partitions ÷ unpartitioned @{}",
+                partitioned.cost_clients
+            ),
+            Some(cost.replay_ratio),
+            0.9,
+        ));
+    }
 }

@@ -83,6 +83,32 @@ async fn quick_mode_completes_with_the_documented_counts() {
     }
     let retention = report.retention.as_ref().unwrap();
     assert_eq!(retention.deleted, retention.rows);
+    // Workload 12: every variant expired every key; dropping partitions deleted no row one by
+    // one and left no dead tuple; each layout was measured.
+    let partitioned = report.partitioned_expiry.as_ref().unwrap();
+    assert_eq!(partitioned.expiries.len(), 3);
+    for expiry in &partitioned.expiries {
+        assert_eq!(expiry.expired, partitioned.keys, "{expiry:?}");
+        if expiry.partitioned {
+            assert!(
+                expiry.partitions_after < expiry.partitions_before,
+                "{expiry:?}"
+            );
+            assert_eq!(expiry.rows_deleted, 0, "{expiry:?}");
+            assert_eq!(expiry.dead_tuples_left_by_expiry, 0, "{expiry:?}");
+        } else {
+            assert_eq!(expiry.rows_deleted, partitioned.keys as i64, "{expiry:?}");
+        }
+    }
+    assert_eq!(
+        partitioned
+            .costs
+            .iter()
+            .map(|cost| cost.partitions.min(31))
+            .collect::<Vec<_>>()
+            .len(),
+        4
+    );
     assert!(!report.targets.is_empty());
     assert!(!report.table().is_empty());
     serde_json::to_string(&report).unwrap();

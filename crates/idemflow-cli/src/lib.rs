@@ -34,7 +34,8 @@ use render::{fields, plain, table, truncate};
 pub mod exit {
     /// The command did what was asked.
     pub const OK: u8 = 0;
-    /// The answer is no: the key does not exist, its lease was not ended, or the body is not JSON.
+    /// The answer is no: the key does not exist, its lease was not ended, the body is not JSON, or
+    /// partition maintenance kept a partition past the window for its started keys.
     pub const NO: u8 = 1;
     /// The command line is wrong: a bad argument, or no database URL.
     pub const USAGE: u8 = 2;
@@ -637,6 +638,110 @@ async fn expire_answer(
         batch_size,
     };
     Ok(Answer::new(exit::OK, human, &report))
+}
+
+// ---------------------------------------------------------------------------------------------
+// partitions
+
+/// `idemflow partitions adopt`: converts the keys table to the partitioned layout (as its owner).
+pub async fn partitions_adopt(
+    pool: &PgPool,
+    format: Format,
+    width: Duration,
+    ahead: u32,
+) -> Output {
+    emit(format, partitions_adopt_answer(pool, width, ahead).await)
+}
+
+async fn partitions_adopt_answer(
+    pool: &PgPool,
+    width: Duration,
+    ahead: u32,
+) -> Result<Answer, CliError> {
+    let plan = idemflow_pg::partitions::PartitionPlan { width, ahead };
+    let adopted = match idemflow_pg::partitions::adopt(pool, &plan).await {
+        Err(StoreError::Layout(message)) => return Err(CliError::Usage(message)),
+        other => other?,
+    };
+    let human = format!(
+        "the keys table is partitioned by creation time, {} per partition: {} partitions, {} keys copied\n",
+        human(width.as_secs()),
+        adopted.partitions,
+        adopted.keys
+    );
+    Ok(Answer::new(exit::OK, human, &adopted))
+}
+
+/// `idemflow partitions maintain --keep-for D`: creates the partitions due ahead and drops
+/// those whose every key finished more than `keep_for` ago (as the table's owner). Exits with
+/// [`exit::NO`] when a partition past the window is kept for its started keys: a scheduler that
+/// runs it alerts on that.
+pub async fn partitions_maintain(pool: &PgPool, format: Format, keep_for: Duration) -> Output {
+    emit(format, partitions_maintain_answer(pool, keep_for).await)
+}
+
+async fn partitions_maintain_answer(pool: &PgPool, keep_for: Duration) -> Result<Answer, CliError> {
+    let maintained = idemflow_pg::partitions::maintain(pool, keep_for).await?;
+    let mut human = String::new();
+    if maintained.skipped {
+        human.push_str("another maintenance is running; nothing done\n");
+    }
+    for name in &maintained.created {
+        human.push_str(&format!("created {name}\n"));
+    }
+    for dropped in &maintained.dropped {
+        human.push_str(&format!(
+            "dropped {} ({} keys, {} bodies apart)\n",
+            dropped.name, dropped.keys, dropped.bodies_apart
+        ));
+    }
+    for kept in &maintained.kept {
+        human.push_str(&format!(
+            "kept {}: past the window, it holds {} started keys\n",
+            kept.name, kept.started_keys
+        ));
+    }
+    if !maintained.skipped {
+        human.push_str(&format!("{} partitions ahead\n", maintained.ahead));
+    }
+    let code = if maintained.kept.is_empty() {
+        exit::OK
+    } else {
+        exit::NO
+    };
+    Ok(Answer::new(code, human, &maintained))
+}
+
+/// `idemflow partitions list`: the partitions of the keys table, oldest first.
+pub async fn partitions_list(connection: &mut PgConnection, format: Format) -> Output {
+    emit(format, partitions_list_answer(connection).await)
+}
+
+async fn partitions_list_answer(connection: &mut PgConnection) -> Result<Answer, CliError> {
+    if !idemflow_pg::partitions::is_partitioned(connection).await? {
+        return Err(CliError::Usage(
+            "the keys table is not partitioned (see `idemflow partitions adopt`)".to_owned(),
+        ));
+    }
+    let partitions = idemflow_pg::partitions::partitions(connection).await?;
+    let rows: Vec<Vec<String>> = partitions
+        .iter()
+        .map(|partition| {
+            vec![
+                plain(&partition.name),
+                partition.from.clone(),
+                partition.to.clone(),
+                if partition.detaching {
+                    "detaching"
+                } else {
+                    "attached"
+                }
+                .to_owned(),
+            ]
+        })
+        .collect();
+    let human = table(&["PARTITION", "FROM", "TO", "STATE"], &rows);
+    Ok(Answer::new(exit::OK, human, &partitions))
 }
 
 // ---------------------------------------------------------------------------------------------

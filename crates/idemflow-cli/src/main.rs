@@ -75,6 +75,34 @@ enum Command {
     },
     /// Keys by workflow and state, the oldest started key, and the resumer lag.
     Stats,
+    /// The partitioned layout of the keys table: expiry by dropping whole partitions.
+    Partitions {
+        #[command(subcommand)]
+        command: PartitionsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum PartitionsCommand {
+    /// Convert the keys table to the partitioned layout, as the table's owner. It holds the table
+    /// exclusively while it copies the keys: run it at a quiet time.
+    Adopt {
+        /// The range of creation times each partition holds: 30m, 6h, 1d.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "6h")]
+        width: Duration,
+        /// Partitions kept ready ahead of the current one.
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+        ahead: u32,
+    },
+    /// Create the partitions due ahead, and drop those whose every key finished longer ago than
+    /// the window (as the table's owner). Exits 1 when a partition is kept for started keys.
+    Maintain {
+        /// The retention window: keys finished longer ago than this are expired: 24h, 7d.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        keep_for: Duration,
+    },
+    /// List the partitions, oldest first.
+    List,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -139,6 +167,20 @@ async fn run(cli: Cli, format: Format) -> Output {
             })
             .await
         }
+        Command::Partitions { command } => match command {
+            PartitionsCommand::Adopt { width, ahead } => {
+                idemflow_cli::partitions_adopt(&pool, format, width, ahead).await
+            }
+            PartitionsCommand::Maintain { keep_for } => {
+                idemflow_cli::partitions_maintain(&pool, format, keep_for).await
+            }
+            PartitionsCommand::List => {
+                with_connection(&pool, format, async |connection| {
+                    idemflow_cli::partitions_list(connection, format).await
+                })
+                .await
+            }
+        },
         Command::Fingerprint { .. } => unreachable!("answered before connecting"),
     };
     pool.close().await;

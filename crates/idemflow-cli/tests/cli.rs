@@ -750,3 +750,92 @@ async fn the_binary_reads_stdin_connects_and_exits_with_the_right_codes(pool: Pg
         "{stdout}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// partitions
+//
+// Partition names and ranges follow the clock, so these outputs are checked field by field, not
+// against snapshots.
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn partitions_adopt_list_and_maintain(pool: PgPool) {
+    let mut connection = pool.acquire().await.unwrap();
+    // A key finished two days ago and one started three days ago (a lease that ended).
+    seed_all(
+        &mut connection,
+        &[
+            DONE,
+            Seed {
+                age: "3 days",
+                ..EXPIRED
+            },
+        ],
+    )
+    .await;
+    let output = idemflow_cli::partitions_list(&mut connection, Format::Human).await;
+    assert_eq!(output.code, idemflow_cli::exit::USAGE, "{output:?}");
+    assert!(output.stderr.contains("not partitioned"), "{output:?}");
+    drop(connection);
+
+    let hour = Duration::from_secs(60 * 60);
+    let output = idemflow_cli::partitions_adopt(&pool, Format::Json, 6 * hour, 2).await;
+    assert_eq!((output.code, output.stderr.as_str()), (0, ""), "{output:?}");
+    let adopted: serde_json::Value = serde_json::from_str(&output.stdout).unwrap();
+    assert_eq!(adopted["keys"], 2);
+    // From three days back to two partitions ahead, six hours each.
+    let partitions = adopted["partitions"].as_u64().unwrap();
+    assert!((13..=15).contains(&partitions), "{partitions}");
+
+    let output = idemflow_cli::partitions_adopt(&pool, Format::Human, hour, 2).await;
+    assert_eq!(output.code, idemflow_cli::exit::USAGE);
+    assert!(output.stderr.contains("partitioned already"), "{output:?}");
+
+    let mut connection = pool.acquire().await.unwrap();
+    let output = idemflow_cli::partitions_list(&mut connection, Format::Human).await;
+    assert_eq!(output.code, 0, "{output:?}");
+    let lines: Vec<&str> = output.stdout.lines().collect();
+    assert!(lines[0].starts_with("PARTITION"), "{}", output.stdout);
+    assert_eq!(lines.len() as u64, partitions + 1);
+    assert!(
+        lines[1].starts_with("idempotency_keys_p"),
+        "{}",
+        output.stdout
+    );
+    assert!(lines[1].ends_with("attached"), "{}", output.stdout);
+    drop(connection);
+
+    // A day's window: the partition of the started key is kept (exit 1, an alert), the done
+    // key's and the empty ones older than a day go.
+    let output = idemflow_cli::partitions_maintain(&pool, Format::Human, 24 * hour).await;
+    assert_eq!(output.code, idemflow_cli::exit::NO, "{output:?}");
+    assert!(
+        output
+            .stdout
+            .lines()
+            .any(|line| line.starts_with("kept idempotency_keys_p")
+                && line.ends_with("it holds 1 started keys")),
+        "{}",
+        output.stdout
+    );
+    assert!(
+        output.stdout.contains("(1 keys, 0 bodies apart)"),
+        "{}",
+        output.stdout
+    );
+    assert!(
+        output.stdout.ends_with("2 partitions ahead\n"),
+        "{}",
+        output.stdout
+    );
+    let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, ["order-3"]);
+
+    let output = idemflow_cli::partitions_maintain(&pool, Format::Json, 24 * hour).await;
+    let maintained: serde_json::Value = serde_json::from_str(&output.stdout).unwrap();
+    assert_eq!(maintained["kept"][0]["started_keys"], 1);
+    assert_eq!(maintained["dropped"], serde_json::json!([]));
+    assert_eq!(maintained["created"], serde_json::json!([]));
+}

@@ -82,7 +82,7 @@ impl PartitionPlan {
 }
 
 /// What [`adopt`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Adopted {
     /// The partitions created: those the existing keys fall in, the current one and those ahead.
     pub partitions: usize,
@@ -91,7 +91,7 @@ pub struct Adopted {
 }
 
 /// One partition of the keys table.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Partition {
     /// The table's name, `idempotency_keys_p<start, UTC>`.
     pub name: String,
@@ -99,13 +99,17 @@ pub struct Partition {
     pub from_ms: i64,
     /// The end of its range, in ms since the Unix epoch (excluded).
     pub to_ms: i64,
+    /// The start of its range, UTC, as `2026-12-01 18:00:00.000Z`.
+    pub from: String,
+    /// The end of its range, UTC.
+    pub to: String,
     /// Detached concurrently but not finalized (an interrupted drop): the next [`maintain`]
     /// finishes it.
     pub detaching: bool,
 }
 
 /// A partition [`maintain`] dropped.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Dropped {
     /// Its name.
     pub name: String,
@@ -118,7 +122,7 @@ pub struct Dropped {
 /// A partition past the window that [`maintain`] kept because it holds started keys: they are
 /// still being run (or nobody runs them: a workflow no resumer knows), and dropping them would
 /// forget a request that has not answered. Alert on it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Kept {
     /// Its name.
     pub name: String,
@@ -127,7 +131,7 @@ pub struct Kept {
 }
 
 /// What [`maintain`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Maintained {
     /// Partitions created ahead of the clock.
     pub created: Vec<String>,
@@ -155,17 +159,21 @@ pub async fn partitions(connection: &mut PgConnection) -> Result<Vec<Partition>,
     // The bounds as the catalog prints them, read back in the same session (so in the same time
     // zone and date style): the partition's own definition is the only truth about its range.
     let rows = sqlx::query(
-        r#"SELECT c.relname::text AS name,
-                  (extract(epoch FROM substring(pg_get_expr(c.relpartbound, c.oid)
-                                                FROM 'FROM \(''([^'']*)''\)')::timestamptz)
-                   * 1000)::bigint AS from_ms,
-                  (extract(epoch FROM substring(pg_get_expr(c.relpartbound, c.oid)
-                                                FROM 'TO \(''([^'']*)''\)')::timestamptz)
-                   * 1000)::bigint AS to_ms,
-                  i.inhdetachpending AS detaching
-           FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
-           WHERE i.inhparent = 'idempotency_keys'::regclass
-           ORDER BY from_ms"#,
+        r#"WITH bounds AS (
+               SELECT c.relname::text AS name, i.inhdetachpending AS detaching,
+                      substring(pg_get_expr(c.relpartbound, c.oid)
+                                FROM 'FROM \(''([^'']*)''\)')::timestamptz AS lower,
+                      substring(pg_get_expr(c.relpartbound, c.oid)
+                                FROM 'TO \(''([^'']*)''\)')::timestamptz AS upper
+               FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+               WHERE i.inhparent = 'idempotency_keys'::regclass)
+           SELECT name, detaching,
+                  (extract(epoch FROM lower) * 1000)::bigint AS from_ms,
+                  (extract(epoch FROM upper) * 1000)::bigint AS to_ms,
+                  to_char(lower AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.MS"Z"') AS "from",
+                  to_char(upper AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.MS"Z"') AS "to"
+           FROM bounds
+           ORDER BY lower"#,
     )
     .fetch_all(connection)
     .await?;
@@ -175,6 +183,8 @@ pub async fn partitions(connection: &mut PgConnection) -> Result<Vec<Partition>,
             name: row.get("name"),
             from_ms: row.get("from_ms"),
             to_ms: row.get("to_ms"),
+            from: row.get("from"),
+            to: row.get("to"),
             detaching: row.get("detaching"),
         })
         .collect())
@@ -528,8 +538,10 @@ CREATE FUNCTION idemflow_claim_lock(tenant text, key text) RETURNS bigint
                                         || convert_to(key, 'UTF8')), 1, 8), 'hex'))::bit(64)::bigint;
 
 -- A PL/pgSQL function: at Read Committed its query takes a snapshot of its own, after the lock.
+-- It runs with its owner's rights (and search path), so the runtime role needs no grant for it:
+-- inserting into the keys table is what it needs, as unpartitioned.
 CREATE FUNCTION idempotency_keys_one_row_per_key() RETURNS trigger
-    LANGUAGE plpgsql SET search_path FROM CURRENT AS $body$
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $body$
 BEGIN
     PERFORM pg_advisory_xact_lock(idemflow_claim_lock(NEW.tenant, NEW.key));
     IF EXISTS (SELECT 1 FROM idempotency_keys WHERE tenant = NEW.tenant AND key = NEW.key) THEN
@@ -544,6 +556,10 @@ $body$;
 
 CREATE TRIGGER idempotency_keys_one_row_per_key BEFORE INSERT ON idempotency_keys
     FOR EACH ROW EXECUTE FUNCTION idempotency_keys_one_row_per_key();
+
+-- Nobody calls them but the trigger.
+REVOKE EXECUTE ON FUNCTION idemflow_claim_lock(text, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION idempotency_keys_one_row_per_key() FROM PUBLIC;
 "#;
 
 #[cfg(test)]

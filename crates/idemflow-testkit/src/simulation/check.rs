@@ -10,7 +10,8 @@
 //! - a stored response was made for the request its key holds (its life);
 //! - an owner told it was fenced had held the key (its token was committed): otherwise its own
 //!   attempt was lost without a trace;
-//! - attempts never above the policy's, plus the one takeover that gives up.
+//! - no phase starts at an attempt past the policy's (the key's own count may go higher: see
+//!   below, where it is checked).
 //!
 //! Checked as they happen (world.rs and workflow.rs): a lease is whole right after its owner's
 //! commit; a foreign call starts only by the key's owner on a live lease, before its result was
@@ -209,7 +210,7 @@ pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
         }
     }
 
-    // Fenced owners had held their key; attempts within the budget.
+    // Fenced owners had held their key; phases within the attempt budget.
     let (fenced, most) = {
         let log = shared.log();
         let fenced: Vec<String> = log
@@ -229,17 +230,25 @@ pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
                 })
             })
             .collect();
-        (fenced, log.most_attempts.clone())
+        (fenced, log.phase_attempts.clone())
     };
     for line in fenced {
         shared.violation(line);
     }
-    let allowed = i32::try_from(workflow::policy().max_attempts).unwrap_or(i32::MAX) + 1;
-    for (key, attempts) in most {
-        if attempts > allowed {
+    // What the budget bounds is how often a phase runs: the attempt a phase starts at (the key's
+    // count at its recovery point, which its owner's claim or takeover read) is at most the
+    // policy's. The key's count itself is not bounded by the budget plus one: every takeover
+    // raises it, and a takeover past the budget runs nothing and gives up, but when that give-up
+    // is lost (its connection killed, a pooled one that died idle included; its resumer gone
+    // after the scan), the next takeover counts one more and gives up in its place. This check
+    // once read the rows' count and allowed the budget plus one, and failed seed 79 under load
+    // on just that, with no phase past its budget (tests/it/failures.rs,
+    // `a_give_up_lost_with_its_connection_is_made_by_the_next_takeover`).
+    let allowed = workflow::policy().max_attempts;
+    for (key, (attempt, phase)) in most {
+        if attempt > allowed {
             shared.violation(format!(
-                "key {key} reached {attempts} attempts; the policy allows {}",
-                allowed - 1
+                "key {key} ran {phase} at attempt {attempt}; the policy allows {allowed}"
             ));
         }
     }

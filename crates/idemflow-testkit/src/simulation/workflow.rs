@@ -127,6 +127,7 @@ pub(crate) fn workflow(shared: &Arc<Shared>, lease: Duration) -> Workflow {
 async fn act_for(shared: &Shared, phase: &'static str, context: &PhaseContext) -> Act {
     let actor = shared.scheduler.current();
     shared.note_token(actor, context);
+    shared.note_phase_attempt(phase, context);
     let key = context.key.as_str();
     match shared.scheduler.park(actor, key, Point::Phase(phase)).await {
         Verdict::Act(act) => act,

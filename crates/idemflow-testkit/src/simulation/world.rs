@@ -121,7 +121,9 @@ pub(crate) struct Log {
     pub forgotten: HashMap<String, u32>,
     /// Actors told they were fenced.
     pub fenced: Vec<(ActorId, String)>,
-    pub most_attempts: HashMap<String, i32>,
+    /// The highest attempt each key's phases started at (the engine's count at the phase's
+    /// recovery point, as the phase is told it), and that phase.
+    pub phase_attempts: HashMap<String, (u32, &'static str)>,
     /// Every token seen on each key, with the claim (its time) it was seen on.
     pub tokens_seen: HashMap<(String, i64), String>,
     pub counts: Counts,
@@ -178,6 +180,19 @@ impl Shared {
             actor,
             (context.key.as_str().to_owned(), context.lock_version),
         );
+    }
+
+    /// A phase of a key starts at the attempt its context names: what the policy's budget
+    /// bounds (check.rs). Not the key's row: its count may go higher (see check.rs).
+    pub(crate) fn note_phase_attempt(&self, phase: &'static str, context: &PhaseContext) {
+        let mut log = self.log();
+        let most = log
+            .phase_attempts
+            .entry(context.key.as_str().to_owned())
+            .or_insert((0, phase));
+        if context.attempt > most.0 {
+            *most = (context.attempt, phase);
+        }
     }
 
     /// What a phase does when the schedule is winding down: it heals, unless the key is poison.
@@ -599,13 +614,12 @@ fn describe(result: &Result<Outcome, RunError>) -> String {
 
 impl World<'_> {
     /// Reads every key of the schedule: what the next action chooses from, the tokens seen
-    /// committed, the most attempts seen.
+    /// committed.
     async fn sample(&mut self) {
         type Row = (
             String,
             String,
             i64,
-            i32,
             Option<String>,
             String,
             String,
@@ -613,7 +627,7 @@ impl World<'_> {
             bool,
         );
         let rows: Vec<Row> = match sqlx::query_as(
-            "SELECT key, state, lock_version, attempts, locked_until::text, recovery_point, \
+            "SELECT key, state, lock_version, locked_until::text, recovery_point, \
                     created_at::text, (request->>'life')::bigint, \
                     state = 'started' AND locked_until <= now() \
              FROM idempotency_keys WHERE tenant = $1",
@@ -628,24 +642,12 @@ impl World<'_> {
         let before: Vec<Option<RowSeen>> = self.keys.iter_mut().map(|key| key.row.take()).collect();
         let mut log = self.shared.log();
         let mut repeated = Vec::new();
-        for (
-            key,
-            state,
-            lock_version,
-            attempts,
-            locked_until,
-            recovery_point,
-            created_at,
-            life,
-            due,
-        ) in rows
+        for (key, state, lock_version, locked_until, recovery_point, created_at, life, due) in rows
         {
             log.committed
                 .entry(key.clone())
                 .or_default()
                 .insert(lock_version);
-            let most = log.most_attempts.entry(key.clone()).or_default();
-            *most = (*most).max(attempts);
             // A token names one owner of one claim: seen on another claim of the key, it
             // repeated. (Under the store policy clock jumps move claim times: not compared.)
             if self.setup.terminal == TerminalPolicy::Forget {
