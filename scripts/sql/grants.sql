@@ -50,7 +50,9 @@ GRANT USAGE ON SEQUENCE idempotency_keys_fence TO :"runtime_role";
 REVOKE ALL ON TABLE _sqlx_migrations FROM :"runtime_role";
 
 -- Nothing else: the migrations create no function (the engine calls only built-ins that every
--- role may execute: pg_advisory_xact_lock, pg_try_advisory_xact_lock(_shared), pg_notify),
+-- role may execute: pg_advisory_xact_lock, pg_try_advisory_xact_lock(_shared), pg_notify; the
+-- partitioned layout's trigger functions run with their owner's rights and are executable by no
+-- one else), the partitions of a partitioned keys table are reached through it and need no grant,
 -- LISTEN/NOTIFY and SET LOCAL of statement_timeout and idle_in_transaction_session_timeout need
 -- no grant, and advisory locks none either.
 

@@ -185,13 +185,16 @@ async fn seed(
     Ok(())
 }
 
-/// The keys table's relations: itself, and its partitions when partitioned.
-const TREE: &str = "pg_partition_tree('idempotency_keys')";
+/// The keys table's heaps: itself, or its partitions when partitioned (`pg_partition_tree` lists
+/// nothing for a plain table).
+const TREE: &str = "(SELECT relid FROM pg_partition_tree('idempotency_keys') WHERE isleaf \
+                    UNION SELECT 'idempotency_keys'::regclass \
+                    WHERE NOT EXISTS (SELECT FROM pg_partition_tree('idempotency_keys')))";
 
 /// Bytes of the keys table, its partitions, their indexes and TOAST.
 async fn tree_bytes(pool: &PgPool) -> Result<i64, Error> {
     Ok(sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT coalesce(sum(pg_total_relation_size(relid)), 0)::bigint FROM {TREE}"
+        "SELECT coalesce(sum(pg_total_relation_size(relid)), 0)::bigint FROM {TREE} AS t"
     )))
     .fetch_one(pool)
     .await?)
@@ -359,7 +362,7 @@ async fn expiry(
         &setup,
         format!(
             "DO $off$ DECLARE heap regclass; BEGIN \
-                 FOR heap IN SELECT relid FROM {TREE} WHERE isleaf LOOP \
+                 FOR heap IN SELECT relid FROM {TREE} AS t LOOP \
                      EXECUTE format('ALTER TABLE %s SET (autovacuum_enabled = false)', heap); \
                  END LOOP; \
              END $off$"
