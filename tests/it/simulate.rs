@@ -61,3 +61,33 @@ async fn schedules_50_to_99(pool: PgPool) {
 async fn schedules_100_to_149(pool: PgPool) {
     explore(&pool, seeds_from_env(100..150)).await;
 }
+
+/// The same schedules on the partitioned layout (daily partitions reaching a month back, so the
+/// schedules' day-long jumps of the clock move keys between partitions, and retention drops
+/// partitions): the engine's statements, the uniqueness trigger and partition drops under crashes,
+/// takeovers, kills and retries.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn schedules_0_to_29_on_the_partitioned_layout(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until, \
+             created_at) \
+         VALUES ('reach-back', 'k', sha256('k'), 'w', '{}', now(), now() - interval '30 days')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    idemflow::store::partitions::adopt(
+        &pool,
+        &idemflow::store::partitions::PartitionPlan {
+            width: std::time::Duration::from_secs(24 * 60 * 60),
+            ahead: 2,
+        },
+    )
+    .await
+    .unwrap();
+    sqlx::query("DELETE FROM idempotency_keys WHERE tenant = 'reach-back'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    explore(&pool, seeds_from_env(0..30)).await;
+}

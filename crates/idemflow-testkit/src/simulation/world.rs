@@ -1064,7 +1064,14 @@ impl World<'_> {
         .fetch_all(&self.shared.observer)
         .await
         .unwrap_or_default();
-        let deleted = idemflow_runner::expire(&self.sim.engine, RETENTION, 100).await;
+        // What a worker runs: batched deletes, or on the partitioned layout partition drops.
+        let retention = idemflow_runner::Retention {
+            keep_for: RETENTION,
+            batch_size: 100,
+            max_rows_per_second: None,
+            ..idemflow_runner::Retention::default()
+        };
+        let deleted = retention.expire(&self.sim.engine).await;
         self.shared.log().counts.expiries += 1;
         self.shared
             .event(ActorId(0), format!("operator ran retention: {deleted:?}"));
