@@ -217,18 +217,22 @@ fn claim_request<'a>(
 /// widened by `created_at`, the grants, every key; and the runner works on it unchanged.
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn adopting_keeps_the_keys_the_schema_and_the_grants(pool: PgPool) {
-    sqlx::query("DROP ROLE IF EXISTS idemflow_partitions_reader")
-        .execute(&pool)
-        .await
-        .ok();
-    sqlx::query("CREATE ROLE idemflow_partitions_reader")
-        .execute(&pool)
-        .await
-        .ok();
-    sqlx::query("GRANT SELECT, UPDATE ON idempotency_keys TO idemflow_partitions_reader")
-        .execute(&pool)
-        .await
-        .unwrap();
+    // Roles are cluster-wide: a name of this run's own.
+    let reader: String = sqlx::query_scalar(
+        "SELECT 'idemflow_it_reader_' || substr(md5(random()::text || clock_timestamp()::text), 1, 12)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    for statement in [
+        format!("CREATE ROLE \"{reader}\""),
+        format!("GRANT SELECT, UPDATE ON idempotency_keys TO \"{reader}\""),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
     let columns = "SELECT string_agg(format('%s %s %s %s %s', attname, format_type(atttypid, atttypmod), \
                           attnotnull, attcollation, pg_get_expr(d.adbin, d.adrelid)), ', ' ORDER BY attnum) \
                    FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum \
@@ -278,10 +282,11 @@ async fn adopting_keeps_the_keys_the_schema_and_the_grants(pool: PgPool) {
     .unwrap();
     assert_eq!(primary_key, "PRIMARY KEY (tenant, key, created_at)");
     let granted: (bool, bool, bool) = sqlx::query_as(
-        "SELECT has_table_privilege('idemflow_partitions_reader', 'idempotency_keys', 'SELECT'), \
-                has_table_privilege('idemflow_partitions_reader', 'idempotency_keys', 'UPDATE'), \
-                has_table_privilege('idemflow_partitions_reader', 'idempotency_keys', 'INSERT')",
+        "SELECT has_table_privilege($1, 'idempotency_keys', 'SELECT'), \
+                has_table_privilege($1, 'idempotency_keys', 'UPDATE'), \
+                has_table_privilege($1, 'idempotency_keys', 'INSERT')",
     )
+    .bind(&reader)
     .fetch_one(&pool)
     .await
     .unwrap();
@@ -308,14 +313,15 @@ async fn adopting_keeps_the_keys_the_schema_and_the_grants(pool: PgPool) {
         partitions::adopt(&pool, &PartitionPlan::default()).await,
         Err(store::StoreError::Layout(_))
     ));
-    sqlx::query("DROP OWNED BY idemflow_partitions_reader")
-        .execute(&pool)
-        .await
-        .unwrap();
-    sqlx::query("DROP ROLE idemflow_partitions_reader")
-        .execute(&pool)
-        .await
-        .unwrap();
+    for statement in [
+        format!("DROP OWNED BY \"{reader}\""),
+        format!("DROP ROLE \"{reader}\""),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
 }
 
 /// The interleaving the trigger exists for: a request looks the key up and finds nothing, another
@@ -767,4 +773,68 @@ async fn maintenance_keeps_partitions_ahead_of_the_clock_one_run_at_a_time(pool:
             .created
             .is_empty()
     );
+}
+
+/// When maintenance stopped long enough that no partition covers the clock, a new request fails
+/// with the database's error (a 503 over HTTP), runs no phase and stores nothing; replays of keys
+/// in older partitions still work. The next maintenance heals it.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn with_no_partition_for_now_a_claim_fails_and_stores_nothing(pool: PgPool) {
+    adopt(&pool, HOUR, 1, 2).await;
+    let runner = runner(&pool);
+    let first = match send(&runner, "old", 10).await {
+        Outcome::Executed(response) => response,
+        other => panic!("{other:?}"),
+    };
+    rewind_created(&pool, "old", 2 * HOUR).await;
+    let mut connection = pool.acquire().await.unwrap();
+    let now_ms: i64 =
+        sqlx::query_scalar("SELECT (floor(extract(epoch FROM now()) * 1000))::bigint")
+            .fetch_one(&mut *connection)
+            .await
+            .unwrap();
+    for partition in partitions::partitions(&mut connection).await.unwrap() {
+        if partition.to_ms > now_ms {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP TABLE {}",
+                partition.name
+            )))
+            .execute(&mut *connection)
+            .await
+            .unwrap();
+        }
+    }
+    drop(connection);
+
+    let body = br#"{"bytes": 3}"#;
+    let failed = runner
+        .run(
+            &workflow(),
+            &tenant(1),
+            &Key::parse("new").unwrap(),
+            request(body),
+        )
+        .await;
+    match failed {
+        Err(idemflow::RunError::Database(error)) => {
+            assert!(error.to_string().contains("no partition"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        1
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM renders").await, 1);
+    match send(&runner, "old", 10).await {
+        Outcome::Replayed(response) => assert_eq!(response, first),
+        other => panic!("{other:?}"),
+    }
+
+    let maintained = partitions::maintain(&pool, HOUR).await.unwrap();
+    assert_eq!(maintained.created.len(), 2, "{maintained:?}");
+    assert!(matches!(
+        send(&runner, "new", 3).await,
+        Outcome::Executed(_)
+    ));
 }
