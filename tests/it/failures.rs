@@ -771,6 +771,15 @@ async fn a_give_up_lost_with_its_connection_is_made_by_the_next_takeover(pool: P
         (due.pop().unwrap().taken, backend)
     };
     assert_eq!(taken.attempts, 4, "the takeover past the budget");
+    // Killed only once back in the pool: sqlx pings a connection as it returns, and would drop
+    // one killed before that, and open a live one for the give-up.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while resumer_pool.num_idle() < 1 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the connection is back in the pool");
     let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
         .bind(backend)
         .fetch_one(&pool)
