@@ -19,6 +19,7 @@ use crate::deadline::Within;
 use crate::drive::{Hold, Start, Tx};
 use crate::erased::Carry;
 use crate::error::RunError;
+use crate::live_connection::is_connection_lost;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::runner::Runner;
@@ -175,21 +176,6 @@ impl Runner {
                 Err(error) => return Err(error.into()),
             }
         }
-    }
-}
-
-/// Whether the connection died under the statement (the socket closed, or the server said it is
-/// terminating the session) rather than the statement failing on a live one.
-fn is_connection_lost(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_) => true,
-        sqlx::Error::Database(database) => matches!(
-            database.code().as_deref(),
-            // admin_shutdown (pg_terminate_backend, a fast shutdown), crash_shutdown, and the
-            // connection_exception class.
-            Some("57P01" | "57P02" | "08000" | "08003" | "08006")
-        ),
-        _ => false,
     }
 }
 

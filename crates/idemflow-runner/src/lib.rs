@@ -11,6 +11,7 @@ mod drive;
 mod erased;
 mod error;
 mod heartbeat;
+mod live_connection;
 mod metrics;
 pub use metrics::{CATALOGUE as METRICS, describe_metrics};
 /// The sqlx this engine is built with: phases take its `PgConnection`; use this one rather than

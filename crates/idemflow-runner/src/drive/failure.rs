@@ -18,6 +18,7 @@ use crate::deadline::Within;
 use crate::erased::GiveUp;
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
+use crate::live_connection::begin_live;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::catch_panic;
@@ -306,7 +307,7 @@ impl Drive<'_> {
         let pool = self.runner.pool();
         match &self.hold {
             Hold::Committed => Ok(Some(Held {
-                tx: Tx::begin_limited(pool.acquire().await?, workflow.limits()).await?,
+                tx: begin_live(pool, workflow.limits()).await?,
                 owner: self.owner.clone(),
                 attempt: self.context.attempt,
             })),
@@ -347,7 +348,7 @@ impl Drive<'_> {
                 }
             }
             Hold::TakeOver { seen } => {
-                let mut tx = Tx::begin_limited(pool.acquire().await?, workflow.limits()).await?;
+                let mut tx = begin_live(pool, workflow.limits()).await?;
                 let taken = store::take_over(
                     &mut tx,
                     self.owner.tenant(),

@@ -28,6 +28,7 @@ use crate::deadline::Within;
 use crate::erased::{Carry, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
+use crate::live_connection::begin_live;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::phase::{PhaseContext, PhaseError};
@@ -345,9 +346,7 @@ async fn opened<'t>(
     let open = match tx.take() {
         Some(open) => open,
         None => {
-            let begin = async {
-                Tx::begin_limited(runner.pool().acquire().await?, workflow.limits()).await
-            };
+            let begin = begin_live(runner.pool(), workflow.limits());
             match begin.within(runner.config.database_timeout).await? {
                 Ok(open) => open,
                 Err(error) => return Ok(Err(error)),

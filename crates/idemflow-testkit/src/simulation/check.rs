@@ -239,11 +239,12 @@ pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
     // count at its recovery point, which its owner's claim or takeover read) is at most the
     // policy's. The key's count itself is not bounded by the budget plus one: every takeover
     // raises it, and a takeover past the budget runs nothing and gives up, but when that give-up
-    // is lost (its connection killed, a pooled one that died idle included; its resumer gone
-    // after the scan), the next takeover counts one more and gives up in its place. This check
-    // once read the rows' count and allowed the budget plus one, and failed seed 79 under load
-    // on just that, with no phase past its budget (tests/it/failures.rs,
-    // `a_give_up_lost_with_its_connection_is_made_by_the_next_takeover`).
+    // is lost (its connection killed mid-statement, its resumer gone after the scan), the next
+    // takeover counts one more and gives up in its place. This check once read the rows' count
+    // and allowed the budget plus one, and failed seed 79 under load on just that, with no phase
+    // past its budget: there the give-up had met a pooled connection that died idle, which the
+    // engine now begins again on another (tests/it/failures.rs,
+    // `a_give_up_meeting_a_connection_that_died_idle_is_made_on_another`).
     let allowed = workflow::policy().max_attempts;
     for (key, (attempt, phase)) in most {
         if attempt > allowed {
