@@ -88,10 +88,10 @@ enum PartitionsCommand {
     /// exclusively while it copies the keys: run it at a quiet time.
     Adopt {
         /// The range of creation times each partition holds: 30m, 6h, 1d.
-        #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "6h")]
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1d")]
         width: Duration,
         /// Partitions kept ready ahead of the current one.
-        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
         ahead: u32,
     },
     /// Create the partitions due ahead, and drop those whose every key finished longer ago than

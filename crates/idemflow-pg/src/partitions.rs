@@ -42,20 +42,21 @@ use crate::millis::millis;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartitionPlan {
     /// The range of `created_at` each partition holds, aligned on multiples of it since the Unix
-    /// epoch (UTC). Default 6 hours: with a 24-hour window, about 6 partitions are live, and a
-    /// look-up probes each (docs/operations.md, "Choosing the layout").
+    /// epoch (UTC). Default a day: with a 24-hour window, 3 partitions are live (yesterday's,
+    /// today's and tomorrow's), and a look-up probes each, the empty one ahead included
+    /// (docs/operations.md, "Choosing the layout").
     pub width: Duration,
     /// How many partitions exist ahead of the current one. A claim whose `created_at` no
     /// partition covers fails, so this is how long maintenance may stop before claims do.
-    /// Default 4.
+    /// Default 1 (a day, at the default width): each costs every look-up a probe.
     pub ahead: u32,
 }
 
 impl Default for PartitionPlan {
     fn default() -> Self {
         Self {
-            width: Duration::from_secs(6 * 60 * 60),
-            ahead: 4,
+            width: Duration::from_secs(24 * 60 * 60),
+            ahead: 1,
         }
     }
 }
