@@ -111,45 +111,37 @@ pub fn write_scripts(
         "INSERT INTO orders (tenant, key, amount) VALUES ({tenant}, {key}, 100) RETURNING id \\gset\n"
     );
     let lease_ms = LEASE_MS.to_string();
-    // The engine's record of a phase: as the reference shape sends it (its own statement), and
-    // as the engine sends it (in one message with the COMMIT, failing on a lost fence).
-    let advance_statement = statements::with_values(
-        statements::ADVANCE,
-        &[
-            &tenant,
-            key,
-            token,
-            "'create_order'",
-            "jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa')",
-            &lease_ms,
-        ],
-    );
-    let advance = format!("{advance_statement};\n");
-    let advance_and_commit = format!(
-        "{} \\; COMMIT;\n",
-        statements::fence_held(&advance_statement)
-    );
-    let mark_paid =
-        "UPDATE orders SET status = 'paid', paid_by = 'attempt-1' WHERE id = :id::bigint;\n";
-    let finish_statement = |point: &str, body: &str| {
+    let advance = format!(
+        "{};\n",
         statements::with_values(
-            statements::FINISH,
+            statements::ADVANCE,
             &[
                 &tenant,
                 key,
                 token,
-                &format!("'{point}'"),
-                "201",
-                "'[[\"content-type\", \"application/json\"]]'::jsonb",
-                &format!("convert_to({body}, 'UTF8')"),
+                "'create_order'",
+                "jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa')",
+                &lease_ms,
             ],
         )
-    };
-    let finish = |point: &str, body: &str| format!("{};\n", finish_statement(point, body));
-    let finish_and_commit = |point: &str, body: &str| {
+    );
+    let mark_paid =
+        "UPDATE orders SET status = 'paid', paid_by = 'attempt-1' WHERE id = :id::bigint;\n";
+    let finish = |point: &str, body: &str| {
         format!(
-            "{} \\; COMMIT;\n",
-            statements::fence_held(&finish_statement(point, body))
+            "{};\n",
+            statements::with_values(
+                statements::FINISH,
+                &[
+                    &tenant,
+                    key,
+                    token,
+                    &format!("'{point}'"),
+                    "201",
+                    "'[[\"content-type\", \"application/json\"]]'::jsonb",
+                    &format!("convert_to({body}, 'UTF8')"),
+                ],
+            )
         )
     };
     let paid_body = "'{\"charge_id\":\"ch_' || :id::text || '\",\"order_id\":' || :id::text || ',\"status\":\"paid\"}'";
@@ -157,10 +149,10 @@ pub fn write_scripts(
     let unique = "\\set k random(1, 1000000000000000)\n";
 
     let checkout = format!(
-        "{unique}{look_up}{claim}{insert_order}{advance_and_commit}BEGIN;\n{mark_paid}{finish}",
+        "{unique}{look_up}{claim}{insert_order}{advance}COMMIT;\nBEGIN;\n{mark_paid}{finish}COMMIT;\n",
         look_up = look_up(key, ":k"),
         claim = begin_claim(CHECKOUT, &fingerprint_hex),
-        finish = finish_and_commit("mark_paid", paid_body),
+        finish = finish("mark_paid", paid_body),
     );
     let reference = format!(
         "{unique}{claim}BEGIN;\n{insert_order}{advance}COMMIT;\nBEGIN;\n{mark_paid}{finish}COMMIT;\n",
@@ -168,10 +160,10 @@ pub fn write_scripts(
         finish = finish("mark_paid", paid_body),
     );
     let place = format!(
-        "{unique}{look_up}{claim}{insert_order}{finish}",
+        "{unique}{look_up}{claim}{insert_order}{finish}COMMIT;\n",
         look_up = look_up(key, ":k"),
         claim = begin_claim(PLACE, &fingerprint_hex),
-        finish = finish_and_commit("place_order", created_body),
+        finish = finish("place_order", created_body),
     );
     let replay_key = "'replay-' || :r::text";
     let pick = format!("\\set r random(0, {})\n", replay_keys.saturating_sub(1));

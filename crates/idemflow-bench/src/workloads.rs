@@ -799,8 +799,8 @@ async fn wire_counts(ctx: &Ctx<'_>) -> Result<(Vec<WireCount>, Option<f64>), Err
     }
 
     let raw_expected = [
-        (CHECKOUT, Some(crate::RAW_CHECKOUT)),
-        (LOCAL_ONLY, Some(crate::RAW_LOCAL_ONLY)),
+        (CHECKOUT, Some(DOCUMENTED_CHECKOUT)),
+        (LOCAL_ONLY, Some(DOCUMENTED_LOCAL_ONLY)),
         // One autocommit select: no COMMIT on the wire.
         (REPLAY, Some((0, 1))),
     ];

@@ -28,20 +28,19 @@ async fn quick_mode_completes_with_the_documented_counts() {
     let report = idemflow_bench::run(&Config::quick(url)).await.unwrap();
 
     // The numbers of docs/protocol.md, as tests/round_trips.rs asserts them: new local →
-    // foreign → local: 2 commits, look-up, BEGIN with the claim, advance with the COMMIT;
-    // BEGIN, finish with the COMMIT (5) + its two phase statements; one local phase: 1 commit,
-    // 3 + 1; a replay: the look-up alone.
-    assert_eq!(idemflow_bench::DOCUMENTED_CHECKOUT, (2, 7));
-    assert_eq!(idemflow_bench::DOCUMENTED_LOCAL_ONLY, (1, 4));
+    // foreign → local: 2 commits, look-up, BEGIN with the claim, advance, COMMIT; BEGIN, finish,
+    // COMMIT (7) + its two phase statements; one local phase: 1 commit, 4 + 1; a replay: the
+    // look-up alone.
+    assert_eq!(idemflow_bench::DOCUMENTED_CHECKOUT, (2, 9));
+    assert_eq!(idemflow_bench::DOCUMENTED_LOCAL_ONLY, (1, 5));
     assert_eq!(idemflow_bench::DOCUMENTED_REPLAY, (0, 1));
-    assert_counts(&report, CHECKOUT, ENGINE, 2, 5 + 2);
-    assert_counts(&report, CHECKOUT, ENGINE_HOOK, 2, 5 + 2);
-    assert_counts(&report, LOCAL_ONLY, ENGINE, 1, 3 + 1);
+    assert_counts(&report, CHECKOUT, ENGINE, 2, 7 + 2);
+    assert_counts(&report, CHECKOUT, ENGINE_HOOK, 2, 7 + 2);
+    assert_counts(&report, LOCAL_ONLY, ENGINE, 1, 4 + 1);
     assert_counts(&report, REPLAY, ENGINE, 0, 1);
-    assert_counts(&report, HTTP_CHECKOUT, HTTP, 2, 5 + 2);
+    assert_counts(&report, HTTP_CHECKOUT, HTTP, 2, 7 + 2);
     assert_counts(&report, HTTP_REPLAY, HTTP, 0, 1);
-    // The raw baseline: the same statements for new requests, each write and each COMMIT on its
-    // own; one select for a replay.
+    // The raw baseline: the same statements for new requests, one select for a replay.
     assert_counts(&report, CHECKOUT, RAW, 2, 9);
     assert_counts(&report, LOCAL_ONLY, RAW, 1, 5);
     assert_counts(&report, REPLAY, RAW, 0, 1);
@@ -96,8 +95,7 @@ async fn quick_mode_completes_with_the_documented_counts() {
                 "{expiry:?}"
             );
             assert_eq!(expiry.rows_deleted, 0, "{expiry:?}");
-            // Pruning by the load may lower n_dead_tup; nothing may raise it.
-            assert!(expiry.dead_tuples_left_by_expiry <= 0, "{expiry:?}");
+            assert_eq!(expiry.dead_tuples_left_by_expiry, 0, "{expiry:?}");
         } else {
             assert_eq!(expiry.rows_deleted, partitioned.keys as i64, "{expiry:?}");
         }

@@ -28,7 +28,7 @@
 //! The message can also carry the transaction's [`Limits`] (`SET LOCAL …`), still in one round
 //! trip.
 
-use crate::{literal, statements};
+use crate::statements;
 use std::fmt::Write;
 use std::time::Duration;
 
@@ -182,15 +182,15 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
             );
         }
     }
-    literal::text(&mut sql, claim.tenant.as_str());
+    text_literal(&mut sql, claim.tenant.as_str());
     sql.push_str(", ");
-    literal::text(&mut sql, claim.key.as_str());
+    text_literal(&mut sql, claim.key.as_str());
     sql.push_str(", ");
-    literal::bytes(&mut sql, claim.fingerprint.as_bytes());
+    bytes_literal(&mut sql, claim.fingerprint.as_bytes());
     sql.push_str(", ");
-    literal::text(&mut sql, claim.workflow);
+    text_literal(&mut sql, claim.workflow);
     sql.push_str(", ");
-    literal::text(&mut sql, &request);
+    text_literal(&mut sql, &request);
     match form {
         Form::Prepared => {
             let _ = write!(sql, "::jsonb, {lease_ms}, {token})");
@@ -205,6 +205,20 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
     }
     let _ = write!(sql, "; {}", statements::CLAIMED_SAVEPOINT);
     sql
+}
+
+/// `convert_from(decode('<hex>', 'hex'), 'UTF8')`: text whose bytes never reach the SQL parser.
+fn text_literal(sql: &mut String, text: &str) {
+    sql.push_str("convert_from(");
+    bytes_literal(sql, text.as_bytes());
+    sql.push_str(", 'UTF8')");
+}
+
+/// `decode('<hex>', 'hex')`.
+fn bytes_literal(sql: &mut String, bytes: &[u8]) {
+    sql.push_str("decode('");
+    idemflow_core::hex::encode_into(sql, bytes);
+    sql.push_str("', 'hex')");
 }
 
 #[cfg(test)]

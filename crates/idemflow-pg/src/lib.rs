@@ -17,9 +17,7 @@
 mod claim;
 mod claim_lock;
 mod error;
-mod fenced_commit;
 mod fenced_writes;
-mod literal;
 mod look_up;
 mod maintenance;
 mod millis;
@@ -39,7 +37,6 @@ pub use maintenance::{
 };
 
 pub use error::StoreError;
-pub use fenced_commit::{NotCommitted, advance_and_commit, finish_and_commit};
 pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
 pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version};
 pub use owner::Owner;

@@ -89,16 +89,6 @@ pub const NEXT_FENCE: &str = "SELECT nextval('idempotency_keys_fence')";
 /// The fencing token this session drew last (what the look-up drew for a claim).
 pub const LAST_FENCE: &str = "currval('idempotency_keys_fence')";
 
-/// A fenced write (`ADVANCE`, `FINISH`) made to fail when it changes no row, so that it can travel
-/// in one message with the `COMMIT` after it: it counts the rows written and casts the count to
-/// the domain `idemflow_fence_held` (`CHECK (VALUE = 1)`), which raises `23514` on a lost fence
-/// and so stops the message before its `COMMIT` (crates/idemflow-pg/src/fenced_commit.rs).
-pub fn fence_held(write: &str) -> String {
-    format!(
-        "WITH written AS ({write} RETURNING 1) SELECT count(*)::idemflow_fence_held FROM written"
-    )
-}
-
 /// `sql` with each `$n` replaced by `values[n - 1]`: for tools that must send the engine's
 /// statements where they cannot bind (pgbench scripts). Values are SQL expressions, inserted as
 /// they are.

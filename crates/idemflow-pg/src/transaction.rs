@@ -132,49 +132,6 @@ impl Transaction {
         Ok(())
     }
 
-    /// Sends `statement` and the `COMMIT` in one message (simple query protocol: `statement` holds
-    /// its values as literals). The statement must raise an error when it must not commit (a lost
-    /// fence: [`crate::fenced_commit`]), since the server skips the rest of a message after an
-    /// error and never reaches the `COMMIT`. On failure the transaction comes back as it is on the
-    /// server: aborted when the statement failed (a rollback to the claim's savepoint still
-    /// works), or already ended when the `COMMIT` was refused (a deferred constraint).
-    ///
-    /// The message ends with a `BEGIN`: sqlx counts transactions and cannot be told that one ended
-    /// in a message of ours, so one begins that sqlx then ends itself, with its rollback queued
-    /// here and sent with the connection's next message (the pool's check when the connection is
-    /// released): no round trip of the request's, nothing written, nothing for the server to warn
-    /// about.
-    pub(crate) async fn commit_after(mut self, statement: &str) -> Result<(), (sqlx::Error, Self)> {
-        if PgTransactionManager::get_transaction_depth(&self.connection) != 1 {
-            // A savepoint a phase left open: never expected; commit the long way.
-            let result =
-                sqlx::Executor::execute(&mut *self.connection, AssertSqlSafe(statement.to_owned()))
-                    .await;
-            if let Err(error) = result {
-                return Err((error, self));
-            }
-            return match PgTransactionManager::commit(&mut self.connection).await {
-                Ok(()) => {
-                    self.open = false;
-                    Ok(())
-                }
-                Err(error) => Err((error, self)),
-            };
-        }
-        let message = format!("{statement}; COMMIT; BEGIN");
-        match sqlx::raw_sql(AssertSqlSafe(message))
-            .execute(&mut *self.connection)
-            .await
-        {
-            Ok(_) => {
-                PgTransactionManager::start_rollback(&mut self.connection);
-                self.open = false;
-                Ok(())
-            }
-            Err(error) => Err((error, self)),
-        }
-    }
-
     /// Rolls back to the savepoint the claim's message ends with ([`crate::statements::CLAIMED_SAVEPOINT`]):
     /// every effect since the claim is undone and the claim is kept, still uncommitted, so a
     /// failed first attempt is recorded under it. Works in a transaction a failed statement

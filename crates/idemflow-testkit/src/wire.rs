@@ -5,11 +5,7 @@
 //! Frontend protocol: a startup packet without a type byte (possibly preceded by an SSL or GSS
 //! encryption request, answered with one byte), then typed messages `type, int32 length, body`.
 //! A round trip ends with `Sync` (extended protocol) or is one `Query` (simple protocol). A `Sync`
-//! with no message before it since the previous one is sqlx's connection ping, counted apart, and
-//! so is a bare `ROLLBACK` query: sqlx queues one for a transaction dropped or ended in a message
-//! of the engine's own ([`idemflow_pg::Transaction`] commits that way), and sends it with the
-//! connection's next message, the pool's ping on release, so the request never waits for it. A
-//! `Query` holding several statements counts each `COMMIT` among them.
+//! with no message before it since the previous one is sqlx's connection ping, counted apart.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,7 +21,6 @@ pub struct WireCounts {
     commits: AtomicU64,
     pings: AtomicU64,
     executes: AtomicU64,
-    rollbacks: AtomicU64,
 }
 
 /// A snapshot of the counts.
@@ -39,8 +34,6 @@ pub struct Counts {
     pub pings: u64,
     /// Statements executed through the extended protocol.
     pub executes: u64,
-    /// Bare `ROLLBACK` queries (not counted as round trips).
-    pub rollbacks: u64,
 }
 
 impl std::ops::Sub for Counts {
@@ -51,7 +44,6 @@ impl std::ops::Sub for Counts {
             commits: self.commits - earlier.commits,
             pings: self.pings - earlier.pings,
             executes: self.executes - earlier.executes,
-            rollbacks: self.rollbacks - earlier.rollbacks,
         }
     }
 }
@@ -64,7 +56,6 @@ impl WireCounts {
             commits: self.commits.load(Ordering::SeqCst),
             pings: self.pings.load(Ordering::SeqCst),
             executes: self.executes.load(Ordering::SeqCst),
-            rollbacks: self.rollbacks.load(Ordering::SeqCst),
         }
     }
 }
@@ -95,26 +86,10 @@ pub async fn start_proxy(upstream: std::net::SocketAddr) -> (u16, Arc<WireCounts
 pub(crate) fn count_message(counts: &WireCounts, kind: u8, body: &[u8], since_sync: &mut u32) {
     match kind {
         b'Q' => {
-            // The text, without the terminating NUL.
-            let text = String::from_utf8_lossy(body.strip_suffix(&[0]).unwrap_or(body));
-            if text.trim().eq_ignore_ascii_case("ROLLBACK") {
-                counts.rollbacks.fetch_add(1, Ordering::SeqCst);
-                return;
-            }
             counts.round_trips.fetch_add(1, Ordering::SeqCst);
-            // Values travel as hex in these messages, so a `;` never sits inside a literal here.
-            let commits = text
-                .split(';')
-                .filter(|statement| {
-                    statement
-                        .trim_start()
-                        .get(..6)
-                        .is_some_and(|word| word.eq_ignore_ascii_case("COMMIT"))
-                })
-                .count();
-            counts
-                .commits
-                .fetch_add(u64::try_from(commits).unwrap_or(0), Ordering::SeqCst);
+            if body.to_ascii_uppercase().starts_with(b"COMMIT") {
+                counts.commits.fetch_add(1, Ordering::SeqCst);
+            }
         }
         b'S' => {
             if *since_sync == 0 {

@@ -110,55 +110,37 @@ impl Drive<'_> {
     ) -> Result<(), Stop> {
         let workflow = self.workflow;
         let runner = self.runner;
+        let mut committed = "claim";
+        let mut committed_output = None;
+        let mut advanced_at = None;
+        // What this transaction commits is charged to the phase it records; a transaction that
+        // records none (a takeover right before this call) to the phase about to be called.
+        let mut charged = &workflow.steps[position];
         if let Some((index, output)) = unrecorded {
-            // The phase's record and the commit, in one message.
             let step = &workflow.steps[index];
+            charged = step;
             let name = step.raw_name();
             let failure = |error| FailedAttempt::of(name, step.retry_policy(), error);
             let stored = self
                 .sealer()
                 .seal_value(Slot::Output(name), &output)
                 .map_err(RunError::from)?;
-            opened(&mut self.tx, runner, workflow)
+            let open = opened(&mut self.tx, runner, workflow)
                 .await?
                 .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
-            let Some(open) = self.tx.take() else {
-                unreachable!("opened above")
-            };
-            let key = self.owner.key().clone();
-            runner
-                .crash_points
-                .check(|| CrashPoint::BeforeCommit { phase: name }, &key)
-                .await?;
-            let advancing_at = Instant::now();
-            let advanced =
-                store::advance_and_commit(open, &self.owner, name, &stored, workflow.lease())
-                    .within(runner.config.database_timeout)
-                    .await?;
-            if let Err(not_committed) = advanced {
-                return Err(self.not_committed(not_committed, "recording and committing", failure));
-            }
-            self.hold = Hold::Committed;
-            self.lease_from = advancing_at;
-            self.recorded_point = name.to_owned();
-            self.recorded_output = Some(output);
-            self.context.attempt = 1;
-            // Recorded: a failure from here on must not record it again.
-            self.pending_foreign = None;
-            runner
-                .crash_points
-                .check(|| CrashPoint::AfterCommit { phase: name }, &key)
-                .await?;
-            return Ok(());
+            advanced_at = Some(Instant::now());
+            store::advance(open, &self.owner, name, &stored, workflow.lease())
+                .within(runner.config.database_timeout)
+                .await?
+                .map_err(|error| store_stop(error, "recording", failure))?;
+            committed = name;
+            committed_output = Some(output);
         }
-        // Nothing to record (a claim or a takeover right before this call): the commit alone,
-        // charged to the phase about to be called.
         if let Some(open) = self.tx.take() {
-            let charged = &workflow.steps[position];
             let key = self.owner.key().clone();
             runner
                 .crash_points
-                .check(|| CrashPoint::BeforeCommit { phase: "claim" }, &key)
+                .check(|| CrashPoint::BeforeCommit { phase: committed }, &key)
                 .await?;
             if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
                 self.claim_refused = matches!(self.hold, Hold::Claim(_));
@@ -169,11 +151,19 @@ impl Drive<'_> {
                 )));
             }
             self.hold = Hold::Committed;
+            if let Some(advanced_at) = advanced_at {
+                self.lease_from = advanced_at;
+            }
+            if committed != "claim" {
+                self.recorded_point = committed.to_owned();
+                self.recorded_output = committed_output;
+                self.context.attempt = 1;
+            }
             // Recorded: a failure from here on must not record it again.
             self.pending_foreign = None;
             runner
                 .crash_points
-                .check(|| CrashPoint::AfterCommit { phase: "claim" }, &key)
+                .check(|| CrashPoint::AfterCommit { phase: committed }, &key)
                 .await?;
         }
         Ok(())
@@ -310,46 +300,23 @@ impl Drive<'_> {
             .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         let apart_above = runner.config.response_apart_above;
+        store::finish(open, &self.owner, last.raw_name(), &stored, apart_above)
+            .within(runner.config.database_timeout)
+            .await?
+            .map_err(|error| store_stop(error, "storing the response", failure))?;
         let key = self.owner.key().clone();
-        if stored.body.len() > apart_above {
-            // A body apart: its own statement, then the commit (its bytes would double as hex in
-            // a combined message).
-            store::finish(open, &self.owner, last.raw_name(), &stored, apart_above)
-                .within(runner.config.database_timeout)
-                .await?
-                .map_err(|error| store_stop(error, "storing the response", failure))?;
-            runner
-                .crash_points
-                .check(|| CrashPoint::BeforeFinish, &key)
-                .await?;
-            let Some(open) = self.tx.take() else {
-                unreachable!("opened above")
-            };
-            if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
-                // A deferred constraint, say: the effects, the response and an uncommitted hold
-                // roll back together, and the attempt fails.
-                self.claim_refused = matches!(self.hold, Hold::Claim(_));
-                return Err(Stop::failed(failure(database_error("committing", &error))));
-            }
-        } else {
-            // The response and the commit, in one message.
-            runner
-                .crash_points
-                .check(|| CrashPoint::BeforeFinish, &key)
-                .await?;
-            let Some(open) = self.tx.take() else {
-                unreachable!("opened above")
-            };
-            let finished = store::finish_and_commit(open, &self.owner, last.raw_name(), &stored)
-                .within(runner.config.database_timeout)
-                .await?;
-            if let Err(not_committed) = finished {
-                return Err(self.not_committed(
-                    not_committed,
-                    "storing the response and committing",
-                    failure,
-                ));
-            }
+        runner
+            .crash_points
+            .check(|| CrashPoint::BeforeFinish, &key)
+            .await?;
+        let Some(open) = self.tx.take() else {
+            unreachable!("opened above")
+        };
+        if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
+            // A deferred constraint, say: the effects, the response and an uncommitted hold
+            // roll back together, and the attempt fails.
+            self.claim_refused = matches!(self.hold, Hold::Claim(_));
+            return Err(Stop::failed(failure(database_error("committing", &error))));
         }
         self.hold = Hold::Committed;
         runner
@@ -359,26 +326,6 @@ impl Drive<'_> {
         metrics::count(metrics::FINISHED, workflow.name());
         tracing::info!(status = response.status, "finished");
         Ok(Outcome::Executed(response))
-    }
-
-    /// A combined write and commit that did not commit. A lost fence stops the drive. Otherwise
-    /// the transaction goes back to the drive as the server left it, so the failed attempt is
-    /// recorded as after any failed write: under the claim kept at its savepoint when the write
-    /// failed, or, when the `COMMIT` itself was refused (the rollback to the savepoint then
-    /// finds no transaction), by claiming again, as after a refused `COMMIT` sent on its own.
-    /// A broken connection claims nothing again: the claim vanished with its session.
-    fn not_committed(
-        &mut self,
-        not_committed: store::NotCommitted,
-        doing: &str,
-        failure: impl FnOnce(PhaseError) -> FailedAttempt,
-    ) -> Stop {
-        let store::NotCommitted { error, transaction } = not_committed;
-        if let store::StoreError::Database(sqlx::Error::Database(_)) = &error {
-            self.claim_refused = matches!(self.hold, Hold::Claim(_));
-        }
-        self.tx = Some(transaction);
-        store_stop(error, doing, failure)
     }
 }
 
