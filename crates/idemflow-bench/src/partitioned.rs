@@ -328,6 +328,13 @@ async fn replays(
 const HORIZON_PERIOD: &str = "to_timestamp(floor(extract(epoch FROM now() - interval '24 hours') \
                               / 21600) * 21600)";
 
+/// The plan the expiry runs on: 6-hour partitions (the seeding above fills the four wholly past
+/// the window), 4 ahead: 13 partitions in all.
+const EXPIRY_PLAN: PartitionPlan = PartitionPlan {
+    width: Duration::from_secs(6 * 60 * 60),
+    ahead: 4,
+};
+
 async fn expiry(
     config: &Config,
     scratch: &Scratch,
@@ -353,7 +360,7 @@ async fn expiry(
     );
     seed(&setup, tenant, "expired-", keys, &at).await?;
     if how == How::Drop {
-        partitions::adopt(&setup, &PartitionPlan::default()).await?;
+        partitions::adopt(&setup, &EXPIRY_PLAN).await?;
     }
     // Old rows are frozen and hinted in production; a fresh bulk insert is not.
     execute(&setup, "VACUUM (ANALYZE) idempotency_keys".to_owned()).await?;
