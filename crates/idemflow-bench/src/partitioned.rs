@@ -23,13 +23,12 @@
 //! The bench writes the keys table directly only where the engine's statements are not what is
 //! measured: seeding finished keys in bulk and reading the statistics and sizes of the table.
 
-use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use idemflow::store::partitions::{self, PartitionPlan};
-use idemflow::{Key, Outcome, Retention, Runner, TenantId, Workflow};
+use idemflow::{Retention, Runner, TenantId};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 
@@ -38,8 +37,8 @@ use crate::config::Config;
 use crate::db::Scratch;
 use crate::load::{Latencies, Measured, Until, closed_loop};
 use crate::report::{self, Expiry, LayoutCost, PartitionedExpiry};
-use crate::workflows::{self, CLAIMED_AT, ORDERS_TABLE};
-use crate::workloads::run_row;
+use crate::workflows::{self, ORDERS_TABLE};
+use crate::workloads::{Engine, engine_request, run_row};
 
 /// The retention window of part 1: keys finished longer ago than this expire.
 const KEEP_FOR: Duration = Duration::from_secs(24 * 60 * 60);
@@ -249,41 +248,13 @@ async fn partition_count(pool: &PgPool) -> Result<usize, Error> {
 
 // ----------------------------------------------------------------- requests --
 
-#[derive(Clone)]
-struct Engine {
-    runner: Runner,
-    workflow: Arc<Workflow>,
-    tenant: TenantId,
-}
-
-impl Engine {
-    fn new(pool: &PgPool, tenant: &TenantId) -> Result<Self, Error> {
-        Ok(Self {
-            runner: Runner::new(pool.clone()),
-            workflow: Arc::new(workflows::place()?),
-            tenant: tenant.clone(),
-        })
-    }
-
-    /// One request; for a new key, the claim's time (request start → the phase began).
-    async fn send(&self, key: String, replay: bool) -> Result<Option<Duration>, Error> {
-        let sent = Instant::now();
-        CLAIMED_AT
-            .scope(Cell::new(None), async {
-                let key = Key::parse(&key)?;
-                let outcome = self
-                    .runner
-                    .run(&self.workflow, &self.tenant, &key, workflows::request())
-                    .await?;
-                match (&outcome, replay) {
-                    (Outcome::Executed(response), false) | (Outcome::Replayed(response), true)
-                        if response.status == 201 => {}
-                    _ => return Err(format!("{key}: unexpected outcome {outcome:?}").into()),
-                }
-                Ok(CLAIMED_AT.with(Cell::get).map(|at| at - sent))
-            })
-            .await
-    }
+/// The engine running workload 2's one-local-phase workflow for `tenant`.
+fn engine(pool: &PgPool, tenant: &TenantId) -> Result<Engine, Error> {
+    Ok(Engine {
+        runner: Runner::new(pool.clone()),
+        workflow: Arc::new(workflows::place()?),
+        tenant: tenant.clone(),
+    })
 }
 
 /// Closed-loop new requests (`{prefix}-{client}-{sequence}`) until `until`.
@@ -297,7 +268,7 @@ async fn claims(
     closed_loop(clients, until, move |client, sequence| {
         let engine = engine.clone();
         let key = format!("{prefix}-{client}-{sequence}");
-        async move { engine.send(key, false).await }
+        async move { engine_request(&engine, &key, false).await }
     })
     .await
 }
@@ -316,7 +287,7 @@ async fn replays(
             .wrapping_mul(2_654_435_761)
             .wrapping_add(sequence.wrapping_mul(40_503));
         let key = format!("replay-{}", spread % keys.max(1) + 1);
-        async move { engine.send(key, true).await }
+        async move { engine_request(&engine, &key, true).await }
     })
     .await
 }
@@ -384,7 +355,7 @@ async fn expiry(
 
     // The steady load, before.
     let pool = schema_pool(scratch, schema, clients).await?;
-    let engine = Engine::new(&pool, tenant)?;
+    let engine = engine(&pool, tenant)?;
     let tag = format!("{prefix}-{schema}");
     claims(
         &engine,
@@ -586,7 +557,7 @@ async fn layout_costs(
     for (round, index) in (0..plan.len()).chain((0..plan.len()).rev()).enumerate() {
         let (layout, replay) = plan[index];
         let pool = schema_pool(scratch, &cost_schema(layout), clients).await?;
-        let engine = Engine::new(&pool, tenant)?;
+        let engine = engine(&pool, tenant)?;
         let tag = format!("{prefix}-{layout}-{round}");
         let measured = if replay {
             replays(

@@ -408,14 +408,14 @@ fn runner_for(variant: &str, pool: PgPool, hook: Arc<dyn idemflow::CrashHook>) -
 }
 
 #[derive(Clone)]
-struct Engine {
-    runner: Runner,
-    workflow: Arc<Workflow>,
-    tenant: TenantId,
+pub(crate) struct Engine {
+    pub(crate) runner: Runner,
+    pub(crate) workflow: Arc<Workflow>,
+    pub(crate) tenant: TenantId,
 }
 
 /// One engine request; `Some(claim time)` when a first local phase ran.
-async fn engine_request(
+pub(crate) async fn engine_request(
     engine: &Engine,
     key: &str,
     replay: bool,
