@@ -299,8 +299,8 @@ async fn maintain_locked(
             .iter()
             .any(|p| p.from_ms < from + width_ms && from < p.to_ms);
         if !taken {
-            let transaction = Plain::begin(connection).await?;
-            let name = create_partition(&mut *transaction.0, from, width_ms).await?;
+            let mut transaction = sqlx::Connection::begin(&mut **connection).await?;
+            let name = create_partition(&mut transaction, from, width_ms).await?;
             transaction.commit().await?;
             maintained.created.push(name);
         }
@@ -389,11 +389,11 @@ async fn drop_detached(
     name: &str,
 ) -> Result<Dropped, StoreError> {
     let table = quote_identifier(name);
-    let transaction = Plain::begin(connection).await?;
+    let mut transaction = sqlx::Connection::begin(&mut **connection).await?;
     let keys: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-        .fetch_one(&mut *transaction.0)
+        .fetch_one(&mut *transaction)
         .await?;
-    let bodies_apart = (&mut *transaction.0)
+    let bodies_apart = (&mut *transaction)
         .execute(AssertSqlSafe(format!(
             "DELETE FROM idempotency_responses AS apart USING {table} AS gone \
              WHERE gone.response_apart AND apart.tenant = gone.tenant AND apart.key = gone.key \
@@ -401,7 +401,7 @@ async fn drop_detached(
         )))
         .await?
         .rows_affected();
-    (&mut *transaction.0)
+    (&mut *transaction)
         .execute(AssertSqlSafe(format!("DROP TABLE {table}")))
         .await?;
     transaction.commit().await?;
@@ -460,22 +460,6 @@ fn period_start(at_ms: i64, width_ms: i64) -> i64 {
 /// `"name"`, with any `"` doubled: a catalog name as an SQL identifier.
 fn quote_identifier(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// A plain transaction on a held connection (the maintenance connection keeps its session lock
-/// throughout).
-struct Plain<'c>(&'c mut PgConnection);
-
-impl<'c> Plain<'c> {
-    async fn begin(connection: &'c mut PoolConnection<Postgres>) -> Result<Self, StoreError> {
-        (&mut **connection).execute("BEGIN").await?;
-        Ok(Self(connection))
-    }
-
-    async fn commit(self) -> Result<(), StoreError> {
-        (&mut *self.0).execute("COMMIT").await?;
-        Ok(())
-    }
 }
 
 /// The table's conversion, before the partitions and the copy: the old table renamed aside, the
