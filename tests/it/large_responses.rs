@@ -9,86 +9,13 @@ use std::time::Duration;
 
 use idemflow::store::{ClaimRequest, Claimed};
 use idemflow::{
-    CrashHook, CrashPoint, DerivedKey, Fingerprint, ForeignPhase, Key, Keyring, LocalPhase,
-    Outcome, PhaseContext, PhaseError, Registry, Resumer, Runner, RunnerConfig, StoredResponse,
-    Workflow, store,
+    Fingerprint, Key, Keyring, Outcome, Registry, Resumer, Runner, RunnerConfig, StoredResponse,
+    store,
 };
-use serde::{Deserialize, Serialize};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 
+use crate::support::report::{CrashBeforeFinish, body_of, setup, workflow};
 use crate::support::{expire_all_leases, request, tenant};
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Report {
-    bytes: usize,
-}
-
-/// Answers with a body of the requested size, bytes that vary with position (so a body cut,
-/// shifted or compressed wrongly would show), and records that it ran.
-struct Render;
-
-#[async_trait::async_trait]
-impl LocalPhase for Render {
-    const NAME: &'static str = "render";
-    type Input = Report;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut PgConnection,
-        input: Report,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        sqlx::query("INSERT INTO renders (key) VALUES ($1)")
-            .bind(context.key.as_str())
-            .execute(&mut *connection)
-            .await?;
-        Ok(StoredResponse {
-            status: 200,
-            headers: vec![("content-type".into(), "application/octet-stream".into())],
-            body: body_of(input.bytes),
-        })
-    }
-}
-
-fn body_of(bytes: usize) -> Vec<u8> {
-    (0..bytes).map(|i| (i * 31 % 251) as u8).collect()
-}
-
-/// Stands for a call to another system before the render, so the claim commits on its own and a
-/// crash at the finish leaves a started key for the resumer.
-struct Fetch;
-
-#[async_trait::async_trait]
-impl ForeignPhase for Fetch {
-    const NAME: &'static str = "fetch";
-    type Input = Report;
-    type Output = Report;
-
-    async fn call(
-        &self,
-        _: &DerivedKey,
-        input: Report,
-        _: &PhaseContext,
-    ) -> Result<Report, PhaseError> {
-        Ok(input)
-    }
-}
-
-fn workflow() -> Workflow {
-    Workflow::builder::<Report>("report.v1")
-        .foreign(Fetch)
-        .local(Render)
-        .build()
-        .unwrap()
-}
-
-async fn setup(pool: &PgPool) {
-    sqlx::query("CREATE TABLE renders (key text NOT NULL)")
-        .execute(pool)
-        .await
-        .unwrap();
-}
 
 fn runner(pool: &PgPool, keyring: Option<Keyring>) -> Runner {
     Runner::with_config(
@@ -213,17 +140,6 @@ async fn a_sealed_response_apart_is_replayed_and_unreadable_at_rest(pool: PgPool
     match send(&runner, "sealed", bytes).await {
         Outcome::Replayed(replayed) => assert_eq!(replayed, executed),
         other => panic!("expected Replayed, got {other:?}"),
-    }
-}
-
-/// Stops a run just before the transaction that stores the response commits.
-#[derive(Debug)]
-struct CrashBeforeFinish;
-
-#[async_trait::async_trait]
-impl CrashHook for CrashBeforeFinish {
-    async fn crash_at(&self, point: &CrashPoint, _: &Key) -> bool {
-        matches!(point, CrashPoint::BeforeFinish)
     }
 }
 

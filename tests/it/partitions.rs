@@ -14,77 +14,15 @@ use std::time::Duration;
 use idemflow::store::partitions::{self, Maintained, PartitionPlan};
 use idemflow::store::{ClaimRequest, Claimed, Limits, LookUp};
 use idemflow::{
-    CrashHook, CrashPoint, DerivedKey, Fingerprint, ForeignPhase, Key, LocalPhase, Outcome,
-    PhaseContext, PhaseError, Registry, Resumer, Retention, Runner, RunnerConfig, StoredResponse,
-    Workflow, store,
+    Fingerprint, Key, Outcome, Registry, Resumer, Retention, Runner, RunnerConfig, store,
 };
 use idemflow_testkit::simulation::Rng;
-use serde::{Deserialize, Serialize};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 
+use crate::support::report::{CrashBeforeFinish, setup, workflow};
 use crate::support::{count, expire_all_leases, request, tenant};
 
 const HOUR: Duration = Duration::from_secs(60 * 60);
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Report {
-    bytes: usize,
-}
-
-/// Records that it ran, and answers with a body of the requested size.
-struct Render;
-
-#[async_trait::async_trait]
-impl LocalPhase for Render {
-    const NAME: &'static str = "render";
-    type Input = Report;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut PgConnection,
-        input: Report,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        sqlx::query("INSERT INTO renders (key) VALUES ($1)")
-            .bind(context.key.as_str())
-            .execute(&mut *connection)
-            .await?;
-        Ok(StoredResponse {
-            status: 200,
-            headers: vec![],
-            body: (0..input.bytes).map(|i| (i % 251) as u8).collect(),
-        })
-    }
-}
-
-/// A foreign phase first, so the claim commits on its own and a crash before the finish leaves a
-/// started key.
-struct Fetch;
-
-#[async_trait::async_trait]
-impl ForeignPhase for Fetch {
-    const NAME: &'static str = "fetch";
-    type Input = Report;
-    type Output = Report;
-
-    async fn call(
-        &self,
-        _: &DerivedKey,
-        input: Report,
-        _: &PhaseContext,
-    ) -> Result<Report, PhaseError> {
-        Ok(input)
-    }
-}
-
-fn workflow() -> Workflow {
-    Workflow::builder::<Report>("report.v1")
-        .foreign(Fetch)
-        .local(Render)
-        .build()
-        .unwrap()
-}
 
 /// A runner that stores bodies above 1 KiB apart.
 fn runner(pool: &PgPool) -> Runner {
@@ -110,23 +48,10 @@ async fn send(runner: &Runner, key: &str, bytes: usize) -> Outcome {
         .unwrap()
 }
 
-#[derive(Debug)]
-struct CrashBeforeFinish;
-
-#[async_trait::async_trait]
-impl CrashHook for CrashBeforeFinish {
-    async fn crash_at(&self, point: &CrashPoint, _: &Key) -> bool {
-        matches!(point, CrashPoint::BeforeFinish)
-    }
-}
-
 /// Adopts the partitioned layout with partitions reaching back `back` widths before now: a key
 /// created that long ago is inserted first, so the adoption covers it, and deleted after.
 async fn adopt(pool: &PgPool, width: Duration, ahead: u32, back: u32) {
-    sqlx::query("CREATE TABLE renders (key text NOT NULL)")
-        .execute(pool)
-        .await
-        .unwrap();
+    setup(pool).await;
     insert_raw(pool, "reach-back", -(i64::from(back) * millis(width)))
         .await
         .unwrap();
@@ -252,10 +177,7 @@ async fn adopting_keeps_the_keys_the_schema_and_the_grants(pool: PgPool) {
         }
     };
     let before = (read(columns).await, read(checks).await, read(indexes).await);
-    sqlx::query("CREATE TABLE renders (key text NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    setup(&pool).await;
     let runner = runner(&pool);
     send(&runner, "small", 10).await;
     send(&runner, "large", 5000).await;
