@@ -413,10 +413,18 @@ async fn a_cut_at_every_statement_of_a_checkout_runs_it_once(
                 answer = Some(response);
                 break;
             }
-            expire_lease(&pool, &key).await;
+            // The key may have no row yet: a cut session may still be ending on the server with
+            // its claim in flight (the retry got 409), and that claim then vanishes.
+            sqlx::query(
+                "UPDATE idempotency_keys SET locked_until = now() - interval '1 minute' \
+                 WHERE key = $1 AND state = 'started'",
+            )
+            .bind(&key)
+            .execute(&pool)
+            .await
+            .unwrap();
             resumer.drain().await.unwrap();
-            // A cut session may still be ending on the server (its claim in flight): as a
-            // client would, wait a moment before the next retry.
+            // As a client would, wait a moment before the next retry.
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let answer = answer.unwrap_or_else(|| panic!("{key} never answered"));
