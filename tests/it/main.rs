@@ -34,3 +34,4 @@ mod slow_clients;
 mod startup;
 mod stored;
 mod tidy;
+mod warm;

@@ -58,7 +58,8 @@ impl Limits {
 /// functions and phases run their statements inside it.
 #[derive(Debug)]
 pub struct Transaction {
-    connection: PoolConnection<Postgres>,
+    /// Always `Some`, but for the moment [`Transaction::commit_keeping`] takes it out.
+    connection: Option<PoolConnection<Postgres>>,
     open: bool,
 }
 
@@ -93,7 +94,7 @@ impl Transaction {
     /// a transaction abandoned while a statement may still be running on it (a phase that
     /// overran its time limit), whose state nobody can vouch for; the server rolls back.
     pub fn abandon(mut self) {
-        self.connection.close_on_drop();
+        self.held().close_on_drop();
         self.open = false;
     }
 
@@ -108,7 +109,7 @@ impl Transaction {
         let result = PgTransactionManager::begin(beginning.connection(), statement).await;
         match result {
             Ok(()) => Ok(Self {
-                connection: beginning.finish(),
+                connection: Some(beginning.finish()),
                 open: true,
             }),
             Err(error) => {
@@ -126,10 +127,26 @@ impl Transaction {
     }
 
     /// Commits. If the commit fails the transaction counts as open, and dropping it rolls back.
-    pub async fn commit(mut self) -> Result<(), sqlx::Error> {
-        PgTransactionManager::commit(&mut self.connection).await?;
+    pub async fn commit(self) -> Result<(), sqlx::Error> {
+        self.commit_keeping().await.map(drop)
+    }
+
+    /// Commits, and hands back the connection, idle: for a caller that sends its next statement
+    /// on it rather than on one from the pool. If the commit fails the transaction counts as
+    /// open, and dropping it rolls back.
+    pub async fn commit_keeping(mut self) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+        PgTransactionManager::commit(self.held()).await?;
         self.open = false;
-        Ok(())
+        Ok(self
+            .connection
+            .take()
+            .expect("a transaction holds its connection until it ends"))
+    }
+
+    fn held(&mut self) -> &mut PoolConnection<Postgres> {
+        self.connection
+            .as_mut()
+            .expect("a transaction holds its connection until it ends")
     }
 
     /// Rolls back to the savepoint the claim's message ends with ([`crate::statements::CLAIMED_SAVEPOINT`]):
@@ -137,13 +154,13 @@ impl Transaction {
     /// failed first attempt is recorded under it. Works in a transaction a failed statement
     /// aborted; an error means the connection (and with it the claim) is gone.
     pub async fn back_to_claim(&mut self) -> Result<(), sqlx::Error> {
-        sqlx::Executor::execute(&mut *self.connection, crate::statements::BACK_TO_CLAIM).await?;
+        sqlx::Executor::execute(&mut **self.held(), crate::statements::BACK_TO_CLAIM).await?;
         Ok(())
     }
 
     /// Rolls back and waits for the server to confirm.
     pub async fn rollback(mut self) -> Result<(), sqlx::Error> {
-        PgTransactionManager::rollback(&mut self.connection).await?;
+        PgTransactionManager::rollback(self.held()).await?;
         self.open = false;
         Ok(())
     }
@@ -153,22 +170,24 @@ impl Deref for Transaction {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
-        &self.connection
+        self.connection
+            .as_ref()
+            .expect("a transaction holds its connection until it ends")
     }
 }
 
 impl DerefMut for Transaction {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.connection
+        self.held()
     }
 }
 
 impl Drop for Transaction {
     fn drop(&mut self) {
-        if self.open {
+        if let (true, Some(connection)) = (self.open, self.connection.as_mut()) {
             // Queued, not sent: it goes out with the connection's return to the pool, so a
             // caller that drops a transaction it no longer needs does not wait for it.
-            PgTransactionManager::start_rollback(&mut self.connection);
+            PgTransactionManager::start_rollback(connection);
         }
     }
 }

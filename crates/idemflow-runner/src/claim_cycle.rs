@@ -74,6 +74,8 @@ impl Runner {
                     // Another request holds this key's uncommitted claim: it is in flight.
                     metrics::count(metrics::CONFLICTS, workflow.name());
                     tracing::debug!("in progress: being claimed");
+                    // The look-up ran outside any transaction: the connection is idle.
+                    self.warm.keep(connection);
                     return Ok(being_claimed());
                 }
                 LookUp::Absent { lock_version } => {
@@ -116,7 +118,8 @@ impl Runner {
             };
             let decision = decide(&stored_key(&row), &accepted.fingerprint, workflow.name());
             if decision != Decision::TakeOver {
-                drop(connection);
+                // The look-up ran outside any transaction: the connection is idle.
+                self.warm.keep(connection);
                 let sealer = self.sealer(tenant, &accepted.key);
                 return answer(workflow, decision, row.response, &sealer);
             }
@@ -159,7 +162,7 @@ impl Runner {
         loop {
             // Boxed: sqlx's acquire future is kilobytes (it may open a connection), and inline it
             // would be copied with every request's future.
-            let mut connection = Box::pin(self.pool.acquire()).within(wait).await??;
+            let mut connection = Box::pin(self.warm.acquire()).within(wait).await??;
             let looked = store::look_up(&mut connection, tenant, &accepted.key)
                 .within(wait)
                 .await

@@ -28,6 +28,7 @@ mod retry;
 mod runner;
 mod sealing;
 mod storable;
+mod warm;
 mod workflow;
 
 pub use config::{RunnerConfig, TerminalPolicy};

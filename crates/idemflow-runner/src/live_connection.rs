@@ -8,8 +8,11 @@
 //! nothing (a give-up lost this way left its key started until its lease ended, and the next
 //! takeover counted one more attempt).
 
+use std::sync::Arc;
+
 use idemflow_pg::{Limits, Transaction};
-use sqlx::PgPool;
+
+use crate::warm::Warm;
 
 /// Whether the connection died under the statement (the socket closed, or the server said it is
 /// terminating the session) rather than the statement failing on a live one.
@@ -26,13 +29,16 @@ pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
     }
 }
 
-/// Begins a transaction under `limits` on a connection from `pool`, on another one each time the
-/// `BEGIN` finds its connection dead: at most once per connection the pool may hold, and once
-/// more.
-pub(crate) async fn begin_live(pool: &PgPool, limits: &Limits) -> Result<Transaction, sqlx::Error> {
-    let mut tries = pool.size() as usize + 1;
+/// Begins a transaction under `limits` on a warm connection or one from the pool, on another one
+/// each time the `BEGIN` finds its connection dead: at most once per connection the pool may
+/// hold, and once more.
+pub(crate) async fn begin_live(
+    warm: &Arc<Warm>,
+    limits: &Limits,
+) -> Result<Transaction, sqlx::Error> {
+    let mut tries = warm.pool().size() as usize + 1;
     loop {
-        match Transaction::begin_limited(pool.acquire().await?, limits).await {
+        match Transaction::begin_limited(warm.acquire().await?, limits).await {
             Err(error) if tries > 0 && is_connection_lost(&error) => {
                 tries -= 1;
                 tracing::info!(%error, "a pooled connection was lost; beginning on another");

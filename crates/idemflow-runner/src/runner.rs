@@ -14,6 +14,7 @@ use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
 use crate::sealing::Sealer;
+use crate::warm::Warm;
 use crate::workflow::Workflow;
 
 /// A request as the runner fingerprints it: method, path and a JSON body.
@@ -33,6 +34,8 @@ pub struct Request<'a> {
 #[derive(Debug, Clone)]
 pub struct Runner {
     pub(crate) pool: PgPool,
+    /// Connections kept between requests (see [`crate::warm`]).
+    pub(crate) warm: Arc<Warm>,
     pub(crate) config: RunnerConfig,
     pub(crate) crash_points: CrashPoints,
 }
@@ -48,6 +51,7 @@ impl Runner {
     pub fn with_config(pool: PgPool, config: RunnerConfig) -> Self {
         metrics::describe_once();
         Self {
+            warm: Arc::new(Warm::new(pool.clone())),
             pool,
             config,
             crash_points: CrashPoints::default(),

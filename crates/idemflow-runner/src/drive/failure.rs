@@ -304,10 +304,10 @@ impl Drive<'_> {
     /// took over from). `None` when another request got the key meanwhile: it owns the outcome.
     async fn take_again(&mut self) -> Result<Option<Held>, RunError> {
         let workflow = self.workflow;
-        let pool = self.runner.pool();
+        let warm = &self.runner.warm;
         match &self.hold {
             Hold::Committed => Ok(Some(Held {
-                tx: begin_live(pool, workflow.limits()).await?,
+                tx: begin_live(warm, workflow.limits()).await?,
                 owner: self.owner.clone(),
                 attempt: self.context.attempt,
             })),
@@ -337,7 +337,7 @@ impl Drive<'_> {
                     request: &request,
                     lease: workflow.lease(),
                 };
-                let connection = pool.acquire().await?;
+                let connection = warm.acquire().await?;
                 match store::begin_claim(connection, &claim, workflow.limits()).await? {
                     Claimed::Owned(tx, owner) => Ok(Some(Held {
                         tx,
@@ -348,7 +348,7 @@ impl Drive<'_> {
                 }
             }
             Hold::TakeOver { seen } => {
-                let mut tx = begin_live(pool, workflow.limits()).await?;
+                let mut tx = begin_live(warm, workflow.limits()).await?;
                 let taken = store::take_over(
                     &mut tx,
                     self.owner.tenant(),

@@ -346,7 +346,7 @@ async fn opened<'t>(
     let open = match tx.take() {
         Some(open) => open,
         None => {
-            let begin = begin_live(runner.pool(), workflow.limits());
+            let begin = begin_live(&runner.warm, workflow.limits());
             match begin.within(runner.config.database_timeout).await? {
                 Ok(open) => open,
                 Err(error) => return Ok(Err(error)),

@@ -142,13 +142,21 @@ impl Drive<'_> {
                 .crash_points
                 .check(|| CrashPoint::BeforeCommit { phase: committed }, &key)
                 .await?;
-            if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
-                self.claim_refused = matches!(self.hold, Hold::Claim(_));
-                return Err(Stop::failed(FailedAttempt::of(
-                    charged.raw_name(),
-                    charged.retry_policy(),
-                    database_error("committing", &error),
-                )));
+            match open
+                .commit_keeping()
+                .within(runner.config.database_timeout)
+                .await?
+            {
+                // Committed: the connection is idle until the next transaction.
+                Ok(connection) => runner.warm.keep(connection),
+                Err(error) => {
+                    self.claim_refused = matches!(self.hold, Hold::Claim(_));
+                    return Err(Stop::failed(FailedAttempt::of(
+                        charged.raw_name(),
+                        charged.retry_policy(),
+                        database_error("committing", &error),
+                    )));
+                }
             }
             self.hold = Hold::Committed;
             if let Some(advanced_at) = advanced_at {
@@ -183,7 +191,7 @@ impl Drive<'_> {
         let wait = self.runner.config.database_timeout;
         let mut connection = self
             .runner
-            .pool()
+            .warm
             .acquire()
             .within(wait)
             .await?
@@ -195,6 +203,8 @@ impl Drive<'_> {
             .within(wait)
             .await?
             .map_err(|error| store_stop(error, "confirming the fence", failure))?;
+        // The renewal ran outside any transaction: the connection is idle.
+        self.runner.warm.keep(connection);
         self.lease_from = renewing;
         Ok(())
     }
@@ -312,11 +322,18 @@ impl Drive<'_> {
         let Some(open) = self.tx.take() else {
             unreachable!("opened above")
         };
-        if let Err(error) = open.commit().within(runner.config.database_timeout).await? {
-            // A deferred constraint, say: the effects, the response and an uncommitted hold
-            // roll back together, and the attempt fails.
-            self.claim_refused = matches!(self.hold, Hold::Claim(_));
-            return Err(Stop::failed(failure(database_error("committing", &error))));
+        match open
+            .commit_keeping()
+            .within(runner.config.database_timeout)
+            .await?
+        {
+            Ok(connection) => runner.warm.keep(connection),
+            Err(error) => {
+                // A deferred constraint, say: the effects, the response and an uncommitted hold
+                // roll back together, and the attempt fails.
+                self.claim_refused = matches!(self.hold, Hold::Claim(_));
+                return Err(Stop::failed(failure(database_error("committing", &error))));
+            }
         }
         self.hold = Hold::Committed;
         runner
