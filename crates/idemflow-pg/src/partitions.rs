@@ -264,9 +264,18 @@ pub async fn maintain(pool: &PgPool, keep_for: Duration) -> Result<Maintained, S
             Ok(maintained)
         }
         Err(error) => {
-            // The session lock goes with the session: this connection must not return to the
-            // pool holding it.
-            connection.close_on_drop();
+            // Let go of explicitly, not left to the session's end: the connection closes in the
+            // background, and a maintenance right after this one (another role's, a retry) would
+            // find the lock still taken and skip. Where even that fails, the connection must not
+            // return to the pool holding it: it is closed, and the session's end lets go.
+            let unlocked: Result<bool, sqlx::Error> =
+                sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                    .bind(MAINTENANCE_LOCK)
+                    .fetch_one(&mut *connection)
+                    .await;
+            if !matches!(unlocked, Ok(true)) {
+                connection.close_on_drop();
+            }
             Err(error)
         }
     }
