@@ -15,22 +15,39 @@
 //! the pool itself (a handler of the service sharing it, a resumer's takeover, a heartbeat) is not
 //! left waiting while the runner is busy, one release in [`THROUGH_POOL_EVERY`] goes back
 //! through the pool, and a connection kept idle for [`IDLE_LIMIT`] goes back too (as do all of
-//! them when the pool closes). A request that finds none kept waits on the pool, and while any
-//! does, every release goes back to the pool: requests contending for connections are served
-//! by the pool, in order, as without this module (a connection kept here would go to whichever
-//! request came next, and one waiting could be passed over again and again).
+//! them when the pool closes).
+//!
+//! A request that finds no connection kept takes one idle in the pool, or has the pool open one
+//! while it may. When neither, it waits: a release is kept for the next request (most often the
+//! releasing request's own next, which then needs no hand-over: the connection never sits idle)
+//! until a request has waited [`HAND_OVER_AFTER`]; from then on releases are handed straight to
+//! the longest-waiting request, first come first served, with no test. A waiting request also
+//! looks for a kept or pooled connection every [`HAND_OVER_AFTER`]. Two designs were measured
+//! and dropped: handing every release to whichever request comes next (requests that waited were
+//! passed over again and again: HTTP replays at a quarter of the raw handler's rate), and sending
+//! releases back to the pool while a request waits there (fair, but one wait made the next, and a
+//! busy runner ran as if it kept nothing). A waiting request never races the pool's `acquire`
+//! against a hand-over: a connection the pool was opening for it would be abandoned, closed, and
+//! opened again for the next.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
+use tokio::sync::oneshot;
 
 type Connection = PoolConnection<Postgres>;
 
 /// One release in this many goes back through the pool rather than to the next request.
 pub(crate) const THROUGH_POOL_EVERY: u64 = 16;
+
+/// A request waiting this long is handed the next connection released; until then a release is
+/// kept for the next request (most often the releasing one's own next, which then needs no
+/// hand-over), and the waiting request looks for one every this long.
+pub(crate) const HAND_OVER_AFTER: Duration = Duration::from_millis(1);
 
 /// A connection kept idle this long goes back to the pool.
 pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(250);
@@ -43,26 +60,13 @@ pub(crate) struct Warm {
     state: Mutex<State>,
 }
 
-/// A request of the runner waiting on the pool, counted until it stops (served or cancelled).
-struct Waiting<'a>(&'a Warm);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.state().waiting -= 1;
-    }
-}
-
 #[derive(Default)]
 struct State {
     /// Idle connections, the most recently kept last (taken first: its socket and its server
     /// process are the likeliest to be in cache).
     idle: Vec<(Connection, Instant)>,
-    /// Requests of this runner waiting on the pool.
-    waiting: usize,
-    /// Connections sent back to the pool that no request of this runner has got yet (one may
-    /// have gone to another caller of the pool: then the count stays up until a request of this
-    /// runner gets one).
-    sent: usize,
+    /// Requests waiting for a connection, the longest-waiting first, with when they began.
+    waiting: VecDeque<(Instant, oneshot::Sender<Connection>)>,
     /// Releases so far, for [`THROUGH_POOL_EVERY`].
     released: u64,
     /// Whether the task returning idle connections to the pool runs.
@@ -74,7 +78,7 @@ impl fmt::Debug for Warm {
         let state = self.state();
         f.debug_struct("Warm")
             .field("idle", &state.idle.len())
-            .field("waiting", &state.waiting)
+            .field("waiting", &state.waiting.len())
             .finish_non_exhaustive()
     }
 }
@@ -89,60 +93,121 @@ impl Warm {
         }
     }
 
-    /// A connection: a kept one, else one from the pool.
+    /// A connection: a kept one, an idle one of the pool, a new one the pool opens, else the
+    /// first of one handed over by a request that ends and one that comes back to the pool.
     pub(crate) async fn acquire(&self) -> Result<Connection, sqlx::Error> {
-        {
-            let mut state = self.state();
-            if let Some((connection, _)) = state.idle.pop() {
-                return Ok(connection);
+        if let Some(connection) = self.take() {
+            return Ok(connection);
+        }
+        let max = self.pool.options().get_max_connections();
+        if self.pool.size() < max {
+            // The pool opens one: awaited to the end, never raced against a hand-over (a
+            // connection half-opened and abandoned would be closed, and opened again).
+            return self.pool.acquire().await;
+        }
+        let mut handed = {
+            let (sender, receiver) = oneshot::channel();
+            self.state().waiting.push_back((Instant::now(), sender));
+            receiver
+        };
+        loop {
+            tokio::select! {
+                biased;
+                Ok(connection) = &mut handed => return Ok(connection),
+                () = tokio::time::sleep(HAND_OVER_AFTER) => {
+                    // Releases while this request waited less than that were kept, not handed
+                    // over, and connections come back to the pool: look at both.
+                    let found = match self.take() {
+                        Some(connection) => Some(connection),
+                        None => self.pool.try_acquire(),
+                    };
+                    let opening = found.is_none() && self.pool.size() < max;
+                    if found.is_some() || opening {
+                        handed.close();
+                        if let Ok(other) = handed.try_recv() {
+                            self.keep_again(other);
+                        }
+                    }
+                    if let Some(connection) = found {
+                        return Ok(connection);
+                    }
+                    if opening {
+                        return self.pool.acquire().await;
+                    }
+                }
             }
-            // Counted under the same lock as the look above: a connection released from now on
-            // goes to the pool, where this request waits, not to the idle ones it has passed.
-            state.waiting += 1;
         }
-        let waiting = Waiting(self);
-        let acquired = self.pool.acquire().await;
-        if acquired.is_ok() {
-            // One of the connections sent to the pool (or another) has come.
-            let mut state = self.state();
-            state.sent = state.sent.saturating_sub(1);
+    }
+
+    fn take(&self) -> Option<Connection> {
+        let mut state = self.state();
+        if let Some((connection, _)) = state.idle.pop() {
+            return Some(connection);
         }
-        drop(waiting);
-        acquired
+        drop(state);
+        self.pool.try_acquire()
     }
 
     /// Takes back a connection that is idle outside any transaction, with nothing queued on
-    /// it, for the next request; or hands it back to the pool (see the module's notes).
+    /// it: hands it to the request that has waited longest if that one has waited
+    /// [`HAND_OVER_AFTER`], else keeps it for the next request; or hands it back to the pool
+    /// (see the module's notes).
     pub(crate) fn keep(self: &Arc<Self>, connection: Connection) {
         let spare = self.keep_or_spare(connection);
         // Dropped outside the lock: sqlx spawns the return to the pool.
         drop(spare);
     }
 
+    /// [`Warm::keep`] for a connection handed over to a request that found another meanwhile:
+    /// it was kept once already, so the reaper runs.
+    fn keep_again(&self, connection: Connection) {
+        let spare = self.keep_or_spare_inner(connection);
+        drop(spare);
+    }
+
     fn keep_or_spare(self: &Arc<Self>, connection: Connection) -> Option<Connection> {
+        let spare = self.keep_or_spare_inner(connection);
+        if spare.is_none() {
+            let mut state = self.state();
+            if !state.reaping {
+                state.reaping = true;
+                tokio::spawn(reap(Arc::downgrade(self), self.pool.clone()));
+            }
+        }
+        spare
+    }
+
+    fn keep_or_spare_inner(&self, mut connection: Connection) -> Option<Connection> {
         if self.pool.is_closed() {
             return Some(connection);
         }
         let mut state = self.state();
         state.released = state.released.wrapping_add(1);
-        // Requests waiting on the pool are served by the pool, in order (a connection kept here
-        // would go to whichever request comes next instead): one connection for each that none
-        // sent there is on its way to yet. Counting those on their way is what keeps one
-        // request that waits (its own connection went back to the pool) from sending every
-        // other connection after it, each of their requests then waiting in turn.
-        let owed = state.waiting > state.sent;
-        if owed || state.released.is_multiple_of(THROUGH_POOL_EVERY) {
-            state.sent += 1;
+        if state.released.is_multiple_of(THROUGH_POOL_EVERY) {
             return Some(connection);
+        }
+        loop {
+            match state.waiting.front() {
+                Some((_, waiter)) if waiter.is_closed() => {
+                    // It found one itself, or was cancelled.
+                    state.waiting.pop_front();
+                }
+                Some((since, _)) if since.elapsed() >= HAND_OVER_AFTER => {
+                    let Some((_, waiter)) = state.waiting.pop_front() else {
+                        unreachable!("looked at above")
+                    };
+                    match waiter.send(connection) {
+                        Ok(()) => return None,
+                        Err(back) => connection = back,
+                    }
+                }
+                _ => break,
+            }
         }
         if state.idle.len() >= self.capacity {
             return Some(connection);
         }
         state.idle.push((connection, Instant::now()));
-        if !state.reaping {
-            state.reaping = true;
-            tokio::spawn(reap(Arc::downgrade(self), self.pool.clone()));
-        }
         None
     }
 
