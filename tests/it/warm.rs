@@ -143,11 +143,12 @@ async fn a_caller_waiting_on_the_pool_is_served_while_the_runner_is_busy(
     let runner = Runner::new(pool.clone());
     let workflow = Arc::new(harness.local_only());
     executed(&run(&runner, &workflow, &tenant(1), "k", &body(1)).await);
-    // Two clients replaying without pause: both connections of the pool cycle through the
-    // runner, never idle long enough to be given back for idleness.
+    // Four clients replaying without pause on the pool's two connections: both cycle through
+    // the runner (kept, or handed to a waiting request), never idle long enough to be given back
+    // for idleness.
     let stop = Arc::new(AtomicBool::new(false));
     let mut clients = Vec::new();
-    for _ in 0..2 {
+    for _ in 0..4 {
         let (runner, workflow, stop) = (runner.clone(), workflow.clone(), stop.clone());
         clients.push(tokio::spawn(async move {
             let mut replays = 0u64;
