@@ -95,7 +95,7 @@ impl Warm {
 
     /// A connection: a kept one, an idle one of the pool, a new one the pool opens, else the
     /// first of one handed over by a request that ends and one that comes back to the pool.
-    pub(crate) async fn acquire(&self) -> Result<Connection, sqlx::Error> {
+    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<Connection, sqlx::Error> {
         if let Some(connection) = self.take() {
             return Ok(connection);
         }
@@ -117,15 +117,12 @@ impl Warm {
                 () = tokio::time::sleep(HAND_OVER_AFTER) => {
                     // Releases while this request waited less than that were kept, not handed
                     // over, and connections come back to the pool: look at both.
-                    let found = match self.take() {
-                        Some(connection) => Some(connection),
-                        None => self.pool.try_acquire(),
-                    };
+                    let found = self.take();
                     let opening = found.is_none() && self.pool.size() < max;
                     if found.is_some() || opening {
                         handed.close();
                         if let Ok(other) = handed.try_recv() {
-                            self.keep_again(other);
+                            self.keep(other);
                         }
                     }
                     if let Some(connection) = found {
@@ -139,6 +136,7 @@ impl Warm {
         }
     }
 
+    /// The connection kept last, else one idle in the pool; without waiting.
     fn take(&self) -> Option<Connection> {
         let mut state = self.state();
         if let Some((connection, _)) = state.idle.pop() {
@@ -158,26 +156,7 @@ impl Warm {
         drop(spare);
     }
 
-    /// [`Warm::keep`] for a connection handed over to a request that found another meanwhile:
-    /// it was kept once already, so the reaper runs.
-    fn keep_again(&self, connection: Connection) {
-        let spare = self.keep_or_spare_inner(connection);
-        drop(spare);
-    }
-
-    fn keep_or_spare(self: &Arc<Self>, connection: Connection) -> Option<Connection> {
-        let spare = self.keep_or_spare_inner(connection);
-        if spare.is_none() {
-            let mut state = self.state();
-            if !state.reaping {
-                state.reaping = true;
-                tokio::spawn(reap(Arc::downgrade(self), self.pool.clone()));
-            }
-        }
-        spare
-    }
-
-    fn keep_or_spare_inner(&self, mut connection: Connection) -> Option<Connection> {
+    fn keep_or_spare(self: &Arc<Self>, mut connection: Connection) -> Option<Connection> {
         if self.pool.is_closed() {
             return Some(connection);
         }
@@ -208,6 +187,10 @@ impl Warm {
             return Some(connection);
         }
         state.idle.push((connection, Instant::now()));
+        if !state.reaping {
+            state.reaping = true;
+            tokio::spawn(reap(Arc::downgrade(self), self.pool.clone()));
+        }
         None
     }
 

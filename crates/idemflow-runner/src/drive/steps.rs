@@ -9,7 +9,7 @@ use idemflow_pg as store;
 use serde_json::Value;
 use tracing::Instrument;
 
-use super::{Drive, FailedAttempt, Hold, Stop, database_error, opened, store_stop};
+use super::{Drive, FailedAttempt, Hold, Stop, Tx, database_error, opened, store_stop};
 use crate::crash::CrashPoint;
 use crate::deadline::Within;
 use crate::erased::{Carry, ErasedForeign, ErasedLocal, Step};
@@ -19,6 +19,7 @@ use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::{catch_panic, catch_panic_now};
 use crate::phase::PhaseError;
+use crate::runner::Runner;
 use crate::sealing::Slot;
 use crate::storable::holds_nul;
 use crate::workflow::Workflow;
@@ -142,21 +143,13 @@ impl Drive<'_> {
                 .crash_points
                 .check(|| CrashPoint::BeforeCommit { phase: committed }, &key)
                 .await?;
-            match open
-                .commit_keeping()
-                .within(runner.config.database_timeout)
-                .await?
-            {
-                // Committed: the connection is idle until the next transaction.
-                Ok(connection) => runner.warm.keep(connection),
-                Err(error) => {
-                    self.claim_refused = matches!(self.hold, Hold::Claim(_));
-                    return Err(Stop::failed(FailedAttempt::of(
-                        charged.raw_name(),
-                        charged.retry_policy(),
-                        database_error("committing", &error),
-                    )));
-                }
+            if let Err(error) = commit_warm(open, runner).await? {
+                self.claim_refused = matches!(self.hold, Hold::Claim(_));
+                return Err(Stop::failed(FailedAttempt::of(
+                    charged.raw_name(),
+                    charged.retry_policy(),
+                    database_error("committing", &error),
+                )));
             }
             self.hold = Hold::Committed;
             if let Some(advanced_at) = advanced_at {
@@ -322,18 +315,11 @@ impl Drive<'_> {
         let Some(open) = self.tx.take() else {
             unreachable!("opened above")
         };
-        match open
-            .commit_keeping()
-            .within(runner.config.database_timeout)
-            .await?
-        {
-            Ok(connection) => runner.warm.keep(connection),
-            Err(error) => {
-                // A deferred constraint, say: the effects, the response and an uncommitted hold
-                // roll back together, and the attempt fails.
-                self.claim_refused = matches!(self.hold, Hold::Claim(_));
-                return Err(Stop::failed(failure(database_error("committing", &error))));
-            }
+        if let Err(error) = commit_warm(open, runner).await? {
+            // A deferred constraint, say: the effects, the response and an uncommitted hold
+            // roll back together, and the attempt fails.
+            self.claim_refused = matches!(self.hold, Hold::Claim(_));
+            return Err(Stop::failed(failure(database_error("committing", &error))));
         }
         self.hold = Hold::Committed;
         runner
@@ -344,6 +330,16 @@ impl Drive<'_> {
         tracing::info!(status = response.status, "finished");
         Ok(Outcome::Executed(response))
     }
+}
+
+/// Commits, bounded by the database timeout; a connection whose `COMMIT` succeeded is idle
+/// outside any transaction, so the runner keeps it warm for the next (see `crate::warm`).
+async fn commit_warm(open: Tx, runner: &Runner) -> Result<Result<(), sqlx::Error>, RunError> {
+    let committed = open
+        .commit_keeping()
+        .within(runner.config.database_timeout)
+        .await?;
+    Ok(committed.map(|connection| runner.warm.keep(connection)))
 }
 
 /// A phase's output encoded for its recovery point; an error if it cannot be encoded or stored.
