@@ -2,17 +2,18 @@
 //! of its own (first on the search path, as workload 10 does), created, measured and dropped in
 //! turn, so no variant inherits another's bloat or free space.
 //!
-//! 1. **Expiry.** `keys` finished keys, created over the four 6-hour partitions wholly past the
-//!    24-hour window (finished when created), are expired by the worker's retention as configured
-//!    by default (`Retention::default().expire`): on the partitioned layout (default plan: 6-hour
-//!    partitions, 4 ahead) it drops the partitions; unpartitioned it deletes in batches of 500 at
-//!    most 20,000 rows/s. Unpartitioned also flat out (`idemflow::expire`, batches of 500 back to
-//!    back), for the time. Meanwhile 8 clients send new one-local-phase requests through the
-//!    engine; their claim latency during the expiry is compared with the same load just before
-//!    it. Afterwards, with every backend gone (so its statistics are published): the dead tuples
-//!    of the keys table and its partitions (`n_dead_tup`), the rows the load updated and the rows
-//!    deleted one by one (`n_tup_upd`, `n_tup_del`), the size of the whole tree, and the time a
-//!    manual `VACUUM` of the keys table takes: the work the expiry left to autovacuum.
+//! 1. **Expiry.** `keys` finished keys, created over the day partition wholly past the 24-hour
+//!    window (finished when created), are expired by the worker's retention as configured by
+//!    default (`Retention::default().expire`): on the partitioned layout (the default plan:
+//!    partitions of a day, one ahead; 4 live) it drops the partition; unpartitioned it deletes
+//!    in batches of 500 at most 20,000 rows/s. Unpartitioned also flat out (`idemflow::expire`,
+//!    batches of 500 back to back), for the time. Meanwhile 8 clients send new one-local-phase
+//!    requests through the engine; their claim latency during the expiry is compared with the
+//!    same load just before it. Afterwards, with every backend gone (so its statistics are
+//!    published): the dead tuples of the keys table and its partitions (`n_dead_tup`), the rows
+//!    the load updated and the rows deleted one by one (`n_tup_upd`, `n_tup_del`), the size of
+//!    the whole tree, and the time a manual `VACUUM` of the keys table takes: the work the expiry
+//!    left to autovacuum.
 //!    Autovacuum is off on the keys table's heaps for this part (`autovacuum_enabled = false`), so
 //!    those figures are what the expiry left, not what autovacuum happened to clean meanwhile.
 //! 2. **The layout's cost.** The same finished keys in four schemas, unpartitioned and on 2, 8 and
@@ -294,16 +295,17 @@ async fn replays(
 
 // ------------------------------------------------------------------- expiry --
 
-/// The start of the 6-hour period the window's horizon falls in: the partitions wholly before it
-/// are the ones a drop may take.
+/// The start of the day the window's horizon falls in: the partitions wholly before it are the
+/// ones a drop may take.
 const HORIZON_PERIOD: &str = "to_timestamp(floor(extract(epoch FROM now() - interval '24 hours') \
-                              / 21600) * 21600)";
+                              / 86400) * 86400)";
 
-/// The plan the expiry runs on: 6-hour partitions (the seeding above fills the four wholly past
-/// the window), 4 ahead: 13 partitions in all.
+/// The plan the expiry runs on: the default (partitions of a day, one ahead). The seeding fills
+/// the day wholly past the window; yesterday's, today's and tomorrow's partitions are the other
+/// three, as a service running the default plan has them.
 const EXPIRY_PLAN: PartitionPlan = PartitionPlan {
-    width: Duration::from_secs(6 * 60 * 60),
-    ahead: 4,
+    width: Duration::from_secs(24 * 60 * 60),
+    ahead: 1,
 };
 
 async fn expiry(
@@ -323,8 +325,8 @@ async fn expiry(
     create_schema(scratch, schema).await?;
     let setup = schema_pool(scratch, schema, 1).await?;
 
-    // The keys, created evenly over the 24 hours before the horizon's period: the four 6-hour
-    // partitions a drop takes whole (partitioned, the adoption copies them in).
+    // The keys, created evenly over the 24 hours before the horizon's day: the day partition a
+    // drop takes whole (partitioned, the adoption copies them in).
     let seeding = Instant::now();
     let at = format!(
         "{HORIZON_PERIOD} - interval '24 hours' + (g - 1) * (interval '24 hours' / {keys})"
