@@ -3,14 +3,15 @@
 //! sqlx's pool, which tests every returned connection with a round trip. These tests hold what
 //! that must not break: the kept connections are idle outside any transaction, a kept connection
 //! the server ended is replaced, a caller waiting on the pool itself is served while the runner
-//! is busy, and closing the pool is not held up.
+//! is busy, closing the pool is not held up, and with keeping turned off every connection goes
+//! through the pool and its hooks.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::support::*;
-use idemflow::{Outcome, Runner};
+use idemflow::{Outcome, Runner, RunnerConfig};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -210,4 +211,82 @@ async fn connections_kept_idle_go_back_to_the_pool(
         .expect("closing the pool is not held up by the runner's connections");
     assert!(pool.is_closed());
     drop(runner);
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn with_warm_connections_off_every_request_hands_its_connection_to_the_pool_and_its_hooks(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    // The pool's hooks count what passes through them: a pool whose `after_release` resets
+    // session state must see every connection between two requests.
+    let (acquired, released) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let options = {
+        let (acquired, released) = (acquired.clone(), released.clone());
+        options
+            .before_acquire(move |_, _| {
+                acquired.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(true) })
+            })
+            .after_release(move |_, _| {
+                released.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async { Ok(true) })
+            })
+    };
+    let pool = named_pool(options, connect, 2).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let workflow = harness.local_only();
+    let requests = 6;
+
+    // Off: each request (new keys and replays) takes its connection from the pool and gives it
+    // back, so the hooks run for each, and nothing is held between requests.
+    let config = RunnerConfig {
+        warm_connections: false,
+        ..RunnerConfig::default()
+    };
+    let runner = Runner::with_config(pool.clone(), config);
+    for n in 0..requests {
+        let outcome = run(
+            &runner,
+            &workflow,
+            &tenant(1),
+            &format!("k{}", n % 3),
+            &body(1),
+        )
+        .await;
+        assert!(
+            matches!(outcome, Outcome::Executed(_) | Outcome::Replayed(_)),
+            "{outcome:?}"
+        );
+        // The release is sqlx's, in a task of its own: wait for it.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while released.load(Ordering::SeqCst) <= n || pool.num_idle() != pool.size() as usize {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the request's connection went back to the pool, through its hook");
+    }
+    assert!(acquired.load(Ordering::SeqCst) >= requests - 1);
+
+    // On (the default): the same requests keep their connection, and the hooks do not see it.
+    let before = released.load(Ordering::SeqCst);
+    let runner = Runner::new(pool.clone());
+    for n in 0..requests {
+        run(
+            &runner,
+            &workflow,
+            &tenant(1),
+            &format!("k{}", n % 3),
+            &body(1),
+        )
+        .await;
+    }
+    assert_eq!(
+        pool.num_idle() + 1,
+        pool.size() as usize,
+        "one connection kept"
+    );
+    assert!(released.load(Ordering::SeqCst) - before < requests);
 }

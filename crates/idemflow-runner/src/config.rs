@@ -41,6 +41,13 @@ pub struct RunnerConfig {
     /// [`RunnerConfig::DEFAULT_RESPONSE_APART_ABOVE`]; `usize::MAX` keeps every body in the row.
     /// See docs/operations.md, "Large responses".
     pub response_apart_above: usize,
+    /// Whether the runner keeps the connection a request ends with for its next request (a warm
+    /// connection, see docs/operations.md, "Running workers") rather than handing it back to the
+    /// pool. Default `true`. A kept connection skips what the pool does on a release and on an
+    /// acquire: its test, and the pool's `after_release` and `before_acquire` hooks. Turn it off
+    /// for a pool whose hooks must see every connection between two requests (one that resets
+    /// session state a phase may leave, such as a `SET` without `LOCAL`).
+    pub warm_connections: bool,
 }
 
 impl RunnerConfig {
@@ -60,6 +67,7 @@ impl Default for RunnerConfig {
             database_timeout: Self::DEFAULT_DATABASE_TIMEOUT,
             keyring: None,
             response_apart_above: Self::DEFAULT_RESPONSE_APART_ABOVE,
+            warm_connections: true,
         }
     }
 }

@@ -51,7 +51,7 @@ impl Runner {
     pub fn with_config(pool: PgPool, config: RunnerConfig) -> Self {
         metrics::describe_once();
         Self {
-            warm: Arc::new(Warm::new(pool.clone())),
+            warm: Arc::new(Warm::new(pool.clone(), config.warm_connections)),
             pool,
             config,
             crash_points: CrashPoints::default(),

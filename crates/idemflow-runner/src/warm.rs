@@ -15,7 +15,11 @@
 //! the pool itself (a handler of the service sharing it, a resumer's takeover, a heartbeat) is not
 //! left waiting while the runner is busy, one release in [`THROUGH_POOL_EVERY`] goes back
 //! through the pool, and a connection kept idle for [`IDLE_LIMIT`] goes back too (as do all of
-//! them when the pool closes).
+//! them when the pool closes). Such a caller is served first even when a request of the runner
+//! looks at the pool at the same moment: `try_acquire` passes over a connection while a caller
+//! waits on the pool's semaphore, which is fair. A kept connection skips the pool's
+//! `before_acquire` and `after_release` hooks as well as its test; keeping is off (every
+//! connection from the pool and back) under [`crate::RunnerConfig::warm_connections`] `false`.
 //!
 //! A request that finds no connection kept takes one idle in the pool, or has the pool open one
 //! while it may. When neither, it waits: a release is kept for the next request (most often the
@@ -55,7 +59,8 @@ pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(250);
 /// The connections a runner keeps warm, shared by its clones.
 pub(crate) struct Warm {
     pool: PgPool,
-    /// At most this many kept idle: the pool's size, which they cannot exceed anyway.
+    /// At most this many kept idle: the pool's size, which they cannot exceed anyway; 0 when
+    /// keeping is off ([`crate::RunnerConfig::warm_connections`]).
     capacity: usize,
     state: Mutex<State>,
 }
@@ -84,8 +89,12 @@ impl fmt::Debug for Warm {
 }
 
 impl Warm {
-    pub(crate) fn new(pool: PgPool) -> Self {
-        let capacity = pool.options().get_max_connections() as usize;
+    pub(crate) fn new(pool: PgPool, keeping: bool) -> Self {
+        let capacity = if keeping {
+            pool.options().get_max_connections() as usize
+        } else {
+            0
+        };
         Self {
             pool,
             capacity,
@@ -96,6 +105,10 @@ impl Warm {
     /// A connection: a kept one, an idle one of the pool, a new one the pool opens, else the
     /// first of one handed over by a request that ends and one that comes back to the pool.
     pub(crate) async fn acquire(self: &Arc<Self>) -> Result<Connection, sqlx::Error> {
+        if self.capacity == 0 {
+            // Keeping is off: every connection comes from the pool, through its hooks.
+            return self.pool.acquire().await;
+        }
         if let Some(connection) = self.take() {
             return Ok(connection);
         }
@@ -157,7 +170,7 @@ impl Warm {
     }
 
     fn keep_or_spare(self: &Arc<Self>, mut connection: Connection) -> Option<Connection> {
-        if self.pool.is_closed() {
+        if self.pool.is_closed() || self.capacity == 0 {
             return Some(connection);
         }
         let mut state = self.state();
