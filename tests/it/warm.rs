@@ -246,15 +246,20 @@ async fn with_warm_connections_off_every_request_hands_its_connection_to_the_poo
         ..RunnerConfig::default()
     };
     let runner = Runner::with_config(pool.clone(), config);
-    for n in 0..requests {
-        let outcome = run(
+    // New keys, then replays of them.
+    let workflow = &workflow;
+    let request = |runner: Runner, n: usize| async move {
+        run(
             &runner,
-            &workflow,
+            workflow,
             &tenant(1),
             &format!("k{}", n % 3),
             &body(1),
         )
-        .await;
+        .await
+    };
+    for n in 0..requests {
+        let outcome = request(runner.clone(), n).await;
         assert!(
             matches!(outcome, Outcome::Executed(_) | Outcome::Replayed(_)),
             "{outcome:?}"
@@ -274,14 +279,7 @@ async fn with_warm_connections_off_every_request_hands_its_connection_to_the_poo
     let before = released.load(Ordering::SeqCst);
     let runner = Runner::new(pool.clone());
     for n in 0..requests {
-        run(
-            &runner,
-            &workflow,
-            &tenant(1),
-            &format!("k{}", n % 3),
-            &body(1),
-        )
-        .await;
+        request(runner.clone(), n).await;
     }
     assert_eq!(
         pool.num_idle() + 1,
