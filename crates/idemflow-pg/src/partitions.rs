@@ -524,9 +524,12 @@ const ADOPT_FINISH: &str = r#"
 DROP TABLE idempotency_keys_unpartitioned;
 
 -- The claim lock of a key, as the engine computes it (claim_lock.rs): the first 8 bytes of
--- SHA-256("idemflow claim" NUL tenant NUL key), big-endian, as a signed bigint.
+-- SHA-256("idemflow claim" NUL tenant NUL key), big-endian, as a signed bigint. STABLE, as its
+-- body is (convert_to is): PostgreSQL then writes the body into the trigger's expression instead
+-- of running a SQL function on each insert, which set it up anew in every transaction and took
+-- a third of a bare insert's time (docs/benchmarks.md, "The claim lock's function").
 CREATE FUNCTION idemflow_claim_lock(tenant text, key text) RETURNS bigint
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    LANGUAGE sql STABLE STRICT PARALLEL SAFE
     RETURN ('x' || encode(substr(sha256('\x6964656d666c6f7720636c61696d00'::bytea
                                         || convert_to(tenant, 'UTF8') || '\x00'::bytea
                                         || convert_to(key, 'UTF8')), 1, 8), 'hex'))::bit(64)::bigint;
@@ -590,6 +593,47 @@ mod tests {
             let key = Key::parse(key).expect("key");
             assert_eq!(in_sql, crate::claim_lock::claim_lock(&tenant, &key));
         }
+    }
+
+    /// Whether PostgreSQL writes `idemflow_claim_lock`'s body into an expression that calls it,
+    /// as it does in the trigger, rather than running it as a SQL function on each insert.
+    async fn claim_lock_is_inlined(pool: &PgPool) -> bool {
+        let plan: Vec<String> = sqlx::query_scalar(
+            "EXPLAIN (VERBOSE, COSTS OFF) \
+             SELECT pg_advisory_xact_lock(idemflow_claim_lock(tenant, key)) FROM idempotency_keys",
+        )
+        .fetch_all(pool)
+        .await
+        .expect("explain");
+        let plan = plan.join("\n");
+        assert!(plan.contains("pg_advisory_xact_lock"), "{plan}");
+        !plan.contains("idemflow_claim_lock") && plan.contains("sha256")
+    }
+
+    /// The trigger's claim lock costs an insert an expression, not a SQL function call: a function
+    /// PostgreSQL cannot write in is set up again in every transaction (a third of a bare insert,
+    /// measured in docs/benchmarks.md). Adopted now, and adopted before the migration that fixed
+    /// the function's volatility and migrated since.
+    #[sqlx::test(migrator = "crate::MIGRATOR")]
+    async fn the_triggers_claim_lock_is_written_into_its_expression(pool: PgPool) {
+        adopt(&pool, &PartitionPlan::default())
+            .await
+            .expect("adopt");
+        assert!(claim_lock_is_inlined(&pool).await);
+
+        // As adopted before: IMMUTABLE over a STABLE body, which PostgreSQL will not write in.
+        sqlx::query("ALTER FUNCTION idemflow_claim_lock(text, text) IMMUTABLE")
+            .execute(&pool)
+            .await
+            .expect("as before");
+        assert!(!claim_lock_is_inlined(&pool).await);
+        sqlx::raw_sql(include_str!(
+            "../../../migrations/20261202000100_claim_lock_inlined.sql"
+        ))
+        .execute(&pool)
+        .await
+        .expect("the migration");
+        assert!(claim_lock_is_inlined(&pool).await);
     }
 
     #[test]
