@@ -45,14 +45,28 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE processed_messages TO :"runtime_ro
 REVOKE ALL ON SEQUENCE idempotency_keys_fence FROM :"runtime_role";
 GRANT USAGE ON SEQUENCE idempotency_keys_fence TO :"runtime_role";
 
+-- No temporary objects. PostgreSQL gives every role TEMPORARY on a database (through PUBLIC),
+-- and a session's temporary schema is searched first for relation names unless a search path
+-- says otherwise: a temporary view can then stand in for a table in any function that names the
+-- table unqualified, and a SECURITY DEFINER function would run it with its owner's rights. The
+-- engine's own functions resolve nothing there (a fixed path, pg_temp last, qualified names), and
+-- it uses no temporary table; this takes the means away from every role, so an application's
+-- functions are covered too. A role of yours that needs temporary tables gets them back by name:
+-- GRANT TEMPORARY ON DATABASE <database> TO <role>.
+DO $temporary$
+BEGIN
+    EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+END
+$temporary$;
+
 -- The migrations' history is the owner's alone: a runtime role cannot make the migrator skip or
 -- re-run a migration.
 REVOKE ALL ON TABLE _sqlx_migrations FROM :"runtime_role";
 
 -- Nothing else: the migrations create no function (the engine calls only built-ins that every
 -- role may execute: pg_advisory_xact_lock, pg_try_advisory_xact_lock(_shared), pg_notify; the
--- partitioned layout's trigger functions run with their owner's rights and are executable by no
--- one else), the partitions of a partitioned keys table are reached through it and need no grant,
+-- partitioned layout's trigger functions run with their owner's rights, on a fixed search path,
+-- and are executable by no one else), the partitions of a partitioned keys table are reached through it and need no grant,
 -- LISTEN/NOTIFY and SET LOCAL of statement_timeout and idle_in_transaction_session_timeout need
 -- no grant, and advisory locks none either.
 

@@ -760,3 +760,82 @@ async fn with_no_partition_for_now_a_claim_fails_and_stores_nothing(pool: PgPool
         Outcome::Executed(_)
     ));
 }
+
+/// The uniqueness trigger's look needs a snapshot taken after the claim lock, which only Read
+/// Committed gives. With the database's `default_transaction_isolation` at Repeatable Read, a
+/// second claim of a key once took its snapshot before waiting on the first claim's lock, did not
+/// see the committed row, and inserted another (its `created_at` differs, so the primary key let
+/// it): the key ran twice. The engine states READ COMMITTED in every transaction it begins, and the
+/// trigger refuses an insert at any other level, whoever sends it.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn claims_racing_under_a_repeatable_read_default_leave_one_row_and_one_effect_per_key(
+    pool: PgPool,
+) {
+    adopt(&pool, HOUR, 2, 1).await;
+    let database: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{database}\" SET default_transaction_isolation = 'repeatable read'"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // New connections take the database's default.
+    let repeatable = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(24)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(&repeatable)
+        .await
+        .unwrap();
+    assert_eq!(level, "repeatable read");
+
+    let runner = Arc::new(runner(&repeatable));
+    let mut tasks = Vec::new();
+    for n in 0..20 {
+        for _ in 0..3 {
+            let runner = runner.clone();
+            tasks.push(tokio::spawn(async move {
+                send(&runner, &format!("rr-{n}"), 8).await
+            }));
+        }
+    }
+    for task in tasks {
+        // 409 (in progress), an execution or a replay; never an error.
+        task.await.unwrap();
+    }
+    let doubled: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT key, count(*) FROM idempotency_keys GROUP BY key HAVING count(*) > 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(doubled.is_empty(), "keys with two rows: {doubled:?}");
+    let effects: Vec<(String, i64)> =
+        sqlx::query_as("SELECT key, count(*) FROM renders GROUP BY key HAVING count(*) > 1")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(effects.is_empty(), "keys run twice: {effects:?}");
+
+    // A writer that is not the engine, at the default Repeatable Read, is refused by the trigger.
+    let refused = insert_raw(&repeatable, "not-the-engine", 0)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, sqlx::Error::Database(e) if e.code().as_deref() == Some("0A000")),
+        "{refused:?}"
+    );
+    let mut connection = repeatable.acquire().await.unwrap();
+    sqlx::raw_sql("SET default_transaction_isolation = 'read committed'")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    insert_raw(&mut *connection, "not-the-engine", 0)
+        .await
+        .unwrap();
+}

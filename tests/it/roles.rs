@@ -31,11 +31,11 @@ use crate::support::{patient, request};
 pub(crate) const GRANTS_FILE: &str = "scripts/sql/grants.sql";
 
 /// What the runtime role holds once the grants file ran: (object, privilege), sorted. Everything
-/// else in the database it may not touch. `database` CONNECT and TEMPORARY are every role's by
-/// PostgreSQL's defaults (granted to PUBLIC), not the file's.
+/// else in the database it may not touch. `database` CONNECT is every role's by PostgreSQL's
+/// defaults (granted to PUBLIC), not the file's; TEMPORARY, PUBLIC's too by default, the file takes
+/// away.
 pub(crate) const RUNTIME_PRIVILEGES: &[(&str, &str)] = &[
     ("database", "CONNECT"),
-    ("database", "TEMPORARY"),
     ("idempotency_keys", "DELETE"),
     ("idempotency_keys", "INSERT"),
     ("idempotency_keys", "SELECT"),
@@ -1281,4 +1281,84 @@ async fn a_nologin_owner_migrates_through_a_member_login_with_the_cli(
     if let Err(error) = outcome {
         std::panic::resume_unwind(error.into_panic());
     }
+}
+
+/// The attack on the partitioned layout's SECURITY DEFINER trigger, as the runtime role: a
+/// temporary view named `idempotency_keys` over a function of its own, then an insert into the
+/// keys table. Were the trigger's function to resolve `idempotency_keys` through a path that
+/// searches the session's temporary schema first (PostgreSQL does, for relations, unless the path
+/// names `pg_temp`), the view's function would run as the owner: here it would create a table and
+/// grant the runtime role the migrations' history. Two defences, each checked alone: the grants
+/// file takes `TEMPORARY` away (the view cannot be made), and with `TEMPORARY` granted back the
+/// trigger's fixed path and qualified names never reach the view.
+#[sqlx::test(migrations = false)]
+async fn the_runtime_role_cannot_run_sql_as_the_owner_through_the_partitioned_trigger(
+    _: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    deployed(connect, |deployment| async move {
+        let Deployment {
+            admin,
+            owner,
+            runtime,
+            roles,
+        } = deployment;
+        store::partitions::adopt(&owner, &store::partitions::PartitionPlan::default())
+            .await
+            .unwrap();
+        const ATTACK: &str = "\
+            CREATE FUNCTION pg_temp.escalate() RETURNS TABLE (tenant text, key text) \
+                LANGUAGE plpgsql AS $f$ BEGIN \
+                    EXECUTE 'CREATE TABLE public.escalated (id int)'; \
+                    EXECUTE format('GRANT ALL ON public._sqlx_migrations TO %I', session_user); \
+                    RETURN; \
+                END $f$; \
+            CREATE TEMPORARY VIEW idempotency_keys AS SELECT * FROM pg_temp.escalate(); \
+            GRANT SELECT ON pg_temp.idempotency_keys TO PUBLIC;";
+        const INSERT: &str = "\
+            INSERT INTO public.idempotency_keys \
+                (tenant, key, fingerprint, workflow, request, locked_until) \
+            VALUES ('acme', 'escalate', sha256('x'), 'w', '{}', now() + interval '1 minute')";
+        // As the grants file leaves it: no temporary objects at all.
+        let mut session = runtime.acquire().await.unwrap();
+        let refused = sqlx::raw_sql(ATTACK)
+            .execute(&mut *session)
+            .await
+            .unwrap_err();
+        assert_eq!(sqlstate(&refused), "42501", "{refused}");
+        drop(session);
+
+        // TEMPORARY granted back (a database whose other users need it): the view is made, the
+        // insert goes in, and the trigger reads the real table as the owner, never the view.
+        let database = current_database(&admin).await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "GRANT TEMPORARY ON DATABASE \"{database}\" TO \"{}\"",
+            roles.runtime.name
+        )))
+        .execute(&owner)
+        .await
+        .unwrap();
+        let granted = privileges(&admin, &roles.runtime.name).await;
+        let mut session = runtime.acquire().await.unwrap();
+        sqlx::raw_sql(ATTACK).execute(&mut *session).await.unwrap();
+        let inserted = sqlx::raw_sql(INSERT).execute(&mut *session).await;
+        session.close().await.unwrap();
+        assert!(inserted.is_ok(), "{inserted:?}");
+        let table: Option<String> =
+            sqlx::query_scalar("SELECT to_regclass('public.escalated')::text")
+                .fetch_one(&admin)
+                .await
+                .unwrap();
+        assert_eq!(table, None, "the view's function ran as the owner");
+        assert_eq!(privileges(&admin, &roles.runtime.name).await, granted);
+        // And a second row of the key is still refused: the trigger read the real table.
+        let mut session = runtime.acquire().await.unwrap();
+        let duplicate = sqlx::raw_sql(INSERT)
+            .execute(&mut *session)
+            .await
+            .unwrap_err();
+        assert_eq!(sqlstate(&duplicate), "23505", "{duplicate}");
+        drop(session);
+    })
+    .await;
 }

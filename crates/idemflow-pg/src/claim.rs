@@ -104,7 +104,7 @@ async fn begin_claim_in(
     let mut last_error = None;
     for &form in forms {
         let statement = AssertSqlSafe(claim_statement(claim, limits, form)).into_sql_str();
-        match Transaction::begin_with(connection, Some(statement)).await {
+        match Transaction::begin_with(connection, statement).await {
             Ok(transaction) => {
                 return Ok(Claimed::Owned(
                     transaction,
@@ -261,7 +261,7 @@ mod tests {
             assert!(sql.contains("30000"));
             assert!(sql.contains("4294967296"));
             assert!(sql.starts_with(
-                "BEGIN; SET LOCAL statement_timeout = 1500; \
+                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = 1500; \
                  SET LOCAL idle_in_transaction_session_timeout = 2000; "
             ));
         }

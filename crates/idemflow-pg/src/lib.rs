@@ -29,7 +29,7 @@ mod take_over;
 mod transaction;
 
 pub use claim::{ClaimRequest, Claimed, begin_claim};
-pub use transaction::{Limits, Transaction};
+pub use transaction::{BEGIN, Limits, Transaction};
 
 pub use maintenance::{
     DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, end_lease, expire_batch,

@@ -231,7 +231,8 @@ pub async fn adopt(pool: &PgPool, plan: &PartitionPlan) -> Result<Adopted, Store
         .await?
         .rows_affected();
     // The keys are unique already; the trigger guards every insert from here on.
-    (&mut *transaction).execute(ADOPT_FINISH).await?;
+    (&mut *transaction).execute(ADOPT_DROP_OLD).await?;
+    (&mut *transaction).execute(ONE_ROW_PER_KEY).await?;
     transaction.commit().await?;
     Ok(Adopted {
         partitions: created,
@@ -520,44 +521,12 @@ CREATE TABLE idempotency_partitioning (
 
 /// After the copy: the old table goes, and the trigger that keeps `(tenant, key)` unique across
 /// partitions guards every insert (see the module's documentation for why it is enough).
-const ADOPT_FINISH: &str = r#"
-DROP TABLE idempotency_keys_unpartitioned;
+const ADOPT_DROP_OLD: &str = "DROP TABLE idempotency_keys_unpartitioned";
 
--- The claim lock of a key, as the engine computes it (claim_lock.rs): the first 8 bytes of
--- SHA-256("idemflow claim" NUL tenant NUL key), big-endian, as a signed bigint. STABLE, as its
--- body is (convert_to is): PostgreSQL then writes the body into the trigger's expression instead
--- of running a SQL function on each insert, which set it up anew in every transaction and took
--- a third of a bare insert's time (docs/benchmarks.md, "The claim lock's function").
-CREATE FUNCTION idemflow_claim_lock(tenant text, key text) RETURNS bigint
-    LANGUAGE sql STABLE STRICT PARALLEL SAFE
-    RETURN ('x' || encode(substr(sha256('\x6964656d666c6f7720636c61696d00'::bytea
-                                        || convert_to(tenant, 'UTF8') || '\x00'::bytea
-                                        || convert_to(key, 'UTF8')), 1, 8), 'hex'))::bit(64)::bigint;
-
--- A PL/pgSQL function: at Read Committed its query takes a snapshot of its own, after the lock.
--- It runs with its owner's rights (and search path), so the runtime role needs no grant for it:
--- inserting into the keys table is what it needs, as unpartitioned.
-CREATE FUNCTION idempotency_keys_one_row_per_key() RETURNS trigger
-    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $body$
-BEGIN
-    PERFORM pg_advisory_xact_lock(idemflow_claim_lock(NEW.tenant, NEW.key));
-    IF EXISTS (SELECT 1 FROM idempotency_keys WHERE tenant = NEW.tenant AND key = NEW.key) THEN
-        RAISE EXCEPTION 'duplicate key value violates unique constraint "idempotency_keys_pkey"'
-            USING ERRCODE = 'unique_violation', CONSTRAINT = 'idempotency_keys_pkey',
-                  TABLE = 'idempotency_keys',
-                  DETAIL = 'The key exists in a partition of the keys table.';
-    END IF;
-    RETURN NEW;
-END
-$body$;
-
-CREATE TRIGGER idempotency_keys_one_row_per_key BEFORE INSERT ON idempotency_keys
-    FOR EACH ROW EXECUTE FUNCTION idempotency_keys_one_row_per_key();
-
--- Nobody calls them but the trigger.
-REVOKE EXECUTE ON FUNCTION idemflow_claim_lock(text, text) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION idempotency_keys_one_row_per_key() FROM PUBLIC;
-"#;
+/// The trigger and its claim-lock function: one definition, the migration's, which also redefines
+/// them on tables adopted before it (a fixed search path, READ COMMITTED only; the file says why).
+const ONE_ROW_PER_KEY: &str =
+    include_str!("../../../migrations/20261202000200_one_row_per_key_fixed_path.sql");
 
 #[cfg(test)]
 mod tests {
@@ -634,6 +603,88 @@ mod tests {
         .await
         .expect("the migration");
         assert!(claim_lock_is_inlined(&pool).await);
+    }
+
+    /// The trigger's functions as [`adopt`] defined them before the migration
+    /// `one_row_per_key_fixed_path`: the search path of the adopting session, names unqualified.
+    const ADOPTED_BEFORE_FIXED_PATH: &str = r#"
+        CREATE OR REPLACE FUNCTION idemflow_claim_lock(tenant text, key text) RETURNS bigint
+            LANGUAGE sql STABLE STRICT PARALLEL SAFE
+            RETURN ('x' || encode(substr(sha256('\x6964656d666c6f7720636c61696d00'::bytea
+                                                || convert_to(tenant, 'UTF8') || '\x00'::bytea
+                                                || convert_to(key, 'UTF8')), 1, 8), 'hex'))::bit(64)::bigint;
+        CREATE OR REPLACE FUNCTION idempotency_keys_one_row_per_key() RETURNS trigger
+            LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $body$
+        BEGIN
+            PERFORM pg_advisory_xact_lock(idemflow_claim_lock(NEW.tenant, NEW.key));
+            IF EXISTS (SELECT 1 FROM idempotency_keys WHERE tenant = NEW.tenant AND key = NEW.key) THEN
+                RAISE EXCEPTION 'duplicate key value violates unique constraint "idempotency_keys_pkey"'
+                    USING ERRCODE = 'unique_violation', CONSTRAINT = 'idempotency_keys_pkey';
+            END IF;
+            RETURN NEW;
+        END
+        $body$;
+    "#;
+
+    /// The definitions of the engine's functions, as the catalog prints them, and the settings
+    /// they run with.
+    async fn functions(pool: &PgPool) -> Vec<(String, Option<Vec<String>>)> {
+        sqlx::query_as(
+            "SELECT pg_get_functiondef(oid), proconfig FROM pg_proc \
+             WHERE proname IN ('idemflow_claim_lock', 'idempotency_keys_one_row_per_key') \
+             ORDER BY proname",
+        )
+        .fetch_all(pool)
+        .await
+        .expect("functions")
+    }
+
+    /// Every function the engine creates resolves names on a fixed path that searches the
+    /// session's temporary schema last (the SECURITY DEFINER trigger's SET clause), or names
+    /// everything qualified (the claim lock, which a SET clause would keep out of the trigger's
+    /// expression); and a table adopted before that was so, once migrated, has exactly the
+    /// functions a table adopted now has.
+    #[sqlx::test(migrator = "crate::MIGRATOR")]
+    async fn the_triggers_functions_resolve_names_on_a_fixed_path_adopted_now_or_before(
+        pool: PgPool,
+    ) {
+        adopt(&pool, &PartitionPlan::default())
+            .await
+            .expect("adopt");
+        let adopted_now = functions(&pool).await;
+        assert_eq!(adopted_now.len(), 2);
+        assert_eq!(adopted_now[0].1, None, "the claim lock takes no SET clause");
+        assert_eq!(
+            adopted_now[1].1.as_deref(),
+            Some(&["search_path=pg_catalog, public, pg_temp".to_owned()][..])
+        );
+        let body = &adopted_now[1].0;
+        assert!(
+            body.contains("public.idempotency_keys") && body.contains("public.idemflow_claim_lock"),
+            "{body}"
+        );
+
+        sqlx::raw_sql(ADOPTED_BEFORE_FIXED_PATH)
+            .execute(&pool)
+            .await
+            .expect("as adopted before");
+        assert_ne!(functions(&pool).await, adopted_now);
+        sqlx::raw_sql(ONE_ROW_PER_KEY)
+            .execute(&pool)
+            .await
+            .expect("the migration");
+        assert_eq!(functions(&pool).await, adopted_now);
+        assert!(claim_lock_is_inlined(&pool).await);
+    }
+
+    /// On the unpartitioned layout the migration does nothing: no function, no trigger.
+    #[sqlx::test(migrator = "crate::MIGRATOR")]
+    async fn the_trigger_migration_leaves_an_unpartitioned_table_alone(pool: PgPool) {
+        sqlx::raw_sql(ONE_ROW_PER_KEY)
+            .execute(&pool)
+            .await
+            .expect("the migration");
+        assert!(functions(&pool).await.is_empty());
     }
 
     #[test]

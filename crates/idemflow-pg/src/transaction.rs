@@ -36,10 +36,18 @@ pub struct Limits {
     pub idle_timeout: Option<Duration>,
 }
 
+/// How every transaction of the engine begins: at Read Committed, stated, whatever the database's
+/// or the role's `default_transaction_isolation`. The protocol's arguments are made at Read
+/// Committed (docs/protocol.md): the partitioned layout's uniqueness check needs a snapshot taken
+/// after the claim lock, which only Read Committed gives a statement (its trigger refuses any other
+/// level), and a fenced write that meets a concurrent update must re-check its fence, not fail
+/// with a serialization error. Part of the `BEGIN`'s own message: no round trip of its own.
+pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
 impl Limits {
-    /// `BEGIN`, then a `SET LOCAL` per limit: integers formatted here, nothing else.
+    /// [`BEGIN`], then a `SET LOCAL` per limit: integers formatted here, nothing else.
     pub(crate) fn begin_statement(&self) -> String {
-        let mut sql = String::from("BEGIN");
+        let mut sql = String::from(BEGIN);
         for (setting, limit) in [
             ("statement_timeout", self.statement_timeout),
             ("idle_in_transaction_session_timeout", self.idle_timeout),
@@ -71,10 +79,7 @@ impl Transaction {
 
     /// Begins a transaction on a connection the caller already holds.
     pub async fn begin_on(connection: PoolConnection<Postgres>) -> Result<Self, sqlx::Error> {
-        match Self::begin_with(connection, None).await {
-            Ok(transaction) => Ok(transaction),
-            Err((error, _connection)) => Err(error),
-        }
+        Self::begin_limited(connection, &Limits::default()).await
     }
 
     /// Begins a transaction under `limits`, on a connection the caller holds.
@@ -82,8 +87,7 @@ impl Transaction {
         connection: PoolConnection<Postgres>,
         limits: &Limits,
     ) -> Result<Self, sqlx::Error> {
-        let statement = (*limits != Limits::default())
-            .then(|| AssertSqlSafe(limits.begin_statement()).into_sql_str());
+        let statement = AssertSqlSafe(limits.begin_statement()).into_sql_str();
         match Self::begin_with(connection, statement).await {
             Ok(transaction) => Ok(transaction),
             Err((error, _connection)) => Err(error),
@@ -98,15 +102,15 @@ impl Transaction {
         self.open = false;
     }
 
-    /// Begins with `statement` (a `BEGIN` followed by more statements in one message) or a plain
-    /// `BEGIN`. On failure the connection is handed back idle: the failed transaction was rolled
+    /// Begins with `statement`: [`BEGIN`], and more statements in the same message. On failure the
+    /// connection is handed back idle: the failed transaction was rolled
     /// back (or, when even that failed, the connection will close rather than return to the pool).
     pub(crate) async fn begin_with(
         connection: PoolConnection<Postgres>,
-        statement: Option<SqlStr>,
+        statement: SqlStr,
     ) -> Result<Self, (sqlx::Error, PoolConnection<Postgres>)> {
         let mut beginning = Beginning(Some(connection));
-        let result = PgTransactionManager::begin(beginning.connection(), statement).await;
+        let result = PgTransactionManager::begin(beginning.connection(), Some(statement)).await;
         match result {
             Ok(()) => Ok(Self {
                 connection: Some(beginning.finish()),
