@@ -29,6 +29,10 @@ enum Act {
     HangHere,
     /// Waits for a row lock the test holds.
     HangInDatabase,
+    /// Works outside the database until just before its time limit (1 s), then starts a
+    /// statement that runs past it: the server cancels it only at its own statement_timeout,
+    /// well after the runner stopped waiting and closed the connection.
+    HangInDatabaseLate,
     /// Returns an output holding U+0000, which jsonb cannot store.
     Unstorable,
     /// Inserts a row that breaks a deferred constraint: the statement succeeds, COMMIT fails.
@@ -93,6 +97,14 @@ async fn act(
                 .execute(connection)
                 .await?;
             Ok("got the lock".to_owned())
+        }
+        Act::HangInDatabaseLate => {
+            let connection = connection.expect("a local phase");
+            tokio::time::sleep(Duration::from_millis(950)).await;
+            sqlx::query("SELECT pg_sleep(30)")
+                .execute(connection)
+                .await?;
+            Ok("slept".to_owned())
         }
         Act::Unstorable => Ok("nul \u{0} inside".to_owned()),
         Act::BreakAtCommit => {
@@ -581,6 +593,38 @@ async fn a_local_phase_that_hangs_outside_the_database_is_stopped_and_counts(poo
     expire_lease(&pool, "k").await;
     executed(&run(&runner, &workflow, &tenant(1), "k", &order(7)).await);
     assert_eq!(effects(&pool, "k", "place").await, 1);
+}
+
+/// A local phase that overruns inside the database, on the claim and on client retries that take
+/// the key over. The claim's transaction is kept, and the statement's late answer (cancelled by
+/// the server's statement_timeout) must not be taken for the claim's loss: the attempt is recorded
+/// under the claim. A retry's takeover is given up with its connection (closed), but the server
+/// does not notice while the statement runs, so that session holds the uncommitted takeover and
+/// the claim lock until its statement_timeout ends it; the record must wait for it (bounded)
+/// rather than find the lock taken and answer 409 with nothing recorded. Each attempt counts, and
+/// the budget is spent.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn client_retries_whose_phase_overruns_in_the_database_spend_the_attempt_budget(
+    pool: PgPool,
+) {
+    tables(&pool).await;
+    let scripts = Scripts::default();
+    scripts.place.then(&[Act::HangInDatabaseLate; 10]);
+    let (runner, workflow) = (Runner::new(pool.clone()), scripts.local_only(3));
+    let outcomes = retry_until_done(&runner, &workflow, "k", 6).await;
+    let Some(Ok(Outcome::Executed(response))) = outcomes.last() else {
+        panic!("{outcomes:?}");
+    };
+    assert_eq!(response.status, 500, "{outcomes:?}");
+    assert!(String::from_utf8_lossy(&response.body).contains("gave up after 3 attempts"));
+    assert_eq!(scripts.place.runs(), 3, "{outcomes:?}");
+    assert!(
+        outcomes[..outcomes.len() - 1]
+            .iter()
+            .all(|outcome| matches!(outcome, Ok(Outcome::Interrupted { .. }))),
+        "every overrun is a recorded attempt, none a 409: {outcomes:?}"
+    );
+    assert_eq!(effects(&pool, "k", "place").await, 0);
 }
 
 // ---------------------------------------------------------------------------------------------

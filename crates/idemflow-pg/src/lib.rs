@@ -29,6 +29,7 @@ mod take_over;
 mod transaction;
 
 pub use claim::{ClaimRequest, Claimed, begin_claim};
+pub use claim_lock::wait_for_claim_lock;
 pub use transaction::{BEGIN, Limits, Transaction};
 
 pub use maintenance::{

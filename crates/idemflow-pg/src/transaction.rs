@@ -157,9 +157,24 @@ impl Transaction {
     /// every effect since the claim is undone and the claim is kept, still uncommitted, so a
     /// failed first attempt is recorded under it. Works in a transaction a failed statement
     /// aborted; an error means the connection (and with it the claim) is gone.
+    ///
+    /// A phase stopped past its time limit may have left a statement in flight: sqlx reads that
+    /// statement's answer before sending the next one, and reports an error in it (the server's
+    /// `statement_timeout` cancelling it, say) as the next statement's own, which then was never
+    /// sent. So an error from the server is followed by one more try; only a second one, or a
+    /// lost connection, means the claim is gone.
     pub async fn back_to_claim(&mut self) -> Result<(), sqlx::Error> {
-        sqlx::Executor::execute(&mut **self.held(), crate::statements::BACK_TO_CLAIM).await?;
-        Ok(())
+        let first =
+            sqlx::Executor::execute(&mut **self.held(), crate::statements::BACK_TO_CLAIM).await;
+        match first {
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(_)) => {
+                sqlx::Executor::execute(&mut **self.held(), crate::statements::BACK_TO_CLAIM)
+                    .await?;
+                Ok(())
+            }
+            Err(error) => Err(error),
+        }
     }
 
     /// Rolls back and waits for the server to confirm.

@@ -12,7 +12,10 @@ use idemflow_core::{RecoveryPoint, StoredResponse};
 use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner};
 use serde_json::Value;
 
-use super::{Drive, FailedAttempt, Hold, Tx, attempt_of, fenced, problem, redacted_or_problem};
+use super::{
+    Drive, FailedAttempt, Hold, Tx, abandoned_session_wait, attempt_of, fenced, problem,
+    redacted_or_problem,
+};
 use crate::config::TerminalPolicy;
 use crate::deadline::Within;
 use crate::erased::GiveUp;
@@ -349,6 +352,18 @@ impl Drive<'_> {
             }
             Hold::TakeOver { seen } => {
                 let mut tx = begin_live(warm, workflow.limits()).await?;
+                // The attempt's transaction was given up mid-statement: its session still holds
+                // the uncommitted takeover until the server ends the statement. Waiting for it
+                // (bounded) is what lets this attempt be counted; trying, as a takeover does,
+                // found the lock taken, and every such retry answered 409 with nothing recorded.
+                if self.abandoned {
+                    let wait = abandoned_session_wait(workflow);
+                    let (tenant, key) = (self.owner.tenant(), self.owner.key());
+                    if !store::wait_for_claim_lock(&mut tx, tenant, key, wait).await? {
+                        tx.rollback().await?;
+                        return Ok(None);
+                    }
+                }
                 let taken = store::take_over(
                     &mut tx,
                     self.owner.tenant(),

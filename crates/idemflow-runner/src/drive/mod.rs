@@ -18,7 +18,7 @@ mod entry;
 mod failure;
 mod steps;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use idemflow_core::{Fingerprint, StoredResponse};
 use idemflow_pg::{Owner, StoreError, TakenOver};
@@ -214,6 +214,10 @@ struct Drive<'r> {
     /// The claim's first `COMMIT` was refused (a deferred constraint): the claim vanished at a
     /// moment this owner knows, one round trip before its failure record claims the key again.
     claim_refused: bool,
+    /// The attempt's transaction was given up past a phase's time limit, its connection closed
+    /// with a statement perhaps still running: until the server ends that statement, its session
+    /// holds whatever the transaction locked (an uncommitted takeover's row and claim lock).
+    abandoned: bool,
 }
 
 impl Runner {
@@ -263,6 +267,7 @@ impl Runner {
             pending_foreign: None,
             lease_from,
             claim_refused: false,
+            abandoned: false,
         };
         let ran = match drive.enter(entry, last_error) {
             Ok((position, carry)) => drive.run(position, carry).await,
@@ -283,9 +288,16 @@ impl Runner {
             Err(Stop::Failed(failure)) => {
                 // Recording takes a few statements and perhaps the failure path (a local phase):
                 // bounded as a whole, so a database gone quiet cannot hold the request.
+                // After an abandoned transaction, the wait for its session to end comes on top.
+                let abandoned_wait = if drive.abandoned {
+                    abandoned_session_wait(workflow)
+                } else {
+                    Duration::ZERO
+                };
                 let limit = 4 * self.config.database_timeout
                     + workflow.default_local_timeout()
-                    + overrun_grace(workflow.default_local_timeout());
+                    + overrun_grace(workflow.default_local_timeout())
+                    + abandoned_wait;
                 drive.fail(*failure).within(limit).await?
             }
         }
@@ -394,4 +406,15 @@ fn problem(status: u16, code: &str, detail: &str) -> StoredResponse {
         "Error"
     };
     StoredResponse::problem_of(status, title, code, detail)
+}
+
+/// How long a session abandoned past a phase's time limit may live on: its last statement began
+/// before the runner gave it up, and the server cancels it at the workflow's longest local limit
+/// (the transaction's `statement_timeout`); then it reads the closed socket and ends.
+pub(crate) fn abandoned_session_wait(workflow: &Workflow) -> Duration {
+    let limit = workflow
+        .limits()
+        .statement_timeout
+        .unwrap_or_else(|| workflow.default_local_timeout());
+    limit + overrun_grace(limit)
 }

@@ -70,6 +70,7 @@ impl Drive<'_> {
                     && let Some(tx) = self.tx.take()
                 {
                     tx.abandon();
+                    self.abandoned = true;
                 }
                 Err(Stop::failed(failure(PhaseError::retryable(format!(
                     "timed out after {limit:?}"
