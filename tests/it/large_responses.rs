@@ -280,3 +280,65 @@ async fn retention_deletes_bodies_apart_with_their_keys(pool: PgPool) {
     assert_eq!(left, ["recent"]);
     assert_eq!(orphans(&pool).await, 0);
 }
+
+/// A replay reads the key's row, then its body apart in a second statement; retention deleting
+/// the key and a new request claiming and finishing it in between (here: one transaction the
+/// replay's second statement waits for, holding the bodies' table) must not make the replay
+/// answer the old life's status and headers with the new life's body. The body read names the
+/// row's life (`created_at`): it finds nothing, and the key is looked up again.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_replay_never_mixes_one_life_of_its_key_with_another(pool: PgPool) {
+    setup(&pool).await;
+    let runner = runner(&pool, None);
+    let bytes = RunnerConfig::DEFAULT_RESPONSE_APART_ABOVE + 1;
+    let Outcome::Executed(first) = send(&runner, "k", bytes).await else {
+        panic!("executed");
+    };
+    assert!(placement(&pool, "k").await.1);
+
+    let mut other_life = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE idempotency_responses IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *other_life)
+        .await
+        .unwrap();
+    let replay = {
+        let runner = runner.clone();
+        tokio::spawn(async move { send(&runner, "k", bytes).await })
+    };
+    // The replay read the row and waits on the bodies' table.
+    let mut waited = 0;
+    while count(
+        &pool,
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE wait_event_type = 'Lock' AND query LIKE '%FROM idempotency_responses%'",
+    )
+    .await
+        == 0
+    {
+        waited += 1;
+        assert!(waited < 500, "the replay never waited for the body");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Meanwhile: the key expired and deleted, claimed again by the same request, and finished
+    // with another answer (a later life; the same fingerprint, so the retry is its replay).
+    sqlx::raw_sql(
+        "UPDATE idempotency_keys SET created_at = created_at + interval '1 second', \
+                response_status = 202 WHERE key = 'k'; \
+         UPDATE idempotency_responses SET created_at = created_at + interval '1 second', \
+                body = 'another life' WHERE key = 'k'",
+    )
+    .execute(&mut *other_life)
+    .await
+    .unwrap();
+    other_life.commit().await.unwrap();
+
+    let Outcome::Replayed(replayed) = replay.await.unwrap() else {
+        panic!("a replay");
+    };
+    assert!(
+        (replayed.status == 202 && replayed.body == b"another life") || replayed == first,
+        "one life's status with another's body: {} and {:?}",
+        replayed.status,
+        String::from_utf8_lossy(&replayed.body[..replayed.body.len().min(40)])
+    );
+}

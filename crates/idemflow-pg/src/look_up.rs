@@ -65,7 +65,8 @@ pub async fn look_up(
     key: &Key,
 ) -> Result<LookUp, StoreError> {
     // A body stored apart is read by a second statement, and retention may delete the key in
-    // between: then the key is looked up again (it is gone, or someone claimed it anew).
+    // between: then the key is looked up again (it is gone, or someone claimed it anew; the
+    // body read names the life the row was, so it never finds the new life's body).
     for _ in 0..LOOK_UP_ROUNDS {
         if let Some(looked) = look_up_once(connection, tenant, key).await? {
             return Ok(looked);
@@ -109,10 +110,14 @@ async fn look_up_once(
     let response = if done {
         let (mut response, in_row) = stored_response(&row)?;
         if !in_row {
-            // Stored apart (a done key has its body in the row or apart: the schema says so).
+            // Stored apart (a done key has its body in the row or apart: the schema says so),
+            // read for this row's life: after a delete and a new claim in between, the body
+            // there is another life's, with another status and headers.
+            let life: Option<i64> = row.get("life");
             let body: Option<Vec<u8>> = sqlx::query_scalar(statements::RESPONSE_APART)
                 .bind(tenant.as_str())
                 .bind(key.as_str())
+                .bind(life)
                 .fetch_optional(&mut *connection)
                 .await?;
             let Some(body) = body else {
@@ -186,7 +191,8 @@ pub async fn inspect(
                 lock_version, attempts, last_error, response_status, response_headers, \
                 coalesce(response_body, \
                          (SELECT body FROM idempotency_responses AS apart \
-                          WHERE apart.tenant = keys.tenant AND apart.key = keys.key)) \
+                          WHERE apart.tenant = keys.tenant AND apart.key = keys.key \
+                            AND apart.created_at = keys.created_at)) \
                     AS response_body \
          FROM idempotency_keys AS keys WHERE tenant = $1 AND key = $2",
     )

@@ -12,10 +12,12 @@
 pub const LOOK_UP: &str = "(SELECT fingerprint, workflow, state = 'done' AS done, \
          ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint AS lease_left_ms, \
          lock_version, response_status, response_headers, response_body, \
+         CASE WHEN response_apart THEN (extract(epoch FROM created_at) * 1000000)::bigint END \
+             AS life, \
          false AS claiming, NULL AS new_lock_version \
   FROM idempotency_keys WHERE tenant = $1 AND key = $2) \
  UNION ALL \
- (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
+ (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
          NOT pg_try_advisory_xact_lock_shared($3), \
          nextval('idempotency_keys_fence')) \
  LIMIT 1";
@@ -79,9 +81,13 @@ pub const FINISH_APART: &str = "WITH finished AS ( \
  SELECT tenant, key, created_at, $7 FROM finished \
  ON CONFLICT (tenant, key) DO UPDATE SET body = excluded.body, created_at = excluded.created_at";
 
-/// The body of a response stored apart ([`FINISH_APART`]): `$1` tenant, `$2` key.
-pub const RESPONSE_APART: &str =
-    "SELECT body FROM idempotency_responses WHERE tenant = $1 AND key = $2";
+/// The body of a response stored apart ([`FINISH_APART`]) for one life of its key: `$1` tenant,
+/// `$2` key, `$3` the life, the key's `created_at` in microseconds since the Unix epoch, as the
+/// look-up read it (`life`). A body of another life (the key deleted and claimed again between
+/// the look-up and this read) is not this row's, and is not read.
+pub const RESPONSE_APART: &str = "SELECT body FROM idempotency_responses \
+     WHERE tenant = $1 AND key = $2 \
+       AND (extract(epoch FROM created_at) * 1000000)::bigint = $3";
 
 /// A fresh fencing token.
 pub const NEXT_FENCE: &str = "SELECT nextval('idempotency_keys_fence')";

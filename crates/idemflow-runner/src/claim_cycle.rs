@@ -121,7 +121,7 @@ impl Runner {
                 // The look-up ran outside any transaction: the connection is idle.
                 self.warm.keep(connection);
                 let sealer = self.sealer(tenant, &accepted.key);
-                return answer(workflow, decision, row.response, &sealer);
+                return answer(workflow, decision, row.response, row.lock_version, &sealer);
             }
             let wait = self.config.database_timeout;
             match Box::pin(take_over(
@@ -304,13 +304,15 @@ fn answer(
     workflow: &Workflow,
     decision: Decision,
     response: Option<StoredResponse>,
+    lock_version: i64,
     sealer: &Sealer<'_>,
 ) -> Result<Outcome, RunError> {
     match decision {
         Decision::Replay => {
             let response = response
                 .ok_or_else(|| RunError::Corrupt("a done key without a response".into()))?;
-            let response = sealer.open_response(response)?;
+            // The done row's token is the token of the owner that stored the response.
+            let response = sealer.open_response(response, lock_version)?;
             metrics::count(metrics::REPLAYS, workflow.name());
             tracing::debug!(status = response.status, "replayed");
             Ok(Outcome::Replayed(response))

@@ -8,10 +8,14 @@
 //!
 //! Each sealed value names its key id, so keys rotate value by value: a row's request may be
 //! sealed under the key of the day it was claimed and its response under the next one. A value
-//! is `version (1) ‖ nonce (12 random bytes) ‖ ciphertext ‖ tag (16)`, with associated data
+//! is `format (1 byte) ‖ nonce (12 random bytes) ‖ ciphertext ‖ tag (16)`, with associated data
 //! binding it to its key id, tenant, key and slot (`request`, `phase_output:<recovery point>`,
 //! `response`): moved to another row, column or recovery point, it does not open, and that is a
-//! [`SealError::NotAuthentic`], never another row's data. Where it goes:
+//! [`SealError::NotAuthentic`], never another row's data. A response (format 2) is bound to its
+//! life and status too: to the fencing token of the owner that stored it (the row keeps it once
+//! done, and a token never repeats for a key) and to the status the row shows beside it, so a
+//! body of another life of the key, or under another status, does not open either. Responses
+//! sealed in format 1, before that, open as they were sealed. Where it goes:
 //!
 //! - `request`, `phase_output` (jsonb): `{"idemflow:sealed": "<key id>", "data": "<base64>"}`;
 //! - the response: `response_headers` is `[["idemflow:sealed", "<key id>"]]` (no HTTP header
@@ -36,12 +40,16 @@ use serde_json::Value;
 pub(crate) const MARKER: &str = "idemflow:sealed";
 /// The member holding a sealed JSON value's bytes, in base64.
 const DATA: &str = "data";
-/// The format of a sealed value's bytes: the first byte.
-const VERSION: u8 = 1;
+/// The format of a sealed value's bytes, its first byte: 1 binds a value to its key id, tenant,
+/// key and slot; 2 (responses) also to the storing owner's token and the status.
+const FORMAT_PLACE: u8 = 1;
+const FORMAT_LIFE: u8 = 2;
 const NONCE_BYTES: usize = 12;
 const TAG_BYTES: usize = 16;
-/// Associated data begins with this, so nothing else sealed under the same key opens as ours.
-const CONTEXT: &[u8] = b"idemflow:sealed:v1";
+/// Associated data begins with this (by format), so nothing else sealed under the same key opens
+/// as ours.
+const CONTEXT_PLACE: &[u8] = b"idemflow:sealed:v1";
+const CONTEXT_LIFE: &[u8] = b"idemflow:sealed:v2";
 
 /// AES-256-GCM keys by id: the current one seals, every one opens what was sealed under its id.
 ///
@@ -154,7 +162,8 @@ impl Keyring {
         // values one key may seal.
         let nonce = <[u8; NONCE_BYTES]>::try_generate()
             .map_err(|error| SealError::Sealing(format!("no random nonce: {error}")))?;
-        let aad = context.associated_data(id);
+        let format = context.format();
+        let aad = context.associated_data(id, format);
         let sealed = cipher
             .encrypt(
                 &nonce.into(),
@@ -166,7 +175,7 @@ impl Keyring {
             // Only a plaintext over 64 GiB fails; the database holds 1 GB a value.
             .map_err(|_| SealError::Sealing("the value is too long to seal".to_owned()))?;
         let mut out = Vec::with_capacity(1 + NONCE_BYTES + sealed.len());
-        out.push(VERSION);
+        out.push(format);
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&sealed);
         Ok(Some((id, out)))
@@ -177,11 +186,14 @@ impl Keyring {
         let Some((_, cipher)) = self.inner.keys.iter().find(|(known, _)| known == id) else {
             return Err(context.unknown(id));
         };
-        let (version, rest) = sealed
+        let (&format, rest) = sealed
             .split_first()
             .ok_or_else(|| context.malformed("it is empty"))?;
-        if *version != VERSION {
-            return Err(context.malformed(&format!("unknown format {version}")));
+        // A response in format 1 was sealed before responses were bound to their life; every
+        // other value, and every response sealed since, must be in the context's own format.
+        let legacy_response = format == FORMAT_PLACE && context.life.is_some();
+        if format != context.format() && !legacy_response {
+            return Err(context.malformed(&format!("unknown format {format}")));
         }
         if rest.len() < NONCE_BYTES + TAG_BYTES {
             return Err(context.malformed("it is too short"));
@@ -190,7 +202,7 @@ impl Keyring {
         let nonce: [u8; NONCE_BYTES] = nonce
             .try_into()
             .map_err(|_| context.malformed("no nonce"))?;
-        let aad = context.associated_data(id);
+        let aad = context.associated_data(id, format);
         cipher
             .decrypt(
                 &nonce.into(),
@@ -278,16 +290,34 @@ impl std::fmt::Display for Slot<'_> {
     }
 }
 
-/// A value's place: whose key, which slot.
+/// A value's place: whose key, which slot; for a response, which life and status.
 struct Context<'a> {
     tenant: &'a TenantId,
     key: &'a Key,
     slot: Slot<'a>,
+    life: Option<Life>,
+}
+
+/// What binds a response to one life of its key: the fencing token of the owner that stored it
+/// (the row's `lock_version` once done) and the status stored beside it.
+#[derive(Debug, Clone, Copy)]
+struct Life {
+    lock_version: i64,
+    status: u16,
 }
 
 impl Context<'_> {
-    /// The context, the key id, tenant, key and slot, each preceded by its length.
-    fn associated_data(&self, key_id: &str) -> Vec<u8> {
+    fn format(&self) -> u8 {
+        if self.life.is_some() {
+            FORMAT_LIFE
+        } else {
+            FORMAT_PLACE
+        }
+    }
+
+    /// The format's context, then the key id, tenant, key and slot, each preceded by its length;
+    /// in format 2, the life's token and status after them.
+    fn associated_data(&self, key_id: &str, format: u8) -> Vec<u8> {
         let slot = self.slot.to_string();
         let parts = [
             key_id.as_bytes(),
@@ -296,13 +326,21 @@ impl Context<'_> {
             slot.as_bytes(),
         ];
         let mut aad = Vec::with_capacity(
-            CONTEXT.len() + 16 + parts.iter().map(|part| part.len()).sum::<usize>(),
+            CONTEXT_LIFE.len() + 26 + parts.iter().map(|part| part.len()).sum::<usize>(),
         );
-        aad.extend_from_slice(CONTEXT);
+        aad.extend_from_slice(if format == FORMAT_LIFE {
+            CONTEXT_LIFE
+        } else {
+            CONTEXT_PLACE
+        });
         for part in parts {
             // Each part is at most a few hundred bytes (a key is 255 at most).
             aad.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
             aad.extend_from_slice(part);
+        }
+        if let (FORMAT_LIFE, Some(life)) = (format, self.life) {
+            aad.extend_from_slice(&life.lock_version.to_be_bytes());
+            aad.extend_from_slice(&life.status.to_be_bytes());
         }
         aad
     }
@@ -339,6 +377,17 @@ impl Sealer<'_> {
             tenant: self.tenant,
             key: self.key,
             slot,
+            life: None,
+        }
+    }
+
+    fn response_context(&self, lock_version: i64, status: u16) -> Context<'_> {
+        Context {
+            life: Some(Life {
+                lock_version,
+                status,
+            }),
+            ..self.context(Slot::Response)
         }
     }
 
@@ -377,10 +426,12 @@ impl Sealer<'_> {
             .map_err(|error| context.malformed(&format!("not JSON once opened: {error}")))
     }
 
-    /// A response as it is stored: status readable, headers and body sealed together.
+    /// A response as it is stored by the owner holding `lock_version`: status readable, headers
+    /// and body sealed together, bound to that token and the status.
     pub(crate) fn seal_response<'r>(
         &self,
         response: &'r StoredResponse,
+        lock_version: i64,
     ) -> Result<Cow<'r, StoredResponse>, SealError> {
         let Some(keyring) = self.keyring.filter(|keyring| keyring.inner.sealing) else {
             return Ok(Cow::Borrowed(response));
@@ -393,7 +444,8 @@ impl Sealer<'_> {
         plaintext.extend_from_slice(&length.to_be_bytes());
         plaintext.extend_from_slice(&headers);
         plaintext.extend_from_slice(&response.body);
-        let Some((key_id, body)) = keyring.seal(&self.context(Slot::Response), &plaintext)? else {
+        let context = self.response_context(lock_version, response.status);
+        let Some((key_id, body)) = keyring.seal(&context, &plaintext)? else {
             return Ok(Cow::Borrowed(response));
         };
         Ok(Cow::Owned(StoredResponse {
@@ -403,16 +455,17 @@ impl Sealer<'_> {
         }))
     }
 
-    /// A stored response, opened.
+    /// A stored response, opened: `lock_version` is the token of the row it was read from.
     pub(crate) fn open_response(
         &self,
         response: StoredResponse,
+        lock_version: i64,
     ) -> Result<StoredResponse, SealError> {
         let key_id = match response.headers.as_slice() {
             [(name, key_id)] if name == MARKER => key_id,
             _ => return Ok(response),
         };
-        let context = self.context(Slot::Response);
+        let context = self.response_context(lock_version, response.status);
         let keyring = self.keyring.ok_or_else(|| context.unknown(key_id))?;
         let plaintext = keyring.open(&context, key_id, &response.body)?;
         let (length, rest) = plaintext
@@ -528,24 +581,82 @@ mod tests {
             .with_header("location", "/v1/cards/4242424242424242");
         let sealer_one = sealer(Some(&keyring), &tenant, &one);
         let sealed = sealer_one
-            .seal_response(&response)
+            .seal_response(&response, 7)
             .expect("sealed")
             .into_owned();
         assert_eq!(sealed.status, 201);
         assert_eq!(sealed.headers, vec![(MARKER.to_owned(), "k1".to_owned())]);
         assert!(!sealed.body.windows(4).any(|window| window == b"4242"));
-        assert_eq!(sealer_one.open_response(sealed.clone()), Ok(response));
+        assert_eq!(sealer_one.open_response(sealed.clone(), 7), Ok(response));
         assert!(matches!(
-            sealer(Some(&keyring), &tenant, &two).open_response(sealed.clone()),
+            sealer(Some(&keyring), &tenant, &two).open_response(sealed.clone(), 7),
             Err(SealError::NotAuthentic { .. })
         ));
         let mut altered = sealed;
         let last = altered.body.len() - 1;
         altered.body[last] ^= 1;
         assert!(matches!(
-            sealer_one.open_response(altered),
+            sealer_one.open_response(altered, 7),
             Err(SealError::NotAuthentic { .. })
         ));
+    }
+
+    /// A sealed response opens only for the life of its key it was stored in (the storing
+    /// owner's token, which the done row keeps) and under the status stored beside it: another
+    /// life's body, or the body shown under another status, is not authentic.
+    #[test]
+    fn a_sealed_response_opens_only_in_its_life_and_under_its_status() {
+        let (tenant, one, _) = names();
+        let keyring = Keyring::new("k1", [9; 32]).expect("keyring");
+        let sealer = sealer(Some(&keyring), &tenant, &one);
+        let response = StoredResponse::new(201, "created");
+        let sealed = sealer
+            .seal_response(&response, 41)
+            .expect("sealed")
+            .into_owned();
+        assert_eq!(sealed.body[0], FORMAT_LIFE);
+        assert_eq!(sealer.open_response(sealed.clone(), 41), Ok(response));
+        assert!(matches!(
+            sealer.open_response(sealed.clone(), 42),
+            Err(SealError::NotAuthentic { .. })
+        ));
+        let under_another_status = StoredResponse {
+            status: 200,
+            ..sealed
+        };
+        assert!(matches!(
+            sealer.open_response(under_another_status, 41),
+            Err(SealError::NotAuthentic { .. })
+        ));
+    }
+
+    /// A response sealed before responses were bound to their life (format 1) still opens.
+    #[test]
+    fn a_response_sealed_in_the_first_format_still_opens() {
+        let (tenant, one, _) = names();
+        let keyring = Keyring::new("k1", [9; 32]).expect("keyring");
+        let sealer = sealer(Some(&keyring), &tenant, &one);
+        let headers = serde_json::to_vec(&Vec::<(String, String)>::new()).expect("headers");
+        let mut plaintext = u32::try_from(headers.len())
+            .expect("length")
+            .to_be_bytes()
+            .to_vec();
+        plaintext.extend_from_slice(&headers);
+        plaintext.extend_from_slice(b"then");
+        let (_, body) = keyring
+            .seal(&sealer.context(Slot::Response), &plaintext)
+            .expect("sealed")
+            .expect("a sealing keyring");
+        assert_eq!(body[0], FORMAT_PLACE);
+        let stored = StoredResponse {
+            status: 200,
+            headers: vec![(MARKER.to_owned(), "k1".to_owned())],
+            body,
+        };
+        assert_eq!(
+            sealer.open_response(stored, 99),
+            Ok(StoredResponse::new(200, "then"))
+        );
     }
 
     #[test]
@@ -592,7 +703,7 @@ mod tests {
         );
         let response = StoredResponse::new(200, "ok");
         assert_eq!(
-            sealer_reading.seal_response(&response),
+            sealer_reading.seal_response(&response, 1),
             Ok(Cow::Borrowed(&response))
         );
         assert_eq!(
@@ -616,7 +727,7 @@ mod tests {
         let plain = json!({"idemflow:sealed": "k1"});
         assert_eq!(sealer.open_value(Slot::Request, plain.clone()), Ok(plain));
         let response = StoredResponse::new(200, "ok").with_header("content-type", "text/plain");
-        assert_eq!(sealer.open_response(response.clone()), Ok(response));
+        assert_eq!(sealer.open_response(response.clone(), 1), Ok(response));
         assert_eq!(
             Keyring::new("", [0; 32]).map(|_| ()),
             Err(KeyringError::InvalidKeyId(String::new()))

@@ -117,7 +117,9 @@ impl Drive<'_> {
         match (terminal_response, error.kind) {
             (Some(response), _) => {
                 let response = redacted_or_problem(self.workflow, response);
-                let stored = self.sealer().seal_response(&response)?;
+                let stored = self
+                    .sealer()
+                    .seal_response(&response, held.owner.lock_version())?;
                 let finished = store::finish(
                     &mut held.tx,
                     &held.owner,
@@ -221,7 +223,9 @@ impl Drive<'_> {
         };
         let response = self.failure_path(&mut held.tx, give_up).await?;
         let response = redacted_or_problem(workflow, response);
-        let stored = self.sealer().seal_response(&response)?;
+        let stored = self
+            .sealer()
+            .seal_response(&response, held.owner.lock_version())?;
         let finished = store::finish(
             &mut held.tx,
             &held.owner,
@@ -294,7 +298,9 @@ impl Drive<'_> {
             .await;
             tx = fenced(advanced, tx).await?;
         }
-        let stored = self.sealer().seal_response(response)?;
+        let stored = self
+            .sealer()
+            .seal_response(response, owner.lock_version())?;
         let apart_above = self.runner.config.response_apart_above;
         let finished = store::finish(&mut tx, &owner, recovery_point, &stored, apart_above).await;
         fenced(finished, tx).await?.commit().await?;

@@ -298,7 +298,7 @@ impl Drive<'_> {
             })?;
         let stored = self
             .sealer()
-            .seal_response(&response)
+            .seal_response(&response, self.owner.lock_version())
             .map_err(RunError::from)?;
         let open = opened(&mut self.tx, runner, workflow)
             .await?
