@@ -1077,3 +1077,56 @@ async fn a_reused_message_id_from_the_broker_is_refused_and_not_requeued(
     assert_eq!(queue.ready().await, 0);
     queue.delete().await;
 }
+
+/// A delivery dropped while its transaction's `BEGIN` is in flight (a timeout around `process`, a
+/// shutdown's `select!`) must not hand its connection back to a shared pool inside that
+/// transaction: the next user of the pool (a runner's look-up, another delivery) would run in it,
+/// keeping whatever it locked until someone commits. Here the BEGIN is slowed by the fault proxy,
+/// the delivery dropped while it travels, and the pool's next statements checked for transactions
+/// of their own.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_delivery_dropped_while_it_begins_leaves_no_transaction_in_the_pool(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, proxy) = crate::faults::pool_through(options, connect, 1).await;
+    sqlx::query(EFFECTS_TABLE).execute(&pool).await.unwrap();
+    let consumer = consumer(&pool, "projection").with_wait_limit(Duration::from_secs(1));
+    // The connection back in the pool, its release ping answered, before anything is slowed.
+    while pool.num_idle() < 1 {
+        tokio::task::yield_now().await;
+    }
+    proxy.delay(Duration::from_millis(300));
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        consumer.process(&Effects::default(), &message("m-1", "payload")),
+    )
+    .await;
+    assert!(dropped.is_err(), "the delivery was not dropped mid-BEGIN");
+    proxy.delay(Duration::ZERO);
+    // On the same connection (if it came back to the pool: the pool holds one), these go out
+    // after the BEGIN. Each statement on its own is a transaction of its own, with an id of its
+    // own; inside the dropped delivery's transaction they would share one.
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let id: i64 = sqlx::query_scalar("SELECT txid_current()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    let lock_timeout: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_ne!(
+        ids[0], ids[1],
+        "the pool's next statements ran inside the dropped delivery's transaction"
+    );
+    assert_eq!(
+        lock_timeout, "0",
+        "the dropped delivery's lock_timeout leaked"
+    );
+    assert_eq!(effects(&pool, "m-1").await, 0);
+    assert_eq!(recorded(&pool).await, 0);
+}

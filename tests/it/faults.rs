@@ -14,7 +14,7 @@ use crate::support::*;
 
 /// A pool of `size` connections through a fault proxy, every connection opened and idle, as the
 /// engine recommends it be built (no test before acquire: a ping per request is a round trip).
-async fn pool_through(
+pub(crate) async fn pool_through(
     options: PgPoolOptions,
     connect: PgConnectOptions,
     size: u32,

@@ -887,6 +887,7 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
         let limits = Limits {
             statement_timeout: Some(Duration::from_secs(5)),
             idle_timeout: Some(Duration::from_secs(10)),
+            lock_timeout: None,
         };
         let workflows = ["payments.v1".to_owned()];
         let mut connection = runtime.acquire().await.unwrap();

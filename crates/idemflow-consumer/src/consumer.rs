@@ -10,6 +10,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idemflow_pg::{Limits, Transaction};
 use sqlx::{PgConnection, PgPool};
 use tracing::Instrument;
 
@@ -126,8 +127,8 @@ pub struct Consumer {
     pool: PgPool,
     subscriber: Subscriber,
     crash_hook: Option<Arc<dyn CrashHook>>,
-    /// The transaction's `BEGIN`, with its `lock_timeout` when a wait limit is set.
-    begin: String,
+    /// What the transaction's `BEGIN` sets: its `lock_timeout` when a wait limit is set.
+    limits: Limits,
 }
 
 /// How often an identity found and gone again is tried before [`ConsumerError::Contended`].
@@ -142,7 +143,7 @@ impl Consumer {
             pool,
             subscriber,
             crash_hook: None,
-            begin: "BEGIN".to_owned(),
+            limits: Limits::default(),
         }
     }
 
@@ -152,9 +153,7 @@ impl Consumer {
     /// for as long as the other handler runs. Without a limit it waits as long as the server lets
     /// it. Sent with the `BEGIN`, in the same message: no round trip of its own.
     pub fn with_wait_limit(mut self, limit: Duration) -> Self {
-        // Whole milliseconds, at least one: `lock_timeout = 0` would mean no limit at all.
-        let millis = limit.as_millis().clamp(1, i32::MAX as u128);
-        self.begin = format!("BEGIN; SET LOCAL lock_timeout = {millis}");
+        self.limits.lock_timeout = Some(limit);
         self
     }
 
@@ -227,11 +226,13 @@ impl Consumer {
         handler: &H,
         message: &Message,
     ) -> Result<Processed, ConsumerError> {
-        // Only digits this crate formatted ever join the BEGIN (with_wait_limit).
-        let mut transaction = self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(self.begin.clone()))
-            .await?;
+        // The engine's transaction, not sqlx's: dropped while its BEGIN is in flight (a timeout
+        // around this call, a shutdown's select!), it closes the connection rather than hand it
+        // back to a shared pool inside the transaction, where the pool's next user (a runner's
+        // look-up) would run in it. And it states READ COMMITTED, which the duplicate's check
+        // needs (a fresh snapshot per statement).
+        let mut transaction =
+            Transaction::begin_limited(self.pool.acquire().await?, &self.limits).await?;
         let mut rounds = 0;
         // The identity before the effects: a second delivery in flight blocks here, on the
         // first's uncommitted row, rather than running the handler beside it.
@@ -291,8 +292,9 @@ impl Consumer {
                 return Err(ConsumerError::Handler(error));
             }
             Err(panic) => {
-                // The transaction may be mid-statement: dropped, it is closed and rolled back.
-                drop(transaction);
+                // The transaction may be mid-statement: its connection is closed, and the server
+                // rolls back.
+                transaction.abandon();
                 return Err(ConsumerError::Panicked(panic));
             }
         }

@@ -245,6 +245,7 @@ mod tests {
         let limits = Limits {
             statement_timeout: Some(Duration::from_millis(1500)),
             idle_timeout: Some(Duration::from_secs(2)),
+            lock_timeout: None,
         };
         for form in [Form::Prepared, Form::Inline] {
             let sql = claim_statement(&claim, &limits, form);

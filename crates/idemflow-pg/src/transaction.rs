@@ -34,6 +34,8 @@ pub struct Limits {
     /// `idle_in_transaction_session_timeout`: a session idle inside the transaction this long is
     /// ended by the server.
     pub idle_timeout: Option<Duration>,
+    /// `lock_timeout`: a statement waiting this long for a lock fails (`55P03`).
+    pub lock_timeout: Option<Duration>,
 }
 
 /// How every transaction of the engine begins: at Read Committed, stated, whatever the database's
@@ -51,6 +53,7 @@ impl Limits {
         for (setting, limit) in [
             ("statement_timeout", self.statement_timeout),
             ("idle_in_transaction_session_timeout", self.idle_timeout),
+            ("lock_timeout", self.lock_timeout),
         ] {
             if let Some(limit) = limit {
                 // 0 would mean "no limit": the shortest limit is a millisecond.

@@ -524,6 +524,7 @@ impl<Request> WorkflowBuilder<Request, StoredResponse> {
         let limits = Limits {
             statement_timeout: longest_local,
             idle_timeout: longest_local.map(|limit| limit + 2 * overrun_grace(limit)),
+            lock_timeout: None,
         };
         Ok(Workflow {
             name: self.name,
