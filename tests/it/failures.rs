@@ -37,6 +37,8 @@ enum Act {
     Unstorable,
     /// Inserts a row that breaks a deferred constraint: the statement succeeds, COMMIT fails.
     BreakAtCommit,
+    /// A retryable failure asking for a wait of this many seconds (a provider's `Retry-After`).
+    RetryAfterSecs(u64),
 }
 
 /// The acts of one phase, run by run; `Succeed` once the script is spent.
@@ -106,6 +108,10 @@ async fn act(
                 .await?;
             Ok("slept".to_owned())
         }
+        Act::RetryAfterSecs(seconds) => Err(PhaseError::retry_after(
+            "the provider asked for a wait",
+            Duration::from_secs(seconds),
+        )),
         Act::Unstorable => Ok("nul \u{0} inside".to_owned()),
         Act::BreakAtCommit => {
             let connection = connection.expect("a local phase");
@@ -625,6 +631,65 @@ async fn client_retries_whose_phase_overruns_in_the_database_spend_the_attempt_b
         "every overrun is a recorded attempt, none a 409: {outcomes:?}"
     );
     assert_eq!(effects(&pool, "k", "place").await, 0);
+}
+
+/// A wait a phase asks for (a provider's `Retry-After`) is bounded by the phase's policy: its
+/// longest backoff. Unbounded, `Retry-After: 1000000000` left the key started for decades (every
+/// client told 409 with that wait, no resumer taking it), and `10000000000000` made the database
+/// refuse the lease ("interval out of range") after the phase had run, so it ran again later.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_retry_after_a_phase_asks_for_is_bounded_by_its_policy(pool: PgPool) {
+    tables(&pool).await;
+    let policy = RetryPolicy {
+        max_attempts: 5,
+        max_backoff: Duration::from_secs(30),
+        ..patient()
+    };
+    for (key, asked) in [
+        ("decades", 1_000_000_000),
+        ("out-of-range", 10_000_000_000_000),
+    ] {
+        let scripts = Scripts::default();
+        scripts.notify.then(&[Act::RetryAfterSecs(asked)]);
+        let (runner, workflow) = (Runner::new(pool.clone()), scripts.chain_with(policy));
+        let outcome = runner
+            .run(
+                &workflow,
+                &tenant(1),
+                &idemflow::Key::parse(key).unwrap(),
+                request(&order(7)),
+            )
+            .await;
+        assert!(
+            matches!(&outcome, Ok(Outcome::Interrupted { retry_after, .. })
+                if *retry_after == policy.max_backoff),
+            "{key}: {outcome:?}"
+        );
+        let due_in: f64 = sqlx::query_scalar(
+            "SELECT extract(epoch FROM locked_until - now())::float8 FROM idempotency_keys \
+             WHERE key = $1 AND state = 'started'",
+        )
+        .bind(key)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(due_in <= 31.0, "{key}: due in {due_in} s");
+        assert!(matches!(
+            runner
+                .run(
+                    &workflow,
+                    &tenant(1),
+                    &idemflow::Key::parse(key).unwrap(),
+                    request(&order(7)),
+                )
+                .await,
+            Ok(Outcome::InProgress { retry_after }) if retry_after <= Duration::from_secs(31)
+        ));
+        expire_lease(&pool, key).await;
+        executed(&run(&runner, &workflow, &tenant(1), key, &order(7)).await);
+        assert_eq!(scripts.notify.runs(), 2, "{key}");
+        assert_eq!(effects(&pool, key, "place").await, 1);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -50,6 +50,18 @@ impl RetryPolicy {
         attempt >= self.max_attempts.max(1)
     }
 
+    /// The wait after the execution numbered `attempt` failed: what the phase asked for (a
+    /// provider's `Retry-After`), at most [`RetryPolicy::max_backoff`], or else
+    /// [`RetryPolicy::backoff`]. Bounded, because the wait is the key's lease: a provider asking
+    /// for a billion seconds would otherwise leave the key started for decades, every retry told
+    /// 409 and no resumer taking it.
+    pub fn wait(&self, asked: Option<Duration>, attempt: u32) -> Duration {
+        match asked {
+            Some(asked) => asked.min(self.max_backoff),
+            None => self.backoff(attempt),
+        }
+    }
+
     /// The wait after the execution numbered `attempt` failed, jitter included (only ever
     /// shorter than the exponential wait: a key is never due later than its policy says).
     pub fn backoff(&self, attempt: u32) -> Duration {

@@ -133,7 +133,7 @@ impl Drive<'_> {
                 Ok(Outcome::Executed(response))
             }
             (None, PhaseErrorKind::Retryable { retry_after }) if !exhausted => {
-                let retry_after = retry_after.unwrap_or_else(|| retry_policy.backoff(held.attempt));
+                let retry_after = retry_policy.wait(retry_after, held.attempt);
                 let postponed =
                     store::postpone(&mut held.tx, &held.owner, retry_after, &message).await;
                 let mut tx = fenced(postponed, held.tx).await?;
