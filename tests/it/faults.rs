@@ -555,3 +555,74 @@ async fn a_slow_network_changes_nothing_but_time(
     assert_eq!(slow.commits, fast.commits, "{slow:?} vs {fast:?}");
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 24);
 }
+
+/// Sessions the server ended while they sat idle in the pool (`idle_session_timeout`: FATAL
+/// 57P05, not a cut the pool sees) cost no client a failure, at the look-up and equally at the
+/// fence confirmation before a call (its renewal is the first statement on a connection taken from
+/// the pool, here the oldest idle one, dead). Without warm connections every statement but the
+/// claim's takes a connection from the pool.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn sessions_the_server_ended_while_idle_cost_no_client_a_failure(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let size = 4;
+    let pool = options
+        .max_connections(size)
+        .min_connections(0)
+        .test_before_acquire(false)
+        .connect_with(connect.options([("idle_session_timeout", "300")]))
+        .await
+        .unwrap();
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    // A charge timeout so close to the lease that every call confirms its fence first.
+    *harness.provider.timeout.lock().unwrap() = Some(Duration::from_millis(1900));
+    let checkout = harness.checkout_leased(Duration::from_secs(2));
+    let runner = Runner::with_config(
+        pool.clone(),
+        idemflow::RunnerConfig {
+            warm_connections: false,
+            ..idemflow::RunnerConfig::default()
+        },
+    );
+    for round in 0..3 {
+        let mut held = Vec::new();
+        for _ in 0..size {
+            held.push(pool.acquire().await.unwrap());
+        }
+        drop(held);
+        // What is under test is the server's own idle timeout: the sessions must sit idle past
+        // it, and the server ends each with a FATAL 57P05 the pool learns of only on use.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let key = format!("after-idle-{round}");
+        let outcome = run(&runner, &checkout, &tenant(1), &key, &body(100 + round)).await;
+        assert!(
+            matches!(outcome, Outcome::Executed(_)),
+            "round {round}: {outcome:?}"
+        );
+    }
+    // The connection the commit before the call handed back dies idle while the owner pauses
+    // (a slow process): the fence confirmation's renewal is the first statement on it.
+    let paused = runner
+        .clone()
+        .with_crash_hook(std::sync::Arc::new(PauseAfterCommit));
+    let outcome = run(&paused, &checkout, &tenant(1), "paused", &body(200)).await;
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 4);
+    assert_eq!(harness.provider.charge_count(), 4);
+}
+
+/// Pauses a run after the commit before its call, past the sessions' idle timeout.
+#[derive(Debug)]
+struct PauseAfterCommit;
+
+#[idemflow::async_trait]
+impl idemflow::CrashHook for PauseAfterCommit {
+    async fn crash_at(&self, point: &idemflow::CrashPoint, _: &idemflow::Key) -> bool {
+        if matches!(point, idemflow::CrashPoint::AfterCommit { .. }) {
+            tokio::time::sleep(Duration::from_millis(700)).await;
+        }
+        false
+    }
+}

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use idemflow_core::{RecoveryPoint, StoredResponse};
-use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner, StoreError};
 use serde_json::Value;
 
 use super::{
@@ -21,7 +21,7 @@ use crate::deadline::Within;
 use crate::erased::GiveUp;
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
-use crate::live_connection::begin_live;
+use crate::live_connection::{begin_live, is_connection_lost};
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::catch_panic;
@@ -346,14 +346,28 @@ impl Drive<'_> {
                     request: &request,
                     lease: workflow.lease(),
                 };
-                let connection = warm.acquire().await?;
-                match store::begin_claim(connection, &claim, workflow.limits()).await? {
-                    Claimed::Owned(tx, owner) => Ok(Some(Held {
-                        tx,
-                        owner,
-                        attempt: 1,
-                    })),
-                    Claimed::Lost(_) => Ok(None),
+                // Its BEGIN is the first statement on its connection: one the server ended while
+                // it sat idle is replaced (nothing ran on it; the server rolled back whatever did).
+                let mut tries = self.runner.pool.size() as usize + 1;
+                loop {
+                    let connection = warm.acquire().await?;
+                    match store::begin_claim(connection, &claim, workflow.limits()).await {
+                        Ok(Claimed::Owned(tx, owner)) => {
+                            return Ok(Some(Held {
+                                tx,
+                                owner,
+                                attempt: 1,
+                            }));
+                        }
+                        Ok(Claimed::Lost(_)) => return Ok(None),
+                        Err(StoreError::Database(error))
+                            if tries > 0 && is_connection_lost(&error) =>
+                        {
+                            tries -= 1;
+                            tracing::info!(%error, "a pooled connection was lost; claiming on another");
+                        }
+                        Err(error) => return Err(error.into()),
+                    }
                 }
             }
             Hold::TakeOver { seen } => {

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use idemflow_core::{DerivedKey, StoredResponse};
-use idemflow_pg as store;
+use idemflow_pg::{self as store, StoreError};
 use serde_json::Value;
 use tracing::Instrument;
 
@@ -15,6 +15,7 @@ use crate::deadline::Within;
 use crate::erased::{Carry, ErasedForeign, ErasedLocal, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
+use crate::live_connection::is_connection_lost;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::{catch_panic, catch_panic_now};
@@ -183,24 +184,39 @@ impl Drive<'_> {
         }
         let failure = |error| FailedAttempt::of(foreign.name(), foreign.retry_policy(), error);
         let wait = self.runner.config.database_timeout;
-        let mut connection = self
-            .runner
-            .warm
-            .acquire()
-            .within(wait)
-            .await?
-            .map_err(|error| {
-                Stop::failed(failure(database_error("confirming the fence", &error)))
-            })?;
-        let renewing = Instant::now();
-        store::renew_lease(&mut connection, &self.owner, lease)
-            .within(wait)
-            .await?
-            .map_err(|error| store_stop(error, "confirming the fence", failure))?;
-        // The renewal ran outside any transaction: the connection is idle.
-        self.runner.warm.keep(connection);
-        self.lease_from = renewing;
-        Ok(())
+        // The renewal is the first statement on its connection: one the server ended while it sat
+        // idle is replaced, as for the look-up. Sending it again is harmless: it is fenced and
+        // never shortens the lease.
+        let mut tries = self.runner.pool.size() as usize + 1;
+        loop {
+            let mut connection =
+                self.runner
+                    .warm
+                    .acquire()
+                    .within(wait)
+                    .await?
+                    .map_err(|error| {
+                        Stop::failed(failure(database_error("confirming the fence", &error)))
+                    })?;
+            let renewing = Instant::now();
+            match store::renew_lease(&mut connection, &self.owner, lease)
+                .within(wait)
+                .await?
+            {
+                Err(StoreError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
+                    tries -= 1;
+                    tracing::info!(%error, "a pooled connection was lost; renewing on another");
+                    connection.close_on_drop();
+                }
+                renewed => {
+                    renewed.map_err(|error| store_stop(error, "confirming the fence", failure))?;
+                    // The renewal ran outside any transaction: the connection is idle.
+                    self.runner.warm.keep(connection);
+                    self.lease_from = renewing;
+                    return Ok(());
+                }
+            }
+        }
     }
 
     /// Calls a foreign phase with its derived key, within its timeout, heartbeating the lease.
