@@ -333,7 +333,14 @@ async fn the_cli_shows_or_ends_a_key_only_for_the_tenant_named(
         (code, stdout.as_str(), stderr.as_str()),
         (1, "", "error: no key \"k\" for tenant \"tenant-b\"\n")
     );
-    let args = ["end-lease", "--tenant", "tenant-b", "--key", "live"];
+    let args = [
+        "end-lease",
+        "--tenant",
+        "tenant-b",
+        "--key",
+        "live",
+        "--force",
+    ];
     let (code, stdout, stderr) = idemflow(&binary, &args, &url);
     assert_eq!(
         (code, stdout.as_str()),

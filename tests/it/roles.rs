@@ -799,6 +799,7 @@ async fn requests_resumers_and_retention_run_as_the_runtime_role(
             store::end_lease(&mut connection, "acme", "k4", lock_version)
                 .await
                 .unwrap()
+                .is_some()
         );
         store::notify_due(&mut connection).await.unwrap();
         drop(connection);
@@ -984,6 +985,7 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
             store::end_lease(&mut connection, "acme", "k", taken.owner.lock_version())
                 .await
                 .unwrap()
+                .is_some()
         );
         let due = store::take_over_due(&mut connection, &workflows, 10, lease)
             .await

@@ -481,8 +481,10 @@ async fn list_stuck_answer(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 enum EndLeaseOutcome {
-    /// The lease ended now; idle resumers were woken.
+    /// The lease ended now and the fence advanced; idle resumers were woken.
     Ended,
+    /// The lease is live: its owner may be running. Refused without `--force`.
+    LiveOwner,
     /// The lease had already expired: the key is due, nothing to do.
     AlreadyDue,
     NotFound,
@@ -498,85 +500,115 @@ struct EndLeaseReport<'a> {
     outcome: EndLeaseOutcome,
     /// The fencing token the lease was ended with (or refused for).
     lock_version: Option<i64>,
+    /// The key's token after the lease was ended: the fence advanced past the old owner's.
+    new_lock_version: Option<i64>,
     message: String,
 }
 
-/// `idemflow end-lease --tenant T --key K` (`release`, its old name, still works): ends a started key's lease now, so a resumer or the
-/// next retry takes it over at once. Fenced: the lease is ended only if the key's lock_version is
-/// still the one just read. Exit 1 when no lease was ended (no such key, done, taken over);
-/// exit 0 when it was, or when the lease had already expired.
+/// `idemflow end-lease --tenant T --key K [--force]` (`release`, its old name, still works): ends a
+/// started key's lease now, so a resumer or the next retry takes it over at once. A live lease
+/// means its owner may be running: refused unless `force`, which asserts the owner is gone. Fenced:
+/// the lease is ended only if the key's lock_version is still the one just read, and the fence
+/// advances past it, so that owner's writes are refused from then on (a phase it is in goes on:
+/// see docs/cli.md). Exit 1 when no lease was ended (no such key, done, taken over, a live owner
+/// without `force`); exit 0 when it was, or when the lease had already expired.
 pub async fn end_lease(
     connection: &mut PgConnection,
     format: Format,
     tenant: &str,
     key: &str,
+    force: bool,
 ) -> Output {
-    emit(format, end_lease_answer(connection, tenant, key).await)
+    emit(
+        format,
+        end_lease_answer(connection, tenant, key, force).await,
+    )
 }
 
 async fn end_lease_answer(
     connection: &mut PgConnection,
     tenant: &str,
     key: &str,
+    force: bool,
 ) -> Result<Answer, CliError> {
     validate(tenant, key)?;
     let who = who(tenant, key);
-    let (outcome, lock_version, message) = match idemflow_pg::key_report(connection, tenant, key)
-        .await?
-    {
-        None => (
-            EndLeaseOutcome::NotFound,
-            None,
-            format!("lease not ended: no key {key:?} for tenant {tenant:?}"),
-        ),
-        Some(report) if report.state == "done" => done(&who, &report),
-        Some(report) if report.lease_left_ms.is_some_and(|ms| ms <= 0) => (
-            EndLeaseOutcome::AlreadyDue,
-            Some(report.lock_version),
-            format!(
-                "nothing to end: the lease of {who} {}; it is due now, and a resumer \
-                     running workflow {:?} takes it over",
-                lease_summary(&report),
-                plain(&report.workflow),
+    let mut new_lock_version = None;
+    let (outcome, lock_version, message) =
+        match idemflow_pg::key_report(connection, tenant, key).await? {
+            None => (
+                EndLeaseOutcome::NotFound,
+                None,
+                format!("lease not ended: no key {key:?} for tenant {tenant:?}"),
             ),
-        ),
-        Some(report) => {
-            let lock_version = report.lock_version;
-            if idemflow_pg::end_lease(connection, tenant, key, lock_version).await? {
-                idemflow_pg::notify_due(connection).await?;
-                (
-                    EndLeaseOutcome::Ended,
-                    Some(lock_version),
-                    format!(
-                        "ended the lease of {who} (lock_version {lock_version}): it is due now; \
-                             a resumer or the next retry takes it over"
-                    ),
-                )
-            } else {
-                // Refused: read the key again to say why.
-                match idemflow_pg::key_report(connection, tenant, key).await? {
-                    None => (
-                        EndLeaseOutcome::NotFound,
-                        Some(lock_version),
-                        format!("lease not ended: {who} was deleted meanwhile"),
-                    ),
-                    Some(now) if now.state == "done" => done(&who, &now),
-                    Some(now) => (
-                        EndLeaseOutcome::MovedOn,
+            Some(report) if report.state == "done" => done(&who, &report),
+            Some(report) if report.lease_left_ms.is_some_and(|ms| ms <= 0) => (
+                EndLeaseOutcome::AlreadyDue,
+                Some(report.lock_version),
+                format!(
+                    "nothing to end: the lease of {who} {}; it is due now, and a resumer \
+                     running workflow {:?} takes it over",
+                    lease_summary(&report),
+                    plain(&report.workflow),
+                ),
+            ),
+            Some(report) if !force => (
+                EndLeaseOutcome::LiveOwner,
+                Some(report.lock_version),
+                format!(
+                    "lease not ended: the lease of {who} is live ({}), so its owner may be running \
+                 now (lock_version {}). \
+                 Wait for the lease to end, or pass --force if the owner is known to be gone: \
+                 its writes are then refused, but a phase it is in goes on, and a plain handler \
+                 may run beside the next owner's",
+                    lease_summary(&report),
+                    report.lock_version,
+                ),
+            ),
+            Some(report) => {
+                let lock_version = report.lock_version;
+                if let Some(advanced) =
+                    idemflow_pg::end_lease(connection, tenant, key, lock_version).await?
+                {
+                    idemflow_pg::notify_due(connection).await?;
+                    new_lock_version = Some(advanced);
+                    (
+                        EndLeaseOutcome::Ended,
                         Some(lock_version),
                         format!(
-                            "lease not ended: {who} was taken over meanwhile (lock_version \
-                                 {lock_version}, now {}); inspect it again",
-                            now.lock_version
+                            "ended the lease of {who} and advanced its fence (lock_version \
+                         {lock_version} -> {advanced}): the owner's writes are refused from now \
+                         on; it is due, and a resumer or the next retry takes it over"
                         ),
-                    ),
+                    )
+                } else {
+                    // Refused: read the key again to say why.
+                    match idemflow_pg::key_report(connection, tenant, key).await? {
+                        None => (
+                            EndLeaseOutcome::NotFound,
+                            Some(lock_version),
+                            format!("lease not ended: {who} was deleted meanwhile"),
+                        ),
+                        Some(now) if now.state == "done" => done(&who, &now),
+                        Some(now) => (
+                            EndLeaseOutcome::MovedOn,
+                            Some(lock_version),
+                            format!(
+                                "lease not ended: {who} was taken over meanwhile (lock_version \
+                                 {lock_version}, now {}); inspect it again",
+                                now.lock_version
+                            ),
+                        ),
+                    }
                 }
             }
-        }
-    };
+        };
     let code = match outcome {
         EndLeaseOutcome::Ended | EndLeaseOutcome::AlreadyDue => exit::OK,
-        EndLeaseOutcome::NotFound | EndLeaseOutcome::Done | EndLeaseOutcome::MovedOn => exit::NO,
+        EndLeaseOutcome::NotFound
+        | EndLeaseOutcome::Done
+        | EndLeaseOutcome::MovedOn
+        | EndLeaseOutcome::LiveOwner => exit::NO,
     };
     let human = format!("{message}\n");
     let report = EndLeaseReport {
@@ -584,6 +616,7 @@ async fn end_lease_answer(
         key,
         outcome,
         lock_version,
+        new_lock_version,
         message,
     };
     Ok(Answer::new(code, human, &report))

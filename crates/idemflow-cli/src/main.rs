@@ -55,14 +55,18 @@ enum Command {
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
     },
-    /// End a started key's lease now (fenced), so it is retried at once. (`release`, its old name,
-    /// still works.)
+    /// End a started key's lease now (fenced; the fence advances), so it is retried at once.
+    /// (`release`, its old name, still works.)
     #[command(alias = "release")]
     EndLease {
         #[arg(long)]
         tenant: String,
         #[arg(long)]
         key: String,
+        /// End a live lease too: its owner is known to be gone. Its writes are refused from now
+        /// on, but a phase it is in goes on, and a plain handler may run beside the next owner's.
+        #[arg(long)]
+        force: bool,
     },
     /// Delete finished keys older than a retention window (started keys are never deleted).
     Expire {
@@ -155,9 +159,9 @@ async fn run(cli: Cli, format: Format) -> Output {
             })
             .await
         }
-        Command::EndLease { tenant, key } => {
+        Command::EndLease { tenant, key, force } => {
             with_connection(&pool, format, async |connection| {
-                idemflow_cli::end_lease(connection, format, &tenant, &key).await
+                idemflow_cli::end_lease(connection, format, &tenant, &key, force).await
             })
             .await
         }

@@ -325,12 +325,28 @@ async fn list_stuck_says_when_nothing_is_stuck(pool: PgPool) {
 // ---------------------------------------------------------------------------------------------
 // end-lease
 
+/// A live lease means its owner may be running: refused (exit 1, the row untouched) unless
+/// forced. Forced, the lease ends and the fence advances, so the owner that held the old token
+/// can write nothing more (on a plain-handler route its handler is not fenced, and a takeover could
+/// otherwise have run it beside the live one with the owner's writes still landing).
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
-async fn end_lease_ends_a_live_lease_and_explains_when_it_does_not(pool: PgPool) {
+async fn end_lease_refuses_a_live_owner_unless_forced_and_forcing_advances_the_fence(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed_all(&mut tx, &[DONE, LIVE]).await;
 
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2").await;
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2", false).await;
+    assert_stdout(output, 1, "end_lease_live_refused.txt");
+    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-2", false).await;
+    assert_stdout(output, 1, "end_lease_live_refused.json");
+    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
+    assert!(
+        output.stdout.contains("\nlease           1h 0m left\n"),
+        "{}",
+        output.stdout
+    );
+    assert!(output.stdout.contains("\nlock_version    0\n"));
+
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2", true).await;
     assert_stdout(output, 0, "end_lease_live.txt");
     // The lease ended at now(), which stands still in this transaction.
     let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
@@ -339,21 +355,34 @@ async fn end_lease_ends_a_live_lease_and_explains_when_it_does_not(pool: PgPool)
         "{}",
         output.stdout
     );
-    assert!(output.stdout.contains("\nlock_version    0\n"));
+    assert!(
+        !output.stdout.contains("\nlock_version    0\n"),
+        "{}",
+        output.stdout
+    );
+    // The owner holding token 0 is fenced out: every write of an owner names its token.
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys \
+         WHERE tenant = 'acme' AND key = 'order-2' AND lock_version = 0",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(held, 0);
 
-    // Released again: its lease already ended, there is nothing to do.
-    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-2").await;
+    // Ended again: its lease already ended, there is nothing to do (forced or not).
+    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-2", false).await;
     assert_stdout(output, 0, "end_lease_again.json");
 
     // A done key has no lease to end.
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-1").await;
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-1", true).await;
     assert_stdout(output, 1, "end_lease_done.txt");
-    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-1").await;
+    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-1", true).await;
     assert_stdout(output, 1, "end_lease_done.json");
 
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-9").await;
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-9", true).await;
     assert_stdout(output, 1, "end_lease_missing.txt");
-    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-9").await;
+    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-9", true).await;
     assert_stdout(output, 1, "end_lease_missing.json");
 }
 
@@ -375,7 +404,7 @@ async fn ending_a_lease_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
         let pool = pool.clone();
         async move {
             let mut connection = pool.acquire().await.unwrap();
-            idemflow_cli::end_lease(&mut connection, Format::Human, "acme", "order-2").await
+            idemflow_cli::end_lease(&mut connection, Format::Human, "acme", "order-2", true).await
         }
     });
     tokio::time::timeout(Duration::from_secs(10), async {
@@ -426,6 +455,7 @@ async fn ending_a_lease_wakes_idle_resumers(pool: PgPool) {
         Format::Human,
         "acme",
         "order-2",
+        true,
     )
     .await;
     assert_eq!(output.code, 0, "{output:?}");

@@ -155,23 +155,32 @@ pub async fn expire_batch(
 }
 
 /// Ends a started key's lease now, if its fencing token is still `lock_version`, so a resumer or
-/// a retry takes it over at once. `false` when the key is not started or the token moved on.
+/// a retry takes it over at once, and advances its fence: the key gets a new token, which it
+/// returns, so every write of the owner that held `lock_version` is refused from now on (its
+/// renewal, its advance, its finish). `None` when the key is not started or the token moved on.
+///
+/// Ending a lease is for an owner believed gone. One still running is stopped at its next write,
+/// but a phase it is in goes on meanwhile: a local phase's commit is refused, a foreign call goes
+/// out with the same derived key, and a plain handler (which nothing fences) may run beside the
+/// next owner's. Callers refuse a live lease unless told otherwise (`idemflow end-lease --force`).
 pub async fn end_lease(
     connection: &mut PgConnection,
     tenant: &str,
     key: &str,
     lock_version: i64,
-) -> Result<bool, StoreError> {
-    let result = sqlx::query(
-        "UPDATE idempotency_keys SET locked_until = least(locked_until, now()), updated_at = now() \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+) -> Result<Option<i64>, StoreError> {
+    Ok(sqlx::query_scalar(
+        "UPDATE idempotency_keys \
+         SET locked_until = least(locked_until, now()), \
+             lock_version = nextval('idempotency_keys_fence'), updated_at = now() \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+         RETURNING lock_version",
     )
     .bind(tenant)
     .bind(key)
     .bind(lock_version)
-    .execute(connection)
-    .await?;
-    Ok(result.rows_affected() == 1)
+    .fetch_optional(connection)
+    .await?)
 }
 
 /// Everything about one key, for operators.

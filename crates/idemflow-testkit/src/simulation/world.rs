@@ -1042,7 +1042,7 @@ impl World<'_> {
         .fetch_optional(&mut *tx)
         .await;
         if let Ok(Some(token)) = unchanged
-            && let Ok(true) =
+            && let Ok(Some(_)) =
                 idemflow_pg::end_lease(&mut tx, self.shared.tenant.as_str(), &key, token).await
             && tx.commit().await.is_ok()
         {
