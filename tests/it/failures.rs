@@ -873,8 +873,8 @@ async fn a_give_up_meeting_a_connection_that_died_idle_is_made_on_another(pool: 
             .fetch_one(&mut *connection)
             .await
             .unwrap();
-        let names = vec![workflow.name().to_owned()];
-        let mut due = idemflow::store::take_over_due(&mut connection, &names, 10, workflow.lease())
+        let names = vec![(workflow.name().to_owned(), workflow.lease())];
+        let mut due = idemflow::store::take_over_due(&mut connection, &names, 10)
             .await
             .unwrap();
         (due.pop().unwrap().taken, backend)

@@ -150,6 +150,84 @@ async fn an_owner_never_shortens_its_own_lease(pool: PgPool) {
     assert!(left > 58.0, "the lease was shortened to {left:.2} s");
 }
 
+/// A heartbeat's renewal in flight when its owner postpones the key (the attempt failed) waits
+/// for the postpone's row lock, and must then change nothing: the postpone advanced the fence. It
+/// used to match the unchanged token and stretch the backoff back to a whole lease.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_renewal_landing_after_its_owner_postponed_the_key_changes_nothing(pool: PgPool) {
+    let tenant = TenantId::new("t").unwrap();
+    let key = Key::parse("postponed").unwrap();
+    let owner = claim_committed(&pool, &tenant, &key, 1).await;
+    let mut record = pool.begin().await.unwrap();
+    store::postpone(&mut record, &owner, Duration::from_secs(2), "scripted")
+        .await
+        .unwrap();
+    let renewal = {
+        let (pool, owner) = (pool.clone(), owner.clone());
+        tokio::spawn(async move {
+            let mut connection = pool.acquire().await.unwrap();
+            store::renew_lease(&mut connection, &owner, Duration::from_secs(60)).await
+        })
+    };
+    wait_for_a_lock_wait(&pool).await;
+    record.commit().await.unwrap();
+    assert!(matches!(renewal.await.unwrap(), Err(StoreError::Fenced)));
+    let left = lease_left(&pool, "postponed").await;
+    assert!(left <= 2.0, "the backoff was stretched to {left:.2} s");
+}
+
+/// Waits until a statement of this database waits for a lock.
+async fn wait_for_a_lock_wait(pool: &PgPool) {
+    for _ in 0..1000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("nothing waited for a lock");
+}
+
+/// A resumer's batch takeover writes each key its own workflow's lease, not the longest of the
+/// workflows it runs: a key of a 5-second workflow taken over beside a 10-minute one is due again
+/// 5 seconds after, if its new owner dies.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_batch_takeover_writes_each_key_its_own_workflows_lease(pool: PgPool) {
+    let tenant = TenantId::new("t").unwrap();
+    for (key, workflow) in [("short", "short.v1"), ("long", "long.v1")] {
+        sqlx::query(
+            "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, \
+                 locked_until) \
+             VALUES ($1, $2, sha256('x'), $3, '{}', now() - interval '1 second')",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .bind(workflow)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let workflows = [
+        ("short.v1".to_owned(), Duration::from_secs(5)),
+        ("long.v1".to_owned(), Duration::from_secs(600)),
+    ];
+    let mut connection = pool.acquire().await.unwrap();
+    let due = store::take_over_due(&mut connection, &workflows, 10)
+        .await
+        .unwrap();
+    assert_eq!(due.len(), 2);
+    let short = lease_left(&pool, "short").await;
+    let long = lease_left(&pool, "long").await;
+    assert!(short <= 5.0 && short > 3.0, "short: {short:.2} s");
+    assert!(long > 598.0, "long: {long:.2} s");
+}
+
 mod slow {
     //! A workflow whose first local phase is slow, and whose foreign phase reads the lease its
     //! owner holds as the call starts.

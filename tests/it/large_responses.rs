@@ -212,9 +212,8 @@ async fn an_owner_that_lost_its_fence_stores_no_body(pool: PgPool) {
     expire_all_leases(&pool).await;
     let taken = store::take_over_due(
         &mut connection,
-        &["report.v1".to_owned()],
+        &[("report.v1".to_owned(), Duration::from_secs(30))],
         10,
-        Duration::from_secs(30),
     )
     .await
     .unwrap();

@@ -839,3 +839,24 @@ async fn claims_racing_under_a_repeatable_read_default_leave_one_row_and_one_eff
         .await
         .unwrap();
 }
+
+/// Maintenance refuses a window shorter than the longest claim transaction could be (an hour, at
+/// least): detaching a partition is safe only once no claim begun in its range can still insert.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn maintenance_refuses_a_window_a_claim_transaction_could_outlive(pool: PgPool) {
+    adopt(&pool, HOUR, 2, 1).await;
+    for keep_for in [Duration::ZERO, Duration::from_secs(60)] {
+        assert!(
+            matches!(
+                partitions::maintain(&pool, keep_for).await,
+                Err(store::StoreError::Layout(_))
+            ),
+            "{keep_for:?}"
+        );
+    }
+    assert!(
+        partitions::maintain(&pool, partitions::MIN_KEEP_FOR)
+            .await
+            .is_ok()
+    );
+}

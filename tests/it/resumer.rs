@@ -608,17 +608,16 @@ async fn a_resumed_key_confirms_its_fence_before_calling_out(pool: PgPool) {
     let harness = Harness::default();
     keys_before_the_charge(&pool, &harness, &["k"]).await;
     let workflow = harness.checkout();
-    let names = vec![workflow.name().to_owned()];
-    let lease = Duration::from_secs(60);
+    let names = vec![(workflow.name().to_owned(), Duration::from_secs(60))];
     let mut connection = pool.acquire().await.unwrap();
-    let stale = idemflow::store::take_over_due(&mut connection, &names, 10, lease)
+    let stale = idemflow::store::take_over_due(&mut connection, &names, 10)
         .await
         .unwrap()
         .pop()
         .unwrap();
     // Before it starts, the key is taken over by another owner.
     expire_all_leases(&pool).await;
-    let current = idemflow::store::take_over_due(&mut connection, &names, 10, lease)
+    let current = idemflow::store::take_over_due(&mut connection, &names, 10)
         .await
         .unwrap();
     assert_eq!(current.len(), 1);

@@ -141,9 +141,8 @@ async fn a_key_resumed_before_a_foreign_phase_calls_out_at_once(
     let mut connection = pool.acquire().await.unwrap();
     let due = idemflow::store::take_over_due(
         &mut connection,
-        &[workflow.name().to_owned()],
+        &[(workflow.name().to_owned(), workflow.lease())],
         10,
-        workflow.lease(),
     )
     .await
     .unwrap();

@@ -26,15 +26,17 @@ pub struct DueKey {
 
 /// Takes over up to `batch_size` started keys whose lease expired, of the named workflows only,
 /// in one statement: the due rows are locked `FOR UPDATE SKIP LOCKED` (so concurrent resumers
-/// split the work instead of queueing on each other) and each gets a new fencing token and lease.
-/// Keys of workflows not named are left alone for a resumer that knows them.
+/// split the work instead of queueing on each other) and each gets a new fencing token and the
+/// lease of its own workflow (`workflows`: each name with its lease). Keys of workflows not named
+/// are left alone for a resumer that knows them.
 pub async fn take_over_due(
     connection: &mut PgConnection,
-    workflows: &[String],
+    workflows: &[(String, Duration)],
     batch_size: i64,
-    lease: Duration,
 ) -> Result<Vec<DueKey>, StoreError> {
     let lease_from = std::time::Instant::now();
+    let names: Vec<&str> = workflows.iter().map(|(name, _)| name.as_str()).collect();
+    let leases: Vec<i64> = workflows.iter().map(|(_, lease)| millis(*lease)).collect();
     let rows = sqlx::query(
         "WITH due AS ( \
              SELECT tenant, key FROM idempotency_keys \
@@ -45,15 +47,18 @@ pub async fn take_over_due(
          ) \
          UPDATE idempotency_keys AS keys \
          SET lock_version = nextval('idempotency_keys_fence'), attempts = keys.attempts + 1, \
-             locked_until = clock_timestamp() + $3::bigint * interval '1 millisecond', \
+             locked_until = clock_timestamp() \
+                 + (SELECT lease.ms FROM unnest($1::text[], $3::bigint[]) AS lease (workflow, ms) \
+                    WHERE lease.workflow = keys.workflow LIMIT 1) \
+                   * interval '1 millisecond', \
              updated_at = now() \
          FROM due WHERE keys.tenant = due.tenant AND keys.key = due.key \
          RETURNING keys.tenant, keys.key, keys.workflow, keys.lock_version, keys.recovery_point, \
                    keys.phase_output, keys.request, keys.attempts, keys.last_error",
     )
-    .bind(workflows)
+    .bind(&names)
     .bind(batch_size)
-    .bind(millis(lease))
+    .bind(&leases)
     .fetch_all(connection)
     .await?;
     rows.into_iter()
@@ -406,9 +411,8 @@ mod tests {
             .expect("postpone");
         let due = take_over_due(
             &mut connection,
-            &["w.v1".to_owned()],
+            &[("w.v1".to_owned(), Duration::from_secs(30))],
             10,
-            Duration::from_secs(30),
         )
         .await
         .expect("take over due");

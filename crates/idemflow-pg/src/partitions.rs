@@ -244,7 +244,18 @@ pub async fn adopt(pool: &PgPool, plan: &PartitionPlan) -> Result<Adopted, Store
 /// `keep_for` (the retention window, from each key's finish), as [`Partition`]s of the plan set
 /// by [`adopt`]. Run as the table's owner. One maintenance at a time across every process (a
 /// session advisory lock): a second finds it taken and returns [`Maintained::skipped`].
+///
+/// `keep_for` must be at least [`MIN_KEEP_FOR`]: a partition is detached once its range ended
+/// `keep_for` ago, and that is safe only if no claim transaction that could still insert into it
+/// (its `created_at` is its transaction's start) lives that long.
 pub async fn maintain(pool: &PgPool, keep_for: Duration) -> Result<Maintained, StoreError> {
+    if keep_for < MIN_KEEP_FOR {
+        return Err(StoreError::Layout(format!(
+            "partitions are kept for at least {MIN_KEEP_FOR:?} past their range (asked: \
+             {keep_for:?}): a claim transaction begun in a partition's range may still insert \
+             into it until then"
+        )));
+    }
     let mut connection = pool.acquire().await?;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(MAINTENANCE_LOCK)
@@ -281,6 +292,11 @@ pub async fn maintain(pool: &PgPool, keep_for: Duration) -> Result<Maintained, S
         }
     }
 }
+
+/// The shortest `keep_for` [`maintain`] accepts: an hour, far longer than any claim transaction
+/// runs (the engine bounds one by its database timeout and the workflow's longest local limit,
+/// seconds to minutes), so none can still insert into a partition that is being detached.
+pub const MIN_KEEP_FOR: Duration = Duration::from_secs(60 * 60);
 
 /// The session advisory lock one maintenance holds: the first 8 bytes of "idemflow partitions".
 const MAINTENANCE_LOCK: i64 = i64::from_be_bytes(*b"idemflow");

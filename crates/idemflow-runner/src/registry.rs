@@ -66,12 +66,12 @@ impl Registry {
         self.workflows.is_empty()
     }
 
-    /// The longest lease of any registered workflow: what a resumer's batch takeover grants.
-    pub fn longest_lease(&self) -> Duration {
+    /// Each registered workflow's name and lease: what a resumer's batch takeover grants each
+    /// key.
+    pub fn leases(&self) -> Vec<(String, Duration)> {
         self.workflows
-            .values()
-            .map(|workflow| workflow.lease())
-            .max()
-            .unwrap_or(Workflow::DEFAULT_LEASE)
+            .iter()
+            .map(|(name, workflow)| (name.clone(), workflow.lease()))
+            .collect()
     }
 }

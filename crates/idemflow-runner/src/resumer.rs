@@ -353,10 +353,10 @@ impl Resumer {
         }
         let wait = self.runner.config.database_timeout;
         let mut connection = self.runner.pool().acquire().within(wait).await??;
-        let lease = self.registry.longest_lease();
-        // Unanswered, the scan may still have taken keys over: their leases run out and the
-        // next scan takes them again (the fence keeps this scan's tokens from ever writing).
-        let due = store::take_over_due(&mut connection, &self.registry.names(), limit, lease)
+        // Each key gets its own workflow's lease. Unanswered, the scan may still have taken keys
+        // over: their leases run out and the next scan takes them again (the fence keeps this
+        // scan's tokens from ever writing).
+        let due = store::take_over_due(&mut connection, &self.registry.leases(), limit)
             .within(wait)
             .await??;
         if !due.is_empty() {
