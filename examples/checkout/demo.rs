@@ -2,6 +2,7 @@
 //! step through `idemflow_client`, and prints each step and what came back. It checks every answer
 //! and reports the steps that did not behave as they should.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemflow::core::PhaseName;
@@ -13,7 +14,7 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use crate::Failure;
-use crate::service::CRASH_HEADER;
+use crate::service::{CRASH_HEADER, Crashes};
 
 /// What the demo runs against.
 pub struct Target<'a> {
@@ -26,6 +27,9 @@ pub struct Target<'a> {
     /// How long the in-process provider holds the concurrent step's charge; shorter than the
     /// provider call's timeout.
     pub delay: Duration,
+    /// The service's crash hook, when it runs in this process: the crash step arms it directly.
+    /// Otherwise the step asks with `X-Crash-At` (a service started with `--allow-crash-header`).
+    pub crashes: Option<Arc<Crashes>>,
 }
 
 /// Runs every step; `Ok(true)` when each behaved as expected.
@@ -47,6 +51,7 @@ pub async fn run(target: Target<'_>) -> Result<bool, Failure> {
         tenant: TenantId::new(target.tenant.clone())?,
         provider: target.provider,
         delay: target.delay,
+        crashes: target.crashes,
         unexpected: Vec::new(),
     };
     println!(
@@ -87,6 +92,7 @@ struct Demo<'a> {
     tenant: TenantId,
     provider: Option<&'a MockProvider>,
     delay: Duration,
+    crashes: Option<Arc<Crashes>>,
     unexpected: Vec<String>,
 }
 
@@ -385,9 +391,19 @@ impl Demo<'_> {
         println!(
             "   charged the card, before the result is recorded, as if the process died there"
         );
-        let crashed = self
-            .raw(&key, &body, Some((CRASH_HEADER, "after_call:charge")))
-            .await?;
+        let crashed = match &self.crashes {
+            Some(crashes) => {
+                let armed = crashes.arm(&self.tenant, &Key::parse(&key)?, "after_call:charge");
+                if let Err(why) = armed {
+                    return Err(format!("the crash could not be armed: {why:?}").into());
+                }
+                self.raw(&key, &body, None).await?
+            }
+            None => {
+                self.raw(&key, &body, Some((CRASH_HEADER, "after_call:charge")))
+                    .await?
+            }
+        };
         show_raw(&crashed);
         let ok = crashed.status == StatusCode::SERVICE_UNAVAILABLE;
         let bad = if crashed.status.is_success() {

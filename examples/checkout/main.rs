@@ -33,7 +33,7 @@ use sqlx::PgPool;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::service::HeaderCrashes;
+use crate::service::Crashes;
 
 /// The example's error type.
 pub type Failure = Box<dyn std::error::Error + Send + Sync>;
@@ -107,6 +107,10 @@ struct AllArgs {
     /// Exit after the demo: 0 if every step behaved as expected, 1 otherwise
     #[arg(long)]
     demo_only: bool,
+    /// Also honour `X-Crash-At: <crash point>` from clients (the demo crashes its own request
+    /// without it). For demonstrations only
+    #[arg(long)]
+    allow_crash_header: bool,
 }
 
 #[derive(Debug, Args)]
@@ -185,9 +189,11 @@ async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
     let url = format!("http://{}", listener.local_addr()?);
 
     let checkout = workflow::checkout(provider.clone(), lease);
-    let crashes = HeaderCrashes::new(&checkout);
+    // The demo arms its crash step in process; clients may ask for one only when allowed.
+    let crashes = Crashes::new(&checkout);
     let runner = crashes.runner(Runner::new(pool.clone()));
-    let app = service::router(pool.clone(), runner, checkout, Some(crashes))
+    let header = args.allow_crash_header.then(|| crashes.clone());
+    let app = service::router(pool.clone(), runner, checkout, header)
         .merge(worker::routes(pool.clone(), metrics));
     let stop = Stop::on_signal();
     let server = tokio::spawn(
@@ -209,6 +215,7 @@ async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
         tenant: "acme".to_owned(),
         provider: mock.as_ref(),
         delay: demo_delay(&provider),
+        crashes: Some(crashes),
     });
     let passed = tokio::select! {
         result = demo => match result {
@@ -235,7 +242,7 @@ async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
         if !passed {
             println!("(the service keeps running; see the steps above for what went wrong)");
         }
-        print_try_it(&url);
+        print_try_it(&url, args.allow_crash_header);
         ExitCode::SUCCESS
     };
     server.await??;
@@ -247,7 +254,7 @@ async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
     Ok(code)
 }
 
-fn print_try_it(url: &str) {
+fn print_try_it(url: &str, crash_header: bool) {
     let stamp = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|since| since.as_secs())
@@ -259,9 +266,11 @@ fn print_try_it(url: &str) {
     println!(
         "Send it twice: the second answer is the stored one (Idempotent-Replayed: true). Change the amount: 422."
     );
-    println!(
-        "With a new key and -H 'X-Crash-At: after_call:charge': 503, then finished after the lease."
-    );
+    if crash_header {
+        println!(
+            "With a new key and -H 'X-Crash-At: after_call:charge': 503, then finished after the lease."
+        );
+    }
     println!(
         "Read an order back: curl -s {url}/v1/checkouts/<order_id> -H 'Authorization: Bearer acme'"
     );
@@ -278,7 +287,7 @@ async fn serve(args: ServeArgs) -> Result<ExitCode, Failure> {
     let checkout = workflow::checkout(provider, lease);
     let runner = Runner::new(pool.clone());
     let (runner, crashes) = if args.allow_crash_header {
-        let crashes = HeaderCrashes::new(&checkout);
+        let crashes = Crashes::new(&checkout);
         (crashes.runner(runner), Some(crashes))
     } else {
         (runner, None)
@@ -332,6 +341,7 @@ async fn run_demo(args: DemoArgs) -> Result<ExitCode, Failure> {
         tenant: args.tenant,
         provider: None,
         delay: Duration::ZERO,
+        crashes: None,
     })
     .await?;
     Ok(if passed {

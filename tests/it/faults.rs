@@ -619,7 +619,12 @@ struct PauseAfterCommit;
 
 #[idemflow::async_trait]
 impl idemflow::CrashHook for PauseAfterCommit {
-    async fn crash_at(&self, point: &idemflow::CrashPoint, _: &idemflow::Key) -> bool {
+    async fn crash_at(
+        &self,
+        point: &idemflow::CrashPoint,
+        _: &idemflow::TenantId,
+        _: &idemflow::Key,
+    ) -> bool {
         if matches!(point, idemflow::CrashPoint::AfterCommit { .. }) {
             tokio::time::sleep(Duration::from_millis(700)).await;
         }

@@ -675,7 +675,12 @@ struct PanicOnce(std::sync::atomic::AtomicBool);
 
 #[async_trait::async_trait]
 impl idemflow::CrashHook for PanicOnce {
-    async fn crash_at(&self, point: &idemflow::CrashPoint, _: &idemflow::Key) -> bool {
+    async fn crash_at(
+        &self,
+        point: &idemflow::CrashPoint,
+        _: &idemflow::TenantId,
+        _: &idemflow::Key,
+    ) -> bool {
         if point.to_string() == "before_call:charge" && !self.0.swap(true, Ordering::SeqCst) {
             panic!("a bug in the engine's own code");
         }

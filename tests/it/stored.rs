@@ -248,7 +248,7 @@ struct CrashAt(&'static str);
 
 #[async_trait::async_trait]
 impl CrashHook for CrashAt {
-    async fn crash_at(&self, point: &CrashPoint, _: &Key) -> bool {
+    async fn crash_at(&self, point: &CrashPoint, _: &idemflow::TenantId, _: &Key) -> bool {
         point.to_string() == self.0
     }
 }

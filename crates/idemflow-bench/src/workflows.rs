@@ -225,7 +225,7 @@ pub struct NeverCrash;
 
 #[async_trait::async_trait]
 impl CrashHook for NeverCrash {
-    async fn crash_at(&self, _: &CrashPoint, _: &Key) -> bool {
+    async fn crash_at(&self, _: &CrashPoint, _: &TenantId, _: &Key) -> bool {
         false
     }
 }
@@ -236,7 +236,7 @@ pub struct CountingHook(pub AtomicU64);
 
 #[async_trait::async_trait]
 impl CrashHook for CountingHook {
-    async fn crash_at(&self, _: &CrashPoint, _: &Key) -> bool {
+    async fn crash_at(&self, _: &CrashPoint, _: &TenantId, _: &Key) -> bool {
         self.0.fetch_add(1, Ordering::Relaxed);
         false
     }
@@ -246,7 +246,7 @@ impl CrashHook for CountingHook {
 /// the point and awaits one dynamic (boxed) call (measured over ten million calls, in process).
 pub async fn hook_nanos_per_call() -> f64 {
     let hook: Arc<dyn CrashHook> = Arc::new(NeverCrash);
-    let Ok(key) = Key::parse("bench-key") else {
+    let (Ok(tenant), Ok(key)) = (TenantId::new("bench"), Key::parse("bench-key")) else {
         return f64::NAN;
     };
     let calls = 10_000_000_u32;
@@ -261,7 +261,7 @@ pub async fn hook_nanos_per_call() -> f64 {
             }
         };
         if std::hint::black_box(&hook)
-            .crash_at(std::hint::black_box(&point), &key)
+            .crash_at(std::hint::black_box(&point), &tenant, &key)
             .await
         {
             fired += 1;

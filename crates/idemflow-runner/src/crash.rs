@@ -5,7 +5,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idemflow_core::Key;
+use idemflow_core::{Key, TenantId};
+use idemflow_pg::Owner;
 
 use crate::erased::Step;
 use crate::workflow::Workflow;
@@ -90,8 +91,9 @@ impl fmt::Display for CrashPoint {
 pub trait CrashHook: Send + Sync + fmt::Debug {
     /// `true`: the run stops at once as if its process died: it writes nothing more, its open
     /// transaction rolls back, its lease is left as it was, and `run` returns
-    /// [`crate::RunError::Crashed`].
-    async fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool;
+    /// [`crate::RunError::Crashed`]. `tenant` and `key` name the request's key: keys are scoped
+    /// by tenant, so a hook armed for one must never stop another tenant's request.
+    async fn crash_at(&self, point: &CrashPoint, tenant: &TenantId, key: &Key) -> bool;
 }
 
 /// The hook a runner holds: none in production.
@@ -107,13 +109,13 @@ impl CrashPoints {
     pub(crate) async fn check(
         &self,
         point: impl FnOnce() -> CrashPoint,
-        key: &Key,
+        owner: &Owner,
     ) -> Result<(), crate::RunError> {
         match &self.0 {
             None => Ok(()),
             Some(hook) => {
                 let point = point();
-                if hook.crash_at(&point, key).await {
+                if hook.crash_at(&point, owner.tenant(), owner.key()).await {
                     tracing::warn!(%point, "crash point: stopping as a crash would");
                     Err(crate::RunError::Crashed(point.to_string()))
                 } else {

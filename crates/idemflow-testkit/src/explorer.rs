@@ -599,7 +599,7 @@ struct CrashOnce {
 
 #[async_trait::async_trait]
 impl CrashHook for CrashOnce {
-    async fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
+    async fn crash_at(&self, point: &CrashPoint, _: &TenantId, key: &Key) -> bool {
         *point == self.point && key.as_str() == self.key && !self.fired.swap(true, Ordering::SeqCst)
     }
 }

@@ -86,7 +86,7 @@ pub struct CrashBeforeFinish;
 
 #[async_trait::async_trait]
 impl CrashHook for CrashBeforeFinish {
-    async fn crash_at(&self, point: &CrashPoint, _: &Key) -> bool {
+    async fn crash_at(&self, point: &CrashPoint, _: &idemflow::TenantId, _: &Key) -> bool {
         matches!(point, CrashPoint::BeforeFinish)
     }
 }

@@ -140,10 +140,10 @@ impl Drive<'_> {
             committed_output = Some(output);
         }
         if let Some(open) = self.tx.take() {
-            let key = self.owner.key().clone();
+            let owner = self.owner.clone();
             runner
                 .crash_points
-                .check(|| CrashPoint::BeforeCommit { phase: committed }, &key)
+                .check(|| CrashPoint::BeforeCommit { phase: committed }, &owner)
                 .await?;
             if let Err(error) = commit_warm(open, runner).await? {
                 self.claim_refused = matches!(self.hold, Hold::Claim(_));
@@ -166,7 +166,7 @@ impl Drive<'_> {
             self.pending_foreign = None;
             runner
                 .crash_points
-                .check(|| CrashPoint::AfterCommit { phase: committed }, &key)
+                .check(|| CrashPoint::AfterCommit { phase: committed }, &owner)
                 .await?;
         }
         Ok(())
@@ -230,14 +230,14 @@ impl Drive<'_> {
         let runner = self.runner;
         let step = &workflow.steps[position];
         let failure = |error| FailedAttempt::of(foreign.name(), foreign.retry_policy(), error);
-        let key = self.owner.key().clone();
+        let owner = self.owner.clone();
         runner
             .crash_points
             .check(
                 || CrashPoint::BeforeCall {
                     phase: foreign.name(),
                 },
-                &key,
+                &owner,
             )
             .await?;
         let derived_key = DerivedKey::new(self.owner.tenant(), self.owner.key(), step.name());
@@ -282,7 +282,7 @@ impl Drive<'_> {
                 || CrashPoint::AfterCall {
                     phase: foreign.name(),
                 },
-                &key,
+                &owner,
             )
             .await?;
         // Encoded now, so a failure in the phases after it can still record the result (and
@@ -324,10 +324,10 @@ impl Drive<'_> {
             .within(runner.config.database_timeout)
             .await?
             .map_err(|error| store_stop(error, "storing the response", failure))?;
-        let key = self.owner.key().clone();
+        let owner = self.owner.clone();
         runner
             .crash_points
-            .check(|| CrashPoint::BeforeFinish, &key)
+            .check(|| CrashPoint::BeforeFinish, &owner)
             .await?;
         let Some(open) = self.tx.take() else {
             unreachable!("opened above")
@@ -341,7 +341,7 @@ impl Drive<'_> {
         self.hold = Hold::Committed;
         runner
             .crash_points
-            .check(|| CrashPoint::AfterFinish, &key)
+            .check(|| CrashPoint::AfterFinish, &owner)
             .await?;
         metrics::count(metrics::FINISHED, workflow.name());
         tracing::info!(status = response.status, "finished");

@@ -426,7 +426,7 @@ impl std::fmt::Debug for Shared {
 
 #[async_trait]
 impl CrashHook for Hook {
-    async fn crash_at(&self, point: &CrashPoint, key: &Key) -> bool {
+    async fn crash_at(&self, point: &CrashPoint, _: &TenantId, key: &Key) -> bool {
         let shared = &self.0;
         let actor = shared.scheduler.current();
         let key = key.as_str();
