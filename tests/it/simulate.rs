@@ -1,6 +1,8 @@
 //! The schedule explorer over the engine (crates/idemflow-testkit/src/simulation): seeded
-//! schedules of concurrent clients, resumers, operators and faults, each checked. The suite runs
-//! seeds 0 to 149 (in three parts, side by side): the same schedules every time, about 45 s each.
+//! schedules of concurrent clients, resumers, operators and faults, each checked, each on the
+//! settings it draws (layout, isolation, bodies apart, sealing, a consumer on the engine's pool).
+//! The suite runs seeds 0 to 149 (in three parts, side by side): the same schedules every time,
+//! about 45 s each.
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
@@ -60,34 +62,4 @@ async fn schedules_50_to_99(pool: PgPool) {
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn schedules_100_to_149(pool: PgPool) {
     explore(&pool, seeds_from_env(100..150)).await;
-}
-
-/// The same schedules on the partitioned layout (daily partitions reaching a month back, so the
-/// schedules' day-long jumps of the clock move keys between partitions, and retention drops
-/// partitions): the engine's statements, the uniqueness trigger and partition drops under crashes,
-/// takeovers, kills and retries.
-#[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn schedules_0_to_29_on_the_partitioned_layout(pool: PgPool) {
-    sqlx::query(
-        "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until, \
-             created_at) \
-         VALUES ('reach-back', 'k', sha256('k'), 'w', '{}', now(), now() - interval '30 days')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    idemflow::store::partitions::adopt(
-        &pool,
-        &idemflow::store::partitions::PartitionPlan {
-            width: std::time::Duration::from_secs(24 * 60 * 60),
-            ahead: 2,
-        },
-    )
-    .await
-    .unwrap();
-    sqlx::query("DELETE FROM idempotency_keys WHERE tenant = 'reach-back'")
-        .execute(&pool)
-        .await
-        .unwrap();
-    explore(&pool, seeds_from_env(0..30)).await;
 }

@@ -217,6 +217,52 @@ impl Keyring {
     }
 }
 
+/// Opening stored values outside the runner: for tools that read the table (an operator's
+/// console given the keyring, a test's checks). Values stored unsealed come back as they are.
+impl Keyring {
+    /// The stored request of `tenant`'s `key` (the `request` column), opened.
+    pub fn open_request(
+        &self,
+        tenant: &TenantId,
+        key: &Key,
+        request: Value,
+    ) -> Result<Value, SealError> {
+        self.sealer(tenant, key).open_value(Slot::Request, request)
+    }
+
+    /// A phase output stored at `recovery_point` (the `phase_output` column), opened.
+    pub fn open_output(
+        &self,
+        tenant: &TenantId,
+        key: &Key,
+        recovery_point: &str,
+        output: Value,
+    ) -> Result<Value, SealError> {
+        self.sealer(tenant, key)
+            .open_value(Slot::Output(recovery_point), output)
+    }
+
+    /// The stored response of a done key whose `lock_version` is `lock_version`, opened.
+    pub fn open_response(
+        &self,
+        tenant: &TenantId,
+        key: &Key,
+        lock_version: i64,
+        response: StoredResponse,
+    ) -> Result<StoredResponse, SealError> {
+        self.sealer(tenant, key)
+            .open_response(response, lock_version)
+    }
+
+    fn sealer<'a>(&'a self, tenant: &'a TenantId, key: &'a Key) -> Sealer<'a> {
+        Sealer {
+            keyring: Some(self),
+            tenant,
+            key,
+        }
+    }
+}
+
 fn cipher(key: [u8; 32]) -> Aes256Gcm {
     Aes256Gcm::new(&key.into())
 }

@@ -25,9 +25,9 @@ use idemflow_runner::{Outcome, Request};
 
 use super::scheduler::ACTOR;
 use super::workflow::{self, SimRequest};
-use super::world::World;
+use super::world::{Shared, World};
 
-pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
+pub(crate) async fn replays_and_ends(world: &mut World) {
     let ending = world.ending();
     let shared = ending.shared;
     let tenant = &shared.tenant;
@@ -47,19 +47,34 @@ pub(crate) async fn replays_and_ends(world: &mut World<'_>) {
         };
         let row = idemflow_pg::inspect(&mut connection, tenant, &parsed).await;
         let connection: &mut sqlx::PgConnection = &mut connection;
-        let life: Option<i64> = sqlx::query_scalar(
-            "SELECT (request->>'life')::bigint FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+        let request: Option<sqlx::types::Json<serde_json::Value>> = sqlx::query_scalar(
+            "SELECT request FROM idempotency_keys WHERE tenant = $1 AND key = $2",
         )
         .bind(tenant.as_str())
         .bind(key)
         .fetch_optional(connection)
         .await
         .ok()
-        .flatten()
         .flatten();
+        let life = request.and_then(|request| shared.life_of(key, request.0));
         if let Ok(Some(row)) = row
             && let Some(response) = row.response
         {
+            // As a client is answered: opened, when the schedule seals.
+            let response = match &shared.keyring {
+                Some(keyring) => {
+                    match keyring.open_response(tenant, &parsed, row.lock_version, response) {
+                        Ok(response) => response,
+                        Err(error) => {
+                            shared.violation(format!(
+                                "the stored response of key {key} does not open: {error}"
+                            ));
+                            continue;
+                        }
+                    }
+                }
+                None => response,
+            };
             stored.insert(key.to_string(), (response, life));
         }
     }
@@ -266,4 +281,65 @@ fn text(response: &StoredResponse) -> String {
 /// A key of the schedule, parsed: the world makes only valid ones.
 fn parsed(key: &str) -> idemflow_core::Key {
     idemflow_core::Key::parse(key).expect("the world makes valid keys")
+}
+
+/// The consumer sharing the engine's pool applied each message at most once, and its ledger and
+/// its identities agree: a message applied has its identity recorded, and none is recorded
+/// without its effect (they commit together).
+pub(crate) async fn messages_applied_once(shared: &Shared) {
+    let prefix = format!("{}-%", shared.tenant);
+    let twice: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT message_id, count(*) FROM sim_ledger WHERE message_id LIKE $1 \
+         GROUP BY message_id HAVING count(*) > 1",
+    )
+    .bind(&prefix)
+    .fetch_all(&shared.observer)
+    .await
+    .unwrap_or_default();
+    for (message, times) in twice {
+        shared.violation(format!("message {message} was applied {times} times"));
+    }
+    let disagreeing: Vec<String> = sqlx::query_scalar(
+        "SELECT coalesce(ledger.message_id, processed.message_id) \
+         FROM (SELECT DISTINCT message_id FROM sim_ledger WHERE message_id LIKE $1) AS ledger \
+         FULL JOIN (SELECT message_id FROM processed_messages \
+                    WHERE subscriber = 'sim-ledger' AND message_id LIKE $1) AS processed \
+           ON ledger.message_id = processed.message_id \
+         WHERE ledger.message_id IS NULL OR processed.message_id IS NULL",
+    )
+    .bind(&prefix)
+    .fetch_all(&shared.observer)
+    .await
+    .unwrap_or_default();
+    for message in disagreeing {
+        shared.violation(format!(
+            "message {message} has an effect without its identity, or an identity without its effect"
+        ));
+    }
+}
+
+/// Once every actor ended, no connection of the engine's pool is inside a transaction: one handed
+/// back to the pool so would run the next request's statements in it (its claim lock, its
+/// `lock_timeout` with them). Connections handed back are tested by the pool in the background,
+/// which ends a transaction dropped open: that is waited for, a second at most.
+pub(crate) async fn no_connection_left_in_a_transaction(shared: &Shared) {
+    let mut open = 0;
+    for _ in 0..50 {
+        open = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = $1 \
+               AND state LIKE 'idle in transaction%'",
+        )
+        .bind(super::ENGINE_APPLICATION)
+        .fetch_one(&shared.observer)
+        .await
+        .unwrap_or(0_i64);
+        if open == 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    shared.violation(format!(
+        "{open} connection(s) of the engine's pool sat in a transaction after every actor ended"
+    ));
 }

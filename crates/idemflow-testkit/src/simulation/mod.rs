@@ -40,7 +40,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 pub use rng::Rng;
 pub use world::Counts;
@@ -53,10 +53,18 @@ pub const ENGINE_APPLICATION: &str = "idemflow-sim-engine";
 /// The `application_name` of the schedule's own connections (never killed).
 pub const OBSERVER_APPLICATION: &str = "idemflow-sim-observer";
 
+/// The schema that holds the engine's tables on the partitioned layout, beside the unpartitioned
+/// ones in the database's own schema: each schedule draws its layout, and its connections find
+/// the tables through their search path.
+pub const PARTITIONED_SCHEMA: &str = "idemflow_sim_partitioned";
+
 /// Runs schedules against one database.
 pub struct Simulation {
-    engine: PgPool,
-    observer: PgPool,
+    /// How to reach the database; each schedule opens the engine's pool from it with the
+    /// settings it drew (layout, isolation), and closes it at its end.
+    options: PgConnectOptions,
+    /// The schedule's own connections, by layout.
+    observers: [PgPool; 2],
     provider: Arc<MockProvider>,
 }
 
@@ -67,20 +75,21 @@ impl fmt::Debug for Simulation {
 }
 
 impl Simulation {
-    /// Prepares schedules on the database `pool` reaches (migrated): the engine's own pool, an
-    /// observer's, the tables the scripted workflow writes, and a mock provider on loopback.
-    /// Schedules run one at a time; each has a tenant of its own.
+    /// Prepares schedules on the database `pool` reaches (migrated): both layouts (the
+    /// partitioned one in a schema of its own, [`PARTITIONED_SCHEMA`], daily partitions reaching a
+    /// month back, so the schedules' day-long jumps of the clock move keys between partitions),
+    /// the observers' pools, the tables the scripted workflow writes, and a mock provider on
+    /// loopback. Schedules run one at a time; each has a tenant of its own.
     pub async fn new(pool: &PgPool) -> Result<Self, sqlx::Error> {
         let options = pool.connect_options().as_ref().clone();
-        let engine = PgPoolOptions::new()
-            .max_connections(40)
-            .test_before_acquire(false)
-            .connect_with(options.clone().application_name(ENGINE_APPLICATION))
-            .await?;
-        let observer = PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(options.application_name(OBSERVER_APPLICATION))
-            .await?;
+        let observer = |layout: Layout| {
+            PgPoolOptions::new().max_connections(4).connect_with(
+                layout
+                    .options(options.clone())
+                    .application_name(OBSERVER_APPLICATION),
+            )
+        };
+        let plain = observer(Layout::Unpartitioned).await?;
         for statement in [
             // claimed_at: the claim the effect was made under (a key deleted by the forget
             // policy and claimed again is another claim of the same request).
@@ -90,16 +99,20 @@ impl Simulation {
             "CREATE TABLE IF NOT EXISTS sim_parents (id int PRIMARY KEY)",
             "CREATE TABLE IF NOT EXISTS sim_orphans (parent int REFERENCES sim_parents (id) \
              DEFERRABLE INITIALLY DEFERRED)",
+            // The consumer's ledger: one row per message applied.
+            "CREATE TABLE IF NOT EXISTS sim_ledger (message_id text NOT NULL)",
         ] {
-            sqlx::query(statement).execute(&observer).await?;
+            sqlx::query(statement).execute(&plain).await?;
         }
+        prepare_partitioned(&options).await?;
+        let partitioned = observer(Layout::Partitioned).await?;
         let provider = MockProvider::builder()
             .start()
             .await
             .map_err(sqlx::Error::Io)?;
         Ok(Self {
-            engine,
-            observer,
+            options,
+            observers: [plain, partitioned],
             provider: Arc::new(provider),
         })
     }
@@ -107,6 +120,153 @@ impl Simulation {
     /// Runs the schedule `seed` names, and checks it.
     pub async fn run(&self, seed: u64) -> ScheduleReport {
         world::run(self, seed).await
+    }
+
+    /// The observer's pool on `layout`.
+    pub(crate) fn observer(&self, layout: Layout) -> &PgPool {
+        &self.observers[layout as usize]
+    }
+
+    /// The engine's pool for a schedule: its layout, and the database default isolation its
+    /// sessions get (the engine states its own in every transaction it begins).
+    pub(crate) async fn engine(&self, settings: &Settings) -> Result<PgPool, sqlx::Error> {
+        PgPoolOptions::new()
+            .max_connections(40)
+            .test_before_acquire(false)
+            .connect_with(
+                settings
+                    .layout
+                    .options(self.options.clone())
+                    .options([("default_transaction_isolation", settings.isolation.as_sql())])
+                    .application_name(ENGINE_APPLICATION),
+            )
+            .await
+    }
+}
+
+/// Migrates [`PARTITIONED_SCHEMA`] and adopts the partitioned layout there, once per database.
+async fn prepare_partitioned(options: &PgConnectOptions) -> Result<(), sqlx::Error> {
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(Layout::Partitioned.options(options.clone()))
+        .await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA IF NOT EXISTS {PARTITIONED_SCHEMA}"
+    )))
+    .execute(&pool)
+    .await?;
+    idemflow_pg::migrate(&pool).await.map_err(|error| {
+        sqlx::Error::Protocol(format!("migrating the partitioned schema: {error}"))
+    })?;
+    let mut connection = pool.acquire().await?;
+    if !idemflow_pg::partitions::is_partitioned(&mut connection)
+        .await
+        .map_err(store_error)?
+    {
+        // A key a month old first, so the partitions reach back that far.
+        sqlx::query(
+            "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, \
+                 locked_until, created_at) \
+             VALUES ('reach-back', 'k', sha256('k'), 'w', '{}', now(), now() - interval '30 days')",
+        )
+        .execute(&mut *connection)
+        .await?;
+        idemflow_pg::partitions::adopt(
+            &pool,
+            &idemflow_pg::partitions::PartitionPlan {
+                width: std::time::Duration::from_secs(24 * 60 * 60),
+                ahead: 2,
+            },
+        )
+        .await
+        .map_err(store_error)?;
+        sqlx::query("DELETE FROM idempotency_keys WHERE tenant = 'reach-back'")
+            .execute(&mut *connection)
+            .await?;
+    }
+    drop(connection);
+    pool.close().await;
+    Ok(())
+}
+
+fn store_error(error: idemflow_pg::StoreError) -> sqlx::Error {
+    match error {
+        idemflow_pg::StoreError::Database(error) => error,
+        other => sqlx::Error::Protocol(other.to_string()),
+    }
+}
+
+/// Which layout of the keys table a schedule runs on (docs/operations.md, "Choosing the layout").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    Unpartitioned = 0,
+    Partitioned = 1,
+}
+
+impl Layout {
+    /// `options` reaching this layout's tables (the scripted workflow's own stay in the
+    /// database's schema, after it on the path).
+    fn options(self, options: PgConnectOptions) -> PgConnectOptions {
+        match self {
+            Self::Unpartitioned => options,
+            Self::Partitioned => {
+                options.options([("search_path", format!("{PARTITIONED_SCHEMA}, public"))])
+            }
+        }
+    }
+}
+
+/// The database default isolation level of a schedule's engine sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    ReadCommitted,
+    RepeatableRead,
+    Serializable,
+}
+
+impl Isolation {
+    fn as_sql(self) -> &'static str {
+        match self {
+            Self::ReadCommitted => "read committed",
+            Self::RepeatableRead => "repeatable read",
+            Self::Serializable => "serializable",
+        }
+    }
+}
+
+/// The settings around the engine a schedule draws, beside its actors: the layout, the
+/// database's default isolation, where response bodies are stored, sealing, and a consumer
+/// sharing the engine's pool.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    pub layout: Layout,
+    pub isolation: Isolation,
+    /// Every response body stored apart (`response_apart_above` 0), not in its row.
+    pub apart: bool,
+    /// A keyring seals the stored request, outputs and responses.
+    pub sealed: bool,
+    /// An idempotent consumer runs deliveries on the engine's own pool, some of them dropped
+    /// part-way (a timeout, a shutdown).
+    pub consumer: bool,
+}
+
+impl Settings {
+    pub(crate) fn draw(rng: &mut Rng) -> Self {
+        Self {
+            layout: if rng.chance(0.3) {
+                Layout::Partitioned
+            } else {
+                Layout::Unpartitioned
+            },
+            isolation: rng.weighted(&[
+                (5, Isolation::ReadCommitted),
+                (3, Isolation::RepeatableRead),
+                (2, Isolation::Serializable),
+            ]),
+            apart: rng.chance(0.4),
+            sealed: rng.chance(0.3),
+            consumer: rng.chance(0.3),
+        }
     }
 }
 

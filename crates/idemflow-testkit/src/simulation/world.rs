@@ -10,16 +10,17 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_runner::{
-    CrashHook, CrashPoint, Outcome, PhaseContext, Registry, Request, Resumer, ResumerConfig,
-    RunError, Runner, RunnerConfig, TerminalPolicy,
+    CrashHook, CrashPoint, Keyring, Outcome, PhaseContext, Registry, Request, Resumer,
+    ResumerConfig, RunError, Runner, RunnerConfig, TerminalPolicy,
 };
+use serde_json::Value;
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 
 use super::rng::Rng;
 use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict};
 use super::workflow::{self, Act, ProviderFault, SimRequest};
-use super::{ScheduleReport, Simulation};
+use super::{ScheduleReport, Settings, Simulation};
 use crate::provider::MockProvider;
 use crate::provider_client::ProviderClient;
 
@@ -49,6 +50,8 @@ pub(crate) struct Setup {
     pub resumers: Vec<(i64, usize)>,
     /// Keys whose one phase always fails the same way (a poison request): (key, phase, act).
     pub poison: Vec<(usize, &'static str, Act)>,
+    /// The settings around the engine: layout, isolation, bodies apart, sealing, a consumer.
+    pub settings: Settings,
 }
 
 impl Setup {
@@ -80,12 +83,14 @@ impl Setup {
                 poison.push((key, phase, act));
             }
         }
+        let steps = rng.between(45, 70) as usize;
         Self {
             keys,
-            steps: rng.between(45, 70) as usize,
+            steps,
             terminal,
             resumers,
             poison,
+            settings: Settings::draw(rng),
         }
     }
 }
@@ -97,6 +102,9 @@ pub(crate) struct Shared {
     pub provider: Arc<MockProvider>,
     pub provider_client: ProviderClient,
     pub tenant: TenantId,
+    /// The keyring the schedule's runner seals with, if it drew sealing: what the observer opens
+    /// stored values with.
+    pub keyring: Option<Keyring>,
     pub calls: Calls,
     pub log: Mutex<Log>,
     poison: HashMap<String, (&'static str, Act)>,
@@ -150,6 +158,8 @@ pub struct Counts {
     pub time_jumps: u64,
     /// Engine connections killed by the server.
     pub kills: u64,
+    /// Deliveries to the consumer on the engine's pool.
+    pub deliveries: u64,
     /// Stored phase outputs corrupted, as a deploy changing a type would.
     pub corruptions: u64,
     /// Foreign calls started (each checked: by the owner, on a live lease).
@@ -159,6 +169,15 @@ pub struct Counts {
 impl Shared {
     pub(crate) fn log(&self) -> MutexGuard<'_, Log> {
         self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The life a stored request names (opened first when the schedule seals).
+    pub(crate) fn life_of(&self, key: &str, request: Value) -> Option<i64> {
+        let request = match (&self.keyring, Key::parse(key)) {
+            (Some(keyring), Ok(key)) => keyring.open_request(&self.tenant, &key, request).ok()?,
+            _ => request,
+        };
+        request.get("life").and_then(Value::as_i64)
     }
 
     pub(crate) fn event(&self, actor: ActorId, what: impl std::fmt::Display) {
@@ -213,11 +232,11 @@ impl Shared {
         phase: &str,
     ) {
         self.log().counts.calls += 1;
-        /// Token, state, recovery point, lease live (none when done), request life.
-        type Seen = (i64, String, String, Option<bool>, Option<i64>);
+        /// Token, state, recovery point, lease live (none when done), request.
+        type Seen = (i64, String, String, Option<bool>, sqlx::types::Json<Value>);
         let row: Result<Option<Seen>, _> = sqlx::query_as(
             "SELECT lock_version, state, recovery_point, locked_until > clock_timestamp(), \
-                    (request->>'life')::bigint \
+                    request \
              FROM idempotency_keys WHERE tenant = $1 AND key = $2",
         )
         .bind(context.tenant.as_str())
@@ -228,7 +247,8 @@ impl Shared {
         let problem = match row {
             Err(error) => Some(format!("reading the key failed: {error}")),
             Ok(None) => Some("the key does not exist".to_owned()),
-            Ok(Some((token, state, point, live, row_life))) => {
+            Ok(Some((token, state, point, live, request))) => {
+                let row_life = self.life_of(key, request.0);
                 if state != "started" {
                     Some(format!("the key is {state}"))
                 } else if token != context.lock_version {
@@ -483,6 +503,12 @@ struct RowSeen {
 enum Action {
     Grant,
     Request,
+    /// A client sends one request two or three times at once (a double click, a retry fired
+    /// before the first attempt answered, duplicate deliveries).
+    Burst,
+    /// A message is delivered to the consumer sharing the engine's pool (settings: consumer),
+    /// and the delivery is sometimes dropped part-way (a timeout, a shutdown).
+    Deliver,
     Drain,
     ExpireLease,
     ExpireAll,
@@ -494,8 +520,9 @@ enum Action {
     Corrupt,
 }
 
-pub(crate) struct World<'s> {
-    sim: &'s Simulation,
+pub(crate) struct World {
+    /// The engine's pool, opened for this schedule's settings and closed at its end.
+    engine: PgPool,
     /// When each actor may be granted a step again: a few are frozen for a while (a paused
     /// process, a long garbage collection), so others overtake them.
     frozen_until: HashMap<ActorId, usize>,
@@ -508,6 +535,8 @@ pub(crate) struct World<'s> {
     runner: Runner,
     workflow: Arc<idemflow_runner::Workflow>,
     resumers: Vec<(Resumer, Arc<AtomicBool>)>,
+    /// The consumer on the engine's pool (used when the settings say so).
+    consumer: Arc<idemflow_consumer::Consumer>,
     keys: Vec<KeySeen>,
     actors: JoinSet<()>,
 }
@@ -522,14 +551,30 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         .iter()
         .map(|(key, phase, act)| (key_name(*key), (*phase, *act)))
         .collect();
+    let settings = setup.settings;
+    let engine = match sim.engine(&settings).await {
+        Ok(engine) => engine,
+        Err(error) => {
+            return ScheduleReport {
+                seed,
+                violations: vec![format!("the engine's pool could not connect: {error}")],
+                history: Vec::new(),
+                counts: Counts::default(),
+            };
+        }
+    };
+    let keyring = settings
+        .sealed
+        .then(|| Keyring::new("sim", [7; 32]).unwrap_or_else(|_| unreachable!("a valid key id")));
     let shared = Arc::new(Shared {
         scheduler: Scheduler::default(),
-        observer: sim.observer.clone(),
+        observer: sim.observer(settings.layout).clone(),
         provider: sim.provider.clone(),
         provider_client: ProviderClient::builder(sim.provider.url())
             .timeout(Duration::from_millis(400))
             .build(),
         tenant,
+        keyring: keyring.clone(),
         calls: Calls::default(),
         log: Mutex::new(Log::default()),
         poison,
@@ -539,9 +584,15 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
     let hook = Arc::new(Hook(shared.clone()));
     let config = RunnerConfig {
         terminal_errors: setup.terminal,
+        keyring,
+        response_apart_above: if settings.apart {
+            0
+        } else {
+            RunnerConfig::DEFAULT_RESPONSE_APART_ABOVE
+        },
         ..RunnerConfig::default()
     };
-    let runner = Runner::with_config(sim.engine.clone(), config).with_crash_hook(hook);
+    let runner = Runner::with_config(engine.clone(), config).with_crash_hook(hook);
     let workflow = Arc::new(workflow::workflow(&shared, LEASE));
     let resumers = setup
         .resumers
@@ -565,7 +616,7 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         .collect();
     shared.event(ActorId(0), format!("seed {seed}: {setup:?}"));
     let mut world = World {
-        sim,
+        engine: engine.clone(),
         frozen_until: HashMap::new(),
         step: 0,
         lapsed: Vec::new(),
@@ -579,6 +630,14 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
             setup.keys
         ],
         setup,
+        consumer: Arc::new(
+            idemflow_consumer::Consumer::new(
+                engine.clone(),
+                idemflow_consumer::Subscriber::new("sim-ledger")
+                    .unwrap_or_else(|error| unreachable!("a valid subscriber: {error}")),
+            )
+            .with_wait_limit(Duration::from_millis(500)),
+        ),
         runner,
         workflow,
         resumers,
@@ -591,7 +650,10 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         world.step += 1;
     }
     world.wind_down().await;
-    world.finish(seed).await
+    let engine = world.engine.clone();
+    let report = world.finish(seed).await;
+    engine.close().await;
+    report
 }
 
 pub(crate) fn key_name(index: usize) -> String {
@@ -612,7 +674,7 @@ fn describe(result: &Result<Outcome, RunError>) -> String {
     }
 }
 
-impl World<'_> {
+impl World {
     /// Reads every key of the schedule: what the next action chooses from, the tokens seen
     /// committed.
     async fn sample(&mut self) {
@@ -623,12 +685,12 @@ impl World<'_> {
             Option<String>,
             String,
             String,
-            Option<i64>,
+            sqlx::types::Json<Value>,
             bool,
         );
         let rows: Vec<Row> = match sqlx::query_as(
             "SELECT key, state, lock_version, locked_until::text, recovery_point, \
-                    created_at::text, (request->>'life')::bigint, \
+                    created_at::text, request, \
                     state = 'started' AND locked_until <= now() \
              FROM idempotency_keys WHERE tenant = $1",
         )
@@ -642,8 +704,10 @@ impl World<'_> {
         let before: Vec<Option<RowSeen>> = self.keys.iter_mut().map(|key| key.row.take()).collect();
         let mut log = self.shared.log();
         let mut repeated = Vec::new();
-        for (key, state, lock_version, locked_until, recovery_point, created_at, life, due) in rows
+        for (key, state, lock_version, locked_until, recovery_point, created_at, request, due) in
+            rows
         {
+            let life = self.shared.life_of(&key, request.0);
             log.committed
                 .entry(key.clone())
                 .or_default()
@@ -722,6 +786,8 @@ impl World<'_> {
                 Action::Grant,
             ),
             (4, Action::Request),
+            (1, Action::Burst),
+            (3 * u32::from(self.setup.settings.consumer), Action::Deliver),
             (2 + 3 * due, Action::Drain),
             (4, Action::ExpireLease),
             (2, Action::ExpireAll),
@@ -738,6 +804,8 @@ impl World<'_> {
         match self.rng.weighted(&actions) {
             Action::Grant => self.grant(),
             Action::Request => self.request(),
+            Action::Burst => self.burst(),
+            Action::Deliver => self.deliver(),
             Action::Drain => self.drain(),
             Action::ExpireLease => self.expire_lease().await,
             Action::Stall => self.stall(),
@@ -898,6 +966,58 @@ impl World<'_> {
         let life = self.keys[index].life;
         self.shared.log().counts.requests += 1;
         self.spawn_request(index, life);
+    }
+
+    /// A delivery to the consumer that shares the engine's pool: one of a few messages (so
+    /// duplicates come), dropped after a few turns of the runtime about one time in two, as a
+    /// timeout around it or a shutdown would: mid-`BEGIN`, mid-handler, or after its commit.
+    fn deliver(&mut self) {
+        let id = format!("{}-m{}", self.shared.tenant, self.rng.below(4));
+        let drop_after = self.rng.chance(0.5).then(|| self.rng.below(6));
+        let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
+        let actor = shared.scheduler.new_actor();
+        shared.event(
+            actor,
+            format!("delivers {id} (dropped after {drop_after:?} turns)"),
+        );
+        self.shared.log().counts.deliveries += 1;
+        self.actors.spawn(ACTOR.scope(actor, async move {
+            let delivery = {
+                let (consumer, id) = (consumer.clone(), id.clone());
+                tokio::spawn(async move {
+                    let message = idemflow_consumer::Message::new(&id, id.as_bytes().to_vec())
+                        .unwrap_or_else(|error| unreachable!("a valid message: {error}"));
+                    consumer.process(&Ledger, &message).await
+                })
+            };
+            let outcome = match drop_after {
+                Some(turns) => {
+                    for _ in 0..turns {
+                        tokio::task::yield_now().await;
+                    }
+                    delivery.abort();
+                    delivery.await.map(|result| format!("{result:?}"))
+                }
+                None => delivery.await.map(|result| format!("{result:?}")),
+            };
+            shared.event(actor, format!("delivery of {id}: {outcome:?}"));
+            shared.scheduler.ended(actor);
+        }));
+    }
+
+    /// The same request, two or three times at once: their look-ups may all find the key absent,
+    /// and their claims race.
+    fn burst(&mut self) {
+        let index = self.rng.below(self.keys.len() as u64) as usize;
+        if self.keys[index].retired {
+            return;
+        }
+        let life = self.keys[index].life;
+        let copies = self.rng.between(2, 3);
+        self.shared.log().counts.requests += copies;
+        for _ in 0..copies {
+            self.spawn_request(index, life);
+        }
     }
 
     fn spawn_request(&mut self, index: usize, life: u32) {
@@ -1071,7 +1191,7 @@ impl World<'_> {
             max_rows_per_second: None,
             ..idemflow_runner::Retention::default()
         };
-        let deleted = retention.expire(&self.sim.engine).await;
+        let deleted = retention.expire(&self.engine).await;
         self.shared.log().counts.expiries += 1;
         self.shared
             .event(ActorId(0), format!("operator ran retention: {deleted:?}"));
@@ -1102,12 +1222,19 @@ impl World<'_> {
     /// A day passes for retention: the schedule's keys were claimed and finished a day earlier.
     /// Leases are left alone (their owners' heartbeats would have kept them).
     async fn time_jump(&mut self) {
+        // A body stored apart names its key's life by the key's creation time: it moves with it.
         let jumped = sqlx::query(
-            "UPDATE idempotency_keys SET created_at = created_at - $2::interval, \
-                    updated_at = updated_at - $2::interval, \
-                    finished_at = finished_at - $2::interval \
-             WHERE (tenant, key) IN (SELECT tenant, key FROM idempotency_keys \
-                                     WHERE tenant = $1 FOR UPDATE SKIP LOCKED)",
+            "WITH moved AS ( \
+                 UPDATE idempotency_keys SET created_at = created_at - $2::interval, \
+                        updated_at = updated_at - $2::interval, \
+                        finished_at = finished_at - $2::interval \
+                 WHERE (tenant, key) IN (SELECT tenant, key FROM idempotency_keys \
+                                         WHERE tenant = $1 FOR UPDATE SKIP LOCKED) \
+                 RETURNING tenant, key, created_at + $2::interval AS was) \
+             UPDATE idempotency_responses AS apart SET created_at = apart.created_at - $2::interval \
+             FROM moved \
+             WHERE apart.tenant = moved.tenant AND apart.key = moved.key \
+               AND apart.created_at = moved.was",
         )
         .bind(self.shared.tenant.as_str())
         .bind(JUMP)
@@ -1260,6 +1387,8 @@ impl World<'_> {
 
     async fn finish(mut self, seed: u64) -> ScheduleReport {
         super::check::replays_and_ends(&mut self).await;
+        super::check::messages_applied_once(&self.shared).await;
+        super::check::no_connection_left_in_a_transaction(&self.shared).await;
         let log = std::mem::take(&mut *self.shared.log());
         ScheduleReport {
             seed,
@@ -1279,7 +1408,7 @@ pub(crate) struct Ending<'w> {
     pub keys: Vec<(String, u32, bool)>,
 }
 
-impl World<'_> {
+impl World {
     pub(crate) fn ending(&self) -> Ending<'_> {
         Ending {
             shared: &self.shared,
@@ -1293,5 +1422,23 @@ impl World<'_> {
                 .map(|(index, seen)| (key_name(index), seen.life, seen.retired))
                 .collect(),
         }
+    }
+}
+
+/// The consumer's handler: one ledger row per message applied, in the delivery's transaction.
+struct Ledger;
+
+#[async_trait]
+impl idemflow_consumer::Handler for Ledger {
+    async fn handle(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        message: &idemflow_consumer::Message,
+    ) -> Result<(), idemflow_consumer::HandlerError> {
+        sqlx::query("INSERT INTO sim_ledger (message_id) VALUES ($1)")
+            .bind(message.id())
+            .execute(connection)
+            .await?;
+        Ok(())
     }
 }
