@@ -39,7 +39,7 @@ pub use maintenance::{
 
 pub use error::StoreError;
 pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
-pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version};
+pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version, response_apart};
 pub use owner::Owner;
 pub use pool::PoolSettings;
 pub use take_over::{TakenOver, take_over};

@@ -44,13 +44,17 @@ pub struct FoundKey {
     pub lease_left: Duration,
     /// The current fencing token: a takeover of an expired lease must name it.
     pub lock_version: i64,
-    /// Present when `done`.
+    /// Present when `done`; its body is empty when it is stored apart (`body_apart`).
     pub response: Option<StoredResponse>,
+    /// The key's life (its creation time, in microseconds since the Unix epoch) when its
+    /// response's body is stored apart: read it with [`response_apart`].
+    pub body_apart: Option<i64>,
 }
 
 /// The first statement of every request: reads the key outside any transaction, in one round
 /// trip. A retry of a finished key, a concurrent duplicate and a reused key all get their answer
-/// from it alone.
+/// from it alone (a replay whose body is stored apart reads it with a second statement,
+/// [`response_apart`]).
 ///
 /// A claim in flight is invisible to this snapshot, so when no row is found the statement tries
 /// the claim's advisory lock (shared, released as the statement ends): if a claim holds it, the
@@ -64,29 +68,6 @@ pub async fn look_up(
     tenant: &TenantId,
     key: &Key,
 ) -> Result<LookUp, StoreError> {
-    // A body stored apart is read by a second statement, and retention may delete the key in
-    // between: then the key is looked up again (it is gone, or someone claimed it anew; the
-    // body read names the life the row was, so it never finds the new life's body).
-    for _ in 0..LOOK_UP_ROUNDS {
-        if let Some(looked) = look_up_once(connection, tenant, key).await? {
-            return Ok(looked);
-        }
-    }
-    Err(StoreError::Corrupt(format!(
-        "the response of key {key} stored apart kept vanishing"
-    )))
-}
-
-/// How many times [`look_up`] reads a key whose response, stored apart, vanished under it.
-const LOOK_UP_ROUNDS: usize = 3;
-
-/// One look-up; `None` when the key's response is stored apart and was deleted (with its key)
-/// between the two statements.
-async fn look_up_once(
-    connection: &mut PgConnection,
-    tenant: &TenantId,
-    key: &Key,
-) -> Result<Option<LookUp>, StoreError> {
     let row = sqlx::query(statements::LOOK_UP)
         .bind(tenant.as_str())
         .bind(key.as_str())
@@ -96,40 +77,27 @@ async fn look_up_once(
     let fingerprint: Option<Vec<u8>> = row.get("fingerprint");
     let Some(fingerprint) = fingerprint else {
         let claiming: bool = row.get("claiming");
-        return Ok(Some(if claiming {
+        return Ok(if claiming {
             LookUp::Claiming
         } else {
             LookUp::Absent {
                 lock_version: row.get("new_lock_version"),
             }
-        }));
+        });
     };
     let fingerprint = fingerprint_of(&fingerprint)?;
     let done: bool = row.get("done");
     let lease_left_ms: Option<i64> = row.get("lease_left_ms");
-    let response = if done {
-        let (mut response, in_row) = stored_response(&row)?;
-        if !in_row {
-            // Stored apart (a done key has its body in the row or apart: the schema says so),
-            // read for this row's life: after a delete and a new claim in between, the body
-            // there is another life's, with another status and headers.
-            let life: Option<i64> = row.get("life");
-            let body: Option<Vec<u8>> = sqlx::query_scalar(statements::RESPONSE_APART)
-                .bind(tenant.as_str())
-                .bind(key.as_str())
-                .bind(life)
-                .fetch_optional(&mut *connection)
-                .await?;
-            let Some(body) = body else {
-                return Ok(None);
-            };
-            response.body = body;
-        }
-        Some(response)
+    let (response, body_apart) = if done {
+        let (response, in_row) = stored_response(&row)?;
+        // Stored apart (a done key has its body in the row or apart: the schema says so): the
+        // life the row is, for reading it ([`response_apart`]).
+        let life: Option<i64> = row.get("life");
+        (Some(response), if in_row { None } else { life })
     } else {
-        None
+        (None, None)
     };
-    Ok(Some(LookUp::Found(FoundKey {
+    Ok(LookUp::Found(FoundKey {
         fingerprint,
         workflow: row.get("workflow"),
         done,
@@ -140,7 +108,26 @@ async fn look_up_once(
         },
         lock_version: row.get("lock_version"),
         response,
-    })))
+        body_apart,
+    }))
+}
+
+/// The body of a response stored apart, for the life of its key the look-up found
+/// ([`FoundKey::body_apart`]): the second statement of such a replay, on the same connection.
+/// `None` when that life is gone: retention deleted the key between the two statements (and a new
+/// request may have claimed it anew, whose body this never is): look the key up again.
+pub async fn response_apart(
+    connection: &mut PgConnection,
+    tenant: &TenantId,
+    key: &Key,
+    life: i64,
+) -> Result<Option<Vec<u8>>, StoreError> {
+    Ok(sqlx::query_scalar(statements::RESPONSE_APART)
+        .bind(tenant.as_str())
+        .bind(key.as_str())
+        .bind(life)
+        .fetch_optional(connection)
+        .await?)
 }
 
 /// Draws a fencing token for a claim from the fence sequence, in a statement of its own. A

@@ -15,6 +15,7 @@ use sqlx::Postgres;
 use sqlx::pool::PoolConnection;
 
 use crate::admission::{Accepted, decode_and_validate};
+use crate::crash::CrashPoint;
 use crate::deadline::Within;
 use crate::drive::{Hold, Start, Tx};
 use crate::erased::Carry;
@@ -117,6 +118,27 @@ impl Runner {
                 }
             };
             let decision = decide(&stored_key(&row), &accepted.fingerprint, workflow.name());
+            let mut row = row;
+            let mut connection = connection;
+            if let (Decision::Replay, Some(life)) = (&decision, row.body_apart) {
+                // The body stored apart, for the life of the key the row is: a second statement,
+                // and retention may have deleted the key in between (a new request may even have
+                // claimed and finished it anew). Then it is not there, and the key is looked up
+                // again.
+                self.crash_points
+                    .check(|| CrashPoint::BeforeReplayBody, tenant, &accepted.key)
+                    .await?;
+                let body = store::response_apart(&mut connection, tenant, &accepted.key, life)
+                    .within(self.config.database_timeout)
+                    .await??;
+                let Some(body) = body else {
+                    kept = Some(connection);
+                    continue;
+                };
+                if let Some(response) = row.response.as_mut() {
+                    response.body = body;
+                }
+            }
             if decision != Decision::TakeOver {
                 // The look-up ran outside any transaction: the connection is idle.
                 self.warm.keep(connection);

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use idemflow_core::{Key, TenantId};
-use idemflow_pg::Owner;
 
 use crate::erased::Step;
 use crate::workflow::Workflow;
@@ -39,6 +38,11 @@ pub enum CrashPoint {
     BeforeFinish,
     /// The response is stored.
     AfterFinish,
+    /// A replay of a key whose response body is stored apart: its row was read, its body is
+    /// about to be (the second statement). Not a step of an execution, so not in
+    /// [`CrashPoint::all`]; a schedule explorer holds replays here while others act (retention,
+    /// a new life of the key).
+    BeforeReplayBody,
 }
 
 impl CrashPoint {
@@ -81,6 +85,7 @@ impl fmt::Display for CrashPoint {
             Self::AfterCall { phase } => write!(formatter, "after_call:{phase}"),
             Self::BeforeFinish => formatter.write_str("before_finish"),
             Self::AfterFinish => formatter.write_str("after_finish"),
+            Self::BeforeReplayBody => formatter.write_str("before_replay_body"),
         }
     }
 }
@@ -109,13 +114,14 @@ impl CrashPoints {
     pub(crate) async fn check(
         &self,
         point: impl FnOnce() -> CrashPoint,
-        owner: &Owner,
+        tenant: &TenantId,
+        key: &Key,
     ) -> Result<(), crate::RunError> {
         match &self.0 {
             None => Ok(()),
             Some(hook) => {
                 let point = point();
-                if hook.crash_at(&point, owner.tenant(), owner.key()).await {
+                if hook.crash_at(&point, tenant, key).await {
                     tracing::warn!(%point, "crash point: stopping as a crash would");
                     Err(crate::RunError::Crashed(point.to_string()))
                 } else {

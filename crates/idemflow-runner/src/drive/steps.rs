@@ -143,7 +143,11 @@ impl Drive<'_> {
             let owner = self.owner.clone();
             runner
                 .crash_points
-                .check(|| CrashPoint::BeforeCommit { phase: committed }, &owner)
+                .check(
+                    || CrashPoint::BeforeCommit { phase: committed },
+                    owner.tenant(),
+                    owner.key(),
+                )
                 .await?;
             if let Err(error) = commit_warm(open, runner).await? {
                 self.claim_refused = matches!(self.hold, Hold::Claim(_));
@@ -166,7 +170,11 @@ impl Drive<'_> {
             self.pending_foreign = None;
             runner
                 .crash_points
-                .check(|| CrashPoint::AfterCommit { phase: committed }, &owner)
+                .check(
+                    || CrashPoint::AfterCommit { phase: committed },
+                    owner.tenant(),
+                    owner.key(),
+                )
                 .await?;
         }
         Ok(())
@@ -237,7 +245,8 @@ impl Drive<'_> {
                 || CrashPoint::BeforeCall {
                     phase: foreign.name(),
                 },
-                &owner,
+                owner.tenant(),
+                owner.key(),
             )
             .await?;
         let derived_key = DerivedKey::new(self.owner.tenant(), self.owner.key(), step.name());
@@ -282,7 +291,8 @@ impl Drive<'_> {
                 || CrashPoint::AfterCall {
                     phase: foreign.name(),
                 },
-                &owner,
+                owner.tenant(),
+                owner.key(),
             )
             .await?;
         // Encoded now, so a failure in the phases after it can still record the result (and
@@ -327,7 +337,7 @@ impl Drive<'_> {
         let owner = self.owner.clone();
         runner
             .crash_points
-            .check(|| CrashPoint::BeforeFinish, &owner)
+            .check(|| CrashPoint::BeforeFinish, owner.tenant(), owner.key())
             .await?;
         let Some(open) = self.tx.take() else {
             unreachable!("opened above")
@@ -341,7 +351,7 @@ impl Drive<'_> {
         self.hold = Hold::Committed;
         runner
             .crash_points
-            .check(|| CrashPoint::AfterFinish, &owner)
+            .check(|| CrashPoint::AfterFinish, owner.tenant(), owner.key())
             .await?;
         metrics::count(metrics::FINISHED, workflow.name());
         tracing::info!(status = response.status, "finished");

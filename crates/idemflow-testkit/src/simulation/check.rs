@@ -144,6 +144,28 @@ pub(crate) async fn replays_and_ends(world: &mut World) {
     for mismatch in mismatched {
         shared.violation(format!("an answer is not the stored response: {mismatch}"));
     }
+    // Every answer was made for the request its client sent: a response names its life.
+    let foreign: Vec<String> = {
+        let log = shared.log();
+        log.executed
+            .iter()
+            .chain(log.replayed.iter())
+            .filter_map(|(key, life, given)| {
+                let body: serde_json::Value = serde_json::from_slice(&given.body).ok()?;
+                let made_for = body.get("life")?.as_i64()?;
+                (made_for != i64::from(*life)).then(|| {
+                    format!(
+                        "key {key} (life {life}) was answered {} {}, made for life {made_for}",
+                        given.status,
+                        text(given)
+                    )
+                })
+            })
+            .collect()
+    };
+    for answer in foreign {
+        shared.violation(format!("an answer belongs to another request: {answer}"));
+    }
     for (key, (response, stored_life)) in &stored {
         let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
         if let Some(made_for) = body.get("life").and_then(serde_json::Value::as_i64)

@@ -39,6 +39,10 @@ pub(crate) enum Act {
     Panic,
     /// Never returns by itself: the phase's time limit stops it.
     Hang,
+    /// Works outside the database until just before its time limit, then starts a statement
+    /// that runs past it: the runner gives the transaction up, but its session lives on until
+    /// the server's own statement timeout ends the statement.
+    HangInDatabase,
     /// Returns an output holding U+0000, which the store cannot hold.
     Unstorable,
     /// Inserts a row that breaks a deferred constraint: its transaction's commit fails.
@@ -180,6 +184,13 @@ async fn local_act(
         Act::Hang => {
             tokio::time::sleep(Duration::from_secs(3600)).await;
             Ok(format!("{phase} woke"))
+        }
+        Act::HangInDatabase => {
+            tokio::time::sleep(LOCAL_TIMEOUT * 9 / 10).await;
+            sqlx::query("SELECT pg_sleep(3600)")
+                .execute(connection)
+                .await?;
+            Ok(format!("{phase} slept"))
         }
         Act::Unstorable => Ok(format!("{phase} \u{0} unstorable")),
         Act::BreakCommit => {

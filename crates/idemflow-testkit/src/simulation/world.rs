@@ -78,6 +78,7 @@ impl Setup {
                     (2, ("charge", Act::Unstorable)),
                     (1, ("complete", Act::Panic)),
                     (1, ("price", Act::BreakCommit)),
+                    (1, ("price", Act::HangInDatabase)),
                     (1, ("charge", Act::Provider(ProviderFault::Unavailable))),
                 ]);
                 poison.push((key, phase, act));
@@ -915,6 +916,7 @@ impl World {
                 (terminal, Act::Terminal),
                 (2, Act::Panic),
                 (1, Act::Hang),
+                (1, Act::HangInDatabase),
                 (if phase == "complete" { 0 } else { 2 }, Act::Unstorable),
                 (if phase == "complete" { 2 } else { 0 }, Act::BreakCommit),
             ])
@@ -956,7 +958,14 @@ impl World {
             _ => self.rng.below(self.keys.len() as u64) as usize,
         };
         if self.keys[index].retired {
-            return;
+            // Its window is over and retention deleted it: the client may come back with a new
+            // request under the key, another life of it (a replay of the old one may still be
+            // between its two statements).
+            if !self.rng.chance(0.5) {
+                return;
+            }
+            self.keys[index].retired = false;
+            self.keys[index].life += 1;
         }
         let key = key_name(index);
         let forgotten = self.shared.log().forgotten.remove(&key);
