@@ -969,7 +969,13 @@ impl World {
         }
         let key = key_name(index);
         let forgotten = self.shared.log().forgotten.remove(&key);
-        if forgotten == Some(self.keys[index].life) {
+        // Forgotten, the client's next request is a new one; unless another copy of the same
+        // request (a burst) claimed the key again meanwhile: then that life goes on.
+        let claimed_again = self.keys[index]
+            .row
+            .as_ref()
+            .is_some_and(|row| row.life == Some(i64::from(self.keys[index].life)));
+        if forgotten == Some(self.keys[index].life) && !claimed_again {
             self.keys[index].life += 1;
         }
         let life = self.keys[index].life;
