@@ -227,7 +227,7 @@ pub fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
     for (name, value) in &stored.headers {
         if let (Ok(name), Ok(value)) = (
             header::HeaderName::try_from(name.as_str()),
-            HeaderValue::try_from(value.as_str()),
+            HeaderValue::from_bytes(value.as_bytes()),
         ) {
             headers.append(name, value);
         }
