@@ -348,11 +348,13 @@ where
         let Self {
             runner, workflow, ..
         } = self;
-        let (tenant, key) = (prepared.tenant, prepared.key);
+        let (tenant, key, place) = (prepared.tenant, prepared.key, prepared.place);
         let run = LIVE.scope(live.clone(), async move {
-            runner
+            let result = runner
                 .run_fingerprinted(&workflow, &tenant, &key, fingerprint, request_value)
-                .await
+                .await;
+            drop(place); // the run is over, its client there or not
+            result
         });
         // Once claimed, the handler runs to its end whatever the client does: hyper drops this
         // future when the client goes away, and a handler stopped halfway (after a charge,
