@@ -655,6 +655,126 @@ async fn a_multipart_form_sent_again_with_a_new_boundary_is_the_same_request(poo
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+/// A handler that reads the `amount` field of a form, as a multipart parser reading the
+/// content type's real boundary would (here: the first field of that name), and counts its
+/// calls.
+fn amount_router(pool: &PgPool, calls: &Arc<AtomicUsize>) -> Router {
+    let counted = calls.clone();
+    Router::new()
+        .route(
+            "/v1/payments",
+            post(move |body: Bytes| async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let text = String::from_utf8_lossy(&body);
+                let field = "name=\"amount\"\r\n\r\n";
+                let amount = text
+                    .split_once(field)
+                    .and_then(|(_, rest)| rest.split_once("\r\n"))
+                    .map_or("", |(amount, _)| amount)
+                    .to_owned();
+                (StatusCode::CREATED, format!("charged {amount}"))
+            }),
+        )
+        .route_layer(layer(pool))
+}
+
+/// The content type's real boundary is `BBBB-2`; a parameter before it holds `;boundary=` in a
+/// quoted string. Split on `;` without honouring the quotes, it reads `AAAA-1"`, and the form
+/// the handler reads (the `BBBB-2` parts, ahead of the `AAAA-1"` ones) was left out of the
+/// fingerprint as a preamble: two payments of different amounts under one key replayed each
+/// other.
+#[sqlx::test]
+async fn a_boundary_quoted_inside_another_parameter_cannot_hide_the_form_from_the_fingerprint(
+    pool: PgPool,
+) {
+    setup(&pool).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let address = serve(amount_router(&pool, &calls)).await;
+    let content_type = r#"multipart/form-data; x="y;boundary=AAAA-1"; boundary=BBBB-2"#;
+    let form = |amount: &str| {
+        format!(
+            "--BBBB-2\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n{amount}\r\n\
+             --BBBB-2--\r\n\
+             \r\n--AAAA-1\"\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nsame\r\n\
+             --AAAA-1\"--\r\n"
+        )
+    };
+    let send = |amount: &str| {
+        post_to(address, "/v1/payments", "pay-1")
+            .header("content-type", content_type)
+            .body(form(amount))
+            .send()
+    };
+    let first = send("100").await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.text().await.unwrap(), "charged 100");
+    let replay = send("100").await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let other = send("999").await.unwrap();
+    assert_eq!(other.status(), 422, "another amount under the same key");
+    let problem: serde_json::Value = other.json().await.unwrap();
+    assert_eq!(problem["code"], "idempotency_key_reused");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A multipart content type whose boundary cannot be told for sure (given twice, in any case,
+/// or in another spelling; not a valid boundary; parameters that do not parse) or a content
+/// type sent twice is refused 400 before anything is stored: the handler's parser and the
+/// fingerprint could read two different forms from it.
+#[sqlx::test]
+async fn an_ambiguous_or_invalid_boundary_is_refused_and_stores_nothing(pool: PgPool) {
+    setup(&pool).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let address = serve(amount_router(&pool, &calls)).await;
+    let body = "--BBBB\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n1\r\n--BBBB--\r\n";
+    let too_long = format!("multipart/form-data; boundary={}", "b".repeat(71));
+    for (index, content_types) in [
+        vec!["multipart/form-data; boundary=BBBB; boundary=CCCC"],
+        vec!["multipart/form-data; Boundary=BBBB; BOUNDARY=BBBB"],
+        vec!["multipart/form-data; boundary=BBBB; boundary*=utf-8''CCCC"],
+        vec!["multipart/form-data; boundary*0=BB; boundary*1=BB"],
+        vec![r#"multipart/form-data; boundary="BB\"BB""#],
+        vec![r#"multipart/form-data; boundary="""#],
+        vec![r#"multipart/form-data; boundary="BBBB ""#],
+        vec!["multipart/form-data; boundary=BB{}BB"],
+        vec![too_long.as_str()],
+        vec![r#"multipart/form-data; x="unterminated; boundary=BBBB"#],
+        vec!["multipart/form-data; boundary = BBBB"],
+        vec![
+            "multipart/form-data; boundary=BBBB",
+            "multipart/form-data; boundary=CCCC",
+        ],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut request = post_to(address, "/v1/payments", &format!("ambiguous-{index}"));
+        for content_type in &content_types {
+            request = request.header("content-type", *content_type);
+        }
+        let answer = request.body(body).send().await.unwrap();
+        assert_eq!(answer.status(), 400, "{content_types:?}");
+        let problem: serde_json::Value = answer.json().await.unwrap();
+        assert_eq!(problem["code"], "content_type_invalid", "{content_types:?}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "nothing stored for a refused request");
+
+    // The same key, sent with a content type that says one thing, runs.
+    let answer = post_to(address, "/v1/payments", "ambiguous-0")
+        .header("content-type", "multipart/form-data; boundary=\"BBBB\"")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 201);
+    assert_eq!(answer.text().await.unwrap(), "charged 1");
+}
+
 #[sqlx::test]
 async fn nested_routers_fingerprint_the_path_the_client_sent(pool: PgPool) {
     setup(&pool).await;
