@@ -5,8 +5,13 @@
 //!
 //! # How it works
 //!
-//! A small recursive-descent parser of our own reads the text into a tree, and a serializer writes
-//! the tree back in canonical form. Owning the parser gives full control over what is accepted:
+//! A small recursive-descent parser of our own reads the text and writes its canonical form as it
+//! goes, without building a tree of values (a tree costs tens of bytes a value however short the
+//! value is in the text, so a 1 MiB body of small values once cost 24 MiB): an object's members
+//! are written as they come, 12 bytes recorded for each, and put in canonical order when the
+//! object closes. Canonicalizing holds the output, one object's worth of scratch and the records
+//! of the objects still open: a few times the body's size at most
+//! (`tests/canonical_memory.rs`). Owning the parser gives full control over what is accepted:
 //!
 //! - **Input must be I-JSON** (RFC 7493): valid UTF-8 ([`CanonicalError::InvalidUtf8`]), strict
 //!   RFC 8259 grammar ([`CanonicalError::Syntax`]), no duplicate object keys at any depth
@@ -16,7 +21,8 @@
 //!   but JSON whitespace (space, tab, line feed, carriage return) after the value is `Syntax`; a
 //!   byte order mark is not whitespace and is refused too.
 //! - **Nesting is bounded** by [`MAX_DEPTH`] (128 arrays/objects deep): deeper input is `Syntax`,
-//!   so a hostile body cannot overflow the stack of the parser, the serializer or the drop glue.
+//!   so a hostile body cannot overflow the stack of the parser or of the value's drop glue. An
+//!   object longer than 4 GiB in canonical form is `Syntax` too.
 //! - **Numbers are doubles.** Every number is parsed with Rust's correctly rounded
 //!   `str::parse::<f64>()` and written back like ECMAScript's `Number.prototype.toString`: the
 //!   shortest digits that round-trip, plain notation for magnitudes in `[1e-6, 1e21)`, exponent
@@ -81,14 +87,11 @@ pub enum CanonicalError {
 /// The input may have whitespace around the value; the output has none. See the
 /// [module documentation](self) for what is rejected and how numbers and strings are written.
 pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
-    let value = parse(json, Numbers::Rounded)?;
-    let mut out = Vec::with_capacity(json.len());
-    write_value(&value, &mut out);
-    Ok(out)
+    write_canonical(json, Numbers::Rounded)
 }
 
 /// A JSON text in canonical form, and its value: what reading the canonical bytes back with
-/// `serde_json` gives, built from the same parse.
+/// `serde_json` gives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Canonical {
     /// The canonical text: what [`canonicalize`] returns, and what a fingerprint hashes.
@@ -97,20 +100,16 @@ pub struct Canonical {
     pub value: serde_json::Value,
 }
 
-/// [`canonicalize`], also handing over the parsed value, so a request is parsed once: the
-/// value equals `serde_json::from_slice(&canonical.bytes)` (numbers as `serde_json` reads their
-/// canonical spelling: an integral number that fits `u64` or `i64` is an integer, any other a
-/// double), so `1e2` decodes as the integer 100 the fingerprint says it is. A number the canonical
-/// form would change is refused ([`CanonicalError::NumberNotExact`]): what the fingerprint
-/// covers and what the workflow decodes is the number the client wrote.
+/// [`canonicalize`], also handing over the value: `serde_json::from_slice(&canonical.bytes)`
+/// (numbers as `serde_json` reads their canonical spelling: an integral number that fits `u64`
+/// or `i64` is an integer, any other a double), so `1e2` decodes as the integer 100 the
+/// fingerprint says it is. A number the canonical form would change is refused
+/// ([`CanonicalError::NumberNotExact`]): what the fingerprint covers and what the workflow
+/// decodes is the number the client wrote.
 pub fn canonicalize_request(json: &[u8]) -> Result<Canonical, CanonicalError> {
-    let value = parse(json, Numbers::AsWritten)?;
-    let mut bytes = Vec::with_capacity(json.len());
-    write_value(&value, &mut bytes);
-    Ok(Canonical {
-        bytes,
-        value: into_json(value),
-    })
+    let bytes = write_canonical(json, Numbers::AsWritten)?;
+    let value = read_back(&bytes)?;
+    Ok(Canonical { bytes, value })
 }
 
 /// [`canonicalize`] for a request body whose value is read elsewhere (a handler behind the HTTP
@@ -118,10 +117,7 @@ pub fn canonicalize_request(json: &[u8]) -> Result<Canonical, CanonicalError> {
 /// ([`CanonicalError::NumberNotExact`]), so two requests that differ in such a number never
 /// share a fingerprint.
 pub fn canonicalize_exact(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
-    let value = parse(json, Numbers::AsWritten)?;
-    let mut out = Vec::with_capacity(json.len());
-    write_value(&value, &mut out);
-    Ok(out)
+    write_canonical(json, Numbers::AsWritten)
 }
 
 /// What the parser does with a number a double cannot hold as written.
@@ -133,78 +129,44 @@ enum Numbers {
     AsWritten,
 }
 
-fn into_json(value: Value) -> serde_json::Value {
-    match value {
-        Value::Null => serde_json::Value::Null,
-        Value::Bool(flag) => serde_json::Value::Bool(flag),
-        Value::Number(number) => json_number(number),
-        Value::String(string) => serde_json::Value::String(string),
-        Value::Array(items) => serde_json::Value::Array(items.into_iter().map(into_json).collect()),
-        Value::Object(members) => serde_json::Value::Object(
-            members
-                .into_iter()
-                .map(|(key, item)| (key, into_json(item)))
-                .collect(),
-        ),
-    }
+/// Canonical bytes read back as a `serde_json` value. The nesting was bounded by [`MAX_DEPTH`]
+/// when the text was read; `serde_json`'s own bound is one level less, so it is lifted here.
+fn read_back(canonical: &[u8]) -> Result<serde_json::Value, CanonicalError> {
+    use serde::Deserialize as _;
+    let mut deserializer = serde_json::Deserializer::from_slice(canonical);
+    deserializer.disable_recursion_limit();
+    serde_json::Value::deserialize(&mut deserializer).map_err(|error| {
+        CanonicalError::Syntax(format!("the canonical form does not read back: {error}"))
+    })
 }
 
-/// The number `serde_json` reads from this double's canonical spelling. Canonical JSON spells an
-/// integral double below 10²¹ with digits only (the shortest that round-trips, then zeros:
-/// 31383528812208288 is spelt 31383528812208290), which `serde_json` reads as an integer when
-/// it fits (`u64`; `i64` above `-2⁶³` when negative) and as a double otherwise. Every other
-/// double is spelt with a fraction or an exponent: a double.
-fn json_number(number: f64) -> serde_json::Value {
-    let as_double = || {
-        serde_json::Number::from_f64(number)
-            .map_or(serde_json::Value::Null, serde_json::Value::Number)
-    };
-    if number.fract() != 0.0 || number.abs() >= 1e21 {
-        return as_double();
-    }
-    let spelt = format_number(number);
-    match spelt.strip_prefix('-') {
-        None => spelt
-            .parse::<u64>()
-            .map_or_else(|_| as_double(), serde_json::Value::from),
-        Some(magnitude) => match magnitude.parse::<u64>() {
-            Ok(magnitude) if magnitude <= i64::MAX as u64 => {
-                serde_json::Value::from(-(magnitude as i64))
-            }
-            _ => as_double(),
-        },
-    }
-}
-
-fn parse(json: &[u8], numbers: Numbers) -> Result<Value, CanonicalError> {
+fn write_canonical(json: &[u8], numbers: Numbers) -> Result<Vec<u8>, CanonicalError> {
     let text = std::str::from_utf8(json).map_err(|_| CanonicalError::InvalidUtf8)?;
-    let mut parser = Parser {
+    let mut writer = Writer {
         text,
         bytes: json,
         pos: 0,
         numbers,
+        // The canonical form is no longer than the text, but for numbers written out longer
+        // (`1e20` is `100000000000000000000`).
+        out: Vec::with_capacity(json.len()),
+        members: Vec::new(),
+        scratch: Vec::new(),
     };
-    parser.skip_whitespace();
-    let value = parser.parse_value(0)?;
-    parser.skip_whitespace();
-    if parser.pos != json.len() {
-        return Err(parser.syntax("unexpected data after the JSON value"));
+    writer.skip_whitespace();
+    writer.write_value(0)?;
+    writer.skip_whitespace();
+    if writer.pos != json.len() {
+        return Err(writer.syntax("unexpected data after the JSON value"));
     }
-    Ok(value)
+    Ok(writer.out)
 }
 
-/// A parsed JSON value. Object members are kept sorted in canonical order once parsed.
-#[derive(Debug)]
-enum Value {
-    Null,
-    Bool(bool),
-    Number(f64),
-    String(String),
-    Array(Vec<Value>),
-    Object(Vec<(String, Value)>),
-}
-
-struct Parser<'a> {
+/// Reads a JSON text and writes its canonical form as it goes: no tree of values is built (a
+/// tree costs tens of bytes a value, however short the value is in the text). An object's
+/// members are written as they come, each recorded, and put in canonical order when the
+/// object closes.
+struct Writer<'a> {
     /// The whole input, known to be valid UTF-8.
     text: &'a str,
     /// The same input as bytes.
@@ -213,9 +175,27 @@ struct Parser<'a> {
     /// characters, so it always sits on a character boundary.
     pos: usize,
     numbers: Numbers,
+    /// The canonical form so far.
+    out: Vec<u8>,
+    /// The members written so far of every object still open, innermost last.
+    members: Vec<Member>,
+    /// Where an object's members are put in order, kept for the next object.
+    scratch: Vec<u8>,
 }
 
-impl Parser<'_> {
+/// One member of an open object, as written in `out`: offsets from the object's `{`, 12 bytes a
+/// member, so that an object of many short members (`"a1":0,` is 7 bytes) costs little more.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    /// The key's opening quote.
+    start: u32,
+    /// Just after the key's closing quote.
+    key_end: u32,
+    /// Just after the value.
+    end: u32,
+}
+
+impl Writer<'_> {
     fn syntax(&self, what: &str) -> CanonicalError {
         CanonicalError::Syntax(format!("{what} at byte {}", self.pos))
     }
@@ -230,29 +210,52 @@ impl Parser<'_> {
         }
     }
 
-    fn expect_literal(&mut self, literal: &str, value: Value) -> Result<Value, CanonicalError> {
+    fn write_literal(&mut self, literal: &str) -> Result<(), CanonicalError> {
         if self.bytes[self.pos..].starts_with(literal.as_bytes()) {
             self.pos += literal.len();
-            Ok(value)
+            self.out.extend_from_slice(literal.as_bytes());
+            Ok(())
         } else {
             Err(self.syntax("invalid literal"))
         }
     }
 
-    /// Parses one value starting at `pos` (whitespace already skipped). `depth` is the number of
-    /// arrays and objects that enclose it.
-    fn parse_value(&mut self, depth: usize) -> Result<Value, CanonicalError> {
+    /// Reads one value starting at `pos` (whitespace already skipped) and writes its canonical
+    /// form. `depth` is the number of arrays and objects that enclose it.
+    fn write_value(&mut self, depth: usize) -> Result<(), CanonicalError> {
         match self.peek() {
             None => Err(self.syntax("unexpected end of input")),
-            Some(b'{') => self.parse_object(depth + 1),
-            Some(b'[') => self.parse_array(depth + 1),
-            Some(b'"') => self.parse_string().map(Value::String),
-            Some(b't') => self.expect_literal("true", Value::Bool(true)),
-            Some(b'f') => self.expect_literal("false", Value::Bool(false)),
-            Some(b'n') => self.expect_literal("null", Value::Null),
-            Some(b'-' | b'0'..=b'9') => self.parse_number().map(Value::Number),
+            Some(b'{') => self.write_object(depth + 1),
+            Some(b'[') => self.write_array(depth + 1),
+            Some(b'"') => self.write_string(),
+            Some(b't') => self.write_literal("true"),
+            Some(b'f') => self.write_literal("false"),
+            Some(b'n') => self.write_literal("null"),
+            Some(b'-' | b'0'..=b'9') => {
+                let number = format_number(self.parse_number()?);
+                self.reserve(number.len());
+                self.out.extend_from_slice(number.as_bytes());
+                Ok(())
+            }
             Some(_) => Err(self.syntax("expected a JSON value")),
         }
+    }
+
+    /// Room in `out` for `more` bytes. Only a number's canonical form can be longer than its
+    /// text (`1e20`, 4 bytes, is 21 digits), so only numbers can outgrow the text's length: the
+    /// output is then grown to the length it is heading for (its length so far, scaled by the
+    /// share of the text read) and an eighth more, not doubled, so that a body of such numbers
+    /// holds about its canonical form, not twice it.
+    fn reserve(&mut self, more: usize) {
+        let length = self.out.len();
+        if self.out.capacity() - length >= more {
+            return;
+        }
+        let heading = (length as u128 * self.bytes.len() as u128 / self.pos.max(1) as u128)
+            .try_into()
+            .unwrap_or(usize::MAX);
+        let wanted = heading.saturating_add(heading / 8).max(length + more);
+        self.out.reserve_exact(wanted - length);
     }
 
     fn check_depth(&self, depth: usize) -> Result<(), CanonicalError> {
@@ -266,56 +269,71 @@ impl Parser<'_> {
         }
     }
 
-    fn parse_array(&mut self, depth: usize) -> Result<Value, CanonicalError> {
+    fn write_array(&mut self, depth: usize) -> Result<(), CanonicalError> {
         self.check_depth(depth)?;
         self.pos += 1; // '['
-        let mut items = Vec::new();
+        self.out.push(b'[');
         self.skip_whitespace();
         if self.peek() == Some(b']') {
             self.pos += 1;
-            return Ok(Value::Array(items));
+            self.out.push(b']');
+            return Ok(());
         }
         loop {
             self.skip_whitespace();
-            items.push(self.parse_value(depth)?);
+            self.write_value(depth)?;
             self.skip_whitespace();
             match self.peek() {
-                Some(b',') => self.pos += 1,
+                Some(b',') => {
+                    self.pos += 1;
+                    self.out.push(b',');
+                }
                 Some(b']') => {
                     self.pos += 1;
-                    return Ok(Value::Array(items));
+                    self.out.push(b']');
+                    return Ok(());
                 }
                 _ => return Err(self.syntax("expected ',' or ']' in an array")),
             }
         }
     }
 
-    fn parse_object(&mut self, depth: usize) -> Result<Value, CanonicalError> {
+    fn write_object(&mut self, depth: usize) -> Result<(), CanonicalError> {
         self.check_depth(depth)?;
         self.pos += 1; // '{'
-        let mut members = Vec::new();
+        let open = self.out.len();
+        self.out.push(b'{');
+        let first = self.members.len();
         self.skip_whitespace();
         if self.peek() == Some(b'}') {
             self.pos += 1;
-            return Ok(Value::Object(members));
+            self.out.push(b'}');
+            return Ok(());
         }
         loop {
             self.skip_whitespace();
             if self.peek() != Some(b'"') {
                 return Err(self.syntax("expected a string key in an object"));
             }
-            let key = self.parse_string()?;
+            let start = self.out.len();
+            self.write_string()?;
+            let key_end = self.out.len();
             self.skip_whitespace();
             if self.peek() != Some(b':') {
                 return Err(self.syntax("expected ':' after an object key"));
             }
             self.pos += 1;
+            self.out.push(b':');
             self.skip_whitespace();
-            let value = self.parse_value(depth)?;
-            members.push((key, value));
+            self.write_value(depth)?;
+            let member = self.member(open, start, key_end)?;
+            self.members.push(member);
             self.skip_whitespace();
             match self.peek() {
-                Some(b',') => self.pos += 1,
+                Some(b',') => {
+                    self.pos += 1;
+                    self.out.push(b',');
+                }
                 Some(b'}') => {
                     self.pos += 1;
                     break;
@@ -323,49 +341,120 @@ impl Parser<'_> {
                 _ => return Err(self.syntax("expected ',' or '}' in an object")),
             }
         }
-        members.sort_by(|(a, _), (b, _)| compare_utf16(a, b));
-        if let Some(pair) = members.windows(2).find(|pair| pair[0].0 == pair[1].0) {
-            return Err(CanonicalError::DuplicateKey(pair[0].0.clone()));
-        }
-        Ok(Value::Object(members))
+        self.put_in_order(open, first)?;
+        self.members.truncate(first);
+        self.out.push(b'}');
+        Ok(())
     }
 
-    /// Parses a string starting at its opening quote, resolving escapes.
-    fn parse_string(&mut self) -> Result<String, CanonicalError> {
+    /// The member just written, from `start`, its key ending at `key_end`, its value at the
+    /// end of `out`; offsets from the object's `{` at `open`.
+    fn member(&self, open: usize, start: usize, key_end: usize) -> Result<Member, CanonicalError> {
+        let offset = |at: usize| {
+            u32::try_from(at - open).map_err(|_| {
+                CanonicalError::Syntax(format!(
+                    "an object longer than 4 GiB in canonical form at byte {}",
+                    self.pos
+                ))
+            })
+        };
+        Ok(Member {
+            start: offset(start)?,
+            key_end: offset(key_end)?,
+            end: offset(self.out.len())?,
+        })
+    }
+
+    /// Puts the members of the object opened at `open` (`members[first..]`, as written,
+    /// separated by commas) in canonical order, refusing a key written twice.
+    fn put_in_order(&mut self, open: usize, first: usize) -> Result<(), CanonicalError> {
+        let Self {
+            out,
+            members,
+            scratch,
+            ..
+        } = self;
+        let members = &mut members[first..];
+        let span = |at: u32, to: u32| open + at as usize..open + to as usize;
+        // The key's text between its quotes, as written (with the canonical escapes).
+        let key = |member: &Member| {
+            let literal = &out[span(member.start + 1, member.key_end - 1)];
+            std::str::from_utf8(literal).unwrap_or_default()
+        };
+        if members
+            .windows(2)
+            .all(|pair| compare_keys(key(&pair[0]), key(&pair[1])) == Ordering::Less)
+        {
+            return Ok(()); // in order already, so no key twice either
+        }
+        members.sort_unstable_by(|a, b| compare_keys(key(a), key(b)));
+        // Two keys are the same exactly when their canonical spellings are.
+        if let Some(pair) = members
+            .windows(2)
+            .find(|pair| key(&pair[0]) == key(&pair[1]))
+        {
+            return Err(CanonicalError::DuplicateKey(
+                unescaped(key(&pair[0])).collect(),
+            ));
+        }
+        let content = open + 1..out.len();
+        if scratch.capacity() < content.len() {
+            // Not grown in place: the old buffer would be copied for nothing.
+            *scratch = Vec::new();
+            scratch.reserve_exact(content.len());
+        }
+        scratch.clear();
+        for (index, member) in members.iter().enumerate() {
+            if index > 0 {
+                scratch.push(b',');
+            }
+            scratch.extend_from_slice(&out[span(member.start, member.end)]);
+        }
+        out[content].copy_from_slice(scratch);
+        scratch.clear();
+        Ok(())
+    }
+
+    /// Reads a string starting at its opening quote, resolving escapes, and writes it with the
+    /// canonical ones.
+    fn write_string(&mut self) -> Result<(), CanonicalError> {
         self.pos += 1; // '"'
-        let mut out = String::new();
+        self.out.push(b'"');
         let mut run_start = self.pos;
         loop {
             match self.peek() {
                 None => return Err(self.syntax("unterminated string")),
                 Some(b'"') => {
-                    out.push_str(&self.text[run_start..self.pos]);
+                    self.out.extend_from_slice(&self.bytes[run_start..self.pos]);
                     self.pos += 1;
-                    return Ok(out);
+                    self.out.push(b'"');
+                    return Ok(());
                 }
                 Some(b'\\') => {
-                    out.push_str(&self.text[run_start..self.pos]);
+                    self.out.extend_from_slice(&self.bytes[run_start..self.pos]);
                     self.pos += 1;
-                    self.parse_escape(&mut out)?;
+                    let character = self.parse_escape()?;
+                    write_char(character, &mut self.out);
                     run_start = self.pos;
                 }
                 Some(0x00..=0x1f) => {
                     return Err(self.syntax("unescaped control character in a string"));
                 }
                 // Any other byte, including the bytes of multi-byte UTF-8 characters, is copied
-                // with its run; runs are cut only at ASCII bytes, so they are whole characters.
+                // with its run (canonical JSON writes them as they are); runs are cut only at
+                // ASCII bytes, so they are whole characters.
                 Some(_) => self.pos += 1,
             }
         }
     }
 
-    /// Parses the escape after a backslash (already consumed) and appends what it stands for.
-    fn parse_escape(&mut self, out: &mut String) -> Result<(), CanonicalError> {
+    /// Parses the escape after a backslash (already consumed): the character it stands for.
+    fn parse_escape(&mut self) -> Result<char, CanonicalError> {
         let Some(byte) = self.peek() else {
             return Err(self.syntax("unterminated escape"));
         };
         self.pos += 1;
-        let ch = match byte {
+        Ok(match byte {
             b'"' => '"',
             b'\\' => '\\',
             b'/' => '/',
@@ -379,9 +468,7 @@ impl Parser<'_> {
                 self.pos -= 1;
                 return Err(self.syntax("invalid escape"));
             }
-        };
-        out.push(ch);
-        Ok(())
+        })
     }
 
     /// Parses the `XXXX` of a `\uXXXX` escape, and its low surrogate partner if it is a high one.
@@ -552,74 +639,77 @@ fn abbreviate(literal: &str) -> String {
     }
 }
 
-/// Orders strings as sequences of UTF-16 code units, as RFC 8785 section 3.2.3 requires.
-fn compare_utf16(a: &str, b: &str) -> Ordering {
-    a.encode_utf16().cmp(b.encode_utf16())
+/// Orders two keys, each its text between the quotes as canonical JSON writes it, as
+/// sequences of UTF-16 code units, as RFC 8785 section 3.2.3 requires.
+fn compare_keys(a: &str, b: &str) -> Ordering {
+    utf16(a).cmp(utf16(b))
 }
 
-fn write_value(value: &Value, out: &mut Vec<u8>) {
-    match value {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(true) => out.extend_from_slice(b"true"),
-        Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Number(number) => out.extend_from_slice(format_number(*number).as_bytes()),
-        Value::String(string) => write_string(string, out),
-        Value::Array(items) => {
-            out.push(b'[');
-            for (index, item) in items.iter().enumerate() {
-                if index > 0 {
-                    out.push(b',');
-                }
-                write_value(item, out);
-            }
-            out.push(b']');
-        }
-        Value::Object(members) => {
-            out.push(b'{');
-            for (index, (key, item)) in members.iter().enumerate() {
-                if index > 0 {
-                    out.push(b',');
-                }
-                write_string(key, out);
-                out.push(b':');
-                write_value(item, out);
-            }
-            out.push(b'}');
-        }
-    }
+/// The UTF-16 code units of a key written with canonical escapes.
+fn utf16(escaped: &str) -> impl Iterator<Item = u16> + '_ {
+    unescaped(escaped).flat_map(|character| {
+        let mut units = [0u16; 2];
+        let length = character.encode_utf16(&mut units).len();
+        units.into_iter().take(length)
+    })
 }
 
-/// Writes a string literal with exactly the escapes of RFC 8785 section 3.2.2.2.
-fn write_string(string: &str, out: &mut Vec<u8>) {
+/// The characters of a string's text written with canonical escapes (only `\"`, `\\`, `\b`,
+/// `\f`, `\n`, `\r`, `\t` and `\u00xx` occur).
+fn unescaped(escaped: &str) -> impl Iterator<Item = char> + '_ {
+    let mut characters = escaped.chars();
+    std::iter::from_fn(move || {
+        let character = characters.next()?;
+        if character != '\\' {
+            return Some(character);
+        }
+        Some(match characters.next()? {
+            'b' => '\u{8}',
+            'f' => '\u{c}',
+            'n' => '\n',
+            'r' => '\r',
+            't' => '\t',
+            'u' => {
+                let code = (0..4).try_fold(0u32, |code, _| {
+                    Some(code * 16 + characters.next()?.to_digit(16)?)
+                })?;
+                char::from_u32(code)?
+            }
+            other => other,
+        })
+    })
+}
+
+/// Writes one character of a string with exactly the escapes of RFC 8785 section 3.2.2.2.
+fn write_char(character: char, out: &mut Vec<u8>) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    out.push(b'"');
-    let bytes = string.as_bytes();
-    let mut run_start = 0;
-    for (index, &byte) in bytes.iter().enumerate() {
-        let escape: &[u8] = match byte {
-            b'"' => b"\\\"",
-            b'\\' => b"\\\\",
-            0x08 => b"\\b",
-            0x0c => b"\\f",
-            b'\n' => b"\\n",
-            b'\r' => b"\\r",
-            b'\t' => b"\\t",
-            0x00..=0x1f => &[
+    let escape: &[u8] = match character {
+        '"' => b"\\\"",
+        '\\' => b"\\\\",
+        '\u{8}' => b"\\b",
+        '\u{c}' => b"\\f",
+        '\n' => b"\\n",
+        '\r' => b"\\r",
+        '\t' => b"\\t",
+        '\u{0}'..='\u{1f}' => {
+            let byte = character as u8;
+            out.extend_from_slice(&[
                 b'\\',
                 b'u',
                 b'0',
                 b'0',
                 HEX[usize::from(byte >> 4)],
                 HEX[usize::from(byte & 0xf)],
-            ],
-            _ => continue,
-        };
-        out.extend_from_slice(&bytes[run_start..index]);
-        out.extend_from_slice(escape);
-        run_start = index + 1;
-    }
-    out.extend_from_slice(&bytes[run_start..]);
-    out.push(b'"');
+            ]);
+            return;
+        }
+        _ => {
+            let mut buffer = [0u8; 4];
+            out.extend_from_slice(character.encode_utf8(&mut buffer).as_bytes());
+            return;
+        }
+    };
+    out.extend_from_slice(escape);
 }
 
 /// The decimal digits (no trailing zeros) and exponent of the ECMAScript representation of a

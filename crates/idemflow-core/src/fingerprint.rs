@@ -53,37 +53,38 @@ impl Fingerprint {
         )
     }
 
-    /// Fingerprints a multipart body by its parts, not its bytes: each part's headers (as given
-    /// by the caller, in order) and content. The boundary a client draws anew for every send
-    /// is left out, so a retry of the same form is the same request.
+    /// Fingerprints a multipart request by every byte of its content type and body but its
+    /// boundary, which a client draws anew for every send: `content_type` with the boundary
+    /// parameter's value left out, and `pieces`, the body split at each place the boundary is
+    /// written (as the caller found them, in order). A retry of the same form under a new
+    /// boundary is the same request; any other change to the bytes makes another one.
+    ///
+    /// The caller must split only where the boundary opens a delimiter line, and nowhere else
+    /// in the body may the boundary be written (else a parser could read another form from
+    /// the same pieces): then two requests with one fingerprint are one form to any parser.
     pub fn of_multipart<'a>(
         method: &str,
         path: &str,
-        media_type: &str,
-        parts: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+        content_type: &[u8],
+        pieces: impl IntoIterator<Item = &'a [u8]>,
     ) -> Self {
-        let media_type = media_type.to_ascii_lowercase();
-        let mut hasher = Self::start(
-            b'M',
-            &[method.as_bytes(), path.as_bytes(), media_type.as_bytes()],
-        );
-        for (headers, content) in parts {
-            for part in [headers, content] {
-                hasher.update((part.len() as u64).to_be_bytes());
-                hasher.update(part);
-            }
+        let mut hasher = Self::start(b'F', &[method.as_bytes(), path.as_bytes(), content_type]);
+        for piece in pieces {
+            hasher.update((piece.len() as u64).to_be_bytes());
+            hasher.update(piece);
         }
         Self(hasher.finalize().into())
     }
 
-    /// Fingerprints a body that is not JSON by its exact bytes and its content type.
-    pub fn of_raw(method: &str, path: &str, content_type: &str, body: &[u8]) -> Self {
+    /// Fingerprints a body that is not JSON by its exact bytes and its content type (as its
+    /// bytes: a header value need not be UTF-8).
+    pub fn of_raw(method: &str, path: &str, content_type: impl AsRef<[u8]>, body: &[u8]) -> Self {
         Self::hash(
             b'R',
             &[
                 method.as_bytes(),
                 path.as_bytes(),
-                content_type.as_bytes(),
+                content_type.as_ref(),
                 body,
             ],
         )
@@ -173,15 +174,27 @@ mod tests {
     }
 
     #[test]
-    fn multipart_counts_parts_in_order_not_their_framing() {
-        let form = |parts: &[(&'static [u8], &'static [u8])]| {
-            Fingerprint::of_multipart("POST", "/u", "multipart/form-data", parts.iter().copied())
+    fn multipart_counts_every_piece_in_order_and_the_content_type() {
+        let form = |content_type: &[u8], pieces: &[&'static [u8]]| {
+            Fingerprint::of_multipart("POST", "/u", content_type, pieces.iter().copied())
         };
-        let one = form(&[(b"name=a", b"1"), (b"name=b", b"2")]);
-        assert_eq!(one, form(&[(b"name=a", b"1"), (b"name=b", b"2")]));
-        assert_ne!(one, form(&[(b"name=b", b"2"), (b"name=a", b"1")]));
-        assert_ne!(one, form(&[(b"name=a", b"12"), (b"name=b", b"")]));
-        assert_ne!(one, form(&[(b"name=a1", b""), (b"name=b", b"2")]));
+        let typed = b"multipart/form-data; boundary=";
+        let one = form(typed, &[b"--", b"\r\na\r\n\r\n1\r\n--", b"--"]);
+        assert_eq!(one, form(typed, &[b"--", b"\r\na\r\n\r\n1\r\n--", b"--"]));
+        assert_ne!(one, form(typed, &[b"--", b"--", b"\r\na\r\n\r\n1\r\n--"]));
+        assert_ne!(one, form(typed, &[b"--\r\na\r\n\r\n1\r\n--", b"--"]));
+        assert_ne!(one, form(typed, &[b"--", b"\r\na\r\n\r\n2\r\n--", b"--"]));
+        assert_ne!(
+            one,
+            form(
+                b"multipart/mixed; boundary=",
+                &[b"--", b"\r\na\r\n\r\n1\r\n--", b"--"]
+            )
+        );
+        assert_ne!(
+            one,
+            Fingerprint::of_raw("POST", "/u", typed, b"--\r\na\r\n\r\n1\r\n----")
+        );
     }
 
     #[test]
@@ -210,6 +223,15 @@ mod tests {
     fn raw_bodies_count_their_content_type() {
         let text = Fingerprint::of_raw("POST", "/a", "text/plain", b"{}");
         assert_ne!(text, Fingerprint::of_raw("POST", "/a", "text/csv", b"{}"));
+        // As bytes: the same as its text when it is text, and any bytes count.
+        assert_eq!(
+            text,
+            Fingerprint::of_raw("POST", "/a", b"text/plain", b"{}")
+        );
+        assert_ne!(
+            Fingerprint::of_raw("POST", "/a", b"text/plain; x=\xe9", b"{}"),
+            Fingerprint::of_raw("POST", "/a", b"text/plain; x=\xe8", b"{}")
+        );
         assert_ne!(
             text,
             Fingerprint::of_json("POST", "/a", b"{}").expect("valid")

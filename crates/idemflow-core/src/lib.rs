@@ -26,5 +26,5 @@ pub use derived_key::DerivedKey;
 pub use fingerprint::Fingerprint;
 pub use key::{Key, KeyError};
 pub use phase_name::{PhaseName, PhaseNameError, RecoveryPoint};
-pub use response::{StoredResponse, problem_document};
+pub use response::{FieldValue, StoredResponse, problem_document};
 pub use tenant::{TenantError, TenantId};

@@ -45,17 +45,24 @@ impl HttpConfig {
 ///
 /// The request is stored with its key for inspection (`idemflow inspect`); the handler itself
 /// always gets the live request, whole. The response is stored to be replayed to whoever sends
-/// the same key and request in the tenant, so what belongs to one client (a session cookie)
-/// must not be in it.
+/// the same key and request in the tenant, so what belongs to one client (a session cookie, a
+/// token the handler issued) must not be in it. The live answer to the attempt that ran the
+/// handler keeps every header the handler set.
 #[derive(Debug, Clone)]
 pub struct Redaction {
-    /// A request header whose lowercase name contains one of these is not stored; a query
-    /// parameter whose lowercase name contains one is stored with its value replaced by
-    /// `REDACTED`. Broad on purpose: a false match only hides a value from `inspect`.
+    /// A request or response header whose lowercase name contains one of these is not stored
+    /// (a response header is then not replayed either); a query parameter whose lowercase name
+    /// contains one is stored with its value replaced by `REDACTED`. Broad on purpose: a false
+    /// match only hides a value from `inspect`, or a header from a replay (see
+    /// [`Redaction::public_response_headers`] for the standard ones that must be replayed).
     pub secret_words: Vec<String>,
-    /// Response headers (lowercase names) never stored or replayed. The live answer to the
-    /// attempt that ran the handler keeps them.
+    /// Response headers (lowercase names) never stored or replayed, whatever their names hold.
     pub unstored_response_headers: Vec<String>,
+    /// Response headers (lowercase names) stored and replayed although their names hold a
+    /// secret word: standard headers that carry no secret, whose loss would change what a
+    /// replay means. Default `www-authenticate` (a 401 must carry its challenge) and
+    /// `access-control-allow-credentials` (its value is `true`).
+    pub public_response_headers: Vec<String>,
 }
 
 impl Default for Redaction {
@@ -83,6 +90,9 @@ impl Default for Redaction {
             ]
             .map(str::to_owned)
             .to_vec(),
+            public_response_headers: ["www-authenticate", "access-control-allow-credentials"]
+                .map(str::to_owned)
+                .to_vec(),
         }
     }
 }
@@ -95,13 +105,14 @@ impl Redaction {
             .any(|word| name.contains(word.as_str()))
     }
 
+    /// Whether a response header of this name is stored, and so replayed.
     pub(crate) fn stores_response_header(&self, name: &str) -> bool {
+        let listed =
+            |names: &[String]| names.iter().any(|listed| listed.eq_ignore_ascii_case(name));
         !HOP_BY_HOP.contains(&name)
             && !TRANSFER.contains(&name)
-            && !self
-                .unstored_response_headers
-                .iter()
-                .any(|unstored| unstored.eq_ignore_ascii_case(name))
+            && !listed(&self.unstored_response_headers)
+            && (!self.is_secret(name) || listed(&self.public_response_headers))
     }
 }
 
@@ -162,6 +173,39 @@ impl StatusRules {
             StatusClass::Retried
         } else {
             StatusClass::Stored
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn response_headers_named_like_secrets_are_not_stored_but_standard_ones_are() {
+        let redaction = Redaction::default();
+        for name in [
+            "x-session-token",
+            "X-API-Key",
+            "authorization",
+            "x-upstream-signature",
+            "x-jwt",
+            "set-cookie",
+            "authentication-info",
+            "connection",
+            "content-length",
+        ] {
+            assert!(!redaction.stores_response_header(name), "{name}");
+        }
+        for name in [
+            "content-type",
+            "location",
+            "etag",
+            "WWW-Authenticate",
+            "access-control-allow-credentials",
+            "x-request-id",
+        ] {
+            assert!(redaction.stores_response_header(name), "{name}");
         }
     }
 }

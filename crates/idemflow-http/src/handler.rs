@@ -14,7 +14,7 @@ use axum::body::{Body, Bytes};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, Request, StatusCode, header};
 use axum::response::Response;
-use idemflow_core::{DerivedKey, StoredResponse};
+use idemflow_core::{DerivedKey, FieldValue, StoredResponse};
 use idemflow_runner::{ForeignPhase, PhaseContext, PhaseError, RetryPolicy};
 use tower::{Service, ServiceExt};
 
@@ -236,8 +236,9 @@ impl<S> Handler<S> {
                                 .redaction
                                 .stores_response_header(name.as_str())
                         })
-                        .filter_map(|(name, value)| {
-                            Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
+                        // As their bytes: obs-text (0x80-0xFF) is legal in a field value.
+                        .map(|(name, value)| {
+                            (name.as_str().to_owned(), FieldValue::from(value.as_bytes()))
                         })
                         .collect(),
                     // Without a copy when the handler's body is one buffer it owns alone.

@@ -24,7 +24,7 @@ use crate::handler::{Handler, HandlerSettings, LIVE, Live};
 use crate::prepare::{Refusal, prepare, target};
 use crate::problem::{Problem, respond, seconds};
 use crate::recorded::{RecordedRequest, Unread};
-use crate::request_fingerprint::fingerprint;
+use crate::request_fingerprint::{FingerprintError, fingerprint};
 use crate::tenant::TenantResolver;
 
 /// Gives idempotency to the handlers it wraps. `name` is the workflow name its keys are stored
@@ -330,8 +330,12 @@ where
         let target = target(parts);
         let fingerprint = match fingerprint(parts.method.as_str(), &target, parts, &prepared.body) {
             Ok(fingerprint) => fingerprint,
-            Err(error) => {
+            Err(FingerprintError::Body(error)) => {
                 return respond(Ok(Outcome::Rejected(Rejection::InvalidBody(error))));
+            }
+            Err(FingerprintError::ContentType(why)) => {
+                return Problem::new(StatusCode::BAD_REQUEST, "content_type_invalid", why)
+                    .into_response();
             }
         };
         let recorded = RecordedRequest::new(parts, &target, &prepared.body, &self.redaction);
@@ -348,11 +352,13 @@ where
         let Self {
             runner, workflow, ..
         } = self;
-        let (tenant, key) = (prepared.tenant, prepared.key);
+        let (tenant, key, place) = (prepared.tenant, prepared.key, prepared.place);
         let run = LIVE.scope(live.clone(), async move {
-            runner
+            let result = runner
                 .run_fingerprinted(&workflow, &tenant, &key, fingerprint, request_value)
-                .await
+                .await;
+            drop(place); // the run is over, its client there or not
+            result
         });
         // Once claimed, the handler runs to its end whatever the client does: hyper drops this
         // future when the client goes away, and a handler stopped halfway (after a charge,

@@ -12,7 +12,8 @@
 //! 415. Nothing is stored for a request refused before execution. See docs/http.md.
 //!
 //! [`serve`] serves a router with limits on slow and oversized clients (header and body read
-//! timeouts, header size and count), which `axum::serve` does not set.
+//! timeouts, header size and count), on the connections held and on the covered requests
+//! processed at once, which `axum::serve` does not set.
 
 #![deny(missing_docs)]
 

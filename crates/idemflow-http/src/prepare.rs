@@ -6,6 +6,7 @@ use axum::extract::OriginalUri;
 use axum::http::request::Parts;
 use axum::http::{Request, StatusCode, header};
 use idemflow_core::{Key, TenantId};
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::body::{BodyError, read_limited};
 use crate::config::HttpConfig;
@@ -13,6 +14,7 @@ use crate::extract::key_problem;
 use crate::key_header::{KeyHeaderError, idempotency_key};
 use crate::problem::{Problem, body_timeout};
 use crate::request_fingerprint;
+use crate::serve::CoveredLimit;
 use crate::tenant::TenantResolver;
 
 /// A covered request that passed the checks.
@@ -21,6 +23,9 @@ pub(crate) struct Prepared {
     pub key: Key,
     pub tenant: TenantId,
     pub body: Bytes,
+    /// Its place among the covered requests being processed (served by [`crate::serve`]):
+    /// held until the request's run has ended, whatever becomes of its client.
+    pub place: Option<OwnedSemaphorePermit>,
 }
 
 /// What to do with a request the checks did not pass.
@@ -44,7 +49,7 @@ pub(crate) async fn prepare(
         }
         Err(error) => return Err(Refusal::Answer(key_problem(&error))),
     };
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let tenant = resolver.resolve(&parts).map_err(Refusal::Answer)?;
     if json_only && !is_json(&parts) {
         return Err(Refusal::Answer(Problem::new(
@@ -68,6 +73,12 @@ pub(crate) async fn prepare(
     if declared.is_some_and(|length| length > config.max_body_bytes) {
         return Err(too_large());
     }
+    // A place before the body is read: the body and all that is made of it are what the limit
+    // bounds. Taken out of the extensions, so a second covered layer does not wait for another.
+    let place = match parts.extensions.remove::<CoveredLimit>() {
+        Some(limit) => Some(limit.enter().await.map_err(Refusal::Answer)?),
+        None => None,
+    };
     let body = match read_limited(body, config.max_body_bytes).await {
         Ok(body) => body,
         Err(BodyError::TooLarge) => return Err(too_large()),
@@ -86,6 +97,7 @@ pub(crate) async fn prepare(
         key,
         tenant,
         body,
+        place,
     })
 }
 

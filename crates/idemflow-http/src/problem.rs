@@ -67,6 +67,18 @@ pub(crate) fn body_timeout(timeout: Duration) -> Problem {
     )
 }
 
+/// The 503 for a covered request that found no place within its wait (see
+/// [`crate::ServeLimits::max_covered_requests`]).
+pub(crate) fn overloaded() -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "overloaded",
+        "the server is processing as many requests as it takes at once; \
+         send the request again with the same idempotency key",
+    )
+    .retry_after(Duration::from_secs(1))
+}
+
 /// A problem as the layer stores it (a handler whose response cannot be stored, say): the same
 /// document it answers, `code` included.
 pub(crate) fn stored_problem(
@@ -227,7 +239,7 @@ pub fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
     for (name, value) in &stored.headers {
         if let (Ok(name), Ok(value)) = (
             header::HeaderName::try_from(name.as_str()),
-            HeaderValue::try_from(value.as_str()),
+            HeaderValue::from_bytes(value.as_bytes()),
         ) {
             headers.append(name, value);
         }

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use idemflow_runner::{Request as RunRequest, Runner, Workflow};
 
 use crate::config::HttpConfig;
-use crate::prepare::{Refusal, prepare, target};
+use crate::prepare::{Prepared, Refusal, prepare, target};
 use crate::problem::{Problem, respond};
 use crate::tenant::TenantResolver;
 
@@ -110,17 +110,24 @@ impl WorkflowService {
         let Self {
             runner, workflow, ..
         } = self;
+        let Prepared {
+            parts,
+            key,
+            tenant,
+            body,
+            place,
+        } = prepared;
         // Once claimed, the run goes on to its end whatever the client does (hyper drops this
         // future when the client goes away): a run stopped halfway waits out its lease.
         let run = tokio::spawn(async move {
             let request = RunRequest {
-                method: prepared.parts.method.as_str(),
+                method: parts.method.as_str(),
                 path: &target,
-                body: &prepared.body,
+                body: &body,
             };
-            runner
-                .run(&workflow, &prepared.tenant, &prepared.key, request)
-                .await
+            let result = runner.run(&workflow, &tenant, &key, request).await;
+            drop(place); // the run is over, its client there or not
+            result
         });
         let result = match run.await {
             Ok(result) => result,

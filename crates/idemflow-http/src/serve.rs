@@ -1,21 +1,29 @@
 //! Serving a router over HTTP/1.1 with the limits `axum::serve` does not expose: how long a
-//! client may take to send its headers and its body, and how large its header block may be.
+//! client may take to send its headers and its body, how large its header block may be, how
+//! many connections are held at once and how many covered requests are processed at once.
 //!
 //! A slow client costs the server a connection, a task and a buffer for as long as it is let
 //! take; without limits, one that sends a header byte a minute holds them for ever, and a few
 //! thousand such clients hold the service. The engine itself is not at risk from them: a key is
 //! claimed only once the whole body has been read (the layer and the workflow route read it
 //! before they call the runner), so a client that stalls never holds a key or its lease.
+//!
+//! A crowd costs descriptors and memory: past the process's open-file limit every accept fails
+//! (and a legitimate client waits for the retry), and each covered request holds its body and
+//! what is made of it until it ends. So the server serves at most `max_connections`
+//! connections: at the limit the connection idle the longest gives its place to a new one, and
+//! with every connection busy the rest wait in the listen backlog. And a covered request past
+//! `max_covered_requests` waits briefly for a place, then is answered 503.
 
 use std::convert::Infallible;
 use std::future::{Future, IntoFuture};
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -26,17 +34,18 @@ use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Sleep;
 use tower::ServiceExt;
 
 use crate::body::BodyReadTimeout;
-use crate::problem::body_timeout;
+use crate::problem::{Problem, body_timeout, overloaded};
 
-/// How long a client may take, and how much header it may send: the limits [`serve`] applies to
-/// every connection. The defaults suit an API whose requests are small JSON documents; see
-/// docs/http.md for what a client sees when it passes one.
+/// How long a client may take, how much header it may send, and how many connections and
+/// covered requests are served at once: the limits [`serve`] applies. The defaults suit an API
+/// whose requests are small JSON documents; see docs/http.md for what a client sees when it
+/// passes one, and why each default is what it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServeLimits {
     /// A connection that has not sent a request's complete header block within this time is
@@ -58,6 +67,34 @@ pub struct ServeLimits {
     /// problem, `code: body_timeout`) and the connection is closed. Default 30 s: a 1 MiB body
     /// (the layer's default limit) at 35 KiB/s. Raise it for routes that take large uploads.
     pub body_read_timeout: Duration,
+    /// The most connections served at once. At the limit, a connection accepted is given the
+    /// place of the connection idle the longest, once that one has been idle a second (or half
+    /// `header_read_timeout`): one that has sent no whole request (a client stalling in its
+    /// headers, or opening connections it does not use) is closed at once, a kept-alive one
+    /// between requests as hyper closes it. With every connection busy on a request, the server
+    /// stops accepting: new connections wait in the listen backlog (the kernel completed their
+    /// handshake) until a place frees, rather than being accepted past the process's
+    /// descriptors and failed. The descriptors held for clients are at most this and one (a
+    /// connection accepted, waiting for its place). Default 512: well under the usual
+    /// open-file limit of 1,024, leaving the rest for the database pool, logs and files. At
+    /// least 1.
+    pub max_connections: usize,
+    /// The most covered requests (those the idempotency layer or a workflow route takes a key
+    /// for) processed at once, from the read of their body to the end of their run, whether
+    /// their client stays or not: what the body and all made of it cost is held that long (up
+    /// to about 12 times the body's size at its peak: 12 MiB for a request at the layer's 1 MiB
+    /// body limit). Default 32: about three times sqlx's default pool of 10 connections, which
+    /// every request needs for its look-up, claim and finish, and at most about 400 MiB for 32
+    /// requests at the body limit. Raise it with the pool, and for handlers that spend long
+    /// waiting on other systems (they hold no connection meanwhile); lower it where memory is
+    /// short and bodies large. Other routes are not counted. At least 1. See
+    /// [`ServeLimits::covered_request_wait`].
+    pub max_covered_requests: usize,
+    /// How long a covered request past `max_covered_requests` waits for a place before it is
+    /// answered `503 Service Unavailable` (a problem, `code: overloaded`, `Retry-After: 1`),
+    /// its body unread and nothing stored, so the same key may be sent again. Default 1 s: a
+    /// burst is queued, a sustained overload is shed.
+    pub covered_request_wait: Duration,
 }
 
 impl Default for ServeLimits {
@@ -67,16 +104,21 @@ impl Default for ServeLimits {
             max_header_bytes: 16 * 1024,
             max_headers: 100,
             body_read_timeout: Duration::from_secs(30),
+            max_connections: 512,
+            max_covered_requests: 32,
+            covered_request_wait: Duration::from_secs(1),
         }
     }
 }
 
 /// Serves `router` on `listener` over HTTP/1.1 (keep-alive on) with `limits`: what
 /// `axum::serve(listener, router)` does, with a bound on how long a slow client holds a
-/// connection. Await the result to serve: it completes, `Ok(())`, only after a graceful shutdown
+/// connection, on how many connections are held and on how many covered requests are processed
+/// at once. Await the result to serve: it completes, `Ok(())`, only after a graceful shutdown
 /// ([`Serve::with_graceful_shutdown`]); a failed accept (out of file descriptors) is logged and
-/// retried a second later, not returned (the `io::Result` is `axum::serve`'s shape). Requests
-/// carry the peer's address as `ConnectInfo<SocketAddr>`.
+/// retried after a short wait (10 ms, doubling to 160 ms while it keeps failing), not returned
+/// (the `io::Result` is `axum::serve`'s shape). Requests carry the peer's address as
+/// `ConnectInfo<SocketAddr>`.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -166,53 +208,301 @@ async fn run(serve: Serve) -> io::Result<()> {
         .header_read_timeout(limits.header_read_timeout)
         .max_header_size(limits.max_header_bytes)
         .max_headers(limits.max_headers);
-    let graceful = GracefulShutdown::new();
     let mut shutdown = shutdown.unwrap_or_else(|| Box::pin(std::future::pending()));
+    let held = Arc::new(Held::new(
+        limits.max_connections,
+        CLOSABLE_AFTER.min(limits.header_read_timeout / 2),
+    ));
+    let covered = CoveredLimit {
+        places: Arc::new(Semaphore::new(permits(limits.max_covered_requests))),
+        wait: limits.covered_request_wait,
+    };
+    // Told once to stop; each connection holds a sender, so `all_closed` ends with the last.
+    let (stop, stopping) = watch::channel(false);
+    let (open, mut all_closed) = mpsc::channel::<()>(1);
+    let mut full = false;
+    let mut failures = 0u32;
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
-                    accept_failed(error).await;
+                    if let Some(wait) = accept_backoff(&error, failures) {
+                        if failures == 0 {
+                            tracing::error!(%error, "accepting a connection failed; retrying");
+                        }
+                        failures = failures.saturating_add(1);
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            () = &mut shutdown => break,
+                        }
+                    }
                     continue;
                 }
             },
             () = &mut shutdown => break,
         };
+        if failures > 0 {
+            tracing::info!(failures, "accepting connections again");
+            failures = 0;
+        }
+        let place = match held.places.clone().try_acquire_owned() {
+            Ok(place) => {
+                full = false;
+                place
+            }
+            Err(_) => {
+                if !std::mem::replace(&mut full, true) {
+                    tracing::warn!(
+                        limit = limits.max_connections,
+                        "the connection limit is reached: connections idle the longest are \
+                         closed to make room, and with none idle new ones wait in the backlog"
+                    );
+                }
+                // Until a place is made, no other connection is accepted.
+                tokio::select! {
+                    place = held.make_room() => match place {
+                        Some(place) => place,
+                        None => break, // never closed
+                    },
+                    () = &mut shutdown => break,
+                }
+            }
+        };
         // Responses are written whole; waiting to fill a packet only delays them.
         let _ = stream.set_nodelay(true);
+        let this = held.add();
         let service = Connection {
             router: router.clone(),
             peer,
             body_read_timeout: limits.body_read_timeout,
+            covered: covered.clone(),
+            this: this.clone(),
+            held: held.clone(),
         };
-        let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let (held, mut stopping, open) = (held.clone(), stopping.clone(), open.clone());
         tokio::spawn(async move {
-            if let Err(error) = connection.await {
+            if let Err(error) = serve_connection(connection, &this, &mut stopping).await {
                 // A client that timed out, sent too much header or went away: its own doing,
                 // not the server's; at debug so a crowd of them cannot flood the log.
                 tracing::debug!(%peer, %error, "connection ended");
             }
+            held.remove(&this);
+            drop((place, open)); // the connection is closed: its place is free
         });
     }
+    // New connections are refused from here; those held finish what they are doing.
     drop(listener);
-    graceful.shutdown().await;
+    let _ = stop.send(true);
+    drop(open);
+    let _ = all_closed.recv().await;
     Ok(())
 }
 
-/// An accept that failed: a connection reset before it was accepted is the client's business;
-/// anything else (out of file descriptors) is waited out, as axum does, rather than spun on.
-async fn accept_failed(error: io::Error) {
+/// Serves one connection until it ends, closing it when it is asked to make room (see
+/// [`Held::make_room`]) or the server stops.
+async fn serve_connection(
+    connection: http1::Connection<TokioIo<TcpStream>, Connection>,
+    this: &Connected,
+    stopping: &mut watch::Receiver<bool>,
+) -> Result<(), hyper::Error> {
+    let mut connection = std::pin::pin!(connection);
+    let mut closing = false;
+    loop {
+        let making_room = tokio::select! {
+            result = connection.as_mut() => return result,
+            () = this.close.notified(), if !closing => true,
+            _ = stopping.wait_for(|stop| *stop), if !closing => false,
+        };
+        // Never answered and nothing in progress: a client that has sent no whole request in
+        // all the while it was idle (hyper would wait out its header read timeout); closed at
+        // once.
+        if making_room && this.idle_since().is_some() && !this.answered() {
+            return Ok(());
+        }
+        // Else closed by hyper when idle, or once the request in progress is answered.
+        connection.as_mut().graceful_shutdown();
+        closing = true;
+    }
+}
+
+/// How long a connection must have been idle before it may be closed to make room: a client
+/// that means to send a request sends it within a round trip of connecting (or of its last
+/// answer, on a kept-alive connection), so one idle this long is not about to. Half the header
+/// read timeout, if that is shorter.
+const CLOSABLE_AFTER: Duration = Duration::from_secs(1);
+
+/// The connections a server holds: their places, and what each is doing.
+struct Held {
+    places: Arc<Semaphore>,
+    connections: Mutex<Vec<Arc<Connected>>>,
+    /// Told when a connection becomes idle (its answer written), for a new connection waiting
+    /// for room.
+    became_idle: Notify,
+    /// How long a connection must have been idle to be closed for another.
+    closable_after: Duration,
+    started: Instant,
+}
+
+/// One held connection.
+#[derive(Debug)]
+struct Connected {
+    /// When it last became idle (accepted, or its last answer written), in microseconds since
+    /// the server started; `BUSY` while a request is in progress.
+    idle_since: AtomicU64,
+    answered: AtomicBool,
+    /// Chosen to be closed for a new connection.
+    closing: AtomicBool,
+    close: Notify,
+}
+
+const BUSY: u64 = u64::MAX;
+
+impl Connected {
+    fn idle_since(&self) -> Option<u64> {
+        let since = self.idle_since.load(Ordering::SeqCst);
+        (since != BUSY).then_some(since)
+    }
+
+    fn answered(&self) -> bool {
+        self.answered.load(Ordering::SeqCst)
+    }
+}
+
+impl Held {
+    fn new(limit: usize, closable_after: Duration) -> Self {
+        Self {
+            places: Arc::new(Semaphore::new(permits(limit))),
+            connections: Mutex::new(Vec::new()),
+            became_idle: Notify::new(),
+            closable_after,
+            started: Instant::now(),
+        }
+    }
+
+    /// Microseconds since the server started.
+    fn now(&self) -> u64 {
+        micros(self.started.elapsed())
+    }
+
+    fn add(&self) -> Arc<Connected> {
+        let connected = Arc::new(Connected {
+            idle_since: AtomicU64::new(self.now()),
+            answered: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            close: Notify::new(),
+        });
+        self.lock().push(connected.clone());
+        connected
+    }
+
+    fn remove(&self, connected: &Arc<Connected>) {
+        self.lock().retain(|held| !Arc::ptr_eq(held, connected));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Connected>>> {
+        self.connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A place for a connection accepted at the limit: the connection idle the longest (one
+    /// that has sent no whole request, or a kept-alive one between requests), once it has been
+    /// idle `closable_after`, is closed for it; with none such, the first place freed, or the
+    /// first connection to have been idle long enough. `None` only if the places were closed
+    /// (never).
+    async fn make_room(&self) -> Option<OwnedSemaphorePermit> {
+        let mut closable = self.close_longest_idle();
+        loop {
+            let asked = closable.is_ok();
+            // When the connection idle the longest will have been idle long enough.
+            let then = match closable {
+                Err(Some(at)) => self.started + Duration::from_micros(at),
+                _ => Instant::now() + Duration::from_secs(3600),
+            };
+            tokio::select! {
+                place = self.places.clone().acquire_owned() => return place.ok(),
+                () = self.became_idle.notified(), if !asked => {}
+                () = tokio::time::sleep_until(then.into()), if !asked => {}
+            }
+            if !asked {
+                closable = self.close_longest_idle();
+            }
+        }
+    }
+
+    /// Asks the connection idle the longest to close, if it has been idle long enough; else
+    /// says when it will have been (in microseconds since the server started), if any is idle.
+    fn close_longest_idle(&self) -> Result<(), Option<u64>> {
+        let connections = self.lock();
+        let longest = connections
+            .iter()
+            .filter(|held| !held.closing.load(Ordering::SeqCst))
+            .filter_map(|held| Some((held.idle_since()?, held)))
+            .min_by_key(|(since, _)| *since);
+        let Some((since, held)) = longest else {
+            return Err(None);
+        };
+        let closable_at = since.saturating_add(micros(self.closable_after));
+        if closable_at > self.now() {
+            return Err(Some(closable_at));
+        }
+        held.closing.store(true, Ordering::SeqCst);
+        held.close.notify_one();
+        Ok(())
+    }
+}
+
+/// A duration in whole microseconds, below `BUSY`.
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros())
+        .unwrap_or(BUSY - 1)
+        .min(BUSY - 1)
+}
+
+/// A limit as semaphore permits: at least 1, at most what a semaphore holds.
+fn permits(limit: usize) -> usize {
+    limit.clamp(1, Semaphore::MAX_PERMITS)
+}
+
+/// How long to wait after an accept failed, `failures` failures in a row before it: a
+/// connection reset or aborted before it was accepted is the client's business (no wait); out
+/// of descriptors (`EMFILE`, `ENFILE`) or anything else is waited out briefly rather than spun
+/// on: 10 ms, doubling while it keeps failing, to 160 ms. A whole second (axum's wait) kept a
+/// legitimate client waiting that long after descriptors were free again.
+fn accept_backoff(error: &io::Error, failures: u32) -> Option<Duration> {
     if matches!(
         error.kind(),
         io::ErrorKind::ConnectionRefused
             | io::ErrorKind::ConnectionAborted
             | io::ErrorKind::ConnectionReset
     ) {
-        return;
+        return None;
     }
-    tracing::error!(%error, "accepting a connection failed; retrying in 1 s");
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    Some(Duration::from_millis(10 << failures.min(4)))
+}
+
+/// The places for covered requests of one server, handed to the layer and the workflow route
+/// in each request's extensions (see [`ServeLimits::max_covered_requests`]).
+#[derive(Debug, Clone)]
+pub(crate) struct CoveredLimit {
+    places: Arc<Semaphore>,
+    wait: Duration,
+}
+
+impl CoveredLimit {
+    /// A place for one covered request, held until it is dropped; or, when none came free
+    /// within the wait, the 503 to answer.
+    pub(crate) async fn enter(&self) -> Result<OwnedSemaphorePermit, Problem> {
+        if let Ok(place) = self.places.clone().try_acquire_owned() {
+            return Ok(place);
+        }
+        match tokio::time::timeout(self.wait, self.places.clone().acquire_owned()).await {
+            Ok(Ok(place)) => Ok(place),
+            Ok(Err(_)) | Err(_) => Err(overloaded()),
+        }
+    }
 }
 
 /// The router, as one connection's hyper service.
@@ -221,6 +511,10 @@ struct Connection {
     router: Router,
     peer: SocketAddr,
     body_read_timeout: Duration,
+    covered: CoveredLimit,
+    /// This connection, as the server holds it: busy from a request's head to its answer.
+    this: Arc<Connected>,
+    held: Arc<Held>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for Connection {
@@ -240,28 +534,66 @@ impl hyper::service::Service<Request<Incoming>> for Connection {
             })
         });
         request.extensions_mut().insert(ConnectInfo(self.peer));
+        request.extensions_mut().insert(self.covered.clone());
+        self.this.idle_since.store(BUSY, Ordering::SeqCst);
         let router = self.router.clone();
+        let (this, held) = (self.this.clone(), self.held.clone());
         Box::pin(async move {
-            let response = router
+            let mut response = router
                 .oneshot(request)
                 .await
                 .unwrap_or_else(|never| match never {});
-            if !expired.load(Ordering::Acquire) {
-                return Ok(response);
-            }
-            // The layer answers 408 itself; a handler that read the body some other way (an
-            // extractor's 400, say) is overruled: the client is told what happened.
-            let mut response = if response.status() == StatusCode::REQUEST_TIMEOUT {
+            if expired.load(Ordering::Acquire) {
+                // The layer answers 408 itself; a handler that read the body some other way (an
+                // extractor's 400, say) is overruled: the client is told what happened.
+                if response.status() != StatusCode::REQUEST_TIMEOUT {
+                    response = body_timeout(timeout).into_response();
+                }
+                // The rest of the body may still be on its way: the connection cannot be reused.
                 response
-            } else {
-                body_timeout(timeout).into_response()
-            };
-            // The rest of the body may still be on its way: the connection cannot be reused.
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            Ok(response)
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok(response.map(|body| Body::new(Answering { body, this, held })))
         })
+    }
+}
+
+/// A response's body, which makes its connection idle again once it has been written (or the
+/// connection is gone): hyper drops it then.
+struct Answering {
+    body: Body,
+    this: Arc<Connected>,
+    held: Arc<Held>,
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.this.answered.store(true, Ordering::SeqCst);
+        self.this
+            .idle_since
+            .store(self.held.now(), Ordering::SeqCst);
+        self.held.became_idle.notify_one();
+    }
+}
+
+impl http_body::Body for Answering {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(context)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -312,5 +644,34 @@ impl http_body::Body for DeadlineBody {
         self.body
             .as_ref()
             .map_or_else(|| SizeHint::with_exact(0), http_body::Body::size_hint)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_accept_out_of_descriptors_is_retried_within_milliseconds() {
+        // EMFILE and ENFILE, as Linux and the BSDs number them.
+        for code in [24, 23] {
+            let error = io::Error::from_raw_os_error(code);
+            let waits: Vec<u64> = (0..8)
+                .map(|failures| {
+                    let wait = accept_backoff(&error, failures).expect("waited out");
+                    u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)
+                })
+                .collect();
+            assert_eq!(waits, [10, 20, 40, 80, 160, 160, 160, 160], "{error}");
+        }
+        let reset = io::Error::from(io::ErrorKind::ConnectionAborted);
+        assert_eq!(accept_backoff(&reset, 0), None);
+    }
+
+    #[test]
+    fn limits_are_at_least_one() {
+        assert_eq!(permits(0), 1);
+        assert_eq!(permits(512), 512);
+        assert_eq!(permits(usize::MAX), Semaphore::MAX_PERMITS);
     }
 }

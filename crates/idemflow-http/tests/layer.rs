@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Extension, MatchedPath, OriginalUri, Path};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -330,14 +330,25 @@ async fn secrets_never_reach_the_database_and_cookies_are_not_replayed(pool: PgP
             post(|headers: HeaderMap, body: Bytes| async move {
                 // The live handler sees every credential it was sent.
                 assert_eq!(headers["x-api-key"], "SECRET-1");
-                (
-                    StatusCode::CREATED,
-                    [
-                        (header::SET_COOKIE, "session=SECRET-5; HttpOnly"),
-                        (header::CONTENT_TYPE, "text/plain"),
-                    ],
-                    body,
-                )
+                let mut answer = axum::response::Response::new(Body::from(body));
+                *answer.status_mut() = StatusCode::CREATED;
+                let answered = answer.headers_mut();
+                for (name, value) in [
+                    ("set-cookie", "session=SECRET-5; HttpOnly"),
+                    ("content-type", "text/plain"),
+                    // A handler's own secrets in its answer: not for whoever replays it.
+                    ("x-session-token", "SECRET-7"),
+                    ("x-api-key", "SECRET-8"),
+                    ("authorization", "Basic U0VDUkVULTk="),
+                    ("x-upstream-signature", "SECRET-10"),
+                    // Names holding a secret word that carry none: replayed.
+                    ("www-authenticate", "Basic realm=\"notes\""),
+                    ("access-control-allow-credentials", "true"),
+                    ("x-trace", "visible"),
+                ] {
+                    answered.append(name, HeaderValue::from_static(value));
+                }
+                answer
             }),
         )
         .route_layer(layer(&pool));
@@ -352,37 +363,159 @@ async fn secrets_never_reach_the_database_and_cookies_are_not_replayed(pool: PgP
             .body("note")
             .send()
     };
+    let unreplayed = [
+        "set-cookie",
+        "x-session-token",
+        "x-api-key",
+        "authorization",
+        "x-upstream-signature",
+    ];
     let first = send().await.unwrap();
     assert_eq!(first.status(), 201);
-    assert!(
-        first.headers()[header::SET_COOKIE]
-            .to_str()
-            .unwrap()
-            .contains("SECRET-5"),
-        "the live answer keeps its cookie"
-    );
+    for name in unreplayed {
+        assert!(
+            first.headers().contains_key(name),
+            "the live answer keeps {name}"
+        );
+    }
     let replay = send().await.unwrap();
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
-    assert!(!replay.headers().contains_key(header::SET_COOKIE));
+    for name in unreplayed {
+        assert!(!replay.headers().contains_key(name), "{name} replayed");
+    }
+    for (name, value) in [
+        ("www-authenticate", "Basic realm=\"notes\""),
+        ("access-control-allow-credentials", "true"),
+        ("x-trace", "visible"),
+        ("content-type", "text/plain"),
+    ] {
+        assert_eq!(replay.headers()[name], value, "{name}");
+    }
     assert_eq!(replay.text().await.unwrap(), "note");
 
-    let everything: String =
-        sqlx::query_scalar("SELECT string_agg(t::text, ' ') FROM idempotency_keys t")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let stored = everything_stored(&pool).await;
     for secret in [
-        "SECRET-1", "SECRET-2", "SECRET-3", "SECRET-4", "SECRET-5", "SECRET-6", "Bearer",
+        "SECRET-1",
+        "SECRET-2",
+        "SECRET-3",
+        "SECRET-4",
+        "SECRET-5",
+        "SECRET-6",
+        "SECRET-7",
+        "SECRET-8",
+        "U0VDUkVULTk=",
+        "SECRET-9",
+        "SECRET-10",
+        "Bearer",
     ] {
-        assert!(!everything.contains(secret), "{secret} in {everything}");
+        assert_nowhere(&stored, secret);
     }
-    let stored: String = sqlx::query_scalar("SELECT request::text FROM idempotency_keys")
+    let request: String = sqlx::query_scalar("SELECT request::text FROM idempotency_keys")
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert!(stored.contains("x-trace"), "{stored}");
-    assert!(stored.contains("draft=1"), "{stored}");
-    assert!(stored.contains("api_key=REDACTED"), "{stored}");
+    assert!(request.contains("x-trace"), "{request}");
+    assert!(request.contains("draft=1"), "{request}");
+    assert!(request.contains("api_key=REDACTED"), "{request}");
+}
+
+/// Every row of every table the migrations made, each as text (bytea columns show as hex).
+async fn everything_stored(pool: &PgPool) -> Vec<String> {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT format('%I.%I', table_schema, table_name) FROM information_schema.tables \
+         WHERE table_type = 'BASE TABLE' \
+           AND table_schema NOT IN ('pg_catalog', 'information_schema')",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert!(
+        tables
+            .iter()
+            .any(|table| table.ends_with(".idempotency_keys"))
+    );
+    assert!(
+        tables
+            .iter()
+            .any(|table| table.ends_with(".idempotency_responses"))
+    );
+    let mut rows = Vec::new();
+    for table in tables {
+        // The names come from the catalog, quoted by format's %I.
+        let query = sqlx::AssertSqlSafe(format!("SELECT t::text FROM {table} t"));
+        let text: Vec<String> = sqlx::query_scalar(query).fetch_all(pool).await.unwrap();
+        rows.extend(text);
+    }
+    assert!(!rows.is_empty());
+    rows
+}
+
+/// Asserts that no stored row holds `secret`: as text, as bytes (hex) or in base64 (bytes
+/// inside JSON), at any alignment.
+fn assert_nowhere(rows: &[String], secret: &str) {
+    use base64::Engine as _;
+    let hex: String = secret.bytes().map(|byte| format!("{byte:02x}")).collect();
+    let mut forms = vec![secret.to_owned(), hex];
+    for skip in 0..3 {
+        let rest = &secret.as_bytes()[skip..];
+        forms.push(base64::engine::general_purpose::STANDARD.encode(&rest[..rest.len() / 3 * 3]));
+    }
+    for row in rows {
+        for form in &forms {
+            assert!(
+                !row.contains(form.as_str()),
+                "{form} (for {secret}) in {row}"
+            );
+        }
+    }
+}
+
+/// A header value with obs-text (bytes 0x80-0xFF: legal in HTTP, not UTF-8) is stored as its
+/// bytes and replayed byte for byte.
+#[sqlx::test]
+async fn header_values_that_are_not_utf8_are_replayed_byte_for_byte(pool: PgPool) {
+    setup(&pool).await;
+    const LATIN_1: &[u8] = b"caf\xe9 cr\xe8me \xff";
+    const UTF_8: &str = "café crème";
+    let router = Router::new()
+        .route(
+            "/v1/notes",
+            post(|| async {
+                let mut answer = (StatusCode::CREATED, "ok").into_response();
+                let headers = answer.headers_mut();
+                headers.insert("x-latin-1", HeaderValue::from_bytes(LATIN_1).unwrap());
+                headers.insert(
+                    "x-utf-8",
+                    HeaderValue::from_bytes(UTF_8.as_bytes()).unwrap(),
+                );
+                headers.append("x-utf-8", HeaderValue::from_static("second"));
+                answer
+            }),
+        )
+        .route_layer(layer(&pool));
+    let address = serve(router).await;
+    let send = || post_to(address, "/v1/notes", "obs-text").body("x").send();
+    for (round, replayed) in [("first", false), ("replay", true)] {
+        let answer = send().await.unwrap();
+        assert_eq!(answer.status(), 201, "{round}");
+        assert_eq!(
+            answer.headers().contains_key("idempotent-replayed"),
+            replayed,
+            "{round}"
+        );
+        assert_eq!(
+            answer.headers().get("x-latin-1").map(HeaderValue::as_bytes),
+            Some(LATIN_1),
+            "{round}"
+        );
+        let utf_8: Vec<&[u8]> = answer
+            .headers()
+            .get_all("x-utf-8")
+            .iter()
+            .map(HeaderValue::as_bytes)
+            .collect();
+        assert_eq!(utf_8, [UTF_8.as_bytes(), b"second"], "{round}");
+    }
 }
 
 #[sqlx::test]
@@ -520,6 +653,126 @@ async fn a_multipart_form_sent_again_with_a_new_boundary_is_the_same_request(poo
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(send(b"%PDF-1.7 other").await.unwrap().status(), 422);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A handler that reads the `amount` field of a form, as a multipart parser reading the
+/// content type's real boundary would (here: the first field of that name), and counts its
+/// calls.
+fn amount_router(pool: &PgPool, calls: &Arc<AtomicUsize>) -> Router {
+    let counted = calls.clone();
+    Router::new()
+        .route(
+            "/v1/payments",
+            post(move |body: Bytes| async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let text = String::from_utf8_lossy(&body);
+                let field = "name=\"amount\"\r\n\r\n";
+                let amount = text
+                    .split_once(field)
+                    .and_then(|(_, rest)| rest.split_once("\r\n"))
+                    .map_or("", |(amount, _)| amount)
+                    .to_owned();
+                (StatusCode::CREATED, format!("charged {amount}"))
+            }),
+        )
+        .route_layer(layer(pool))
+}
+
+/// The content type's real boundary is `BBBB-2`; a parameter before it holds `;boundary=` in a
+/// quoted string. Split on `;` without honouring the quotes, it reads `AAAA-1"`, and the form
+/// the handler reads (the `BBBB-2` parts, ahead of the `AAAA-1"` ones) was left out of the
+/// fingerprint as a preamble: two payments of different amounts under one key replayed each
+/// other.
+#[sqlx::test]
+async fn a_boundary_quoted_inside_another_parameter_cannot_hide_the_form_from_the_fingerprint(
+    pool: PgPool,
+) {
+    setup(&pool).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let address = serve(amount_router(&pool, &calls)).await;
+    let content_type = r#"multipart/form-data; x="y;boundary=AAAA-1"; boundary=BBBB-2"#;
+    let form = |amount: &str| {
+        format!(
+            "--BBBB-2\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n{amount}\r\n\
+             --BBBB-2--\r\n\
+             \r\n--AAAA-1\"\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nsame\r\n\
+             --AAAA-1\"--\r\n"
+        )
+    };
+    let send = |amount: &str| {
+        post_to(address, "/v1/payments", "pay-1")
+            .header("content-type", content_type)
+            .body(form(amount))
+            .send()
+    };
+    let first = send("100").await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.text().await.unwrap(), "charged 100");
+    let replay = send("100").await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let other = send("999").await.unwrap();
+    assert_eq!(other.status(), 422, "another amount under the same key");
+    let problem: serde_json::Value = other.json().await.unwrap();
+    assert_eq!(problem["code"], "idempotency_key_reused");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A multipart content type whose boundary cannot be told for sure (given twice, in any case,
+/// or in another spelling; not a valid boundary; parameters that do not parse) or a content
+/// type sent twice is refused 400 before anything is stored: the handler's parser and the
+/// fingerprint could read two different forms from it.
+#[sqlx::test]
+async fn an_ambiguous_or_invalid_boundary_is_refused_and_stores_nothing(pool: PgPool) {
+    setup(&pool).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let address = serve(amount_router(&pool, &calls)).await;
+    let body = "--BBBB\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n1\r\n--BBBB--\r\n";
+    let too_long = format!("multipart/form-data; boundary={}", "b".repeat(71));
+    for (index, content_types) in [
+        vec!["multipart/form-data; boundary=BBBB; boundary=CCCC"],
+        vec!["multipart/form-data; Boundary=BBBB; BOUNDARY=BBBB"],
+        vec!["multipart/form-data; boundary=BBBB; boundary*=utf-8''CCCC"],
+        vec!["multipart/form-data; boundary*0=BB; boundary*1=BB"],
+        vec![r#"multipart/form-data; boundary="BB\"BB""#],
+        vec![r#"multipart/form-data; boundary="""#],
+        vec![r#"multipart/form-data; boundary="BBBB ""#],
+        vec!["multipart/form-data; boundary=BB{}BB"],
+        vec![too_long.as_str()],
+        vec![r#"multipart/form-data; x="unterminated; boundary=BBBB"#],
+        vec!["multipart/form-data; boundary = BBBB"],
+        vec![
+            "multipart/form-data; boundary=BBBB",
+            "multipart/form-data; boundary=CCCC",
+        ],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut request = post_to(address, "/v1/payments", &format!("ambiguous-{index}"));
+        for content_type in &content_types {
+            request = request.header("content-type", *content_type);
+        }
+        let answer = request.body(body).send().await.unwrap();
+        assert_eq!(answer.status(), 400, "{content_types:?}");
+        let problem: serde_json::Value = answer.json().await.unwrap();
+        assert_eq!(problem["code"], "content_type_invalid", "{content_types:?}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "nothing stored for a refused request");
+
+    // The same key, sent with a content type that says one thing, runs.
+    let answer = post_to(address, "/v1/payments", "ambiguous-0")
+        .header("content-type", "multipart/form-data; boundary=\"BBBB\"")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 201);
+    assert_eq!(answer.text().await.unwrap(), "charged 1");
 }
 
 #[sqlx::test]

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
+use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 
@@ -224,7 +224,7 @@ fn fingerprint_of(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
 /// whether the body was in the row: when it is stored apart the body is left empty here.
 fn stored_response(row: &PgRow) -> Result<(StoredResponse, bool), StoreError> {
     let status: i16 = row.get("response_status");
-    let headers: sqlx::types::Json<Vec<(String, String)>> = row.get("response_headers");
+    let headers: sqlx::types::Json<Vec<(String, FieldValue)>> = row.get("response_headers");
     let status = u16::try_from(status)
         .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?;
     let body: Option<Vec<u8>> = row.get("response_body");
@@ -307,7 +307,7 @@ mod tests {
 
         let response = StoredResponse {
             status: 201,
-            headers: vec![("content-type".to_owned(), "application/json".to_owned())],
+            headers: vec![("content-type".to_owned(), "application/json".into())],
             body: b"{\"ok\":true}".to_vec(),
         };
         finish(&mut connection, &owner, "last", &response, usize::MAX)

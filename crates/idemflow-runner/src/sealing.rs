@@ -496,7 +496,7 @@ impl Sealer<'_> {
         };
         Ok(Cow::Owned(StoredResponse {
             status: response.status,
-            headers: vec![(MARKER.to_owned(), key_id.to_owned())],
+            headers: vec![(MARKER.to_owned(), key_id.into())],
             body,
         }))
     }
@@ -512,6 +512,9 @@ impl Sealer<'_> {
             _ => return Ok(response),
         };
         let context = self.response_context(lock_version, response.status);
+        let key_id = key_id
+            .to_str()
+            .ok_or_else(|| context.malformed("the key id is not text"))?;
         let keyring = self.keyring.ok_or_else(|| context.unknown(key_id))?;
         let plaintext = keyring.open(&context, key_id, &response.body)?;
         let (length, rest) = plaintext
@@ -631,7 +634,7 @@ mod tests {
             .expect("sealed")
             .into_owned();
         assert_eq!(sealed.status, 201);
-        assert_eq!(sealed.headers, vec![(MARKER.to_owned(), "k1".to_owned())]);
+        assert_eq!(sealed.headers, vec![(MARKER.to_owned(), "k1".into())]);
         assert!(!sealed.body.windows(4).any(|window| window == b"4242"));
         assert_eq!(sealer_one.open_response(sealed.clone(), 7), Ok(response));
         assert!(matches!(
@@ -696,7 +699,7 @@ mod tests {
         assert_eq!(body[0], FORMAT_PLACE);
         let stored = StoredResponse {
             status: 200,
-            headers: vec![(MARKER.to_owned(), "k1".to_owned())],
+            headers: vec![(MARKER.to_owned(), "k1".into())],
             body,
         };
         assert_eq!(
