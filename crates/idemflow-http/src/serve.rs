@@ -83,12 +83,13 @@ pub struct ServeLimits {
     /// for) processed at once, from the read of their body to the end of their run, whether
     /// their client stays or not: what the body and all made of it cost is held that long (up
     /// to about 12 times the body's size at its peak: 12 MiB for a request at the layer's 1 MiB
-    /// body limit). Default 32: about three times sqlx's default pool of 10 connections, which
-    /// every request needs for its look-up, claim and finish, and at most about 400 MiB for 32
-    /// requests at the body limit. Raise it with the pool, and for handlers that spend long
-    /// waiting on other systems (they hold no connection meanwhile); lower it where memory is
-    /// short and bodies large. Other routes are not counted. At least 1. See
-    /// [`ServeLimits::covered_request_wait`].
+    /// body limit, and a few times its size once read). Default 256: a request spends most of
+    /// its run waiting on other systems (a payment provider's seconds), holding no database
+    /// connection meanwhile, so what runs at once is the arrival rate times that wait (100
+    /// requests a second behind a 2-second provider: 200), and the limit must not shed those;
+    /// bodies of a few KiB cost 256 requests a few MiB, and 256 at the body limit about 3 GiB at
+    /// their peak if they all arrive at once. Lower it where memory is short and bodies large.
+    /// Other routes are not counted. At least 1. See [`ServeLimits::covered_request_wait`].
     pub max_covered_requests: usize,
     /// How long a covered request past `max_covered_requests` waits for a place before it is
     /// answered `503 Service Unavailable` (a problem, `code: overloaded`, `Retry-After: 1`),
@@ -105,7 +106,7 @@ impl Default for ServeLimits {
             max_headers: 100,
             body_read_timeout: Duration::from_secs(30),
             max_connections: 512,
-            max_covered_requests: 32,
+            max_covered_requests: 256,
             covered_request_wait: Duration::from_secs(1),
         }
     }

@@ -111,6 +111,8 @@ pub(crate) struct Shared {
     poison: HashMap<String, (&'static str, Act)>,
     /// When each actor's last local phase ended, by the database clock (epoch seconds).
     phase_ends: Mutex<HashMap<ActorId, f64>>,
+    /// Client requests running, by key and life.
+    requests_running: Mutex<HashMap<(String, u32), usize>>,
     began: Instant,
 }
 
@@ -170,6 +172,30 @@ pub struct Counts {
 impl Shared {
     pub(crate) fn log(&self) -> MutexGuard<'_, Log> {
         self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn running(&self) -> MutexGuard<'_, HashMap<(String, u32), usize>> {
+        self.requests_running
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn started_request(&self, key: &str, life: u32) {
+        *self.running().entry((key.to_owned(), life)).or_default() += 1;
+    }
+
+    pub(crate) fn ended_request(&self, key: &str, life: u32) {
+        if let Some(count) = self.running().get_mut(&(key.to_owned(), life)) {
+            *count = count.saturating_sub(1);
+        }
+    }
+
+    /// Client requests of `key`'s `life` still running.
+    pub(crate) fn in_flight(&self, key: &str, life: u32) -> usize {
+        self.running()
+            .get(&(key.to_owned(), life))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The life a stored request names (opened first when the schedule seals).
@@ -580,6 +606,7 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         log: Mutex::new(Log::default()),
         poison,
         phase_ends: Mutex::new(HashMap::new()),
+        requests_running: Mutex::new(HashMap::new()),
         began: Instant::now(),
     });
     let hook = Arc::new(Hook(shared.clone()));
@@ -967,20 +994,30 @@ impl World {
             self.keys[index].retired = false;
             self.keys[index].life += 1;
         }
-        let key = key_name(index);
-        let forgotten = self.shared.log().forgotten.remove(&key);
-        // Forgotten, the client's next request is a new one; unless another copy of the same
-        // request (a burst) claimed the key again meanwhile: then that life goes on.
-        let claimed_again = self.keys[index]
-            .row
-            .as_ref()
-            .is_some_and(|row| row.life == Some(i64::from(self.keys[index].life)));
-        if forgotten == Some(self.keys[index].life) && !claimed_again {
-            self.keys[index].life += 1;
-        }
-        let life = self.keys[index].life;
+        let life = self.next_life(index);
         self.shared.log().counts.requests += 1;
         self.spawn_request(index, life);
+    }
+
+    /// The life a client of key `index` sends now. Forgotten, its next request is a new one;
+    /// unless another copy of the same request (a burst) is still in flight or claimed the key
+    /// again meanwhile: then that life goes on.
+    fn next_life(&mut self, index: usize) -> u32 {
+        let key = key_name(index);
+        let life = self.keys[index].life;
+        let forgotten = self.shared.log().forgotten.get(&key).copied();
+        if forgotten == Some(life) {
+            let claimed_again = self.keys[index]
+                .row
+                .as_ref()
+                .is_some_and(|row| row.life == Some(i64::from(life)));
+            let in_flight = self.shared.in_flight(&key, life) > 0;
+            if !claimed_again && !in_flight {
+                self.shared.log().forgotten.remove(&key);
+                self.keys[index].life += 1;
+            }
+        }
+        self.keys[index].life
     }
 
     /// A delivery to the consumer that shares the engine's pool: one of a few messages (so
@@ -1027,7 +1064,7 @@ impl World {
         if self.keys[index].retired {
             return;
         }
-        let life = self.keys[index].life;
+        let life = self.next_life(index);
         let copies = self.rng.between(2, 3);
         self.shared.log().counts.requests += copies;
         for _ in 0..copies {
@@ -1049,6 +1086,7 @@ impl World {
         })
         .unwrap_or_default();
         shared.event(actor, format!("sends {key} (life {life})"));
+        shared.started_request(&key, life);
         self.actors.spawn(ACTOR.scope(actor, async move {
             let request = Request {
                 method: "POST",
@@ -1060,6 +1098,7 @@ impl World {
                 .run(&workflow, &shared.tenant, &parsed, request)
                 .await;
             shared.record(actor, &key, life, &result);
+            shared.ended_request(&key, life);
             shared.scheduler.ended(actor);
         }));
     }
