@@ -53,6 +53,9 @@ pub const ENGINE_APPLICATION: &str = "idemflow-sim-engine";
 /// The `application_name` of the schedule's own connections (never killed).
 pub const OBSERVER_APPLICATION: &str = "idemflow-sim-observer";
 
+/// How long the observer waits on a row lock before it calls the row stuck.
+const OBSERVER_LOCK_TIMEOUT: &str = "10s";
+
 /// The schema that holds the engine's tables on the partitioned layout, beside the unpartitioned
 /// ones in the database's own schema: each schedule draws its layout, and its connections find
 /// the tables through their search path.
@@ -83,9 +86,13 @@ impl Simulation {
     pub async fn new(pool: &PgPool) -> Result<Self, sqlx::Error> {
         let options = pool.connect_options().as_ref().clone();
         let observer = |layout: Layout| {
+            // The observer never waits on a lock for long: a row some session keeps locked (a
+            // transaction no one ends) fails its statement, and the schedule says so, instead
+            // of hanging the run.
             PgPoolOptions::new().max_connections(4).connect_with(
                 layout
                     .options(options.clone())
+                    .options([("lock_timeout", OBSERVER_LOCK_TIMEOUT)])
                     .application_name(OBSERVER_APPLICATION),
             )
         };

@@ -808,12 +808,16 @@ impl World {
             .iter()
             .filter(|key| key.row.as_ref().is_some_and(|row| row.due))
             .count() as u32;
+        // A replay held between reading its key's row and its body stored apart is the window
+        // where the key can end its window, be deleted and live again: while one is held, the
+        // clock, retention and new requests are likelier.
+        let held = u32::from(self.replay_held());
         let actions = [
             (
                 if waiting > 0 { 12 + 2 * waiting } else { 0 },
                 Action::Grant,
             ),
-            (4, Action::Request),
+            (4 + 4 * held, Action::Request),
             (1, Action::Burst),
             (3 * u32::from(self.setup.settings.consumer), Action::Deliver),
             (2 + 3 * due, Action::Drain),
@@ -821,9 +825,9 @@ impl World {
             (2, Action::ExpireAll),
             (u32::from(waiting > 0), Action::Stall),
             (1, Action::EndLease),
-            (1, Action::Retention),
+            (1 + 3 * held, Action::Retention),
             (
-                u32::from(self.setup.terminal == TerminalPolicy::Store),
+                u32::from(self.setup.terminal == TerminalPolicy::Store) * (1 + 3 * held),
                 Action::TimeJump,
             ),
             (1, Action::Kill),
@@ -866,15 +870,20 @@ impl World {
             .enumerate()
             .map(|(index, parked)| {
                 let rng = &mut self.rng;
-                // A resumer's tasks stall more often: the keys its batch holds wait on them.
-                let stalls = if self.shared.scheduler.is_engine_actor(parked.actor) {
-                    0.4
+                // A resumer's tasks stall more often: the keys its batch holds wait on them. A
+                // replay about to read its body apart stalls most, and longest: the key may end
+                // its window and live again meanwhile.
+                let replay = is_replay_body(&parked.point);
+                let (stalls, longest) = if replay {
+                    (0.7, 60)
+                } else if self.shared.scheduler.is_engine_actor(parked.actor) {
+                    (0.4, 25)
                 } else {
-                    0.15
+                    (0.15, 25)
                 };
                 let until = *self.frozen_until.entry(parked.actor).or_insert_with(|| {
                     if rng.chance(stalls) {
-                        step + rng.between(5, 25) as usize
+                        step + rng.between(5, longest) as usize
                     } else {
                         0
                     }
@@ -950,6 +959,15 @@ impl World {
         }
     }
 
+    /// Some replay waits between reading its key's row and reading its body stored apart.
+    fn replay_held(&self) -> bool {
+        self.shared
+            .scheduler
+            .waiting()
+            .iter()
+            .any(|parked| is_replay_body(&parked.point))
+    }
+
     /// A waiting actor's process stalls (a pause, a long garbage collection): it is granted
     /// nothing for a while, whatever it holds.
     fn stall(&mut self) {
@@ -979,7 +997,15 @@ impl World {
                 .filter(|index| log.forgotten.contains_key(&key_name(*index)))
                 .collect()
         };
+        // While a replay is held, a retired key's client is likelier to come back.
+        let retired: Vec<usize> = (0..self.keys.len())
+            .filter(|index| self.keys[*index].retired)
+            .collect();
+        let held = self.replay_held();
         let index = match (forgotten.first(), self.lapsed.pop()) {
+            _ if held && !retired.is_empty() && self.rng.chance(0.7) => {
+                retired[self.rng.below(retired.len() as u64) as usize]
+            }
             (Some(forgotten), _) if self.rng.chance(0.7) => *forgotten,
             (_, Some(lapsed)) if self.rng.chance(0.6) => lapsed,
             _ => self.rng.below(self.keys.len() as u64) as usize,
@@ -988,7 +1014,7 @@ impl World {
             // Its window is over and retention deleted it: the client may come back with a new
             // request under the key, another life of it (a replay of the old one may still be
             // between its two statements).
-            if !self.rng.chance(0.5) {
+            if !self.rng.chance(if held { 0.9 } else { 0.5 }) {
                 return;
             }
             self.keys[index].retired = false;
@@ -1389,7 +1415,7 @@ impl World {
                 break;
             }
             for index in open {
-                let _ = sqlx::query(
+                let lapsed = sqlx::query(
                     "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
                      WHERE tenant = $1 AND key = $2 AND state = 'started'",
                 )
@@ -1397,6 +1423,15 @@ impl World {
                 .bind(key_name(index))
                 .execute(&self.shared.observer)
                 .await;
+                if let Err(sqlx::Error::Database(error)) = &lapsed
+                    && error.code().as_deref() == Some("55P03")
+                {
+                    self.shared.violation(format!(
+                        "key {} stayed locked after the schedule ended (a transaction no one \
+                         ends holds it)",
+                        key_name(index)
+                    ));
+                }
                 let life = self.keys[index].life;
                 self.spawn_request(index, life);
                 while let Some(joined) = self.actors.join_next().await {
@@ -1495,4 +1530,9 @@ impl idemflow_consumer::Handler for Ledger {
             .await?;
         Ok(())
     }
+}
+
+/// The point a replay reaches after reading its key's row and before reading its body apart.
+fn is_replay_body(point: &Point) -> bool {
+    matches!(point, Point::Engine(point) if point.as_str() == "before_replay_body")
 }
