@@ -553,6 +553,8 @@ pub(crate) struct World {
     /// When each actor may be granted a step again: a few are frozen for a while (a paused
     /// process, a long garbage collection), so others overtake them.
     frozen_until: HashMap<ActorId, usize>,
+    /// Replays held before their body apart that wait until no other actor works on their key.
+    patient: HashMap<ActorId, bool>,
     step: usize,
     /// Keys whose lease the schedule expired lately: a client is likelier to retry them now.
     lapsed: Vec<usize>,
@@ -646,6 +648,7 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
     let mut world = World {
         engine: engine.clone(),
         frozen_until: HashMap::new(),
+        patient: HashMap::new(),
         step: 0,
         lapsed: Vec::new(),
         shared,
@@ -865,15 +868,32 @@ impl World {
             return;
         }
         let step = self.step;
+        // Keys some actor other than a held replay is working on (a new life among them).
+        let busy: HashSet<&str> = waiting
+            .iter()
+            .filter(|parked| !is_replay_body(&parked.point))
+            .map(|parked| parked.key.as_str())
+            .collect();
         let weights: Vec<(u32, usize)> = waiting
             .iter()
             .enumerate()
             .map(|(index, parked)| {
                 let rng = &mut self.rng;
+                // Most held replays are patient: they read their body only once no other actor
+                // works on their key, so a new life claimed meanwhile has finished first.
+                let replay = is_replay_body(&parked.point);
+                if replay
+                    && busy.contains(parked.key.as_str())
+                    && *self
+                        .patient
+                        .entry(parked.actor)
+                        .or_insert_with(|| rng.chance(0.7))
+                {
+                    return (0, index);
+                }
                 // A resumer's tasks stall more often: the keys its batch holds wait on them. A
                 // replay about to read its body apart stalls most, and longest: the key may end
                 // its window and live again meanwhile.
-                let replay = is_replay_body(&parked.point);
                 let (stalls, longest) = if replay {
                     (0.7, 60)
                 } else if self.shared.scheduler.is_engine_actor(parked.actor) {
