@@ -18,7 +18,7 @@ use sqlx::PgPool;
 use tokio::task::JoinSet;
 
 use super::rng::Rng;
-use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict};
+use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict, Waiting};
 use super::workflow::{self, Act, ProviderFault, SimRequest};
 use super::{ScheduleReport, Settings, Simulation};
 use crate::provider::MockProvider;
@@ -553,8 +553,10 @@ pub(crate) struct World {
     /// When each actor may be granted a step again: a few are frozen for a while (a paused
     /// process, a long garbage collection), so others overtake them.
     frozen_until: HashMap<ActorId, usize>,
-    /// Replays held before their body apart that wait until no other actor works on their key.
+    /// Replays held before their body apart that wait until no newer life of their key runs.
     patient: HashMap<ActorId, bool>,
+    /// The life each client actor sent.
+    lives: HashMap<ActorId, u32>,
     step: usize,
     /// Keys whose lease the schedule expired lately: a client is likelier to retry them now.
     lapsed: Vec<usize>,
@@ -649,6 +651,7 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         engine: engine.clone(),
         frozen_until: HashMap::new(),
         patient: HashMap::new(),
+        lives: HashMap::new(),
         step: 0,
         lapsed: Vec::new(),
         shared,
@@ -689,6 +692,11 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
 
 pub(crate) fn key_name(index: usize) -> String {
     format!("k{index}")
+}
+
+/// The index [`key_name`] made `name` from.
+fn key_index(name: &str) -> Option<usize> {
+    name.strip_prefix('k')?.parse().ok()
 }
 
 fn describe(result: &Result<Outcome, RunError>) -> String {
@@ -868,22 +876,17 @@ impl World {
             return;
         }
         let step = self.step;
-        // Keys some actor other than a held replay is working on (a new life among them).
-        let busy: HashSet<&str> = waiting
-            .iter()
-            .filter(|parked| !is_replay_body(&parked.point))
-            .map(|parked| parked.key.as_str())
-            .collect();
         let weights: Vec<(u32, usize)> = waiting
             .iter()
             .enumerate()
             .map(|(index, parked)| {
                 let rng = &mut self.rng;
-                // Most held replays are patient: they read their body only once no other actor
-                // works on their key, so a new life claimed meanwhile has finished first.
+                // Most held replays are patient: they read their body only once no request of a
+                // newer life of their key is running, so a new life claimed meanwhile (the key
+                // deleted by retention) has finished first.
                 let replay = is_replay_body(&parked.point);
                 if replay
-                    && busy.contains(parked.key.as_str())
+                    && newer_life_running(&self.keys, &self.lives, &self.shared, parked)
                     && *self
                         .patient
                         .entry(parked.actor)
@@ -894,16 +897,16 @@ impl World {
                 // A resumer's tasks stall more often: the keys its batch holds wait on them. A
                 // replay about to read its body apart stalls most, and longest: the key may end
                 // its window and live again meanwhile.
-                let (stalls, longest) = if replay {
-                    (0.7, 60)
+                let (stalls, shortest, longest) = if replay {
+                    (0.7, 15, 60)
                 } else if self.shared.scheduler.is_engine_actor(parked.actor) {
-                    (0.4, 25)
+                    (0.4, 5, 25)
                 } else {
-                    (0.15, 25)
+                    (0.15, 5, 25)
                 };
                 let until = *self.frozen_until.entry(parked.actor).or_insert_with(|| {
                     if rng.chance(stalls) {
-                        step + rng.between(5, longest) as usize
+                        step + rng.between(shortest, longest) as usize
                     } else {
                         0
                     }
@@ -976,6 +979,33 @@ impl World {
                 (if phase == "complete" { 0 } else { 2 }, Act::Unstorable),
                 (if phase == "complete" { 2 } else { 0 }, Act::BreakCommit),
             ])
+        }
+    }
+
+    /// Patient replays keep holding while every other actor goes on, until no newer life of
+    /// their key runs (bounded): the wind-down would otherwise free them all at once, before the
+    /// new life they were waiting for has finished.
+    async fn let_newer_lives_finish(&mut self) {
+        for _ in 0..200 {
+            let waiting = self.shared.scheduler.waiting();
+            let mut holding = false;
+            for parked in &waiting {
+                let held = is_replay_body(&parked.point)
+                    && newer_life_running(&self.keys, &self.lives, &self.shared, parked)
+                    && *self
+                        .patient
+                        .entry(parked.actor)
+                        .or_insert_with(|| self.rng.chance(0.7));
+                if held {
+                    holding = true;
+                } else {
+                    self.shared.scheduler.grant(parked.actor, Verdict::Go);
+                }
+            }
+            if !holding {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -1131,6 +1161,7 @@ impl World {
             life,
         })
         .unwrap_or_default();
+        self.lives.insert(actor, life);
         shared.event(actor, format!("sends {key} (life {life})"));
         shared.started_request(&key, life);
         self.actors.spawn(ACTOR.scope(actor, async move {
@@ -1401,6 +1432,7 @@ impl World {
     /// ends, and then client retries alone must bring every key to an end within its attempt
     /// budget.
     async fn wind_down(&mut self) {
+        self.let_newer_lives_finish().await;
         self.shared.scheduler.run_free();
         let deadline = tokio::time::sleep(WIND_DOWN);
         tokio::pin!(deadline);
@@ -1555,4 +1587,20 @@ impl idemflow_consumer::Handler for Ledger {
 /// The point a replay reaches after reading its key's row and before reading its body apart.
 fn is_replay_body(point: &Point) -> bool {
     matches!(point, Point::Engine(point) if point.as_str() == "before_replay_body")
+}
+
+/// A request of a newer life of `parked`'s key than the one its client sent is running.
+fn newer_life_running(
+    keys: &[KeySeen],
+    lives: &HashMap<ActorId, u32>,
+    shared: &Shared,
+    parked: &Waiting,
+) -> bool {
+    let Some(sent) = lives.get(&parked.actor) else {
+        return false;
+    };
+    let Some(seen) = key_index(&parked.key).and_then(|index| keys.get(index)) else {
+        return false;
+    };
+    seen.life > *sent && shared.in_flight(&parked.key, seen.life) > 0
 }
