@@ -14,13 +14,16 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// Library and binary source of every crate but the store: what ships.
+/// The engines' stores: the crates whose SQL is the engine's.
+const STORES: [&str; 2] = ["idemflow-pg", "idemflow-sqlite"];
+
+/// Library and binary source of every crate but the stores: what ships.
 fn shipped_sources(root: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
     rust_files(&root.join("src"), &mut files);
     for entry in std::fs::read_dir(root.join("crates")).unwrap() {
         let crate_dir = entry.unwrap().path();
-        if crate_dir.ends_with("idemflow-pg") {
+        if STORES.iter().any(|store| crate_dir.ends_with(store)) {
             continue;
         }
         let src = crate_dir.join("src");

@@ -1,0 +1,33 @@
+//! The SQLite engine's store: every SQL statement idemflow sends to SQLite, its migrations, and
+//! how its database files are opened.
+//!
+//! The same protocol as the PostgreSQL store (`idemflow-pg`), with SQLite's means: one writer at
+//! a time (`BEGIN IMMEDIATE`, [`Transaction`]), so a claim's exclusion is the write lock itself;
+//! fencing tokens from a counter row ([`statements::NEXT_FENCE`]); leases on one machine's clock;
+//! `SQLITE_BUSY` as [`StoreError::Busy`], an answer to retry later, never a failure.
+
+#![deny(missing_docs)]
+
+mod claim;
+mod connect;
+mod error;
+mod fenced_writes;
+mod look_up;
+mod owner;
+mod retention;
+pub mod statements;
+mod take_over;
+mod transaction;
+
+pub use claim::{ClaimRequest, Claimed, begin_claim};
+pub use connect::{OpenOptions, open, open_file};
+pub use error::StoreError;
+pub use fenced_writes::{advance, finish, renew_lease};
+pub use look_up::{FoundKey, LookUp, look_up, response_apart};
+pub use owner::Owner;
+pub use retention::expire_batch;
+pub use take_over::{DueKey, TakenOver, due, take_over};
+pub use transaction::Transaction;
+
+/// The SQLite engine's migrations (`migrations/sqlite/`).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/sqlite");

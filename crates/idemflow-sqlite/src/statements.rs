@@ -1,0 +1,146 @@
+//! Every statement the SQLite store sends, in one place (as `idemflow_pg::statements` is for
+//! PostgreSQL). Times are milliseconds since the Unix epoch read off SQLite's clock, the
+//! operating system's: [`NOW_MS`] is stable within a statement.
+
+/// Now, in milliseconds since the Unix epoch (SQLite 3.42's `unixepoch('subsec')`).
+macro_rules! now_ms {
+    () => {
+        "CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+/// [`now_ms!`] as a constant, for documentation and tests.
+pub const NOW_MS: &str = now_ms!();
+
+/// The look-up, outside any transaction: the key's row, with what deciding needs. `?1` tenant,
+/// `?2` key. `life` only when the body is stored apart.
+pub const LOOK_UP: &str = concat!(
+    "SELECT fingerprint, workflow, state = 'done' AS done, \
+            max(coalesce(locked_until, 0) - ",
+    now_ms!(),
+    ", 0) AS lease_left_ms, \
+            lock_version, response_status, response_headers, response_body, \
+            CASE WHEN response_apart = 1 THEN life END AS life \
+     FROM idempotency_keys WHERE tenant = ?1 AND key = ?2"
+);
+
+/// Inside a claim's write transaction: whether the key exists (a claim that committed since the
+/// look-up). `?1` tenant, `?2` key.
+pub const EXISTS: &str = "SELECT 1 FROM idempotency_keys WHERE tenant = ?1 AND key = ?2";
+
+/// A fresh fencing token: the counter's next value, in the write transaction that uses it (SQLite
+/// has one writer at a time, so no two transactions draw the same value, and the counter never
+/// goes back: deleting keys does not touch it).
+pub const NEXT_FENCE: &str =
+    "UPDATE idempotency_fence SET last = last + 1 WHERE id = 1 RETURNING last";
+
+/// The claim's insert: `?1` tenant, `?2` key, `?3` fingerprint, `?4` workflow, `?5` request
+/// (JSON text), `?6` lease in ms, `?7` the fencing token, which is also the row's life.
+pub const CLAIM: &str = concat!(
+    "INSERT INTO idempotency_keys \
+         (tenant, key, fingerprint, workflow, request, locked_until, lock_version, life, \
+          created_at, updated_at) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ",
+    now_ms!(),
+    " + ?6, ?7, ?7, ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    ")"
+);
+
+/// Records a completed phase (fenced): `?1` tenant, `?2` key, `?3` lock_version, `?4` recovery
+/// point, `?5` its output (JSON text), `?6` lease in ms, from this statement and never
+/// shortening.
+pub const ADVANCE: &str = concat!(
+    "UPDATE idempotency_keys \
+     SET recovery_point = ?4, phase_output = ?5, attempts = 1, last_error = NULL, \
+         locked_until = max(locked_until, ",
+    now_ms!(),
+    " + ?6), updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'"
+);
+
+/// Stores the response in the row and marks the key done (fenced): `?1` tenant, `?2` key, `?3`
+/// lock_version, `?4` recovery point, `?5` status, `?6` headers (JSON text), `?7` body.
+pub const FINISH: &str = concat!(
+    "UPDATE idempotency_keys \
+     SET state = 'done', recovery_point = ?4, phase_output = NULL, locked_until = NULL, \
+         response_status = ?5, response_headers = ?6, response_body = ?7, response_apart = 0, \
+         finished_at = ",
+    now_ms!(),
+    ", updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started' \
+     RETURNING life"
+);
+
+/// [`FINISH`] with the body left out of the row (`response_apart`): the same parameters but the
+/// body; the row's life comes back for [`STORE_APART`].
+pub const FINISH_APART: &str = concat!(
+    "UPDATE idempotency_keys \
+     SET state = 'done', recovery_point = ?4, phase_output = NULL, locked_until = NULL, \
+         response_status = ?5, response_headers = ?6, response_body = NULL, response_apart = 1, \
+         finished_at = ",
+    now_ms!(),
+    ", updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started' \
+     RETURNING life"
+);
+
+/// The body of a response stored apart, for its key's life (`?3`), in the transaction of
+/// [`FINISH_APART`]. A body an earlier life left is replaced, never served.
+pub const STORE_APART: &str = "INSERT INTO idempotency_responses (tenant, key, life, body) \
+     VALUES (?1, ?2, ?3, ?4) \
+     ON CONFLICT (tenant, key) DO UPDATE SET life = excluded.life, body = excluded.body";
+
+/// The body stored apart for one life of its key: `?1` tenant, `?2` key, `?3` life.
+pub const RESPONSE_APART: &str =
+    "SELECT body FROM idempotency_responses WHERE tenant = ?1 AND key = ?2 AND life = ?3";
+
+/// Extends the lease of a started key (fenced), never shortening it: `?1` tenant, `?2` key, `?3`
+/// lock_version, `?4` lease in ms.
+pub const RENEW_LEASE: &str = concat!(
+    "UPDATE idempotency_keys SET locked_until = max(locked_until, ",
+    now_ms!(),
+    " + ?4) WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'"
+);
+
+/// Takes over a started key whose lease is over, naming the token the taker saw: `?1` tenant,
+/// `?2` key, `?3` the token seen, `?4` the new token, `?5` lease in ms.
+pub const TAKE_OVER: &str = concat!(
+    "UPDATE idempotency_keys \
+     SET lock_version = ?4, locked_until = ",
+    now_ms!(),
+    " + ?5, attempts = attempts + 1, updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started' \
+       AND locked_until <= ",
+    now_ms!(),
+    " RETURNING recovery_point, phase_output, request, workflow, attempts"
+);
+
+/// Started keys whose lease is over, oldest lease first: `?1` how many.
+pub const DUE: &str = concat!(
+    "SELECT tenant, key, lock_version FROM idempotency_keys \
+     WHERE state = 'started' AND locked_until <= ",
+    now_ms!(),
+    " ORDER BY locked_until LIMIT ?1"
+);
+
+/// One batch of retention: finished keys whose window (`?1` ms, from their finish) is over, at
+/// most `?2`; each key's body apart goes with it.
+pub const EXPIRE_BATCH: &str = concat!(
+    "DELETE FROM idempotency_keys WHERE rowid IN ( \
+         SELECT rowid FROM idempotency_keys \
+         WHERE state = 'done' AND finished_at < ",
+    now_ms!(),
+    " - ?1 ORDER BY finished_at LIMIT ?2) \
+     RETURNING tenant, key, life"
+);
+
+/// The body apart of one deleted life: `?1` tenant, `?2` key, `?3` life.
+pub const DELETE_APART: &str =
+    "DELETE FROM idempotency_responses WHERE tenant = ?1 AND key = ?2 AND life = ?3";

@@ -1,0 +1,112 @@
+//! Taking over a started key whose lease is over ([`take_over`]), and finding such keys
+//! ([`due`]): a resumer's scan, by polling (SQLite has no notifications between processes).
+
+use std::time::Duration;
+
+use idemflow_core::{Key, TenantId};
+use serde_json::Value;
+use sqlx::pool::PoolConnection;
+use sqlx::{Row, Sqlite, SqliteConnection};
+
+use crate::claim::millis;
+use crate::error::StoreError;
+use crate::owner::Owner;
+use crate::statements;
+use crate::transaction::Transaction;
+
+/// A key taken over: its new owner and where its execution stands.
+#[derive(Debug)]
+pub struct TakenOver {
+    /// The new owner, holding a fresh token.
+    pub owner: Owner,
+    /// The workflow that claimed the key.
+    pub workflow: String,
+    /// The last completed phase (`start` before any).
+    pub recovery_point: String,
+    /// That phase's output.
+    pub phase_output: Option<Value>,
+    /// The stored request.
+    pub request: Value,
+    /// Executions begun, this one included.
+    pub attempts: i64,
+}
+
+/// Takes `key` over from the owner holding `seen` (its lease over), with a fresh token and a
+/// lease of `lease`, and commits. `None` when the key moved on (another taker, a renewal, done).
+pub async fn take_over(
+    connection: PoolConnection<Sqlite>,
+    tenant: &TenantId,
+    key: &Key,
+    seen: i64,
+    lease: Duration,
+) -> Result<(Option<TakenOver>, PoolConnection<Sqlite>), StoreError> {
+    let mut transaction = Transaction::begin(connection).await?;
+    let taken = take_over_in(transaction.connection(), tenant, key, seen, lease).await?;
+    Ok((taken, transaction.commit().await?))
+}
+
+async fn take_over_in(
+    connection: &mut SqliteConnection,
+    tenant: &TenantId,
+    key: &Key,
+    seen: i64,
+    lease: Duration,
+) -> Result<Option<TakenOver>, StoreError> {
+    let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
+        .fetch_one(&mut *connection)
+        .await?;
+    let Some(row) = sqlx::query(statements::TAKE_OVER)
+        .bind(tenant.as_str())
+        .bind(key.as_str())
+        .bind(seen)
+        .bind(token)
+        .bind(millis(lease))
+        .fetch_optional(connection)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let json = |text: Option<String>| -> Result<Option<Value>, StoreError> {
+        text.map(|text| serde_json::from_str(&text))
+            .transpose()
+            .map_err(|error| StoreError::Corrupt(format!("stored JSON: {error}")))
+    };
+    let request: Option<String> = row.try_get("request")?;
+    Ok(Some(TakenOver {
+        owner: Owner::new(tenant.clone(), key.clone(), token),
+        workflow: row.try_get("workflow")?,
+        recovery_point: row.try_get("recovery_point")?,
+        phase_output: json(row.try_get("phase_output")?)?,
+        request: json(request)?.unwrap_or(Value::Null),
+        attempts: row.try_get("attempts")?,
+    }))
+}
+
+/// A started key whose lease is over, as the scan saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueKey {
+    /// Its tenant.
+    pub tenant: String,
+    /// Its key.
+    pub key: String,
+    /// The token its last owner holds: a takeover names it.
+    pub lock_version: i64,
+}
+
+/// Up to `batch` started keys whose lease is over, oldest lease first (a reader: it never waits
+/// for the writer).
+pub async fn due(connection: &mut SqliteConnection, batch: i64) -> Result<Vec<DueKey>, StoreError> {
+    let rows = sqlx::query(statements::DUE)
+        .bind(batch)
+        .fetch_all(connection)
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(DueKey {
+                tenant: row.try_get("tenant")?,
+                key: row.try_get("key")?,
+                lock_version: row.try_get("lock_version")?,
+            })
+        })
+        .collect()
+}

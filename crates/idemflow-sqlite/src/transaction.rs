@@ -1,0 +1,72 @@
+//! [`Transaction`]: the engine's write transaction on SQLite, `BEGIN IMMEDIATE`.
+//!
+//! A deferred `BEGIN` takes the write lock at its first write; if another connection wrote in
+//! between, the upgrade fails with `SQLITE_BUSY` at once (the busy handler cannot help: waiting
+//! would not make this transaction's snapshot current), half-way through a claim or a phase.
+//! `BEGIN IMMEDIATE` takes the write lock first, waiting up to the busy timeout, so a transaction
+//! that began never fails on a lock afterwards.
+//!
+//! Dropped unfinished (a timeout, a cancelled request), the connection is closed rather than
+//! handed back to the pool inside the transaction: the next user would otherwise run inside it.
+
+use sqlx::pool::PoolConnection;
+use sqlx::{Sqlite, SqliteConnection};
+
+use crate::error::StoreError;
+
+/// A write transaction holding SQLite's write lock from its first statement.
+#[derive(Debug)]
+pub struct Transaction {
+    connection: Option<PoolConnection<Sqlite>>,
+}
+
+impl Transaction {
+    /// `BEGIN IMMEDIATE` on `connection`: waits for the write lock up to the busy timeout, then
+    /// answers [`StoreError::Busy`] with nothing begun.
+    pub async fn begin(connection: PoolConnection<Sqlite>) -> Result<Self, StoreError> {
+        // The guard exists before BEGIN is sent: dropped while BEGIN is in flight, it closes the
+        // connection too.
+        let mut transaction = Self {
+            connection: Some(connection),
+        };
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(transaction.connection())
+            .await?;
+        Ok(transaction)
+    }
+
+    /// The connection, inside the transaction (a local phase's writes go here).
+    pub fn connection(&mut self) -> &mut SqliteConnection {
+        self.connection
+            .as_deref_mut()
+            .unwrap_or_else(|| unreachable!("a transaction holds its connection until it ends"))
+    }
+
+    /// Commits, and hands the connection back.
+    pub async fn commit(self) -> Result<PoolConnection<Sqlite>, StoreError> {
+        self.end("COMMIT").await
+    }
+
+    /// Rolls back, and hands the connection back.
+    pub async fn rollback(self) -> Result<PoolConnection<Sqlite>, StoreError> {
+        self.end("ROLLBACK").await
+    }
+
+    async fn end(mut self, statement: &'static str) -> Result<PoolConnection<Sqlite>, StoreError> {
+        sqlx::query(statement).execute(self.connection()).await?;
+        Ok(self
+            .connection
+            .take()
+            .unwrap_or_else(|| unreachable!("a transaction ends once")))
+    }
+}
+
+impl Drop for Transaction {
+    fn drop(&mut self) {
+        // Unfinished (or its COMMIT failed): the connection closes instead of going back to the
+        // pool, and SQLite rolls the transaction back as it closes.
+        if let Some(mut connection) = self.connection.take() {
+            connection.close_on_drop();
+        }
+    }
+}
