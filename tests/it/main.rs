@@ -9,6 +9,7 @@ mod support;
 mod checkout_example;
 mod claim;
 mod clock_skew;
+mod conformance;
 mod consumer;
 mod crash_processes;
 mod explore_checkout;

@@ -25,6 +25,7 @@ mod owner;
 pub mod partitions;
 mod pool;
 pub mod statements;
+mod store;
 mod take_over;
 mod transaction;
 
@@ -42,6 +43,7 @@ pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
 pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version, response_apart};
 pub use owner::Owner;
 pub use pool::PoolSettings;
+pub use store::PgStore;
 pub use take_over::{TakenOver, take_over};
 
 /// The schema migrations, embedded at build time from the workspace's `migrations/` folder.

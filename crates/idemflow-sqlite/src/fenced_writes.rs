@@ -36,15 +36,17 @@ pub async fn advance(
     fenced(updated)
 }
 
-/// Stores the response and marks the key done, in the owner's transaction. With `apart`, the
-/// body goes to `idempotency_responses` under the row's life, in the same transaction.
+/// Stores the response and marks the key done, in the owner's transaction. A body longer than
+/// `apart_above` bytes goes to `idempotency_responses` under the row's life, in the same
+/// transaction.
 pub async fn finish(
     connection: &mut SqliteConnection,
     owner: &Owner,
     recovery_point: &str,
     response: &StoredResponse,
-    apart: bool,
+    apart_above: usize,
 ) -> Result<(), StoreError> {
+    let apart = response.body.len() > apart_above;
     let headers = serde_json::to_string(&response.headers)
         .map_err(|error| StoreError::Corrupt(format!("response headers: {error}")))?;
     let statement = if apart {

@@ -16,6 +16,7 @@ mod look_up;
 mod owner;
 mod retention;
 pub mod statements;
+mod store;
 mod take_over;
 mod transaction;
 
@@ -26,7 +27,8 @@ pub use fenced_writes::{advance, finish, renew_lease};
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
 pub use owner::Owner;
 pub use retention::expire_batch;
-pub use take_over::{DueKey, TakenOver, due, take_over};
+pub use store::SqliteStore;
+pub use take_over::{DueKey, TakenOver, due, take_over, take_over_due};
 pub use transaction::Transaction;
 
 /// The SQLite engine's migrations (`migrations/sqlite/`).

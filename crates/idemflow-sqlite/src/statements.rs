@@ -144,3 +144,12 @@ pub const EXPIRE_BATCH: &str = concat!(
 /// The body apart of one deleted life: `?1` tenant, `?2` key, `?3` life.
 pub const DELETE_APART: &str =
     "DELETE FROM idempotency_responses WHERE tenant = ?1 AND key = ?2 AND life = ?3";
+
+/// Started keys whose lease is over, of the named workflows (`?1`, a JSON array of names), oldest
+/// lease first: `?2` how many.
+pub const DUE_OF: &str = concat!(
+    "SELECT tenant, key, lock_version, workflow FROM idempotency_keys \
+     WHERE state = 'started' AND locked_until <= ",
+    now_ms!(),
+    " AND workflow IN (SELECT value FROM json_each(?1)) ORDER BY locked_until LIMIT ?2"
+);

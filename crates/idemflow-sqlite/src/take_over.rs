@@ -110,3 +110,44 @@ pub async fn due(connection: &mut SqliteConnection, batch: i64) -> Result<Vec<Du
         })
         .collect()
 }
+
+/// Takes over up to `batch` started keys whose lease is over, of the named workflows only, each
+/// with its workflow's lease, in one write transaction (the resumer's scan: SQLite's one writer
+/// means no other resumer takes the same keys meanwhile). Each comes with its workflow's name.
+pub async fn take_over_due(
+    connection: PoolConnection<Sqlite>,
+    workflows: &[(String, Duration)],
+    batch: i64,
+) -> Result<(Vec<(String, TakenOver)>, PoolConnection<Sqlite>), StoreError> {
+    let names: Vec<&str> = workflows.iter().map(|(name, _)| name.as_str()).collect();
+    let names = serde_json::to_string(&names)
+        .map_err(|error| StoreError::Corrupt(format!("workflow names: {error}")))?;
+    let mut transaction = Transaction::begin(connection).await?;
+    let rows = sqlx::query(statements::DUE_OF)
+        .bind(names)
+        .bind(batch)
+        .fetch_all(transaction.connection())
+        .await?;
+    let mut taken = Vec::with_capacity(rows.len());
+    for row in rows {
+        let (tenant, key, seen, workflow): (String, String, i64, String) = (
+            row.try_get("tenant")?,
+            row.try_get("key")?,
+            row.try_get("lock_version")?,
+            row.try_get("workflow")?,
+        );
+        let tenant =
+            TenantId::new(tenant).map_err(|error| StoreError::Corrupt(error.to_string()))?;
+        let key = Key::parse(&key).map_err(|error| StoreError::Corrupt(error.to_string()))?;
+        let lease = workflows
+            .iter()
+            .find(|(name, _)| *name == workflow)
+            .map_or(Duration::ZERO, |(_, lease)| *lease);
+        if let Some(one) =
+            take_over_in(transaction.connection(), &tenant, &key, seen, lease).await?
+        {
+            taken.push((workflow, one));
+        }
+    }
+    Ok((taken, transaction.commit().await?))
+}

@@ -1,0 +1,201 @@
+//! The store boundary: the operations of the protocol every engine's store performs
+//! ([`Store`]), in the engine's own types for what only it knows (its pool, transaction,
+//! connection, owner and errors), and in shared types for what the protocol decides on
+//! ([`LookUp`], [`FoundKey`], [`TakenOver`], [`Failure`]).
+//!
+//! An engine is proven by the one conformance suite (`tests/it/conformance.rs`), which runs every
+//! case against each engine's store from one source. What each engine must keep, and how its
+//! database keeps it, is in docs/engines.md.
+
+#![deny(missing_docs)]
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
+use serde_json::Value;
+
+/// What a failed store call means to the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// A fenced write changed nothing: another owner holds the key. Stop working on it.
+    Fenced,
+    /// The database was busy past its limit; nothing was written. Try again later.
+    Busy,
+    /// Anything else: the call (and a transaction it was in) failed.
+    Other,
+}
+
+/// What a look-up found.
+#[derive(Debug, Clone)]
+pub enum LookUp<Ticket> {
+    /// The key's committed row.
+    Found(FoundKey),
+    /// No committed row, and a claim of the key is in flight (engines that can tell).
+    Claiming,
+    /// No committed row: the key may be claimed with this ticket (what the engine's look-up
+    /// prepared for the claim, a fencing token on PostgreSQL).
+    Absent(Ticket),
+}
+
+/// A key as a look-up sees it: what deciding a request needs.
+#[derive(Debug, Clone)]
+pub struct FoundKey {
+    /// The fingerprint of the request that claimed the key.
+    pub fingerprint: Fingerprint,
+    /// The workflow that claimed the key.
+    pub workflow: String,
+    /// Whether its response is stored.
+    pub done: bool,
+    /// Time left on the lease (zero when over, or done).
+    pub lease_left: Duration,
+    /// The current fencing token.
+    pub lock_version: i64,
+    /// The stored response when done; its body is empty when stored apart.
+    pub response: Option<StoredResponse>,
+    /// The key's life, when its body is stored apart: read it with [`Store::response_apart`].
+    pub body_apart: Option<i64>,
+}
+
+/// Everything a claim stores.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    /// The tenant the key belongs to.
+    pub tenant: &'a TenantId,
+    /// The key.
+    pub key: &'a Key,
+    /// The request's fingerprint.
+    pub fingerprint: &'a Fingerprint,
+    /// The workflow (name and version) that runs the key.
+    pub workflow: &'a str,
+    /// The workflow's input.
+    pub request: &'a Value,
+    /// The claim's lease, from its insert.
+    pub lease: Duration,
+}
+
+/// A key taken over from an owner whose lease ended.
+#[derive(Debug, Clone)]
+pub struct TakenOver<Owner> {
+    /// The new owner, holding a fresh fencing token.
+    pub owner: Owner,
+    /// The last completed phase (`start` before any).
+    pub recovery_point: String,
+    /// That phase's output.
+    pub phase_output: Option<Value>,
+    /// The workflow's input.
+    pub request: Value,
+    /// Executions begun, this one included.
+    pub attempts: i64,
+}
+
+/// The protocol's operations on one engine's database.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// The engine's connection pool.
+    type Pool: Clone + Send + Sync + 'static;
+    /// A write transaction: a claim's, a phase's, a finish's.
+    type Transaction: Send;
+    /// The connection a transaction runs on: what a local phase writes its effects through.
+    type Connection: Send;
+    /// The holder of a key's lease, named by its fencing token.
+    type Owner: Clone + Debug + Send + Sync;
+    /// What a look-up that found no key hands to the claim.
+    type Ticket: Send;
+    /// The engine's error.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// What `error` means to the protocol.
+    fn failure(error: &Self::Error) -> Failure;
+
+    /// The fencing token `owner` holds.
+    fn token(owner: &Self::Owner) -> i64;
+
+    /// The connection inside `transaction`.
+    fn connection(transaction: &mut Self::Transaction) -> &mut Self::Connection;
+
+    /// Reads a key before deciding on it.
+    async fn look_up(
+        pool: &Self::Pool,
+        tenant: &TenantId,
+        key: &Key,
+    ) -> Result<LookUp<Self::Ticket>, Self::Error>;
+
+    /// Begins a transaction holding the claim of a key a look-up found absent; `None` when
+    /// another claim of it committed first (nothing written: look it up again).
+    async fn begin_claim(
+        pool: &Self::Pool,
+        claim: Claim<'_>,
+        ticket: Self::Ticket,
+    ) -> Result<Option<(Self::Transaction, Self::Owner)>, Self::Error>;
+
+    /// Begins a write transaction (for a phase run by an owner that already holds its key).
+    async fn begin(pool: &Self::Pool) -> Result<Self::Transaction, Self::Error>;
+
+    /// Commits `transaction`.
+    async fn commit(transaction: Self::Transaction) -> Result<(), Self::Error>;
+
+    /// Rolls `transaction` back.
+    async fn rollback(transaction: Self::Transaction) -> Result<(), Self::Error>;
+
+    /// Records a completed phase in `transaction` (fenced), with a lease of `lease` from now.
+    async fn advance(
+        transaction: &mut Self::Transaction,
+        owner: &Self::Owner,
+        recovery_point: &str,
+        output: &Value,
+        lease: Duration,
+    ) -> Result<(), Self::Error>;
+
+    /// Stores the response and marks the key done in `transaction` (fenced); a body longer than
+    /// `apart_above` bytes is stored apart, under the key's life.
+    async fn finish(
+        transaction: &mut Self::Transaction,
+        owner: &Self::Owner,
+        recovery_point: &str,
+        response: &StoredResponse,
+        apart_above: usize,
+    ) -> Result<(), Self::Error>;
+
+    /// Extends `owner`'s lease to `lease` from now, never shortening it (fenced).
+    async fn renew_lease(
+        pool: &Self::Pool,
+        owner: &Self::Owner,
+        lease: Duration,
+    ) -> Result<(), Self::Error>;
+
+    /// Takes `key` over from the owner holding `seen`, whose lease is over; `None` when the key
+    /// moved on.
+    async fn take_over(
+        pool: &Self::Pool,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+        lease: Duration,
+    ) -> Result<Option<TakenOver<Self::Owner>>, Self::Error>;
+
+    /// Takes over up to `batch` started keys whose lease is over, of the named workflows only,
+    /// each with its workflow's lease (the resumer's scan); each comes with its workflow's name.
+    async fn take_over_due(
+        pool: &Self::Pool,
+        workflows: &[(String, Duration)],
+        batch: i64,
+    ) -> Result<Vec<(String, TakenOver<Self::Owner>)>, Self::Error>;
+
+    /// The body stored apart for one life of a key; `None` when that life is gone.
+    async fn response_apart(
+        pool: &Self::Pool,
+        tenant: &TenantId,
+        key: &Key,
+        life: i64,
+    ) -> Result<Option<Vec<u8>>, Self::Error>;
+
+    /// Deletes up to `batch` keys finished more than `keep_for` ago, with their bodies apart;
+    /// returns how many.
+    async fn expire_batch(
+        pool: &Self::Pool,
+        keep_for: Duration,
+        batch: i64,
+    ) -> Result<u64, Self::Error>;
+}

@@ -1,0 +1,501 @@
+//! The conformance suite of the store boundary: every case is written once, generic over
+//! [`Store`], and runs against each engine (`conformance!` below makes one test per case and
+//! engine). A new engine is proven by adding its line here, not by tests of its own.
+//!
+//! Each engine brings a [`Bench`]: a fresh database, and the two things a case does behind the
+//! store's back, in the engine's SQL: ending every lease, and ageing every finished key. Leases
+//! are ended by rewinding them, never by sleeping.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
+use idemflow_pg::PgStore;
+use idemflow_sqlite::SqliteStore;
+use idemflow_store::{Claim, Failure, LookUp, Store};
+use serde_json::{Value, json};
+
+/// An engine's database for one case.
+#[async_trait]
+trait Bench: Store {
+    /// Ends every started key's lease.
+    async fn lapse_leases(pool: &Self::Pool);
+    /// Moves every finished key's finish two days back.
+    async fn age_finished(pool: &Self::Pool);
+}
+
+#[async_trait]
+impl Bench for PgStore {
+    async fn lapse_leases(pool: &sqlx::PgPool) {
+        sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE state = 'started'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn age_finished(pool: &sqlx::PgPool) {
+        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - interval '2 days' WHERE state = 'done'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+}
+
+#[async_trait]
+impl Bench for SqliteStore {
+    async fn lapse_leases(pool: &sqlx::SqlitePool) {
+        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn age_finished(pool: &sqlx::SqlitePool) {
+        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+}
+
+/// A fresh SQLite database file for `case`, removed at the next run of the same case.
+async fn sqlite(case: &str) -> sqlx::SqlitePool {
+    let directory = std::env::temp_dir().join(format!("idemflow-conformance-{case}"));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    idemflow_sqlite::open_file(
+        &directory.join("idemflow.db"),
+        &idemflow_sqlite::OpenOptions::default(),
+    )
+    .await
+    .unwrap()
+}
+
+/// One test per case and engine: PostgreSQL on a fresh database of its own (`#[sqlx::test]`),
+/// SQLite on a fresh file.
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    super::$case::<idemflow_pg::PgStore>(pool).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let pool = super::sqlite(stringify!($case)).await;
+                    super::$case::<idemflow_sqlite::SqliteStore>(pool).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    a_claimed_key_is_replayed_from_its_stored_response,
+    of_two_claims_of_one_key_the_second_loses_and_writes_nothing,
+    a_takeover_fences_the_old_owner_out_of_every_write,
+    tokens_never_repeat_for_a_key_across_deletes,
+    a_body_apart_is_read_for_its_own_life_only,
+    retention_deletes_finished_keys_past_their_window_in_batches_only,
+    the_resumers_scan_takes_lapsed_keys_of_its_workflows_only,
+);
+
+fn tenant() -> TenantId {
+    TenantId::new("t-conformance").unwrap()
+}
+
+fn key(name: &str) -> Key {
+    Key::parse(name).unwrap()
+}
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint::from_slice(&[9; 32]).unwrap()
+}
+
+fn response(body: &[u8]) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![(
+            "content-type".to_owned(),
+            FieldValue::from("application/json"),
+        )],
+        body: body.to_vec(),
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+const REQUEST: &str = r#"{"amount": 1200}"#;
+
+/// Looks `key` up, expecting it absent, and begins its claim under `workflow`.
+async fn claim<S: Store>(
+    pool: &S::Pool,
+    key: &Key,
+    workflow: &str,
+) -> Option<(S::Transaction, S::Owner)> {
+    let LookUp::Absent(ticket) = S::look_up(pool, &tenant(), key).await.unwrap() else {
+        panic!("{key:?} is new");
+    };
+    claim_with::<S>(pool, key, workflow, ticket).await
+}
+
+async fn claim_with<S: Store>(
+    pool: &S::Pool,
+    key: &Key,
+    workflow: &str,
+    ticket: S::Ticket,
+) -> Option<(S::Transaction, S::Owner)> {
+    let request: Value = serde_json::from_str(REQUEST).unwrap();
+    let (tenant, fingerprint) = (tenant(), fingerprint());
+    S::begin_claim(
+        pool,
+        Claim {
+            tenant: &tenant,
+            key,
+            fingerprint: &fingerprint,
+            workflow,
+            request: &request,
+            lease: LEASE,
+        },
+        ticket,
+    )
+    .await
+    .unwrap()
+}
+
+/// Claims `key` and finishes it at once with `body`, stored apart above `apart_above` bytes.
+async fn claim_and_finish<S: Store>(pool: &S::Pool, key: &Key, body: &[u8], apart_above: usize) {
+    let (mut transaction, owner) = claim::<S>(pool, key, "checkout@1").await.unwrap();
+    S::finish(
+        &mut transaction,
+        &owner,
+        "complete",
+        &response(body),
+        apart_above,
+    )
+    .await
+    .unwrap();
+    S::commit(transaction).await.unwrap();
+}
+
+async fn found<S: Store>(pool: &S::Pool, key: &Key) -> idemflow_store::FoundKey {
+    match S::look_up(pool, &tenant(), key).await.unwrap() {
+        LookUp::Found(found) => found,
+        _ => panic!("{key:?} is there"),
+    }
+}
+
+fn refused<S: Store, T: std::fmt::Debug>(result: Result<T, S::Error>) -> Failure {
+    match result {
+        Ok(value) => panic!("refused, not {value:?}"),
+        Err(error) => S::failure(&error),
+    }
+}
+
+async fn a_claimed_key_is_replayed_from_its_stored_response<S: Store>(pool: S::Pool) {
+    let key = key("k-replay");
+    let (mut transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+    S::advance(
+        &mut transaction,
+        &owner,
+        "reserve",
+        &json!({"order": 7}),
+        LEASE,
+    )
+    .await
+    .unwrap();
+    // Uncommitted, the claim is not a finished key to anyone else.
+    S::finish(
+        &mut transaction,
+        &owner,
+        "complete",
+        &response(b"{\"ok\":true}"),
+        usize::MAX,
+    )
+    .await
+    .unwrap();
+    S::commit(transaction).await.unwrap();
+    let found = found::<S>(&pool, &key).await;
+    assert!(found.done);
+    assert_eq!(found.fingerprint, fingerprint());
+    assert_eq!(found.workflow, "checkout@1");
+    assert_eq!(found.lock_version, S::token(&owner));
+    assert_eq!(found.body_apart, None);
+    let stored = found.response.unwrap();
+    assert_eq!(
+        (stored.status, stored.body.as_slice()),
+        (201, &b"{\"ok\":true}"[..])
+    );
+    assert_eq!(stored.headers, response(b"").headers);
+}
+
+async fn of_two_claims_of_one_key_the_second_loses_and_writes_nothing<S: Store>(pool: S::Pool) {
+    let key = key("k-race");
+    // Both look the key up before either claims it.
+    let LookUp::Absent(first) = S::look_up(&pool, &tenant(), &key).await.unwrap() else {
+        panic!("new");
+    };
+    let LookUp::Absent(second) = S::look_up(&pool, &tenant(), &key).await.unwrap() else {
+        panic!("new");
+    };
+    let (mut transaction, owner) = claim_with::<S>(&pool, &key, "checkout@1", first)
+        .await
+        .unwrap();
+    S::advance(&mut transaction, &owner, "reserve", &json!(1), LEASE)
+        .await
+        .unwrap();
+    S::commit(transaction).await.unwrap();
+    assert!(
+        claim_with::<S>(&pool, &key, "other@1", second)
+            .await
+            .is_none(),
+        "the second claim loses"
+    );
+    let found = found::<S>(&pool, &key).await;
+    assert_eq!((found.workflow.as_str(), found.done), ("checkout@1", false));
+    assert_eq!(found.lock_version, S::token(&owner));
+    assert!(found.lease_left > LEASE - Duration::from_secs(5));
+}
+
+async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Bench>(pool: S::Pool) {
+    let key = key("k-fence");
+    let (mut transaction, old) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+    S::advance(
+        &mut transaction,
+        &old,
+        "reserve",
+        &json!({"order": 7}),
+        LEASE,
+    )
+    .await
+    .unwrap();
+    S::commit(transaction).await.unwrap();
+    // A live lease is not taken over.
+    assert!(
+        S::take_over(&pool, &tenant(), &key, S::token(&old), LEASE)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    S::lapse_leases(&pool).await;
+    let taken = S::take_over(&pool, &tenant(), &key, S::token(&old), LEASE)
+        .await
+        .unwrap()
+        .expect("a lapsed lease is taken over");
+    assert!(S::token(&taken.owner) > S::token(&old));
+    assert_eq!(taken.attempts, 2);
+    assert_eq!(taken.recovery_point, "reserve");
+    assert_eq!(taken.phase_output, Some(json!({"order": 7})));
+    assert_eq!(
+        taken.request,
+        serde_json::from_str::<Value>(REQUEST).unwrap()
+    );
+    // The same takeover again names a token that moved on.
+    assert!(
+        S::take_over(&pool, &tenant(), &key, S::token(&old), LEASE)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // The old owner wakes up: its renewal, its advance and its finish are refused.
+    assert_eq!(
+        refused::<S, _>(S::renew_lease(&pool, &old, LEASE).await),
+        Failure::Fenced
+    );
+    let mut transaction = S::begin(&pool).await.unwrap();
+    assert_eq!(
+        refused::<S, _>(S::advance(&mut transaction, &old, "charge", &json!(2), LEASE).await),
+        Failure::Fenced
+    );
+    S::rollback(transaction).await.unwrap();
+    let mut transaction = S::begin(&pool).await.unwrap();
+    assert_eq!(
+        refused::<S, _>(
+            S::finish(
+                &mut transaction,
+                &old,
+                "complete",
+                &response(b"old"),
+                usize::MAX
+            )
+            .await
+        ),
+        Failure::Fenced
+    );
+    S::rollback(transaction).await.unwrap();
+    // The new owner's writes stand.
+    S::renew_lease(&pool, &taken.owner, LEASE).await.unwrap();
+    let mut transaction = S::begin(&pool).await.unwrap();
+    S::finish(
+        &mut transaction,
+        &taken.owner,
+        "complete",
+        &response(b"new"),
+        usize::MAX,
+    )
+    .await
+    .unwrap();
+    S::commit(transaction).await.unwrap();
+    assert_eq!(found::<S>(&pool, &key).await.response.unwrap().body, b"new");
+}
+
+async fn tokens_never_repeat_for_a_key_across_deletes<S: Bench>(pool: S::Pool) {
+    let key = key("k-lives");
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let (mut transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+        seen.push(S::token(&owner));
+        S::finish(
+            &mut transaction,
+            &owner,
+            "complete",
+            &response(b"{}"),
+            usize::MAX,
+        )
+        .await
+        .unwrap();
+        S::commit(transaction).await.unwrap();
+        S::age_finished(&pool).await;
+        assert_eq!(
+            S::expire_batch(&pool, Duration::from_secs(86_400), 10)
+                .await
+                .unwrap(),
+            1
+        );
+    }
+    assert!(seen.windows(2).all(|pair| pair[0] < pair[1]), "{seen:?}");
+}
+
+async fn a_body_apart_is_read_for_its_own_life_only<S: Bench>(pool: S::Pool) {
+    let key = key("k-apart");
+    claim_and_finish::<S>(&pool, &key, b"first life", 0).await;
+    let first = found::<S>(&pool, &key).await;
+    let life = first.body_apart.expect("stored apart");
+    assert!(first.response.unwrap().body.is_empty());
+    assert_eq!(
+        S::response_apart(&pool, &tenant(), &key, life)
+            .await
+            .unwrap()
+            .as_deref(),
+        Some(&b"first life"[..])
+    );
+    // Between a replay's look-up and its body read: the window ends, retention deletes the key
+    // (and its body), and a new life of the key finishes with a body of its own.
+    S::age_finished(&pool).await;
+    assert_eq!(
+        S::expire_batch(&pool, Duration::from_secs(86_400), 10)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        S::response_apart(&pool, &tenant(), &key, life)
+            .await
+            .unwrap(),
+        None
+    );
+    claim_and_finish::<S>(&pool, &key, b"second life", 0).await;
+    assert_eq!(
+        S::response_apart(&pool, &tenant(), &key, life)
+            .await
+            .unwrap(),
+        None,
+        "the old life's read never finds the new life's body"
+    );
+    let second = found::<S>(&pool, &key).await.body_apart.unwrap();
+    assert_ne!(second, life);
+    assert_eq!(
+        S::response_apart(&pool, &tenant(), &key, second)
+            .await
+            .unwrap()
+            .as_deref(),
+        Some(&b"second life"[..])
+    );
+}
+
+async fn retention_deletes_finished_keys_past_their_window_in_batches_only<S: Bench>(
+    pool: S::Pool,
+) {
+    for index in 0..3 {
+        claim_and_finish::<S>(&pool, &key(&format!("k-old-{index}")), b"{}", 0).await;
+    }
+    let (transaction, _) = claim::<S>(&pool, &key("k-started"), "checkout@1")
+        .await
+        .unwrap();
+    S::commit(transaction).await.unwrap();
+    S::age_finished(&pool).await;
+    S::lapse_leases(&pool).await;
+    claim_and_finish::<S>(&pool, &key("k-recent"), b"{}", usize::MAX).await;
+    let keep_for = Duration::from_secs(86_400);
+    let batches = (
+        S::expire_batch(&pool, keep_for, 2).await.unwrap(),
+        S::expire_batch(&pool, keep_for, 2).await.unwrap(),
+        S::expire_batch(&pool, keep_for, 2).await.unwrap(),
+    );
+    assert_eq!(batches, (2, 1, 0));
+    for kept in ["k-started", "k-recent"] {
+        found::<S>(&pool, &key(kept)).await;
+    }
+    for index in 0..3 {
+        assert!(matches!(
+            S::look_up(&pool, &tenant(), &key(&format!("k-old-{index}")))
+                .await
+                .unwrap(),
+            LookUp::Absent(_)
+        ));
+    }
+}
+
+async fn the_resumers_scan_takes_lapsed_keys_of_its_workflows_only<S: Bench>(pool: S::Pool) {
+    for (name, workflow) in [
+        ("k-a", "checkout@1"),
+        ("k-b", "checkout@1"),
+        ("k-c", "refund@1"),
+    ] {
+        let (transaction, _) = claim::<S>(&pool, &key(name), workflow).await.unwrap();
+        S::commit(transaction).await.unwrap();
+    }
+    let workflows = [("checkout@1".to_owned(), Duration::from_secs(45))];
+    // Nothing is due while the leases live.
+    assert!(
+        S::take_over_due(&pool, &workflows, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    S::lapse_leases(&pool).await;
+    let taken = S::take_over_due(&pool, &workflows, 10).await.unwrap();
+    let mut names: Vec<(String, String)> = taken
+        .iter()
+        .map(|(workflow, one)| (workflow.clone(), format!("{:?}", one.attempts)))
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            ("checkout@1".to_owned(), "2".to_owned()),
+            ("checkout@1".to_owned(), "2".to_owned())
+        ]
+    );
+    // Taken with the workflow's own lease, so nothing is due again.
+    for name in ["k-a", "k-b"] {
+        let lease = found::<S>(&pool, &key(name)).await.lease_left;
+        assert!(lease > Duration::from_secs(40), "{name}: {lease:?}");
+    }
+    assert!(
+        S::take_over_due(&pool, &workflows, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // A workflow this resumer does not know is left for one that does.
+    let refunds = [("refund@1".to_owned(), Duration::from_secs(30))];
+    assert_eq!(
+        S::take_over_due(&pool, &refunds, 10).await.unwrap().len(),
+        1
+    );
+}
