@@ -72,6 +72,7 @@ pub const SECTIONS: &[(&str, &str)] = &[
     ("10", "large-responses"),
     ("11", "fleet"),
     ("12", "partitioned-expiry"),
+    ("13", "sqlite"),
 ];
 
 impl Config {

@@ -18,6 +18,7 @@ mod pgbench;
 mod provider_storm;
 mod raw;
 pub mod report;
+mod sqlite;
 mod wire_counts;
 mod workflows;
 mod workloads;

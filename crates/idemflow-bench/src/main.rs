@@ -33,7 +33,7 @@ struct Args {
     no_pgbench: bool,
     /// Run only these, comma-separated: workload numbers or names (1 checkout, 2 local-only,
     /// 3 replay, 4 storm, 5 drain, 6 retention, 7 http, 8 provider-storm, 9 mass-crash,
-    /// 10 large-responses, 11 fleet, 12 partitioned-expiry), wire, pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
+    /// 10 large-responses, 11 fleet, 12 partitioned-expiry, 13 sqlite), wire, pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
     #[arg(long, value_delimiter = ',', value_name = "WORKLOADS")]
     only: Option<Vec<String>>,
     /// The server (a scratch database is created on it); default $DATABASE_URL

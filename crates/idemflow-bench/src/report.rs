@@ -60,6 +60,9 @@ pub struct Report {
     /// Workload 12: expiry by dropping partitions vs by deleting, and the partitioned layout's
     /// look-up and claim cost.
     pub partitioned_expiry: Option<PartitionedExpiry>,
+    /// Workload 13: the SQLite store beside raw sqlx on SQLite, one row per operation and
+    /// client count.
+    pub sqlite: Vec<SqliteRun>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -240,6 +243,18 @@ pub struct LargeResponse {
     pub raw_selects_per_second: f64,
     /// Retention's time per key deleted (batches of 500, back to back).
     pub retention_micros_per_key: f64,
+}
+
+/// Workload 13: one operation at one client count, the SQLite store and raw sqlx sending the
+/// same statements in alternating halves of the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct SqliteRun {
+    /// `request` (a new key: claim, one phase, finish, in one write transaction) or `replay` (the
+    /// look-up of a finished key).
+    pub operation: String,
+    pub clients: usize,
+    pub engine_per_second: f64,
+    pub raw_per_second: f64,
 }
 
 /// Workload 8: `keys` keys, each sent `duplicates` times by `clients` clients taking the sends
@@ -693,6 +708,25 @@ impl Report {
         }
         if let Some(partitioned) = &self.partitioned_expiry {
             partitioned_table(&mut out, partitioned);
+        }
+        if !self.sqlite.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nsqlite (13): one file, WAL, synchronous = FULL; per second, the store vs raw sqlx \
+                 sending the same statements (a request: claim, one phase, finish, one write \
+                 transaction; a replay: the look-up)"
+            );
+            for row in &self.sqlite {
+                let _ = writeln!(
+                    out,
+                    "  {:<8} {:>3} clients: engine {:>8.0}/s  raw {:>8.0}/s  ({:.2}×)",
+                    row.operation,
+                    row.clients,
+                    row.engine_per_second,
+                    row.raw_per_second,
+                    row.engine_per_second / row.raw_per_second
+                );
+            }
         }
         if !self.mass_crash.is_empty() {
             let _ = writeln!(

@@ -26,7 +26,7 @@ use crate::wire_counts::{self, WireCount, counted_pool, settle};
 use crate::workflows::{self, CLAIMED_AT, CountingHook, Ledger, NeverCrash, TENANT};
 use crate::{
     DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, fleet, http,
-    large_responses, mass_crash, partitioned, pgbench, provider_storm,
+    large_responses, mass_crash, partitioned, pgbench, provider_storm, sqlite,
 };
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, Error>> + Send>>;
@@ -231,6 +231,14 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         Vec::new()
     };
 
+    let sqlite = if config.runs("sqlite") {
+        trace("sqlite");
+        eprintln!("idemflow-bench: sqlite: the SQLite store vs raw sqlx on one file");
+        sqlite::run(config).await?
+    } else {
+        Vec::new()
+    };
+
     let fleet = if config.runs("fleet") {
         trace("fleet");
         eprintln!(
@@ -304,6 +312,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         large_responses,
         fleet,
         partitioned_expiry,
+        sqlite,
         targets: Vec::new(),
         load_trace,
         notes,

@@ -45,6 +45,16 @@ async fn quick_mode_completes_with_the_documented_counts() {
     assert_counts(&report, LOCAL_ONLY, RAW, 1, 5);
     assert_counts(&report, REPLAY, RAW, 0, 1);
     assert_eq!(report.hook_calls_per_request, Some(6.0));
+    // Workload 13: both operations on SQLite at every client count, engine and raw.
+    assert_eq!(report.sqlite.len(), 2 * report.settings.clients.len());
+    assert!(
+        report
+            .sqlite
+            .iter()
+            .all(|run| run.engine_per_second > 0.0 && run.raw_per_second > 0.0),
+        "{:?}",
+        report.sqlite
+    );
 
     // The server agrees: xact_commit per request. It also counts read-only autocommit
     // statements as commits (they write no WAL and wait for no flush): the engine's look-up is

@@ -1,0 +1,234 @@
+//! Workload 13: the SQLite store beside raw sqlx on SQLite sending the same statements, on one
+//! database file (WAL, `synchronous = FULL`), at each client count: a new key's whole request in
+//! one write transaction (claim, one phase's record, finish), and a replay's look-up. Engine and
+//! raw alternate in halves of the run, so drift (the file growing, the page cache) falls on both.
+//! The claims' requests per second across client counts show the single-writer ceiling: every
+//! write transaction holds SQLite's one write lock, so unrelated keys queue on it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use idemflow::{Fingerprint, Key, StoredResponse, TenantId};
+use idemflow_sqlite::{ClaimRequest, Claimed, OpenOptions, statements};
+use serde_json::json;
+use sqlx::SqlitePool;
+
+use crate::Error;
+use crate::config::Config;
+use crate::report::SqliteRun;
+
+const LEASE: Duration = Duration::from_secs(30);
+const REPLAY_KEYS: u64 = 1_000;
+
+/// The workload's database file, in a directory of this run's own (removed at its end).
+fn database() -> Result<PathBuf, Error> {
+    let directory =
+        std::env::temp_dir().join(format!("idemflow-bench-sqlite-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory)?;
+    Ok(directory.join("bench.db"))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Engine,
+    Raw,
+}
+
+/// Runs both operations at each of the configured client counts.
+pub async fn run(config: &Config) -> Result<Vec<SqliteRun>, Error> {
+    let path = database()?;
+    let pool = idemflow_sqlite::open_file(
+        &path,
+        &OpenOptions {
+            max_connections: 32,
+            ..OpenOptions::default()
+        },
+    )
+    .await?;
+    let tenant = TenantId::new("bench-sqlite")?;
+    let next = Arc::new(AtomicU64::new(0));
+    // Finished keys for the replays, written through the engine.
+    for index in 0..REPLAY_KEYS {
+        request(&pool, Side::Engine, &tenant, &format!("replay-{index}")).await?;
+    }
+    let mut runs = Vec::new();
+    for &clients in &config.clients {
+        for operation in ["request", "replay"] {
+            let mut counts = [0_u64; 2];
+            let half = config.duration / 2;
+            for side in [Side::Engine, Side::Raw, Side::Engine, Side::Raw] {
+                let done = timed(&pool, &tenant, &next, operation, side, clients, half / 2).await?;
+                counts[usize::from(side == Side::Raw)] += done;
+            }
+            let seconds = half.as_secs_f64();
+            runs.push(SqliteRun {
+                operation: operation.to_owned(),
+                clients,
+                engine_per_second: counts[0] as f64 / seconds,
+                raw_per_second: counts[1] as f64 / seconds,
+            });
+        }
+    }
+    pool.close().await;
+    let _ = std::fs::remove_dir_all(path.parent().unwrap_or(Path::new(".")));
+    Ok(runs)
+}
+
+/// `clients` tasks doing `operation` on `side` for `duration`; how many they finished.
+async fn timed(
+    pool: &SqlitePool,
+    tenant: &TenantId,
+    next: &Arc<AtomicU64>,
+    operation: &'static str,
+    side: Side,
+    clients: usize,
+    duration: Duration,
+) -> Result<u64, Error> {
+    let until = Instant::now() + duration;
+    let mut tasks = tokio::task::JoinSet::new();
+    for client in 0..clients {
+        let (pool, tenant, next) = (pool.clone(), tenant.clone(), next.clone());
+        tasks.spawn(async move {
+            let mut done = 0_u64;
+            let mut replay = client as u64;
+            while Instant::now() < until {
+                if operation == "request" {
+                    let key = format!("key-{}", next.fetch_add(1, Ordering::Relaxed));
+                    request(&pool, side, &tenant, &key).await?;
+                } else {
+                    replay = (replay + 7) % REPLAY_KEYS;
+                    look_up(&pool, side, &tenant, &format!("replay-{replay}")).await?;
+                }
+                done += 1;
+            }
+            Ok::<u64, Error>(done)
+        });
+    }
+    let mut total = 0;
+    while let Some(joined) = tasks.join_next().await {
+        total += joined??;
+    }
+    Ok(total)
+}
+
+fn response() -> StoredResponse {
+    StoredResponse::new(201, br#"{"order":"ord_1","status":"confirmed"}"#.to_vec())
+}
+
+/// A new key's request in one write transaction: claim, one phase's record, finish, commit.
+async fn request(pool: &SqlitePool, side: Side, tenant: &TenantId, key: &str) -> Result<(), Error> {
+    let key = Key::parse(key)?;
+    let fingerprint = Fingerprint::from_slice(&[5; 32]).ok_or("a fingerprint")?;
+    let input = json!({"amount": 1200, "currency": "usd"});
+    let output = json!({"order": "ord_1"});
+    match side {
+        Side::Engine => {
+            let claim = ClaimRequest {
+                tenant,
+                key: &key,
+                fingerprint: &fingerprint,
+                workflow: "bench@1",
+                request: &input,
+                lease: LEASE,
+            };
+            let Claimed::Owned(mut transaction, owner) =
+                idemflow_sqlite::begin_claim(pool.acquire().await?, &claim).await?
+            else {
+                return Err("a new key was found claimed".into());
+            };
+            idemflow_sqlite::advance(transaction.connection(), &owner, "reserve", &output, LEASE)
+                .await?;
+            idemflow_sqlite::finish(
+                transaction.connection(),
+                &owner,
+                "complete",
+                &response(),
+                usize::MAX,
+            )
+            .await?;
+            transaction.commit().await?;
+        }
+        Side::Raw => {
+            let mut connection = pool.acquire().await?;
+            sqlx::query("BEGIN IMMEDIATE")
+                .execute(&mut *connection)
+                .await?;
+            let exists = sqlx::query(statements::EXISTS)
+                .bind(tenant.as_str())
+                .bind(key.as_str())
+                .fetch_optional(&mut *connection)
+                .await?;
+            if exists.is_some() {
+                return Err("a new key was found claimed".into());
+            }
+            let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
+                .fetch_one(&mut *connection)
+                .await?;
+            sqlx::query(statements::CLAIM)
+                .bind(tenant.as_str())
+                .bind(key.as_str())
+                .bind(fingerprint.as_bytes().as_slice())
+                .bind("bench@1")
+                .bind(input.to_string())
+                .bind(30_000_i64)
+                .bind(token)
+                .execute(&mut *connection)
+                .await?;
+            sqlx::query(statements::ADVANCE)
+                .bind(tenant.as_str())
+                .bind(key.as_str())
+                .bind(token)
+                .bind("reserve")
+                .bind(output.to_string())
+                .bind(30_000_i64)
+                .execute(&mut *connection)
+                .await?;
+            let response = response();
+            let _: Option<i64> = sqlx::query_scalar(statements::FINISH)
+                .bind(tenant.as_str())
+                .bind(key.as_str())
+                .bind(token)
+                .bind("complete")
+                .bind(i64::from(response.status))
+                .bind(serde_json::to_string(&response.headers)?)
+                .bind(response.body.as_slice())
+                .fetch_optional(&mut *connection)
+                .await?;
+            sqlx::query("COMMIT").execute(&mut *connection).await?;
+        }
+    }
+    Ok(())
+}
+
+/// A replay's read: the engine's look-up, or the raw select of the same row.
+async fn look_up(pool: &SqlitePool, side: Side, tenant: &TenantId, key: &str) -> Result<(), Error> {
+    let key = Key::parse(key)?;
+    let mut connection = pool.acquire().await?;
+    match side {
+        Side::Engine => {
+            let idemflow_sqlite::LookUp::Found(found) =
+                idemflow_sqlite::look_up(&mut connection, tenant, &key).await?
+            else {
+                return Err("a finished key is missing".into());
+            };
+            if !found.done {
+                return Err("a finished key is started".into());
+            }
+        }
+        Side::Raw => {
+            // The engine's own statement, its row read as it comes.
+            let row = sqlx::query(statements::LOOK_UP)
+                .bind(tenant.as_str())
+                .bind(key.as_str())
+                .fetch_optional(&mut *connection)
+                .await?;
+            if row.is_none() {
+                return Err("a finished key is missing".into());
+            }
+        }
+    }
+    Ok(())
+}
