@@ -14,6 +14,7 @@
 
 pub mod duration;
 mod render;
+pub mod sqlite;
 
 use std::fmt;
 use std::time::Duration;

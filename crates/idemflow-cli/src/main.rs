@@ -16,7 +16,8 @@ struct Cli {
     /// Print one JSON document instead of text.
     #[arg(long, global = true)]
     json: bool,
-    /// PostgreSQL URL; defaults to the DATABASE_URL environment variable.
+    /// PostgreSQL URL (postgres://…) or SQLite file (sqlite://path: migrate and expire); defaults
+    /// to the DATABASE_URL environment variable.
     #[arg(long, global = true, value_name = "URL")]
     database_url: Option<String>,
     #[command(subcommand)]
@@ -133,6 +134,9 @@ async fn run(cli: Cli, format: Format) -> Output {
         Ok(url) => url,
         Err(error) => return error.output(format),
     };
+    if idemflow_cli::sqlite::is_sqlite(&url) {
+        return run_on_sqlite(cli.command, &url, format).await;
+    }
     let pool = match idemflow_cli::connect(&url).await {
         Ok(pool) => pool,
         Err(error) => return error.output(format),
@@ -189,6 +193,24 @@ async fn run(cli: Cli, format: Format) -> Output {
     };
     pool.close().await;
     output
+}
+
+/// The commands SQLite has; the others say so.
+async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
+    use idemflow_cli::sqlite;
+    match command {
+        Command::Migrate => sqlite::migrate(url, format).await,
+        Command::Expire {
+            older_than,
+            batch_size,
+        } => sqlite::expire(url, format, older_than, batch_size).await,
+        Command::Inspect { .. } => sqlite::not_yet("inspect", format),
+        Command::List { .. } => sqlite::not_yet("list", format),
+        Command::EndLease { .. } => sqlite::not_yet("end-lease", format),
+        Command::Stats => sqlite::not_yet("stats", format),
+        Command::Partitions { .. } => sqlite::not_yet("partitions", format),
+        Command::Fingerprint { .. } => unreachable!("answered before connecting"),
+    }
 }
 
 async fn with_connection(

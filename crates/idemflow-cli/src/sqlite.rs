@@ -1,0 +1,127 @@
+//! The commands that work on a SQLite database (`sqlite://path`): `migrate` and `expire`. The
+//! others answer that they are PostgreSQL's only for now (docs/engines.md), rather than guess.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::SqlitePool;
+use sqlx::sqlite::SqliteConnectOptions;
+
+use crate::duration::human;
+use crate::{Answer, CliError, ExpireReport, Format, MigrationReport, Output, emit, exit};
+
+/// Whether `url` names a SQLite database.
+pub fn is_sqlite(url: &str) -> bool {
+    url.starts_with("sqlite:")
+}
+
+/// The file a SQLite URL names.
+fn file_of(url: &str) -> Result<PathBuf, CliError> {
+    let options = SqliteConnectOptions::from_str(url)
+        .map_err(|error| CliError::Usage(format!("invalid database URL: {error}")))?;
+    Ok(options.get_filename().to_path_buf())
+}
+
+/// Opens the database `url` names with the engine's settings (migrating it). Only `migrate`
+/// creates a file: any other command on a path with no database is a mistyped path.
+async fn open(url: &str, create: bool) -> Result<SqlitePool, CliError> {
+    let path = file_of(url)?;
+    if !create && !path.exists() {
+        return Err(CliError::Usage(format!(
+            "no SQLite database at {} (idemflow migrate creates one)",
+            path.display()
+        )));
+    }
+    idemflow_sqlite::open_file(Path::new(&path), &idemflow_sqlite::OpenOptions::default())
+        .await
+        .map_err(|error| CliError::Database(format!("cannot open {}: {error}", path.display())))
+}
+
+/// `idemflow migrate` on SQLite: creates the file if need be and applies every migration.
+pub async fn migrate(url: &str, format: Format) -> Output {
+    emit(format, migrate_answer(url).await)
+}
+
+async fn migrate_answer(url: &str) -> Result<Answer, CliError> {
+    let pool = open(url, true).await?;
+    pool.close().await;
+    let migrations: Vec<MigrationReport> = idemflow_sqlite::MIGRATOR
+        .iter()
+        .filter(|migration| migration.migration_type.is_up_migration())
+        .map(|migration| MigrationReport {
+            version: migration.version,
+            description: migration.description.to_string(),
+        })
+        .collect();
+    let mut human = format!(
+        "schema up to date ({}); migrations applied:\n",
+        file_of(url)?.display()
+    );
+    for migration in &migrations {
+        human.push_str(&format!(
+            "  {}  {}\n",
+            migration.version, migration.description
+        ));
+    }
+    Ok(Answer::new(
+        exit::OK,
+        human,
+        &serde_json::json!({ "migrations": migrations }),
+    ))
+}
+
+/// `idemflow expire` on SQLite: deletes every key finished more than `older_than` ago,
+/// `batch_size` keys per write transaction, so requests' writes interleave with it.
+pub async fn expire(url: &str, format: Format, older_than: Duration, batch_size: i64) -> Output {
+    emit(format, expire_answer(url, older_than, batch_size).await)
+}
+
+async fn expire_answer(
+    url: &str,
+    older_than: Duration,
+    batch_size: i64,
+) -> Result<Answer, CliError> {
+    if batch_size < 1 {
+        return Err(CliError::Usage(
+            "--batch-size must be at least 1".to_owned(),
+        ));
+    }
+    let pool = open(url, false).await?;
+    let mut deleted = 0;
+    loop {
+        let connection = pool.acquire().await.map_err(database)?;
+        let (batch, _) = idemflow_sqlite::expire_batch(connection, older_than, batch_size)
+            .await
+            .map_err(|error| CliError::Database(error.to_string()))?;
+        deleted += batch;
+        if batch < u64::try_from(batch_size).unwrap_or(u64::MAX) {
+            break;
+        }
+    }
+    pool.close().await;
+    let noun = if deleted == 1 { "key" } else { "keys" };
+    let human = format!(
+        "deleted {deleted} {noun} finished more than {} ago\n",
+        human(older_than.as_secs())
+    );
+    let report = ExpireReport {
+        deleted,
+        older_than_seconds: older_than.as_secs(),
+        batch_size,
+    };
+    Ok(Answer::new(exit::OK, human, &report))
+}
+
+fn database(error: sqlx::Error) -> CliError {
+    CliError::Database(error.to_string())
+}
+
+/// A command SQLite does not have yet.
+pub fn not_yet(command: &str, format: Format) -> Output {
+    CliError::Usage(format!(
+        "`idemflow {command}` works on PostgreSQL only for now; on SQLite: migrate, expire, \
+         fingerprint (docs/engines.md)"
+    ))
+    .output(format)
+}

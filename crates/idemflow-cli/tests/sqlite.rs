@@ -1,0 +1,143 @@
+//! The `idemflow` binary on a SQLite database file (`sqlite://path`): `migrate` creates and
+//! migrates it, `expire` deletes finished keys past their window and nothing else, a mistyped
+//! path creates nothing, and the commands SQLite does not have yet say so.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
+use idemflow_sqlite::{ClaimRequest, Claimed, OpenOptions, begin_claim, finish, open_file};
+use serde_json::json;
+
+fn scratch(name: &str) -> PathBuf {
+    let directory = std::env::temp_dir().join(format!("idemflow-cli-sqlite-{name}"));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    directory.join("idemflow.db")
+}
+
+fn idemflow(path: &Path, arguments: &[&str]) -> (i32, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .arg("--database-url")
+        .arg(format!("sqlite://{}", path.display()))
+        .args(arguments)
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    (
+        output.status.code().unwrap(),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+/// Claims `key` and, when `finished`, finishes it.
+async fn seed(pool: &sqlx::SqlitePool, key: &str, finished: bool) {
+    let (tenant, key) = (TenantId::new("t-1").unwrap(), Key::parse(key).unwrap());
+    let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
+    let request = json!({});
+    let claim = ClaimRequest {
+        tenant: &tenant,
+        key: &key,
+        fingerprint: &fingerprint,
+        workflow: "checkout@1",
+        request: &request,
+        lease: Duration::from_secs(30),
+    };
+    let Claimed::Owned(mut transaction, owner) = begin_claim(pool.acquire().await.unwrap(), &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("new");
+    };
+    if finished {
+        finish(
+            transaction.connection(),
+            &owner,
+            "complete",
+            &StoredResponse::new(200, b"{}".to_vec()),
+            0,
+        )
+        .await
+        .unwrap();
+    }
+    transaction.commit().await.unwrap();
+}
+
+#[tokio::test]
+async fn migrate_creates_the_file_and_expire_deletes_only_finished_keys_past_their_window() {
+    let path = scratch("expire");
+    let (code, stdout, _) = idemflow(&path, &["migrate"]);
+    assert_eq!(code, 0, "{stdout}");
+    assert!(stdout.contains("create idempotency keys"), "{stdout}");
+    assert!(path.exists());
+
+    let pool = open_file(&path, &OpenOptions::default()).await.unwrap();
+    for key in ["old-1", "old-2", "old-3"] {
+        seed(&pool, key, true).await;
+    }
+    seed(&pool, "recent", true).await;
+    seed(&pool, "started", false).await;
+    sqlx::query(
+        "UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 \
+         WHERE key LIKE 'old-%'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 2 * 86400000")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let (code, stdout, stderr) = idemflow(
+        &path,
+        &[
+            "--json",
+            "expire",
+            "--older-than",
+            "1d",
+            "--batch-size",
+            "2",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["deleted"], 3, "{report}");
+    let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys ORDER BY key")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, ["recent", "started"]);
+    let bodies: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_responses")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(bodies, 1, "the expired keys' bodies went with them");
+}
+
+#[test]
+fn a_command_on_a_path_with_no_database_creates_nothing() {
+    let path = scratch("typo");
+    let (code, _, stderr) = idemflow(&path, &["expire", "--older-than", "1d"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("no SQLite database at"), "{stderr}");
+    assert!(!path.exists());
+}
+
+#[test]
+fn the_commands_sqlite_does_not_have_yet_say_so() {
+    let path = scratch("not-yet");
+    for arguments in [
+        &["stats"][..],
+        &["inspect", "--tenant", "t", "--key", "k"],
+        &["list", "--stuck"],
+        &["end-lease", "--tenant", "t", "--key", "k"],
+    ] {
+        let (code, _, stderr) = idemflow(&path, arguments);
+        assert_eq!(code, 2, "{arguments:?}: {stderr}");
+        assert!(stderr.contains("PostgreSQL only for now"), "{stderr}");
+    }
+}
