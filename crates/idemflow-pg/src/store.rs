@@ -22,6 +22,7 @@ fn taken(taken: crate::TakenOver) -> TakenOver<Owner> {
         phase_output: taken.phase_output,
         request: taken.request,
         attempts: i64::from(taken.attempts),
+        last_error: taken.last_error,
     }
 }
 
@@ -129,6 +130,30 @@ impl Store for PgStore {
     async fn renew_lease(pool: &PgPool, owner: &Owner, lease: Duration) -> Result<(), StoreError> {
         let mut connection = pool.acquire().await?;
         crate::renew_lease(&mut connection, owner, lease).await
+    }
+
+    async fn postpone(
+        pool: &PgPool,
+        owner: &Owner,
+        retry_after: Duration,
+        last_error: &str,
+    ) -> Result<(), StoreError> {
+        let mut connection = pool.acquire().await?;
+        crate::postpone(&mut connection, owner, retry_after, last_error).await
+    }
+
+    async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), StoreError> {
+        crate::delete_owned(transaction, owner).await
+    }
+
+    async fn end_lease(
+        pool: &PgPool,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        let mut connection = pool.acquire().await?;
+        crate::end_lease(&mut connection, tenant.as_str(), key.as_str(), seen).await
     }
 
     async fn take_over(

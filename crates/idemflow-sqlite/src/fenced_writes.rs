@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use idemflow_core::StoredResponse;
 use serde_json::Value;
-use sqlx::SqliteConnection;
+use sqlx::pool::PoolConnection;
+use sqlx::{Sqlite, SqliteConnection};
 
 use crate::claim::millis;
 use crate::error::StoreError;
 use crate::owner::Owner;
 use crate::statements;
+use crate::transaction::Transaction;
 
 /// Records a completed phase, in the owner's transaction: its recovery point and typed output,
 /// and a lease of `lease` from now (never shorter than the one held).
@@ -99,6 +101,72 @@ pub async fn renew_lease(
         .await?
         .rows_affected();
     fenced(updated)
+}
+
+/// Postpones a key after a failed attempt (fenced): its lease ends `retry_after` from now (zero:
+/// at once), the error is recorded, and the fence advances, so a heartbeat of the owner still in
+/// flight matches nothing.
+pub async fn postpone(
+    connection: PoolConnection<Sqlite>,
+    owner: &Owner,
+    retry_after: Duration,
+    last_error: &str,
+) -> Result<PoolConnection<Sqlite>, StoreError> {
+    let mut transaction = Transaction::begin(connection).await?;
+    let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
+        .fetch_one(transaction.connection())
+        .await?;
+    let updated = sqlx::query(statements::POSTPONE)
+        .bind(owner.tenant().as_str())
+        .bind(owner.key().as_str())
+        .bind(owner.lock_version())
+        .bind(token)
+        .bind(millis(retry_after))
+        .bind(last_error)
+        .execute(transaction.connection())
+        .await?
+        .rows_affected();
+    fenced(updated)?;
+    transaction.commit().await
+}
+
+/// Deletes a started key its owner holds, so the client may send the key again as a new request
+/// (the forget policy for terminal errors). Fenced.
+pub async fn delete_owned(
+    connection: &mut SqliteConnection,
+    owner: &Owner,
+) -> Result<(), StoreError> {
+    let deleted = sqlx::query(statements::DELETE_OWNED)
+        .bind(owner.tenant().as_str())
+        .bind(owner.key().as_str())
+        .bind(owner.lock_version())
+        .execute(connection)
+        .await?
+        .rows_affected();
+    fenced(deleted)
+}
+
+/// Ends a started key's lease now, if its token is still `seen`, and advances its fence; returns
+/// the new token (`None`: not started, or the token moved on). For an owner believed gone.
+pub async fn end_lease(
+    connection: PoolConnection<Sqlite>,
+    tenant: &str,
+    key: &str,
+    seen: i64,
+) -> Result<(Option<i64>, PoolConnection<Sqlite>), StoreError> {
+    let mut transaction = Transaction::begin(connection).await?;
+    let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
+        .fetch_one(transaction.connection())
+        .await?;
+    let ended: Option<i64> = sqlx::query_scalar(statements::END_LEASE)
+        .bind(tenant)
+        .bind(key)
+        .bind(seen)
+        .bind(token)
+        .fetch_optional(transaction.connection())
+        .await?;
+    // Nothing ended: the drawn token is left unused (tokens need only never repeat).
+    Ok((ended, transaction.commit().await?))
 }
 
 fn fenced(updated: u64) -> Result<(), StoreError> {

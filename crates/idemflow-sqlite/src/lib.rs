@@ -23,7 +23,7 @@ mod transaction;
 pub use claim::{ClaimRequest, Claimed, begin_claim};
 pub use connect::{OpenOptions, open, open_file};
 pub use error::StoreError;
-pub use fenced_writes::{advance, finish, renew_lease};
+pub use fenced_writes::{advance, delete_owned, end_lease, finish, postpone, renew_lease};
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
 pub use owner::Owner;
 pub use retention::expire_batch;

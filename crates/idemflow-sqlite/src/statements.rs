@@ -119,7 +119,7 @@ pub const TAKE_OVER: &str = concat!(
     " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started' \
        AND locked_until <= ",
     now_ms!(),
-    " RETURNING recovery_point, phase_output, request, workflow, attempts"
+    " RETURNING recovery_point, phase_output, request, workflow, attempts, last_error"
 );
 
 /// Started keys whose lease is over, oldest lease first: `?1` how many.
@@ -152,4 +152,30 @@ pub const DUE_OF: &str = concat!(
      WHERE state = 'started' AND locked_until <= ",
     now_ms!(),
     " AND workflow IN (SELECT value FROM json_each(?1)) ORDER BY locked_until LIMIT ?2"
+);
+
+/// Postpones a key after a failed attempt (fenced), with a new token: `?1` tenant, `?2` key, `?3`
+/// lock_version, `?4` the new token, `?5` ms until the lease ends, `?6` the error.
+pub const POSTPONE: &str = concat!(
+    "UPDATE idempotency_keys SET locked_until = ",
+    now_ms!(),
+    " + ?5, lock_version = ?4, last_error = ?6, updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'"
+);
+
+/// Deletes a started key its owner holds (the forget policy): `?1` tenant, `?2` key, `?3`
+/// lock_version. A started key has no body apart.
+pub const DELETE_OWNED: &str = "DELETE FROM idempotency_keys \
+     WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'";
+
+/// Ends a started key's lease now and advances its fence: `?1` tenant, `?2` key, `?3` the token
+/// seen, `?4` the new token.
+pub const END_LEASE: &str = concat!(
+    "UPDATE idempotency_keys SET locked_until = min(locked_until, ",
+    now_ms!(),
+    "), lock_version = ?4, updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started' \
+     RETURNING lock_version"
 );

@@ -22,6 +22,7 @@ fn taken(taken: crate::TakenOver) -> TakenOver<Owner> {
         phase_output: taken.phase_output,
         request: taken.request,
         attempts: taken.attempts,
+        last_error: taken.last_error,
     }
 }
 
@@ -145,6 +146,32 @@ impl Store for SqliteStore {
     ) -> Result<(), StoreError> {
         let mut connection = pool.acquire().await?;
         crate::renew_lease(&mut connection, owner, lease).await
+    }
+
+    async fn postpone(
+        pool: &SqlitePool,
+        owner: &Owner,
+        retry_after: Duration,
+        last_error: &str,
+    ) -> Result<(), StoreError> {
+        crate::postpone(pool.acquire().await?, owner, retry_after, last_error)
+            .await
+            .map(drop)
+    }
+
+    async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), StoreError> {
+        crate::delete_owned(transaction.connection(), owner).await
+    }
+
+    async fn end_lease(
+        pool: &SqlitePool,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        let (ended, _) =
+            crate::end_lease(pool.acquire().await?, tenant.as_str(), key.as_str(), seen).await?;
+        Ok(ended)
     }
 
     async fn take_over(

@@ -29,6 +29,8 @@ pub struct TakenOver {
     pub request: Value,
     /// Executions begun, this one included.
     pub attempts: i64,
+    /// The error the previous attempt recorded, if it recorded one.
+    pub last_error: Option<String>,
 }
 
 /// Takes `key` over from the owner holding `seen` (its lease over), with a fresh token and a
@@ -79,6 +81,7 @@ async fn take_over_in(
         phase_output: json(row.try_get("phase_output")?)?,
         request: json(request)?.unwrap_or(Value::Null),
         attempts: row.try_get("attempts")?,
+        last_error: row.try_get("last_error")?,
     }))
 }
 

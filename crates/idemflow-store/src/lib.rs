@@ -88,6 +88,8 @@ pub struct TakenOver<Owner> {
     pub request: Value,
     /// Executions begun, this one included.
     pub attempts: i64,
+    /// The error the previous attempt recorded, if it recorded one.
+    pub last_error: Option<String>,
 }
 
 /// The protocol's operations on one engine's database.
@@ -164,6 +166,30 @@ pub trait Store: Send + Sync + 'static {
         owner: &Self::Owner,
         lease: Duration,
     ) -> Result<(), Self::Error>;
+
+    /// Postpones a key after a failed attempt (fenced): its lease ends `retry_after` from now,
+    /// `last_error` is recorded, and the fence advances (the owner is done with the key).
+    async fn postpone(
+        pool: &Self::Pool,
+        owner: &Self::Owner,
+        retry_after: Duration,
+        last_error: &str,
+    ) -> Result<(), Self::Error>;
+
+    /// Deletes a started key `owner` holds, in `transaction` (the forget policy); fenced.
+    async fn delete_owned(
+        transaction: &mut Self::Transaction,
+        owner: &Self::Owner,
+    ) -> Result<(), Self::Error>;
+
+    /// Ends a started key's lease now if its token is still `seen`, advancing the fence: the new
+    /// token, or `None` when the key is not started or its token moved on. For an operator.
+    async fn end_lease(
+        pool: &Self::Pool,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+    ) -> Result<Option<i64>, Self::Error>;
 
     /// Takes `key` over from the owner holding `seen`, whose lease is over; `None` when the key
     /// moved on.
