@@ -219,7 +219,9 @@ mod tests {
             Some(&["provider-storm", "mass-crash", "wire"][..])
         );
         assert!(config.runs("provider-storm") && !config.runs("checkout"));
-        assert!(config.select(&["13".to_owned()]).is_err());
+        assert!(config.select(&["14".to_owned()]).is_err());
+        assert_eq!(config.select(&["13".to_owned()]), Ok(()));
+        assert!(config.runs("sqlite") && !config.runs("checkout"));
         assert_eq!(config.select(&["12".to_owned()]), Ok(()));
         assert!(config.runs("partitioned-expiry") && !config.runs("fleet"));
         assert_eq!(config.select(&["10".to_owned()]), Ok(()));
