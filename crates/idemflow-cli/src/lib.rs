@@ -246,6 +246,52 @@ pub async fn connect(url: &str) -> Result<PgPool, CliError> {
         .connect_lazy_with(options))
 }
 
+/// Where the key-level commands (`inspect`, `list --stuck`, `end-lease`) read and write: one
+/// engine's database. The answers are written once, whatever the engine.
+trait Keys {
+    async fn key_report(&mut self, tenant: &str, key: &str) -> Result<Option<KeyReport>, CliError>;
+    async fn stuck_keys(
+        &mut self,
+        min_attempts: i32,
+        limit: i64,
+    ) -> Result<Vec<KeyReport>, CliError>;
+    /// Ends the lease if its token is still `lock_version`, and wakes resumers where the engine
+    /// can: the new token.
+    async fn end_lease(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        lock_version: i64,
+    ) -> Result<Option<i64>, CliError>;
+}
+
+impl Keys for PgConnection {
+    async fn key_report(&mut self, tenant: &str, key: &str) -> Result<Option<KeyReport>, CliError> {
+        Ok(idemflow_pg::key_report(self, tenant, key).await?)
+    }
+
+    async fn stuck_keys(
+        &mut self,
+        min_attempts: i32,
+        limit: i64,
+    ) -> Result<Vec<KeyReport>, CliError> {
+        Ok(idemflow_pg::stuck_keys(self, min_attempts, limit).await?)
+    }
+
+    async fn end_lease(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        lock_version: i64,
+    ) -> Result<Option<i64>, CliError> {
+        let advanced = idemflow_pg::end_lease(self, tenant, key, lock_version).await?;
+        if advanced.is_some() {
+            idemflow_pg::notify_due(self).await?;
+        }
+        Ok(advanced)
+    }
+}
+
 fn validate(tenant: &str, key: &str) -> Result<(), CliError> {
     TenantId::new(tenant).map_err(|error| CliError::Usage(error.to_string()))?;
     Key::parse(key).map_err(|error| CliError::Usage(error.to_string()))?;
@@ -348,13 +394,10 @@ pub async fn inspect(
     emit(format, inspect_answer(connection, tenant, key).await)
 }
 
-async fn inspect_answer(
-    connection: &mut PgConnection,
-    tenant: &str,
-    key: &str,
-) -> Result<Answer, CliError> {
+async fn inspect_answer(keys: &mut impl Keys, tenant: &str, key: &str) -> Result<Answer, CliError> {
     validate(tenant, key)?;
-    let report = idemflow_pg::key_report(connection, tenant, key)
+    let report = keys
+        .key_report(tenant, key)
         .await?
         .ok_or_else(|| CliError::NotFound {
             tenant: tenant.to_owned(),
@@ -424,11 +467,11 @@ pub async fn list_stuck(
 }
 
 async fn list_stuck_answer(
-    connection: &mut PgConnection,
+    store: &mut impl Keys,
     min_attempts: i32,
     limit: i64,
 ) -> Result<Answer, CliError> {
-    let keys = idemflow_pg::stuck_keys(connection, min_attempts, limit).await?;
+    let keys = store.stuck_keys(min_attempts, limit).await?;
     let human = if keys.is_empty() {
         format!(
             "no stuck keys (no started key is past its lease or has {min_attempts} attempts or more)\n"
@@ -527,7 +570,7 @@ pub async fn end_lease(
 }
 
 async fn end_lease_answer(
-    connection: &mut PgConnection,
+    keys: &mut impl Keys,
     tenant: &str,
     key: &str,
     force: bool,
@@ -535,75 +578,71 @@ async fn end_lease_answer(
     validate(tenant, key)?;
     let who = who(tenant, key);
     let mut new_lock_version = None;
-    let (outcome, lock_version, message) =
-        match idemflow_pg::key_report(connection, tenant, key).await? {
-            None => (
-                EndLeaseOutcome::NotFound,
-                None,
-                format!("lease not ended: no key {key:?} for tenant {tenant:?}"),
-            ),
-            Some(report) if report.state == "done" => done(&who, &report),
-            Some(report) if report.lease_left_ms.is_some_and(|ms| ms <= 0) => (
-                EndLeaseOutcome::AlreadyDue,
-                Some(report.lock_version),
-                format!(
-                    "nothing to end: the lease of {who} {}; it is due now, and a resumer \
+    let (outcome, lock_version, message) = match keys.key_report(tenant, key).await? {
+        None => (
+            EndLeaseOutcome::NotFound,
+            None,
+            format!("lease not ended: no key {key:?} for tenant {tenant:?}"),
+        ),
+        Some(report) if report.state == "done" => done(&who, &report),
+        Some(report) if report.lease_left_ms.is_some_and(|ms| ms <= 0) => (
+            EndLeaseOutcome::AlreadyDue,
+            Some(report.lock_version),
+            format!(
+                "nothing to end: the lease of {who} {}; it is due now, and a resumer \
                      running workflow {:?} takes it over",
-                    lease_summary(&report),
-                    plain(&report.workflow),
-                ),
+                lease_summary(&report),
+                plain(&report.workflow),
             ),
-            Some(report) if !force => (
-                EndLeaseOutcome::LiveOwner,
-                Some(report.lock_version),
-                format!(
-                    "lease not ended: the lease of {who} is live ({}), so its owner may be running \
+        ),
+        Some(report) if !force => (
+            EndLeaseOutcome::LiveOwner,
+            Some(report.lock_version),
+            format!(
+                "lease not ended: the lease of {who} is live ({}), so its owner may be running \
                  now (lock_version {}). \
                  Wait for the lease to end, or pass --force if the owner is known to be gone: \
                  its writes are then refused, but a phase it is in goes on, and a plain handler \
                  may run beside the next owner's",
-                    lease_summary(&report),
-                    report.lock_version,
-                ),
+                lease_summary(&report),
+                report.lock_version,
             ),
-            Some(report) => {
-                let lock_version = report.lock_version;
-                if let Some(advanced) =
-                    idemflow_pg::end_lease(connection, tenant, key, lock_version).await?
-                {
-                    idemflow_pg::notify_due(connection).await?;
-                    new_lock_version = Some(advanced);
-                    (
-                        EndLeaseOutcome::Ended,
-                        Some(lock_version),
-                        format!(
-                            "ended the lease of {who} and advanced its fence (lock_version \
+        ),
+        Some(report) => {
+            let lock_version = report.lock_version;
+            if let Some(advanced) = keys.end_lease(tenant, key, lock_version).await? {
+                new_lock_version = Some(advanced);
+                (
+                    EndLeaseOutcome::Ended,
+                    Some(lock_version),
+                    format!(
+                        "ended the lease of {who} and advanced its fence (lock_version \
                          {lock_version} -> {advanced}): the owner's writes are refused from now \
                          on; it is due, and a resumer or the next retry takes it over"
-                        ),
-                    )
-                } else {
-                    // Refused: read the key again to say why.
-                    match idemflow_pg::key_report(connection, tenant, key).await? {
-                        None => (
-                            EndLeaseOutcome::NotFound,
-                            Some(lock_version),
-                            format!("lease not ended: {who} was deleted meanwhile"),
-                        ),
-                        Some(now) if now.state == "done" => done(&who, &now),
-                        Some(now) => (
-                            EndLeaseOutcome::MovedOn,
-                            Some(lock_version),
-                            format!(
-                                "lease not ended: {who} was taken over meanwhile (lock_version \
+                    ),
+                )
+            } else {
+                // Refused: read the key again to say why.
+                match keys.key_report(tenant, key).await? {
+                    None => (
+                        EndLeaseOutcome::NotFound,
+                        Some(lock_version),
+                        format!("lease not ended: {who} was deleted meanwhile"),
+                    ),
+                    Some(now) if now.state == "done" => done(&who, &now),
+                    Some(now) => (
+                        EndLeaseOutcome::MovedOn,
+                        Some(lock_version),
+                        format!(
+                            "lease not ended: {who} was taken over meanwhile (lock_version \
                                  {lock_version}, now {}); inspect it again",
-                                now.lock_version
-                            ),
+                            now.lock_version
                         ),
-                    }
+                    ),
                 }
             }
-        };
+        }
+    };
     let code = match outcome {
         EndLeaseOutcome::Ended | EndLeaseOutcome::AlreadyDue => exit::OK,
         EndLeaseOutcome::NotFound

@@ -16,7 +16,7 @@ struct Cli {
     /// Print one JSON document instead of text.
     #[arg(long, global = true)]
     json: bool,
-    /// PostgreSQL URL (postgres://…) or SQLite file (sqlite://path: migrate and expire); defaults
+    /// PostgreSQL URL (postgres://…) or SQLite file (sqlite://path: all but stats, partitions); defaults
     /// to the DATABASE_URL environment variable.
     #[arg(long, global = true, value_name = "URL")]
     database_url: Option<String>,
@@ -204,9 +204,15 @@ async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
             older_than,
             batch_size,
         } => sqlite::expire(url, format, older_than, batch_size).await,
-        Command::Inspect { .. } => sqlite::not_yet("inspect", format),
-        Command::List { .. } => sqlite::not_yet("list", format),
-        Command::EndLease { .. } => sqlite::not_yet("end-lease", format),
+        Command::Inspect { tenant, key } => sqlite::inspect(url, format, &tenant, &key).await,
+        Command::List {
+            min_attempts,
+            limit,
+            ..
+        } => sqlite::list_stuck(url, format, min_attempts, limit).await,
+        Command::EndLease { tenant, key, force } => {
+            sqlite::end_lease(url, format, &tenant, &key, force).await
+        }
         Command::Stats => sqlite::not_yet("stats", format),
         Command::Partitions { .. } => sqlite::not_yet("partitions", format),
         Command::Fingerprint { .. } => unreachable!("answered before connecting"),

@@ -1,5 +1,7 @@
-//! The commands that work on a SQLite database (`sqlite://path`): `migrate` and `expire`. The
-//! others answer that they are PostgreSQL's only for now (docs/engines.md), rather than guess.
+//! The commands on a SQLite database (`sqlite://path`): `migrate`, `expire`, and the key-level
+//! ones (`inspect`, `list --stuck`, `end-lease`, whose answers are the same as on PostgreSQL).
+//! `stats` and `partitions` answer that they are PostgreSQL's only for now (docs/engines.md),
+//! rather than guess.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -9,7 +11,12 @@ use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteConnectOptions;
 
 use crate::duration::human;
-use crate::{Answer, CliError, ExpireReport, Format, MigrationReport, Output, emit, exit};
+use idemflow_pg::KeyReport;
+
+use crate::{
+    Answer, CliError, ExpireReport, Format, Keys, MigrationReport, Output, emit, end_lease_answer,
+    exit, inspect_answer, list_stuck_answer,
+};
 
 /// Whether `url` names a SQLite database.
 pub fn is_sqlite(url: &str) -> bool {
@@ -117,11 +124,94 @@ fn database(error: sqlx::Error) -> CliError {
     CliError::Database(error.to_string())
 }
 
+/// The key-level commands' access to a SQLite database.
+struct SqliteKeys(SqlitePool);
+
+fn store_error(error: idemflow_sqlite::StoreError) -> CliError {
+    CliError::Database(error.to_string())
+}
+
+impl Keys for SqliteKeys {
+    async fn key_report(&mut self, tenant: &str, key: &str) -> Result<Option<KeyReport>, CliError> {
+        let mut connection = self.0.acquire().await.map_err(database)?;
+        idemflow_sqlite::key_report(&mut connection, tenant, key)
+            .await
+            .map_err(store_error)
+    }
+
+    async fn stuck_keys(
+        &mut self,
+        min_attempts: i32,
+        limit: i64,
+    ) -> Result<Vec<KeyReport>, CliError> {
+        let mut connection = self.0.acquire().await.map_err(database)?;
+        idemflow_sqlite::stuck_keys(&mut connection, min_attempts, limit)
+            .await
+            .map_err(store_error)
+    }
+
+    /// SQLite has no notifications: resumers find the key at their next poll.
+    async fn end_lease(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        lock_version: i64,
+    ) -> Result<Option<i64>, CliError> {
+        let connection = self.0.acquire().await.map_err(database)?;
+        let (ended, _) = idemflow_sqlite::end_lease(connection, tenant, key, lock_version)
+            .await
+            .map_err(store_error)?;
+        Ok(ended)
+    }
+}
+
+/// `idemflow inspect` on SQLite.
+pub async fn inspect(url: &str, format: Format, tenant: &str, key: &str) -> Output {
+    emit(
+        format,
+        async {
+            let mut keys = SqliteKeys(open(url, false).await?);
+            let answer = inspect_answer(&mut keys, tenant, key).await;
+            keys.0.close().await;
+            answer
+        }
+        .await,
+    )
+}
+
+/// `idemflow list --stuck` on SQLite.
+pub async fn list_stuck(url: &str, format: Format, min_attempts: i32, limit: i64) -> Output {
+    emit(
+        format,
+        async {
+            let mut keys = SqliteKeys(open(url, false).await?);
+            let answer = list_stuck_answer(&mut keys, min_attempts, limit).await;
+            keys.0.close().await;
+            answer
+        }
+        .await,
+    )
+}
+
+/// `idemflow end-lease` on SQLite.
+pub async fn end_lease(url: &str, format: Format, tenant: &str, key: &str, force: bool) -> Output {
+    emit(
+        format,
+        async {
+            let mut keys = SqliteKeys(open(url, false).await?);
+            let answer = end_lease_answer(&mut keys, tenant, key, force).await;
+            keys.0.close().await;
+            answer
+        }
+        .await,
+    )
+}
+
 /// A command SQLite does not have yet.
 pub fn not_yet(command: &str, format: Format) -> Output {
     CliError::Usage(format!(
         "`idemflow {command}` works on PostgreSQL only for now; on SQLite: migrate, expire, \
-         fingerprint (docs/engines.md)"
+         inspect, list, end-lease, fingerprint (docs/engines.md)"
     ))
     .output(format)
 }

@@ -188,37 +188,7 @@ pub async fn end_lease(
     .await?)
 }
 
-/// Everything about one key, for operators.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct KeyReport {
-    /// The tenant the key belongs to.
-    pub tenant: String,
-    /// The idempotency key.
-    pub key: String,
-    /// The name of the workflow that claimed the key.
-    pub workflow: String,
-    /// `started` or `done`.
-    pub state: String,
-    /// The name of the last completed phase, `start` before any.
-    pub recovery_point: String,
-    /// Milliseconds left on the lease (negative: expired that long ago); `None` when done.
-    pub lease_left_ms: Option<i64>,
-    /// The current fencing token; [`end_lease`] must name it.
-    pub lock_version: i64,
-    /// Executions begun at this recovery point (the claim, each takeover); back to 1 when a
-    /// phase completes.
-    pub attempts: i32,
-    /// The error the last failed attempt recorded; cleared when a phase completes.
-    pub last_error: Option<String>,
-    /// The stored response's HTTP status; `None` while started.
-    pub response_status: Option<i16>,
-    /// The stored response body's length in bytes; `None` while started.
-    pub response_bytes: Option<i32>,
-    /// The request fingerprint, as 64 lowercase hex digits.
-    pub fingerprint_hex: String,
-    /// Age in whole seconds.
-    pub age_seconds: i64,
-}
+pub use idemflow_store::KeyReport;
 
 const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
     CASE WHEN state = 'started' THEN ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint END \

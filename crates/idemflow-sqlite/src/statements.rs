@@ -179,3 +179,43 @@ pub const END_LEASE: &str = concat!(
     " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started' \
      RETURNING lock_version"
 );
+
+/// What an operator sees of a key (`idemflow inspect`, `list --stuck`): the columns of
+/// `idemflow_store::KeyReport`, by name.
+macro_rules! report_columns {
+    () => {
+        concat!(
+            "tenant, key, workflow, state, recovery_point, \
+             CASE WHEN state = 'started' THEN locked_until - ",
+            now_ms!(),
+            " END AS lease_left_ms, \
+             lock_version, attempts, last_error, response_status, \
+             coalesce(length(response_body), \
+                      (SELECT length(body) FROM idempotency_responses AS apart \
+                       WHERE apart.tenant = idempotency_keys.tenant \
+                         AND apart.key = idempotency_keys.key \
+                         AND apart.life = idempotency_keys.life)) AS response_bytes, \
+             lower(hex(fingerprint)) AS fingerprint_hex, \
+             (",
+            now_ms!(),
+            " - created_at) / 1000 AS age_seconds"
+        )
+    };
+}
+
+/// One key's report: `?1` tenant, `?2` key.
+pub const KEY_REPORT: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant = ?1 AND key = ?2"
+);
+
+/// Started keys that look stuck, past their lease or with at least `?1` attempts, oldest lease
+/// first, at most `?2`.
+pub const STUCK_KEYS: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE state = 'started' AND (locked_until <= ",
+    now_ms!(),
+    " OR attempts >= ?1) ORDER BY locked_until, tenant, key LIMIT ?2"
+);

@@ -92,6 +92,39 @@ pub struct TakenOver<Owner> {
     pub last_error: Option<String>,
 }
 
+/// Everything about one key, for operators (`idemflow inspect`, `list --stuck`), whatever the
+/// engine.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct KeyReport {
+    /// The tenant the key belongs to.
+    pub tenant: String,
+    /// The idempotency key.
+    pub key: String,
+    /// The name of the workflow that claimed the key.
+    pub workflow: String,
+    /// `started` or `done`.
+    pub state: String,
+    /// The name of the last completed phase, `start` before any.
+    pub recovery_point: String,
+    /// Milliseconds left on the lease (negative: expired that long ago); `None` when done.
+    pub lease_left_ms: Option<i64>,
+    /// The current fencing token; `Store::end_lease` must name it.
+    pub lock_version: i64,
+    /// Executions begun at this recovery point (the claim, each takeover); back to 1 when a
+    /// phase completes.
+    pub attempts: i32,
+    /// The error the last failed attempt recorded; cleared when a phase completes.
+    pub last_error: Option<String>,
+    /// The stored response's HTTP status; `None` while started.
+    pub response_status: Option<i16>,
+    /// The stored response body's length in bytes; `None` while started.
+    pub response_bytes: Option<i32>,
+    /// The request fingerprint, as 64 lowercase hex digits.
+    pub fingerprint_hex: String,
+    /// Age in whole seconds.
+    pub age_seconds: i64,
+}
+
 /// The protocol's operations on one engine's database.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {

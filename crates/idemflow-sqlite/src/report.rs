@@ -1,0 +1,55 @@
+//! What operators see of keys ([`key_report`], [`stuck_keys`]), in the shared
+//! `idemflow_store::KeyReport`, so the CLI renders both engines alike.
+
+use idemflow_store::KeyReport;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteConnection};
+
+use crate::error::StoreError;
+use crate::statements;
+
+fn report(row: &SqliteRow) -> Result<KeyReport, StoreError> {
+    Ok(KeyReport {
+        tenant: row.try_get("tenant")?,
+        key: row.try_get("key")?,
+        workflow: row.try_get("workflow")?,
+        state: row.try_get("state")?,
+        recovery_point: row.try_get("recovery_point")?,
+        lease_left_ms: row.try_get("lease_left_ms")?,
+        lock_version: row.try_get("lock_version")?,
+        attempts: row.try_get("attempts")?,
+        last_error: row.try_get("last_error")?,
+        response_status: row.try_get("response_status")?,
+        response_bytes: row.try_get("response_bytes")?,
+        fingerprint_hex: row.try_get("fingerprint_hex")?,
+        age_seconds: row.try_get("age_seconds")?,
+    })
+}
+
+/// Everything about one key; `None` if there is none.
+pub async fn key_report(
+    connection: &mut SqliteConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<KeyReport>, StoreError> {
+    let row = sqlx::query(statements::KEY_REPORT)
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(connection)
+        .await?;
+    row.as_ref().map(report).transpose()
+}
+
+/// Started keys that look stuck: past their lease, or with at least `min_attempts` attempts.
+pub async fn stuck_keys(
+    connection: &mut SqliteConnection,
+    min_attempts: i32,
+    limit: i64,
+) -> Result<Vec<KeyReport>, StoreError> {
+    let rows = sqlx::query(statements::STUCK_KEYS)
+        .bind(min_attempts)
+        .bind(limit)
+        .fetch_all(connection)
+        .await?;
+    rows.iter().map(report).collect()
+}
