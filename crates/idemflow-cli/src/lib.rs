@@ -860,7 +860,12 @@ pub async fn stats(connection: &mut PgConnection, format: Format) -> Output {
 
 async fn stats_answer(connection: &mut PgConnection) -> Result<Answer, CliError> {
     let stats = idemflow_pg::table_stats(connection).await?;
-    Ok(Answer::new(exit::OK, stats_text(&stats), &stats))
+    Ok(stats_of(&stats))
+}
+
+/// `stats`' answer, whatever the engine.
+fn stats_of(stats: &TableStats) -> Answer {
+    Answer::new(exit::OK, stats_text(stats), stats)
 }
 
 /// JSON text with DEL and the C1 controls written as `\u00XX` escapes (same JSON value).

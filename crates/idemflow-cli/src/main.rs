@@ -16,7 +16,7 @@ struct Cli {
     /// Print one JSON document instead of text.
     #[arg(long, global = true)]
     json: bool,
-    /// PostgreSQL URL (postgres://…) or SQLite file (sqlite://path: all but stats, partitions); defaults
+    /// PostgreSQL URL (postgres://…) or SQLite file (sqlite://path: all but partitions); defaults
     /// to the DATABASE_URL environment variable.
     #[arg(long, global = true, value_name = "URL")]
     database_url: Option<String>,
@@ -213,7 +213,7 @@ async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
         Command::EndLease { tenant, key, force } => {
             sqlite::end_lease(url, format, &tenant, &key, force).await
         }
-        Command::Stats => sqlite::not_yet("stats", format),
+        Command::Stats => sqlite::stats(url, format).await,
         Command::Partitions { .. } => sqlite::not_yet("partitions", format),
         Command::Fingerprint { .. } => unreachable!("answered before connecting"),
     }

@@ -1,7 +1,7 @@
-//! The commands on a SQLite database (`sqlite://path`): `migrate`, `expire`, and the key-level
-//! ones (`inspect`, `list --stuck`, `end-lease`, whose answers are the same as on PostgreSQL).
-//! `stats` and `partitions` answer that they are PostgreSQL's only for now (docs/engines.md),
-//! rather than guess.
+//! The commands on a SQLite database (`sqlite://path`), their answers the same as on
+//! PostgreSQL: `migrate`, `expire`, the key-level ones (`inspect`, `list --stuck`, `end-lease`)
+//! and `stats`. `partitions` answers that it is PostgreSQL's only: the partitioned layout has no
+//! SQLite form (docs/engines.md).
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -15,7 +15,7 @@ use idemflow_pg::KeyReport;
 
 use crate::{
     Answer, CliError, ExpireReport, Format, Keys, MigrationReport, Output, emit, end_lease_answer,
-    exit, inspect_answer, list_stuck_answer,
+    exit, inspect_answer, list_stuck_answer, stats_of,
 };
 
 /// Whether `url` names a SQLite database.
@@ -207,11 +207,29 @@ pub async fn end_lease(url: &str, format: Format, tenant: &str, key: &str, force
     )
 }
 
-/// A command SQLite does not have yet.
+/// `idemflow stats` on SQLite.
+pub async fn stats(url: &str, format: Format) -> Output {
+    emit(
+        format,
+        async {
+            let pool = open(url, false).await?;
+            let mut connection = pool.acquire().await.map_err(database)?;
+            let stats = idemflow_sqlite::table_stats(&mut connection)
+                .await
+                .map_err(store_error);
+            drop(connection);
+            pool.close().await;
+            Ok(stats_of(&stats?))
+        }
+        .await,
+    )
+}
+
+/// A command SQLite does not have.
 pub fn not_yet(command: &str, format: Format) -> Output {
     CliError::Usage(format!(
-        "`idemflow {command}` works on PostgreSQL only for now; on SQLite: migrate, expire, \
-         inspect, list, end-lease, fingerprint (docs/engines.md)"
+        "`idemflow {command}` is PostgreSQL's only: the partitioned layout has no SQLite form \
+         (docs/engines.md)"
     ))
     .output(format)
 }

@@ -128,17 +128,21 @@ fn a_command_on_a_path_with_no_database_creates_nothing() {
 }
 
 #[test]
-fn the_commands_sqlite_does_not_have_yet_say_so() {
+fn the_partitioned_layout_s_commands_say_sqlite_has_none() {
     let path = scratch("not-yet");
-    for arguments in [&["stats"][..], &["partitions", "list"]] {
+    for arguments in [
+        &["partitions", "list"][..],
+        &["partitions", "maintain", "--keep-for", "2d"],
+    ] {
         let (code, _, stderr) = idemflow(&path, arguments);
         assert_eq!(code, 2, "{arguments:?}: {stderr}");
-        assert!(stderr.contains("PostgreSQL only for now"), "{stderr}");
+        assert!(stderr.contains("no SQLite form"), "{stderr}");
     }
 }
 
-/// The key-level commands answer on SQLite as on PostgreSQL: a lapsed key is listed as stuck and
-/// inspected, a live lease is not ended without `--force`, and an ended one advances the fence.
+/// The operator's commands answer on SQLite as on PostgreSQL: a lapsed key is listed as stuck and
+/// counted in the resumer's lag, a key is inspected, a live lease is not ended without `--force`,
+/// and an ended one advances the fence.
 #[tokio::test]
 async fn inspect_list_and_end_lease_work_on_a_sqlite_file() {
     let path = scratch("keys");
@@ -164,6 +168,20 @@ async fn inspect_list_and_end_lease_work_on_a_sqlite_file() {
         .map(|key| key["key"].as_str().unwrap())
         .collect();
     assert_eq!(keys, ["lapsed"], "{listed}");
+
+    let (code, stdout, stderr) = idemflow(&path, &["--json", "stats"]);
+    assert_eq!(code, 0, "{stderr}");
+    let stats: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        stats["counts"],
+        json!([["checkout@1", "done", 1], ["checkout@1", "started", 2]]),
+        "{stats}"
+    );
+    let lag = stats["resumer_lag_ms"].as_i64().unwrap();
+    assert!(
+        (3_500_000..3_700_000).contains(&lag),
+        "the lapsed key's lag: {lag}"
+    );
 
     let (code, stdout, stderr) = idemflow(
         &path,

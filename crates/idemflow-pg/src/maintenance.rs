@@ -256,16 +256,7 @@ pub async fn stuck_keys(
     Ok(rows.iter().map(report).collect())
 }
 
-/// Counts by state and workflow, the oldest started key and the resumer lag.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct TableStats {
-    /// (workflow, state, count), ordered.
-    pub counts: Vec<(String, String, i64)>,
-    /// Age in seconds of the oldest started key.
-    pub oldest_started_seconds: Option<i64>,
-    /// Milliseconds since the oldest expired lease of a started key ended.
-    pub resumer_lag_ms: i64,
-}
+pub use idemflow_store::TableStats;
 
 /// The table at a glance ([`TableStats`]), for operators. Three statements, not one snapshot; the
 /// counts read every row of the table.

@@ -27,7 +27,7 @@ pub use error::StoreError;
 pub use fenced_writes::{advance, delete_owned, end_lease, finish, postpone, renew_lease};
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
 pub use owner::Owner;
-pub use report::{key_report, stuck_keys};
+pub use report::{key_report, stuck_keys, table_stats};
 pub use retention::expire_batch;
 pub use store::SqliteStore;
 pub use take_over::{DueKey, TakenOver, due, take_over, take_over_due};

@@ -1,7 +1,7 @@
-//! What operators see of keys ([`key_report`], [`stuck_keys`]), in the shared
-//! `idemflow_store::KeyReport`, so the CLI renders both engines alike.
+//! What operators see of keys ([`key_report`], [`stuck_keys`]) and of the table
+//! ([`table_stats`]), in the store boundary's shared types, so the CLI renders both engines alike.
 
-use idemflow_store::KeyReport;
+use idemflow_store::{KeyReport, TableStats};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
@@ -52,4 +52,23 @@ pub async fn stuck_keys(
         .fetch_all(connection)
         .await?;
     rows.iter().map(report).collect()
+}
+
+/// The table at a glance: keys by workflow and state, the oldest started key, the resumer lag.
+/// One read transaction's snapshot is not needed: each figure is read on its own.
+pub async fn table_stats(connection: &mut SqliteConnection) -> Result<TableStats, StoreError> {
+    let counts: Vec<(String, String, i64)> = sqlx::query_as(statements::COUNTS)
+        .fetch_all(&mut *connection)
+        .await?;
+    let oldest_started_seconds: Option<i64> = sqlx::query_scalar(statements::OLDEST_STARTED)
+        .fetch_one(&mut *connection)
+        .await?;
+    let resumer_lag_ms: i64 = sqlx::query_scalar(statements::RESUMER_LAG)
+        .fetch_one(connection)
+        .await?;
+    Ok(TableStats {
+        counts,
+        oldest_started_seconds,
+        resumer_lag_ms,
+    })
 }

@@ -219,3 +219,23 @@ pub const STUCK_KEYS: &str = concat!(
     now_ms!(),
     " OR attempts >= ?1) ORDER BY locked_until, tenant, key LIMIT ?2"
 );
+
+/// Keys by workflow and state, for operators.
+pub const COUNTS: &str = "SELECT workflow, state, count(*) FROM idempotency_keys \
+     GROUP BY workflow, state ORDER BY workflow, state";
+
+/// Age in whole seconds of the oldest started key (`NULL`: none).
+pub const OLDEST_STARTED: &str = concat!(
+    "SELECT (",
+    now_ms!(),
+    " - min(created_at)) / 1000 FROM idempotency_keys WHERE state = 'started'"
+);
+
+/// Milliseconds since the oldest ended lease of a started key ended (0: none is due).
+pub const RESUMER_LAG: &str = concat!(
+    "SELECT coalesce(",
+    now_ms!(),
+    " - min(locked_until), 0) FROM idempotency_keys \
+     WHERE state = 'started' AND locked_until <= ",
+    now_ms!()
+);

@@ -125,6 +125,17 @@ pub struct KeyReport {
     pub age_seconds: i64,
 }
 
+/// Counts by state and workflow, the oldest started key and the resumer lag.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TableStats {
+    /// (workflow, state, count), ordered.
+    pub counts: Vec<(String, String, i64)>,
+    /// Age in seconds of the oldest started key.
+    pub oldest_started_seconds: Option<i64>,
+    /// Milliseconds since the oldest expired lease of a started key ended.
+    pub resumer_lag_ms: i64,
+}
+
 /// The protocol's operations on one engine's database.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
