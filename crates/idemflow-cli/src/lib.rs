@@ -320,7 +320,15 @@ async fn migrate_answer(pool: &PgPool) -> Result<Answer, CliError> {
     idemflow_pg::migrate(pool)
         .await
         .map_err(|error| CliError::Database(format!("migration failed: {error}")))?;
-    let migrations: Vec<MigrationReport> = idemflow_pg::MIGRATOR
+    Ok(migrated(
+        "schema up to date; migrations applied:\n".to_owned(),
+        &idemflow_pg::MIGRATOR,
+    ))
+}
+
+/// `migrate`'s answer once `migrator` ran, whatever the engine: `human` heads the list.
+fn migrated(mut human: String, migrator: &sqlx::migrate::Migrator) -> Answer {
+    let migrations: Vec<MigrationReport> = migrator
         .iter()
         .filter(|migration| migration.migration_type.is_up_migration())
         .map(|migration| MigrationReport {
@@ -328,18 +336,17 @@ async fn migrate_answer(pool: &PgPool) -> Result<Answer, CliError> {
             description: migration.description.to_string(),
         })
         .collect();
-    let mut human = String::from("schema up to date; migrations applied:\n");
     for migration in &migrations {
         human.push_str(&format!(
             "  {}  {}\n",
             migration.version, migration.description
         ));
     }
-    Ok(Answer::new(
+    Answer::new(
         exit::OK,
         human,
         &serde_json::json!({ "migrations": migrations }),
-    ))
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -700,6 +707,11 @@ async fn expire_answer(
     batch_size: i64,
 ) -> Result<Answer, CliError> {
     let deleted = idemflow_runner::expire(pool, older_than, batch_size).await?;
+    Ok(expired(deleted, older_than, batch_size))
+}
+
+/// `expire`'s answer, whatever the engine.
+fn expired(deleted: u64, older_than: Duration, batch_size: i64) -> Answer {
     let noun = if deleted == 1 { "key" } else { "keys" };
     let human = format!(
         "deleted {deleted} {noun} finished more than {} ago\n",
@@ -710,7 +722,7 @@ async fn expire_answer(
         older_than_seconds: older_than.as_secs(),
         batch_size,
     };
-    Ok(Answer::new(exit::OK, human, &report))
+    Answer::new(exit::OK, human, &report)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,12 +10,11 @@ use std::time::Duration;
 use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteConnectOptions;
 
-use crate::duration::human;
 use idemflow_pg::KeyReport;
 
 use crate::{
-    Answer, CliError, ExpireReport, Format, Keys, MigrationReport, Output, emit, end_lease_answer,
-    exit, inspect_answer, list_stuck_answer, stats_of,
+    Answer, CliError, Format, Keys, Output, emit, end_lease_answer, expired, inspect_answer,
+    list_stuck_answer, migrated, stats_of,
 };
 
 /// Whether `url` names a SQLite database.
@@ -53,28 +52,12 @@ pub async fn migrate(url: &str, format: Format) -> Output {
 async fn migrate_answer(url: &str) -> Result<Answer, CliError> {
     let pool = open(url, true).await?;
     pool.close().await;
-    let migrations: Vec<MigrationReport> = idemflow_sqlite::MIGRATOR
-        .iter()
-        .filter(|migration| migration.migration_type.is_up_migration())
-        .map(|migration| MigrationReport {
-            version: migration.version,
-            description: migration.description.to_string(),
-        })
-        .collect();
-    let mut human = format!(
-        "schema up to date ({}); migrations applied:\n",
-        file_of(url)?.display()
-    );
-    for migration in &migrations {
-        human.push_str(&format!(
-            "  {}  {}\n",
-            migration.version, migration.description
-        ));
-    }
-    Ok(Answer::new(
-        exit::OK,
-        human,
-        &serde_json::json!({ "migrations": migrations }),
+    Ok(migrated(
+        format!(
+            "schema up to date ({}); migrations applied:\n",
+            file_of(url)?.display()
+        ),
+        &idemflow_sqlite::MIGRATOR,
     ))
 }
 
@@ -107,17 +90,7 @@ async fn expire_answer(
         }
     }
     pool.close().await;
-    let noun = if deleted == 1 { "key" } else { "keys" };
-    let human = format!(
-        "deleted {deleted} {noun} finished more than {} ago\n",
-        human(older_than.as_secs())
-    );
-    let report = ExpireReport {
-        deleted,
-        older_than_seconds: older_than.as_secs(),
-        batch_size,
-    };
-    Ok(Answer::new(exit::OK, human, &report))
+    Ok(expired(deleted, older_than, batch_size))
 }
 
 fn database(error: sqlx::Error) -> CliError {

@@ -31,25 +31,8 @@ pub enum LookUp {
     },
 }
 
-/// A key as the look-up sees it: what deciding a request needs, no more.
-#[derive(Debug, Clone)]
-pub struct FoundKey {
-    /// The fingerprint of the request that claimed the key.
-    pub fingerprint: Fingerprint,
-    /// The name of the workflow that claimed the key.
-    pub workflow: String,
-    /// Whether the key is finished (its response stored); otherwise it is started.
-    pub done: bool,
-    /// Time left on the lease by the database clock; zero when expired (or done).
-    pub lease_left: Duration,
-    /// The current fencing token: a takeover of an expired lease must name it.
-    pub lock_version: i64,
-    /// Present when `done`; its body is empty when it is stored apart (`body_apart`).
-    pub response: Option<StoredResponse>,
-    /// The key's life (its creation time, in microseconds since the Unix epoch) when its
-    /// response's body is stored apart: read it with [`response_apart`].
-    pub body_apart: Option<i64>,
-}
+/// A key as the look-up sees it: the store boundary's, shared by every engine.
+pub use idemflow_store::FoundKey;
 
 /// The first statement of every request: reads the key outside any transaction, in one round
 /// trip. A retry of a finished key, a concurrent duplicate and a reused key all get their answer

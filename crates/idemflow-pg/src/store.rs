@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
-use idemflow_store::{Claim, Failure, FoundKey, LookUp, Store, TakenOver};
+use idemflow_store::{Claim, Failure, LookUp, Store, TakenOver};
 use serde_json::Value;
 use sqlx::{PgConnection, PgPool};
 
@@ -58,15 +58,7 @@ impl Store for PgStore {
     ) -> Result<LookUp<i64>, StoreError> {
         let mut connection = pool.acquire().await?;
         Ok(match crate::look_up(&mut connection, tenant, key).await? {
-            crate::LookUp::Found(found) => LookUp::Found(FoundKey {
-                fingerprint: found.fingerprint,
-                workflow: found.workflow,
-                done: found.done,
-                lease_left: found.lease_left,
-                lock_version: found.lock_version,
-                response: found.response,
-                body_apart: found.body_apart,
-            }),
+            crate::LookUp::Found(found) => LookUp::Found(found),
             crate::LookUp::Claiming => LookUp::Claiming,
             crate::LookUp::Absent { lock_version } => LookUp::Absent(lock_version),
         })

@@ -21,25 +21,8 @@ pub enum LookUp {
     Absent,
 }
 
-/// A key as the look-up sees it: what deciding a request needs.
-#[derive(Debug, Clone)]
-pub struct FoundKey {
-    /// The fingerprint of the request that claimed the key.
-    pub fingerprint: Fingerprint,
-    /// The name of the workflow that claimed the key.
-    pub workflow: String,
-    /// Whether the key is finished (its response stored); otherwise it is started.
-    pub done: bool,
-    /// Time left on the lease; zero when over (or done).
-    pub lease_left: Duration,
-    /// The current fencing token.
-    pub lock_version: i64,
-    /// Present when `done`; its body is empty when it is stored apart (`body_apart`).
-    pub response: Option<StoredResponse>,
-    /// The key's life (its claim's token) when its body is stored apart: read it with
-    /// [`response_apart`].
-    pub body_apart: Option<i64>,
-}
+/// A key as the look-up sees it: the store boundary's, shared by every engine.
+pub use idemflow_store::FoundKey;
 
 /// Reads the key outside any transaction (a WAL snapshot: it never waits for a writer).
 pub async fn look_up(

@@ -54,7 +54,9 @@ pub struct FoundKey {
     pub lock_version: i64,
     /// The stored response when done; its body is empty when stored apart.
     pub response: Option<StoredResponse>,
-    /// The key's life, when its body is stored apart: read it with [`Store::response_apart`].
+    /// The key's life, when its body is stored apart: read it with [`Store::response_apart`]. Each
+    /// engine names a life its own way (PostgreSQL: the key's creation time in microseconds since
+    /// the Unix epoch; SQLite: its claim's token); only its own store reads it back.
     pub body_apart: Option<i64>,
 }
 
