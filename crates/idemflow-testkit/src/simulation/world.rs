@@ -130,6 +130,9 @@ pub(crate) struct Log {
     pub replayed: Vec<(String, u32, StoredResponse)>,
     /// Keys whose last answer was `Forgotten` (deleted by the forget policy), with that life.
     pub forgotten: HashMap<String, u32>,
+    /// Keys retention deleted once their window was over: a request of the same life still in
+    /// flight then runs it again, rightly (after its window a key is new).
+    pub expired: HashSet<String>,
     /// Actors told they were fenced.
     pub fenced: Vec<(ActorId, String)>,
     /// The highest attempt each key's phases started at (the engine's count at the phase's
@@ -1346,6 +1349,7 @@ impl World {
             let done = seen.row.as_ref().is_some_and(|row| row.state == "done");
             if done && !present.contains(&key_name(index)) {
                 seen.retired = true;
+                self.shared.log().expired.insert(key_name(index));
             }
         }
     }
