@@ -73,6 +73,9 @@ pub async fn begin_claim(
         .bind(token)
         .execute(transaction.connection())
         .await?;
+    sqlx::query(statements::CLAIMED_SAVEPOINT)
+        .execute(transaction.connection())
+        .await?;
     Ok(Claimed::Owned(
         transaction,
         Owner::new(claim.tenant.clone(), claim.key.clone(), token),

@@ -113,8 +113,19 @@ pub async fn postpone(
     last_error: &str,
 ) -> Result<PoolConnection<Sqlite>, StoreError> {
     let mut transaction = Transaction::begin(connection).await?;
+    postpone_in(transaction.connection(), owner, retry_after, last_error).await?;
+    transaction.commit().await
+}
+
+/// Postpones a key as [`postpone`] does, inside the caller's write transaction.
+pub async fn postpone_in(
+    connection: &mut SqliteConnection,
+    owner: &Owner,
+    retry_after: Duration,
+    last_error: &str,
+) -> Result<(), StoreError> {
     let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
-        .fetch_one(transaction.connection())
+        .fetch_one(&mut *connection)
         .await?;
     let updated = sqlx::query(statements::POSTPONE)
         .bind(owner.tenant().as_str())
@@ -123,11 +134,10 @@ pub async fn postpone(
         .bind(token)
         .bind(millis(retry_after))
         .bind(last_error)
-        .execute(transaction.connection())
+        .execute(connection)
         .await?
         .rows_affected();
-    fenced(updated)?;
-    transaction.commit().await
+    fenced(updated)
 }
 
 /// Deletes a started key its owner holds, so the client may send the key again as a new request

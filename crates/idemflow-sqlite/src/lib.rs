@@ -24,13 +24,17 @@ mod transaction;
 pub use claim::{ClaimRequest, Claimed, begin_claim};
 pub use connect::{OpenOptions, open, open_file};
 pub use error::StoreError;
-pub use fenced_writes::{advance, delete_owned, end_lease, finish, postpone, renew_lease};
+pub use fenced_writes::{
+    advance, delete_owned, end_lease, finish, postpone, postpone_in, renew_lease,
+};
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
 pub use owner::Owner;
 pub use report::{key_report, stuck_keys, table_stats};
 pub use retention::expire_batch;
 pub use store::SqliteStore;
-pub use take_over::{DueKey, TakenOver, due, take_over, take_over_due};
+pub use take_over::{
+    DueKey, TakenOver, count_due_unknown, due, resumer_lag, take_over, take_over_due, take_over_in,
+};
 pub use transaction::Transaction;
 
 /// The SQLite engine's migrations (`migrations/sqlite/`).

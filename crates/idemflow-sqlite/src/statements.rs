@@ -239,3 +239,17 @@ pub const RESUMER_LAG: &str = concat!(
      WHERE state = 'started' AND locked_until <= ",
     now_ms!()
 );
+
+/// Ends a claim's statements: a savepoint the failure record rolls back to, undoing the first
+/// attempt's effects while keeping its uncommitted claim.
+pub const CLAIMED_SAVEPOINT: &str = "SAVEPOINT idemflow_claimed";
+
+/// Undoes everything since [`CLAIMED_SAVEPOINT`], keeping the claim (and the savepoint).
+pub const BACK_TO_CLAIM: &str = "ROLLBACK TO idemflow_claimed";
+
+/// Started keys due now whose workflow is not in the JSON array `?1`, counted by workflow.
+pub const COUNT_DUE_UNKNOWN: &str = concat!(
+    "SELECT workflow, count(*) FROM idempotency_keys WHERE state = 'started' AND locked_until <= ",
+    now_ms!(),
+    " AND workflow NOT IN (SELECT value FROM json_each(?1)) GROUP BY workflow ORDER BY workflow"
+);

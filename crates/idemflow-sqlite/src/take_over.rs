@@ -31,6 +31,9 @@ pub struct TakenOver {
     pub attempts: i64,
     /// The error the previous attempt recorded, if it recorded one.
     pub last_error: Option<String>,
+    /// When the statement that wrote the new lease was sent, by this process's monotonic clock:
+    /// the lease lasts at least until this instant plus its length, whatever the clocks say.
+    pub lease_from: std::time::Instant,
 }
 
 /// Takes `key` over from the owner holding `seen` (its lease over), with a fresh token and a
@@ -47,13 +50,16 @@ pub async fn take_over(
     Ok((taken, transaction.commit().await?))
 }
 
-async fn take_over_in(
+/// Takes `key` over as [`take_over`] does, inside the caller's write transaction (a client
+/// retry's takeover commits with its first phase).
+pub async fn take_over_in(
     connection: &mut SqliteConnection,
     tenant: &TenantId,
     key: &Key,
     seen: i64,
     lease: Duration,
 ) -> Result<Option<TakenOver>, StoreError> {
+    let lease_from = std::time::Instant::now();
     let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
         .fetch_one(&mut *connection)
         .await?;
@@ -82,6 +88,7 @@ async fn take_over_in(
         request: json(request)?.unwrap_or(Value::Null),
         attempts: row.try_get("attempts")?,
         last_error: row.try_get("last_error")?,
+        lease_from,
     }))
 }
 
@@ -153,4 +160,26 @@ pub async fn take_over_due(
         }
     }
     Ok((taken, transaction.commit().await?))
+}
+
+/// Started keys due now of workflows not in `workflows`, counted by workflow: keys no resumer
+/// that knows only these can finish.
+pub async fn count_due_unknown(
+    connection: &mut SqliteConnection,
+    workflows: &[String],
+) -> Result<Vec<(String, i64)>, StoreError> {
+    let names = serde_json::to_string(workflows)
+        .map_err(|error| StoreError::Corrupt(format!("workflow names: {error}")))?;
+    Ok(sqlx::query_as(statements::COUNT_DUE_UNKNOWN)
+        .bind(names)
+        .fetch_all(connection)
+        .await?)
+}
+
+/// How long the oldest lapsed lease of a started key has been over: how far behind resumers are.
+pub async fn resumer_lag(connection: &mut SqliteConnection) -> Result<Duration, StoreError> {
+    let lag_ms: i64 = sqlx::query_scalar(statements::RESUMER_LAG)
+        .fetch_one(connection)
+        .await?;
+    Ok(Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0)))
 }

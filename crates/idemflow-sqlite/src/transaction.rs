@@ -10,7 +10,9 @@
 //! handed back to the pool inside the transaction: the next user would otherwise run inside it.
 
 use sqlx::pool::PoolConnection;
-use sqlx::{Sqlite, SqliteConnection};
+use sqlx::sqlite::SqliteTransactionManager;
+use sqlx::{AssertSqlSafe, SqlSafeStr, Sqlite, SqliteConnection};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::error::StoreError;
 
@@ -29,9 +31,10 @@ impl Transaction {
         let mut transaction = Self {
             connection: Some(connection),
         };
-        sqlx::query("BEGIN IMMEDIATE")
-            .execute(transaction.connection())
-            .await?;
+        // Through sqlx's transaction manager, so it counts the transaction: a phase's own
+        // `begin()` inside it becomes a savepoint, as on PostgreSQL.
+        let statement = AssertSqlSafe("BEGIN IMMEDIATE").into_sql_str();
+        SqliteTransactionManager::begin(transaction.connection(), Some(statement)).await?;
         Ok(transaction)
     }
 
@@ -43,21 +46,39 @@ impl Transaction {
     }
 
     /// Commits, and hands the connection back.
-    pub async fn commit(self) -> Result<PoolConnection<Sqlite>, StoreError> {
-        self.end("COMMIT").await
+    pub async fn commit(mut self) -> Result<PoolConnection<Sqlite>, StoreError> {
+        SqliteTransactionManager::commit(self.connection()).await?;
+        Ok(self.release())
     }
 
     /// Rolls back, and hands the connection back.
-    pub async fn rollback(self) -> Result<PoolConnection<Sqlite>, StoreError> {
-        self.end("ROLLBACK").await
+    pub async fn rollback(mut self) -> Result<PoolConnection<Sqlite>, StoreError> {
+        SqliteTransactionManager::rollback(self.connection()).await?;
+        Ok(self.release())
     }
 
-    async fn end(mut self, statement: &'static str) -> Result<PoolConnection<Sqlite>, StoreError> {
-        sqlx::query(statement).execute(self.connection()).await?;
-        Ok(self
-            .connection
+    /// Gives the connection up rather than back: it closes instead of returning to the pool, and
+    /// SQLite rolls back as it closes. For a transaction abandoned while a statement may still be
+    /// running on it (a phase past its time limit).
+    pub fn abandon(self) {
+        // Dropping unfinished closes the connection.
+        drop(self);
+    }
+
+    /// Rolls back to the savepoint a claim ends with ([`crate::statements::CLAIMED_SAVEPOINT`]):
+    /// every effect since the claim is undone and the claim is kept, still uncommitted, so a
+    /// failed first attempt is recorded under it.
+    pub async fn back_to_claim(&mut self) -> Result<(), StoreError> {
+        sqlx::query(crate::statements::BACK_TO_CLAIM)
+            .execute(self.connection())
+            .await?;
+        Ok(())
+    }
+
+    fn release(&mut self) -> PoolConnection<Sqlite> {
+        self.connection
             .take()
-            .unwrap_or_else(|| unreachable!("a transaction ends once")))
+            .unwrap_or_else(|| unreachable!("a transaction ends once"))
     }
 }
 
