@@ -12,6 +12,7 @@ mod clock_skew;
 mod conformance;
 mod consumer;
 mod crash_processes;
+mod engines;
 mod explore_checkout;
 mod failover;
 mod failures;

@@ -16,7 +16,7 @@ use axum::body::Body;
 use axum::extract::{MatchedPath, OriginalUri};
 use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use idemflow_runner::{BuildError, Outcome, Rejection, Runner, Workflow};
+use idemflow_runner::{BuildError, Engine, Outcome, PgStore, Rejection, Runner, Workflow};
 use tower::{Layer, Service, ServiceExt};
 
 use crate::config::{HttpConfig, Redaction, StatusRules};
@@ -53,9 +53,11 @@ use crate::tenant::TenantResolver;
 /// # Ok(())
 /// # }
 /// ```
+///
+/// On SQLite, pass a runner on a `SqlitePool`: the layer is `IdempotencyLayer<SqliteStore>`.
 #[derive(Clone)]
-pub struct IdempotencyLayer {
-    runner: Runner,
+pub struct IdempotencyLayer<E: Engine = PgStore> {
+    runner: Runner<E>,
     name: String,
     resolver: Arc<dyn TenantResolver>,
     config: Arc<HttpConfig>,
@@ -63,7 +65,7 @@ pub struct IdempotencyLayer {
     lease: Duration,
 }
 
-impl std::fmt::Debug for IdempotencyLayer {
+impl<E: Engine> std::fmt::Debug for IdempotencyLayer<E> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("IdempotencyLayer")
@@ -87,17 +89,17 @@ pub enum LayerError {
 
 /// Builds an [`IdempotencyLayer`]; its settings are checked by [`IdempotencyLayerBuilder::build`].
 #[derive(Debug)]
-pub struct IdempotencyLayerBuilder {
-    layer: IdempotencyLayer,
+pub struct IdempotencyLayerBuilder<E: Engine = PgStore> {
+    layer: IdempotencyLayer<E>,
     redaction: Redaction,
     statuses: StatusRules,
 }
 
-impl IdempotencyLayer {
+impl<E: Engine> IdempotencyLayer<E> {
     /// A layer with the default settings: POST and PATCH covered, 1 MiB bodies, 4 MiB
     /// responses, a 30 s handler timeout under a 60 s lease.
     pub fn new(
-        runner: Runner,
+        runner: Runner<E>,
         name: impl Into<String>,
         resolver: impl TenantResolver,
     ) -> Result<Self, LayerError> {
@@ -120,10 +122,10 @@ impl IdempotencyLayer {
     /// # }
     /// ```
     pub fn builder(
-        runner: Runner,
+        runner: Runner<E>,
         name: impl Into<String>,
         resolver: impl TenantResolver,
-    ) -> IdempotencyLayerBuilder {
+    ) -> IdempotencyLayerBuilder<E> {
         IdempotencyLayerBuilder {
             layer: Self {
                 runner,
@@ -143,7 +145,7 @@ impl IdempotencyLayer {
         }
     }
 
-    fn workflow<S>(&self, inner: S) -> Result<Workflow, BuildError>
+    fn workflow<S>(&self, inner: S) -> Result<Workflow<E>, BuildError>
     where
         S: Service<Request<Body>, Response = Response, Error = Infallible>
             + Clone
@@ -156,7 +158,7 @@ impl IdempotencyLayer {
             inner,
             settings: self.settings.clone(),
         };
-        Workflow::builder::<Unread>(self.name.clone())
+        Workflow::<E>::builder_on::<Unread>(self.name.clone())
             .foreign(handler)
             .lease(self.lease)
             .live_only()
@@ -164,7 +166,7 @@ impl IdempotencyLayer {
     }
 }
 
-impl IdempotencyLayerBuilder {
+impl<E: Engine> IdempotencyLayerBuilder<E> {
     /// What a covered request must be (methods, body size, whether the key is required).
     pub fn http(mut self, config: HttpConfig) -> Self {
         self.layer.config = Arc::new(config);
@@ -204,7 +206,7 @@ impl IdempotencyLayerBuilder {
 
     /// Checks the settings: the name is a valid workflow name, the handler timeout is shorter
     /// than the lease, the response limit is not zero.
-    pub fn build(self) -> Result<IdempotencyLayer, LayerError> {
+    pub fn build(self) -> Result<IdempotencyLayer<E>, LayerError> {
         let Self {
             mut layer,
             redaction,
@@ -238,7 +240,7 @@ impl Service<Request<Body>> for Unreachable {
     }
 }
 
-impl<S> Layer<S> for IdempotencyLayer
+impl<S, E: Engine> Layer<S> for IdempotencyLayer<E>
 where
     S: Service<Request<Body>, Response = Response, Error = Infallible>
         + Clone
@@ -247,7 +249,7 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
-    type Service = IdempotencyService<S>;
+    type Service = IdempotencyService<S, E>;
 
     fn layer(&self, inner: S) -> Self::Service {
         let workflow = self.workflow(inner.clone()).unwrap_or_else(|error| {
@@ -267,16 +269,16 @@ where
 
 /// See [`IdempotencyLayer`].
 #[derive(Clone)]
-pub struct IdempotencyService<S> {
+pub struct IdempotencyService<S, E: Engine = PgStore> {
     inner: S,
-    runner: Runner,
-    workflow: Arc<Workflow>,
+    runner: Runner<E>,
+    workflow: Arc<Workflow<E>>,
     resolver: Arc<dyn TenantResolver>,
     config: Arc<HttpConfig>,
     redaction: Arc<Redaction>,
 }
 
-impl<S> std::fmt::Debug for IdempotencyService<S> {
+impl<S, E: Engine> std::fmt::Debug for IdempotencyService<S, E> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("IdempotencyService")
@@ -285,7 +287,7 @@ impl<S> std::fmt::Debug for IdempotencyService<S> {
     }
 }
 
-impl<S> Service<Request<Body>> for IdempotencyService<S>
+impl<S, E: Engine> Service<Request<Body>> for IdempotencyService<S, E>
 where
     S: Service<Request<Body>, Response = Response, Error = Infallible>
         + Clone
@@ -308,7 +310,7 @@ where
     }
 }
 
-impl<S> IdempotencyService<S>
+impl<S, E: Engine> IdempotencyService<S, E>
 where
     S: Service<Request<Body>, Response = Response, Error = Infallible>
         + Clone

@@ -182,6 +182,18 @@ pub fn respond(result: Result<Outcome, RunError>) -> Response {
             )
             .into_response()
         }
+        Err(RunError::Busy) => {
+            // SQLite's one writer was held past the busy timeout: nothing of this request was
+            // written, so the same key may come again at once. Not an error of the service.
+            tracing::warn!("the database was busy; answered 503");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_busy",
+                "the database is busy; retry with the same idempotency key shortly",
+            )
+            .retry_after(BUSY_RETRY_AFTER)
+            .into_response()
+        }
         Err(RunError::Sealing(error)) => {
             // A stored value did not open (a key id removed from the keyring, a ciphertext moved
             // between rows): a retry cannot help until an operator does.
@@ -206,6 +218,9 @@ pub fn respond(result: Result<Outcome, RunError>) -> Response {
         }
     }
 }
+
+/// Retry-After for a busy database: its writer's transactions last milliseconds.
+const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 fn rejected(rejection: &Rejection) -> Problem {
     match rejection {
@@ -260,5 +275,19 @@ mod tests {
         assert_eq!(seconds(Duration::ZERO), 1);
         assert_eq!(seconds(Duration::from_millis(2001)), 3);
         assert_eq!(seconds(Duration::from_secs(2)), 2);
+    }
+
+    /// A busy database (SQLite's writer held past the busy timeout) wrote nothing: the client is
+    /// told to come back with the same key, never a 500.
+    #[tokio::test]
+    async fn a_busy_database_is_answered_503_with_retry_after() {
+        let response = respond(Err(RunError::Busy));
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[axum::http::header::RETRY_AFTER], "1");
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .expect("a problem body");
+        let problem: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(problem["code"], "database_busy", "{problem}");
     }
 }

@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use idemflow_runner::{Request as RunRequest, Runner, Workflow};
+use idemflow_runner::{Engine, PgStore, Request as RunRequest, Runner, Workflow};
 
 use crate::config::HttpConfig;
 use crate::prepare::{Prepared, Refusal, prepare, target};
@@ -31,14 +31,14 @@ use crate::tenant::TenantResolver;
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct WorkflowService {
-    runner: Runner,
-    workflow: Arc<Workflow>,
+pub struct WorkflowService<E: Engine = PgStore> {
+    runner: Runner<E>,
+    workflow: Arc<Workflow<E>>,
     resolver: Arc<dyn TenantResolver>,
     config: Arc<HttpConfig>,
 }
 
-impl std::fmt::Debug for WorkflowService {
+impl<E: Engine> std::fmt::Debug for WorkflowService<E> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("WorkflowService")
@@ -47,11 +47,11 @@ impl std::fmt::Debug for WorkflowService {
     }
 }
 
-impl WorkflowService {
+impl<E: Engine> WorkflowService<E> {
     /// A service with [`HttpConfig::for_workflow`]: POST only, 1 MiB bodies, key required.
     pub fn new(
-        runner: Runner,
-        workflow: impl Into<Arc<Workflow>>,
+        runner: Runner<E>,
+        workflow: impl Into<Arc<Workflow<E>>>,
         resolver: impl TenantResolver,
     ) -> Self {
         Self::with_config(runner, workflow, resolver, HttpConfig::for_workflow())
@@ -61,8 +61,8 @@ impl WorkflowService {
     /// the body limit. The key is required whatever `require_key` says: a workflow's run is
     /// its key's.
     pub fn with_config(
-        runner: Runner,
-        workflow: impl Into<Arc<Workflow>>,
+        runner: Runner<E>,
+        workflow: impl Into<Arc<Workflow<E>>>,
         resolver: impl TenantResolver,
         config: HttpConfig,
     ) -> Self {
@@ -145,7 +145,7 @@ impl WorkflowService {
     }
 }
 
-impl tower::Service<Request<Body>> for WorkflowService {
+impl<E: Engine> tower::Service<Request<Body>> for WorkflowService<E> {
     type Response = Response;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;

@@ -5,6 +5,7 @@
 use idemflow_core::{Fingerprint, Key, canonicalize_request};
 use serde_json::Value;
 
+use crate::engine::Engine;
 use crate::erased::Carry;
 use crate::outcome::Rejection;
 use crate::runner::Request;
@@ -50,8 +51,8 @@ pub(crate) fn accept(
 /// Decodes the request into the workflow's type and runs its check: only for a key about to be
 /// claimed. A retry of a finished key is answered from the look-up without it: the same
 /// fingerprint passed this check when the key was claimed.
-pub(crate) fn decode_and_validate(
-    workflow: &Workflow,
+pub(crate) fn decode_and_validate<E: Engine>(
+    workflow: &Workflow<E>,
     request: &Value,
 ) -> Result<Carry, Rejection> {
     let input = workflow

@@ -2,7 +2,7 @@
 //!
 //! One round trip answers a retry, a 409 or a 422 (the look-up, outside any transaction). A new
 //! key costs one more before the first phase runs: `BEGIN` and the claim travel in one message
-//! ([`store::begin_claim`]), on the connection the look-up used. Between the look-up and the
+//! ([`crate::Engine::begin_claim`]; on PostgreSQL one message), on the connection the look-up used. Between the look-up and the
 //! claim (or takeover) the key may change hands; the cycle then looks again, a few times, and
 //! otherwise tells the client to come back shortly. Every way into a drive starts here or at
 //! [`Runner::resume`].
@@ -10,14 +10,14 @@
 use std::time::{Duration, Instant};
 
 use idemflow_core::{Decision, KeyState, StoredKey, StoredResponse, TenantId, decide};
-use idemflow_pg::{self as store, ClaimRequest, Claimed, FoundKey, LookUp, StoreError};
-use sqlx::Postgres;
+use idemflow_store::{Claim as ClaimRequest, FoundKey, LookUp};
 use sqlx::pool::PoolConnection;
 
 use crate::admission::{Accepted, decode_and_validate};
 use crate::crash::CrashPoint;
 use crate::deadline::Within;
-use crate::drive::{Hold, Start, Tx};
+use crate::drive::{Hold, Start};
+use crate::engine::{Claimed, Engine, EngineError, KeyOwner};
 use crate::erased::Carry;
 use crate::error::RunError;
 use crate::live_connection::is_connection_lost;
@@ -34,35 +34,35 @@ const CLAIM_ROUNDS: usize = 3;
 /// yet, and the claim's first transaction is usually over in milliseconds.
 const CLAIMING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-type Connection = PoolConnection<Postgres>;
+type Connection<E> = PoolConnection<<E as Engine>::Database>;
 
 /// What a claim of an absent key came to.
-enum Claim {
+enum Claim<E: Engine> {
     /// Owned, in an open transaction: drive it.
-    Owned(Box<Start>),
+    Owned(Box<Start<E>>),
     /// A claim committed between the look-up and ours: look again, with what was decoded.
     Lost {
-        connection: Connection,
+        connection: Connection<E>,
         accepted: Accepted,
         input: Carry,
     },
 }
 
-impl Runner {
+impl<E: Engine> Runner<E> {
     /// Looks the key up, then claims it, answers from its row, or takes it over.
     pub(crate) async fn claim_or_decide(
         &self,
-        workflow: &Workflow,
+        workflow: &Workflow<E>,
         tenant: &TenantId,
         mut accepted: Accepted,
     ) -> Result<Outcome, RunError> {
         // Decoded once, and only for a key about to be claimed.
         let mut decoded: Option<Carry> = None;
-        let mut kept: Option<Connection> = None;
+        let mut kept: Option<Connection<E>> = None;
         for _ in 0..CLAIM_ROUNDS {
             let (connection, looked) = match kept.take() {
                 Some(mut connection) => {
-                    let looked = store::look_up(&mut connection, tenant, &accepted.key)
+                    let looked = E::look_up(&mut connection, tenant, &accepted.key)
                         .within(self.config.database_timeout)
                         .await??;
                     (connection, looked)
@@ -79,7 +79,7 @@ impl Runner {
                     self.warm.keep(connection);
                     return Ok(being_claimed());
                 }
-                LookUp::Absent { lock_version } => {
+                LookUp::Absent(ticket) => {
                     let input = match decoded.take() {
                         Some(input) => input,
                         None => match decode_and_validate(workflow, &accepted.request) {
@@ -93,13 +93,7 @@ impl Runner {
                     let keyring = self.config.keyring.as_ref();
                     // Boxed, as the drive: only a new key pays for the claim's state.
                     let claim = Box::pin(claim(
-                        connection,
-                        workflow,
-                        tenant,
-                        accepted,
-                        lock_version,
-                        input,
-                        keyring,
+                        connection, workflow, tenant, accepted, ticket, input, keyring,
                     ))
                     // The claim may wait behind a concurrent claim of this key, for as long
                     // as that one's local phases may run (the server ends it there).
@@ -128,7 +122,7 @@ impl Runner {
                 self.crash_points
                     .check(|| CrashPoint::BeforeReplayBody, tenant, &accepted.key)
                     .await?;
-                let body = store::response_apart(&mut connection, tenant, &accepted.key, life)
+                let body = E::response_apart(&mut connection, tenant, &accepted.key, life)
                     .within(self.config.database_timeout)
                     .await??;
                 let Some(body) = body else {
@@ -166,7 +160,7 @@ impl Runner {
     }
 }
 
-impl Runner {
+impl<E: Engine> Runner<E> {
     /// The look-up, on a connection from the pool. A pooled connection the database dropped
     /// while it sat idle (a restart, a pooler recycling it, a killed backend) fails its first
     /// statement, and the pool only learns of it then: such a connection is discarded and the
@@ -178,20 +172,20 @@ impl Runner {
         &self,
         tenant: &TenantId,
         accepted: &Accepted,
-    ) -> Result<(Connection, LookUp), RunError> {
+    ) -> Result<(Connection<E>, LookUp<E::Ticket>), RunError> {
         let wait = self.config.database_timeout;
         let mut tries = self.pool.size() as usize + 1;
         loop {
             // Boxed: sqlx's acquire future is kilobytes (it may open a connection), and inline it
             // would be copied with every request's future.
             let mut connection = Box::pin(self.warm.acquire()).within(wait).await??;
-            let looked = store::look_up(&mut connection, tenant, &accepted.key)
+            let looked = E::look_up(&mut connection, tenant, &accepted.key)
                 .within(wait)
                 .await
                 .inspect_err(|_| connection.close_on_drop())?;
             match looked {
                 Ok(looked) => return Ok((connection, looked)),
-                Err(StoreError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
+                Err(EngineError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
                     tries -= 1;
                     tracing::info!(%error, "a pooled connection was lost; looking up on another");
                     // Closed rather than handed back: the pool would ping it, fail, and close it
@@ -206,15 +200,15 @@ impl Runner {
 
 /// Claims an absent key: `BEGIN` and the claim in one message, on the look-up's connection.
 /// The request is stored redacted by the workflow and sealed by the keyring.
-async fn claim(
-    connection: Connection,
-    workflow: &Workflow,
+async fn claim<E: Engine>(
+    connection: Connection<E>,
+    workflow: &Workflow<E>,
     tenant: &TenantId,
     accepted: Accepted,
-    lock_version: i64,
+    ticket: E::Ticket,
     input: Carry,
     keyring: Option<&Keyring>,
-) -> Result<Claim, RunError> {
+) -> Result<Claim<E>, RunError> {
     let redacted = workflow
         .redacted_request(&accepted.request)
         .transpose()
@@ -231,14 +225,13 @@ async fn claim(
     let claim = ClaimRequest {
         tenant,
         key: &accepted.key,
-        lock_version,
         fingerprint: &accepted.fingerprint,
         workflow: workflow.name(),
         request: &stored,
         lease: workflow.lease(),
     };
     let claimed_at = Instant::now();
-    match store::begin_claim(connection, &claim, workflow.limits()).await? {
+    match E::begin_claim(connection, claim, ticket, workflow.limits()).await? {
         Claimed::Owned(tx, owner) => {
             tracing::Span::current().record("lock_version", owner.lock_version());
             metrics::count(metrics::CLAIMS, workflow.name());
@@ -263,22 +256,22 @@ async fn claim(
 
 /// Takes over a started key whose lease expired, in a transaction that commits with the
 /// request's first one. `None` when the key changed since the look-up saw token `seen`.
-async fn take_over(
-    connection: Connection,
-    workflow: &Workflow,
+async fn take_over<E: Engine>(
+    connection: Connection<E>,
+    workflow: &Workflow<E>,
     tenant: &TenantId,
     accepted: &Accepted,
     seen: i64,
     wait: Duration,
-) -> Result<Option<Start>, RunError> {
-    let mut tx = Tx::begin_limited(connection, workflow.limits())
+) -> Result<Option<Start<E>>, RunError> {
+    let mut tx = E::begin(connection, workflow.limits())
         .within(wait)
         .await??;
-    let taken = store::take_over(&mut tx, tenant, &accepted.key, seen, workflow.lease())
+    let taken = E::take_over(&mut tx, tenant, &accepted.key, seen, workflow.lease())
         .within(wait)
         .await??;
     let Some(taken) = taken else {
-        tx.rollback().within(wait).await??;
+        E::rollback(tx).within(wait).await??;
         return Ok(None);
     };
     tracing::Span::current().record("lock_version", taken.owner.lock_version());
@@ -294,7 +287,7 @@ async fn take_over(
 
 /// The longest time limit of the workflow's local phases (what the server allows a statement of
 /// its transactions).
-fn longest_local(workflow: &Workflow) -> Duration {
+fn longest_local<E: Engine>(workflow: &Workflow<E>) -> Duration {
     workflow.limits().statement_timeout.unwrap_or_default()
 }
 
@@ -322,8 +315,8 @@ fn being_claimed() -> Outcome {
 
 /// The answer to a request whose key is someone else's: a replay (its response opened), a 409
 /// or a 422.
-fn answer(
-    workflow: &Workflow,
+fn answer<E: Engine>(
+    workflow: &Workflow<E>,
     decision: Decision,
     response: Option<StoredResponse>,
     lock_version: i64,

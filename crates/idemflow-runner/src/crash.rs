@@ -7,6 +7,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use idemflow_core::{Key, TenantId};
 
+use crate::engine::Engine;
 use crate::erased::Step;
 use crate::workflow::Workflow;
 
@@ -47,7 +48,7 @@ pub enum CrashPoint {
 
 impl CrashPoint {
     /// Every crash point a fresh run of `workflow` passes, in order.
-    pub fn all(workflow: &Workflow) -> Vec<CrashPoint> {
+    pub fn all<E: Engine>(workflow: &Workflow<E>) -> Vec<CrashPoint> {
         let mut points = Vec::new();
         let mut last_recorded: &'static str = "claim";
         for step in &workflow.steps {

@@ -12,7 +12,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idemflow_core::{DerivedKey, PhaseName, StoredResponse};
 use serde_json::Value;
-use sqlx::PgConnection;
+
+use crate::engine::{ConnectionOf, Engine};
 
 use crate::phase::{
     Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValue,
@@ -47,15 +48,15 @@ fn downcast<T: 'static>(carry: Carry, phase: &str) -> Result<T, PhaseError> {
 
 /// One phase of a built workflow, its types erased.
 #[derive(Debug)]
-pub(crate) enum Step {
-    Local(Box<dyn ErasedLocal>),
+pub(crate) enum Step<E: Engine> {
+    Local(Box<dyn ErasedLocal<E>>),
     Foreign(Box<dyn ErasedForeign>),
 }
 
-impl Step {
-    pub(crate) fn local<P: LocalPhase>(phase: P) -> Self {
+impl<E: Engine> Step<E> {
+    pub(crate) fn local<P: LocalPhase<E>>(phase: P) -> Self {
         Self::Local(Box::new(LocalStep {
-            name: P::NAME,
+            name: <P as LocalPhase<E>>::NAME,
             phase,
         }))
     }
@@ -103,13 +104,13 @@ impl Step {
 }
 
 #[async_trait]
-pub(crate) trait ErasedLocal: Send + Sync + std::fmt::Debug {
+pub(crate) trait ErasedLocal<E: Engine>: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     fn retry_policy(&self) -> RetryPolicy;
     fn timeout(&self) -> Option<Duration>;
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         input: Carry,
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError>;
@@ -144,36 +145,36 @@ impl<P> std::fmt::Debug for LocalStep<P> {
 }
 
 #[async_trait]
-impl<P: LocalPhase> ErasedLocal for LocalStep<P> {
+impl<E: Engine, P: LocalPhase<E>> ErasedLocal<E> for LocalStep<P> {
     fn name(&self) -> &'static str {
         self.name
     }
 
     fn retry_policy(&self) -> RetryPolicy {
-        self.phase.retry_policy()
+        LocalPhase::<E>::retry_policy(&self.phase)
     }
 
     fn timeout(&self) -> Option<Duration> {
-        self.phase.timeout()
+        LocalPhase::<E>::timeout(&self.phase)
     }
 
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         input: Carry,
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError> {
-        let input = downcast::<P::Input>(input, self.name)?;
-        let output = self.phase.run(connection, input, context).await?;
+        let input = downcast::<<P as LocalPhase<E>>::Input>(input, self.name)?;
+        let output = LocalPhase::<E>::run(&self.phase, connection, input, context).await?;
         Ok(Box::new(output))
     }
 
     fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
-        encode::<P::Output>(carry)
+        encode::<<P as LocalPhase<E>>::Output>(carry)
     }
 
     fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
-        decode::<P::Output>(value)
+        decode::<<P as LocalPhase<E>>::Output>(value)
     }
 }
 
@@ -234,16 +235,16 @@ pub(crate) struct GiveUp {
 }
 
 #[async_trait]
-pub(crate) trait ErasedFailure: Send + Sync {
+pub(crate) trait ErasedFailure<E: Engine>: Send + Sync {
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         give_up: GiveUp,
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError>;
 }
 
-impl std::fmt::Debug for dyn ErasedFailure {
+impl<E: Engine> std::fmt::Debug for dyn ErasedFailure<E> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter.write_str("FailurePath")
     }
@@ -254,16 +255,17 @@ struct FailureStep<F> {
 }
 
 #[async_trait]
-impl<F: FailurePhase> ErasedFailure for FailureStep<F> {
+impl<E: Engine, F: FailurePhase<E>> ErasedFailure<E> for FailureStep<F> {
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         give_up: GiveUp,
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
-        let request = serde_json::from_value::<F::Request>(give_up.request).map_err(|error| {
-            PhaseError::terminal(format!("the stored request does not decode: {error}"))
-        })?;
+        let request = serde_json::from_value::<<F as FailurePhase<E>>::Request>(give_up.request)
+            .map_err(|error| {
+                PhaseError::terminal(format!("the stored request does not decode: {error}"))
+            })?;
         let failure = Failure {
             request,
             phase: give_up.phase,
@@ -272,11 +274,11 @@ impl<F: FailurePhase> ErasedFailure for FailureStep<F> {
             error: give_up.error,
             attempts: give_up.attempts,
         };
-        self.failure.run(connection, failure, context).await
+        FailurePhase::<E>::run(&self.failure, connection, failure, context).await
     }
 }
 
 /// A failure path, its request type erased.
-pub(crate) fn failure_step<F: FailurePhase>(failure: F) -> Box<dyn ErasedFailure> {
+pub(crate) fn failure_step<E: Engine, F: FailurePhase<E>>(failure: F) -> Box<dyn ErasedFailure<E>> {
     Box::new(FailureStep { failure })
 }

@@ -1,5 +1,7 @@
 use idemflow_pg::StoreError;
 
+use crate::engine::EngineError;
+
 use crate::sealing::SealError;
 
 /// Why a run failed without an [`crate::Outcome`]: the database, not the request.
@@ -29,6 +31,11 @@ pub enum RunError {
         /// The panic's message (its payload, when that is text).
         message: String,
     },
+    /// The database was busy past its limit (SQLite's one writer held by others for longer than
+    /// the busy timeout): nothing of this request was written, no key was left started by it;
+    /// the client retries with the same key shortly (answer 503 with `Retry-After`).
+    #[error("the database is busy: its writer was held past the busy timeout")]
+    Busy,
     /// A crash hook stopped the run at this crash point (tests only).
     #[error("crashed at {0}")]
     Crashed(String),
@@ -52,6 +59,17 @@ impl From<StoreError> for RunError {
             StoreError::Corrupt(message) => Self::Corrupt(message),
             // A kind of store error this runner was not built to know of.
             other => Self::Corrupt(other.to_string()),
+        }
+    }
+}
+
+impl From<EngineError> for RunError {
+    fn from(error: EngineError) -> Self {
+        match error {
+            EngineError::Fenced => Self::Fenced,
+            EngineError::Busy => Self::Busy,
+            EngineError::Database(error) => Self::Database(error),
+            EngineError::Corrupt(message) => Self::Corrupt(message),
         }
     }
 }

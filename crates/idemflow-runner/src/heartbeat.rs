@@ -9,21 +9,19 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idemflow_pg::{self as store, Owner, StoreError};
-use sqlx::PgPool;
-
 use crate::deadline::Within;
+use crate::engine::{Engine, EngineError, PoolOf};
 use crate::error::RunError;
 use crate::runner::Runner;
 
-impl Runner {
+impl<E: Engine> Runner<E> {
     /// Runs `work`, renewing the owner's lease every third of it while `work` runs. If a renewal
     /// finds the lease lost (fenced), `work` is dropped and `Fenced` returned: an owner that lost
     /// its lease stops and commits nothing.
     pub(crate) async fn with_heartbeat<T>(
         &self,
         enabled: bool,
-        owner: &Owner,
+        owner: &E::Owner,
         lease: Duration,
         work: impl Future<Output = T>,
     ) -> Result<T, RunError> {
@@ -33,7 +31,7 @@ impl Runner {
         tokio::select! {
             biased;
             output = work => Ok(output),
-            lost = heartbeat(&self.pool, owner, lease, self.config.database_timeout) => Err(lost),
+            lost = heartbeat::<E>(&self.pool, owner, lease, self.config.database_timeout) => Err(lost),
         }
     }
 }
@@ -46,14 +44,19 @@ pub(crate) fn overrun_grace(limit: Duration) -> Duration {
 }
 
 /// Renews the lease every third of it until a renewal is fenced; returns that.
-async fn heartbeat(pool: &PgPool, owner: &Owner, lease: Duration, wait: Duration) -> RunError {
+async fn heartbeat<E: Engine>(
+    pool: &PoolOf<E>,
+    owner: &E::Owner,
+    lease: Duration,
+    wait: Duration,
+) -> RunError {
     let interval = lease / 3;
     loop {
         tokio::time::sleep(interval).await;
         let renewal = async {
             match pool.acquire().await {
-                Ok(mut connection) => store::renew_lease(&mut connection, owner, lease).await,
-                Err(error) => Err(StoreError::Database(error)),
+                Ok(mut connection) => E::renew_lease(&mut connection, owner, lease).await,
+                Err(error) => Err(EngineError::Database(error)),
             }
         };
         // A renewal the database does not answer is a failed one: the next tries again.
@@ -66,7 +69,7 @@ async fn heartbeat(pool: &PgPool, owner: &Owner, lease: Duration, wait: Duration
         };
         match renewed {
             Ok(()) => tracing::debug!("lease renewed"),
-            Err(StoreError::Fenced) => {
+            Err(EngineError::Fenced) => {
                 tracing::warn!("lease lost while a phase ran: stopping it");
                 return RunError::Fenced;
             }

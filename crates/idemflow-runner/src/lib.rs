@@ -8,6 +8,10 @@ mod config;
 mod crash;
 mod deadline;
 mod drive;
+mod engine;
+pub use engine::{
+    ConnectionOf, Engine, EngineError, EngineOf, KeyOwner, PgStore, PoolOf, SqliteStore, Taken,
+};
 mod erased;
 mod error;
 mod heartbeat;
@@ -17,7 +21,7 @@ pub use metrics::{CATALOGUE as METRICS, describe_metrics};
 /// The sqlx this engine is built with: phases take its `PgConnection`; use this one rather than
 /// pinning a second copy.
 pub use sqlx;
-pub use sqlx::{PgConnection, PgPool};
+pub use sqlx::{PgConnection, PgPool, SqliteConnection, SqlitePool};
 mod outcome;
 mod panic;
 mod phase;

@@ -10,8 +10,9 @@
 
 use std::sync::Arc;
 
-use idemflow_pg::{Limits, Transaction};
+use idemflow_pg::Limits;
 
+use crate::engine::{Engine, EngineError};
 use crate::warm::Warm;
 
 /// Whether the connection died under the statement (the socket closed, or the server or a pooler
@@ -33,14 +34,14 @@ pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
 /// Begins a transaction under `limits` on a warm connection or one from the pool, on another one
 /// each time the `BEGIN` finds its connection dead: at most once per connection the pool may
 /// hold, and once more.
-pub(crate) async fn begin_live(
-    warm: &Arc<Warm>,
+pub(crate) async fn begin_live<E: Engine>(
+    warm: &Arc<Warm<E::Database>>,
     limits: &Limits,
-) -> Result<Transaction, sqlx::Error> {
+) -> Result<E::Transaction, EngineError> {
     let mut tries = warm.pool().size() as usize + 1;
     loop {
-        match Transaction::begin_limited(warm.acquire().await?, limits).await {
-            Err(error) if tries > 0 && is_connection_lost(&error) => {
+        match E::begin(warm.acquire().await?, limits).await {
+            Err(EngineError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
                 tries -= 1;
                 tracing::info!(%error, "a pooled connection was lost; beginning on another");
             }

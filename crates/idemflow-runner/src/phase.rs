@@ -4,7 +4,8 @@ use async_trait::async_trait;
 use idemflow_core::{DerivedKey, Key, StoredResponse, TenantId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use sqlx::PgConnection;
+
+use crate::engine::{ConnectionOf, Engine, PgStore};
 
 use crate::retry::RetryPolicy;
 
@@ -28,7 +29,8 @@ pub struct PhaseContext {
     pub lock_version: i64,
 }
 
-/// A phase whose effects are statements in this database.
+/// A phase whose effects are statements in this database: the engine `E`'s (PostgreSQL unless
+/// named), whose connection `run` receives.
 ///
 /// `run` receives the runner's open transaction. The statements it issues, the advance of the
 /// key's recovery point past this phase and this phase's serialized output commit together, in
@@ -36,7 +38,7 @@ pub struct PhaseContext {
 /// outside that connection that it could not do twice (no calls to other systems: those are
 /// [`ForeignPhase`]s), and it may run again after a crash only if its transaction did not commit.
 #[async_trait]
-pub trait LocalPhase: Send + Sync + 'static {
+pub trait LocalPhase<E: Engine = PgStore>: Send + Sync + 'static {
     /// The durable name of this phase, stored as the recovery point. Never rename it while keys
     /// may be left at it.
     const NAME: &'static str;
@@ -52,9 +54,10 @@ pub trait LocalPhase: Send + Sync + 'static {
     }
 
     /// The longest this phase may run; past it the attempt fails (retryably) and its transaction
-    /// rolls back. `None`: half the workflow's lease. The database enforces it too, on every
+    /// rolls back. `None`: half the workflow's lease. PostgreSQL enforces it too, on every
     /// statement (`statement_timeout`), so a phase stuck in a lock wait cannot hold the key, its
-    /// claim and its locks any longer.
+    /// claim and its locks any longer. SQLite has no such setting: there the runner's own stop,
+    /// which closes the phase's connection (rolling it back), is the limit.
     fn timeout(&self) -> Option<Duration> {
         None
     }
@@ -63,7 +66,7 @@ pub trait LocalPhase: Send + Sync + 'static {
     /// its output. An error rolls the transaction back; [`PhaseError`] says what happens next.
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         input: Self::Input,
         context: &PhaseContext,
     ) -> Result<Self::Output, PhaseError>;
@@ -133,7 +136,7 @@ pub struct Failure<Request> {
 /// order failed, say). Its statements and the response it returns commit together with the key's
 /// finish, so no key stays started forever. If it fails itself, a generic 500 problem is stored.
 #[async_trait]
-pub trait FailurePhase: Send + Sync + 'static {
+pub trait FailurePhase<E: Engine = PgStore>: Send + Sync + 'static {
     /// The workflow's request type.
     type Request: PhaseValue;
 
@@ -141,7 +144,7 @@ pub trait FailurePhase: Send + Sync + 'static {
     /// replay. An error here stores a generic 500 problem instead.
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         failure: Failure<Self::Request>,
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError>;

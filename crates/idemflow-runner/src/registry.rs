@@ -2,13 +2,22 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::engine::{Engine, PgStore};
 use crate::workflow::Workflow;
 
 /// The workflows a resumer can finish, by name (with version). Keep every version registered
 /// while keys claimed by it may still be resumed.
-#[derive(Debug, Default, Clone)]
-pub struct Registry {
-    workflows: BTreeMap<String, Arc<Workflow>>,
+#[derive(Debug, Clone)]
+pub struct Registry<E: Engine = PgStore> {
+    workflows: BTreeMap<String, Arc<Workflow<E>>>,
+}
+
+impl<E: Engine> Default for Registry<E> {
+    fn default() -> Self {
+        Self {
+            workflows: BTreeMap::new(),
+        }
+    }
 }
 
 /// Why a workflow cannot be registered.
@@ -27,7 +36,7 @@ pub enum RegisterError {
     LiveOnly(String),
 }
 
-impl Registry {
+impl<E: Engine> Registry<E> {
     /// An empty registry.
     pub fn new() -> Self {
         Self::default()
@@ -37,7 +46,7 @@ impl Registry {
     /// live-only one ([`RegisterError`]). Returns the registry, so registrations chain.
     pub fn register(
         &mut self,
-        workflow: impl Into<Arc<Workflow>>,
+        workflow: impl Into<Arc<Workflow<E>>>,
     ) -> Result<&mut Self, RegisterError> {
         let workflow = workflow.into();
         let name = workflow.name().to_owned();
@@ -52,7 +61,7 @@ impl Registry {
     }
 
     /// The workflow registered under `name` (with version), if any.
-    pub fn get(&self, name: &str) -> Option<&Arc<Workflow>> {
+    pub fn get(&self, name: &str) -> Option<&Arc<Workflow<E>>> {
         self.workflows.get(name)
     }
 

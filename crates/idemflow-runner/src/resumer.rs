@@ -6,12 +6,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idemflow_pg::{self as store, DUE_CHANNEL, DueKey, Owner};
-use sqlx::postgres::PgListener;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::deadline::Within;
+use crate::engine::{Engine, KeyOwner, PgStore};
 use crate::error::RunError;
 use crate::outcome::Outcome;
 use crate::registry::Registry;
@@ -103,23 +102,37 @@ pub struct DrainReport {
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug, Clone)]
-pub struct Resumer {
-    runner: Runner,
-    registry: Arc<Registry>,
+#[derive(Debug)]
+pub struct Resumer<E: Engine = PgStore> {
+    runner: Runner<E>,
+    registry: Arc<Registry<E>>,
     config: ResumerConfig,
     wake: Arc<Notify>,
 }
 
-impl Resumer {
+impl<E: Engine> Clone for Resumer<E> {
+    fn clone(&self) -> Self {
+        Self {
+            runner: self.runner.clone(),
+            registry: Arc::clone(&self.registry),
+            config: self.config.clone(),
+            wake: Arc::clone(&self.wake),
+        }
+    }
+}
+
+/// A key a scan took over, with its workflow's name.
+type Due<E> = (String, <E as Engine>::TakenOver);
+
+impl<E: Engine> Resumer<E> {
     /// A resumer of `registry`'s workflows, running their keys with `runner`, with the default
     /// [`ResumerConfig`].
-    pub fn new(runner: Runner, registry: Registry) -> Self {
+    pub fn new(runner: Runner<E>, registry: Registry<E>) -> Self {
         Self::with_config(runner, registry, ResumerConfig::default())
     }
 
     /// As [`Resumer::new`], with `config`.
-    pub fn with_config(runner: Runner, registry: Registry, config: ResumerConfig) -> Self {
+    pub fn with_config(runner: Runner<E>, registry: Registry<E>, config: ResumerConfig) -> Self {
         Self {
             runner,
             registry: Arc::new(registry),
@@ -138,7 +151,7 @@ impl Resumer {
     pub async fn drain(&self) -> Result<DrainReport, RunError> {
         let mut report = DrainReport::default();
         let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
-        let mut owners: HashMap<tokio::task::Id, Owner> = HashMap::new();
+        let mut owners: HashMap<tokio::task::Id, E::Owner> = HashMap::new();
         // A scan that came back short took every key due: the next waits for the keys running.
         let mut took_all_due = false;
         loop {
@@ -187,10 +200,10 @@ impl Resumer {
     fn start(
         &self,
         running: &mut JoinSet<Option<Outcome>>,
-        owners: &mut HashMap<tokio::task::Id, Owner>,
-        due: DueKey,
+        owners: &mut HashMap<tokio::task::Id, E::Owner>,
+        due: Due<E>,
     ) {
-        let owner = due.taken.owner.clone();
+        let owner = E::taken_owner(&due.1).clone();
         let resumer = self.clone();
         let handle = running.spawn(async move { resumer.resume_one(due).await });
         owners.insert(handle.id(), owner);
@@ -201,7 +214,7 @@ impl Resumer {
     /// counted, so another attempt can run (and the attempt budget bounds how often).
     async fn joined(
         &self,
-        owners: &mut HashMap<tokio::task::Id, Owner>,
+        owners: &mut HashMap<tokio::task::Id, E::Owner>,
         joined: Result<(tokio::task::Id, Option<Outcome>), tokio::task::JoinError>,
     ) -> Option<Outcome> {
         match joined {
@@ -227,13 +240,13 @@ impl Resumer {
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let listener = self.config.listen.then(|| {
-            tokio::spawn(listen_for_due_keys(
+            tokio::spawn(E::listen_for_due(
                 self.runner.pool().clone(),
                 self.wake.clone(),
             ))
         });
         let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
-        let mut owners: HashMap<tokio::task::Id, Owner> = HashMap::new();
+        let mut owners: HashMap<tokio::task::Id, E::Owner> = HashMap::new();
         let mut idle = self.config.idle_min;
         let mut next_scan_at = Instant::now();
         let mut error_backoff = self.config.idle_min;
@@ -256,7 +269,7 @@ impl Resumer {
             {
                 let pool = self.runner.pool().clone();
                 retention_task = Some(tokio::spawn(async move {
-                    if let Err(error) = retention.expire(&pool).await {
+                    if let Err(error) = retention.expire_on::<E>(&pool).await {
                         tracing::error!(%error, "retention failed; it runs again next time");
                     }
                 }));
@@ -347,16 +360,15 @@ impl Resumer {
     }
 
     /// Takes over up to `limit` due keys of the registered workflows (one statement).
-    async fn scan(&self, limit: i64) -> Result<Vec<DueKey>, RunError> {
+    async fn scan(&self, limit: i64) -> Result<Vec<Due<E>>, RunError> {
         if self.registry.is_empty() {
             return Ok(Vec::new());
         }
         let wait = self.runner.config.database_timeout;
-        let mut connection = self.runner.pool().acquire().within(wait).await??;
         // Each key gets its own workflow's lease. Unanswered, the scan may still have taken keys
         // over: their leases run out and the next scan takes them again (the fence keeps this
         // scan's tokens from ever writing).
-        let due = store::take_over_due(&mut connection, &self.registry.leases(), limit)
+        let due = E::take_over_due(self.runner.pool(), &self.registry.leases(), limit)
             .within(wait)
             .await??;
         if !due.is_empty() {
@@ -365,18 +377,16 @@ impl Resumer {
         Ok(due)
     }
 
-    async fn resume_one(&self, due: DueKey) -> Option<Outcome> {
-        let Some(workflow) = self.registry.get(&due.workflow) else {
+    async fn resume_one(&self, (name, taken): Due<E>) -> Option<Outcome> {
+        let Some(workflow) = self.registry.get(&name) else {
             // take_over_due only returns registered workflows; kept for safety.
-            tracing::error!(workflow = due.workflow, "no such workflow registered");
+            tracing::error!(workflow = name, "no such workflow registered");
             return None;
         };
         let started = Instant::now();
-        let (tenant, key) = (
-            due.taken.owner.tenant().clone(),
-            due.taken.owner.key().clone(),
-        );
-        match self.runner.resume(workflow, due.taken).await {
+        let owner = E::taken_owner(&taken);
+        let (tenant, key) = (owner.tenant().clone(), owner.key().clone());
+        match self.runner.resume(workflow, taken).await {
             Ok(outcome) => {
                 metrics::histogram!("idemflow_resume_duration_seconds")
                     .record(started.elapsed().as_secs_f64());
@@ -391,15 +401,8 @@ impl Resumer {
     }
 
     /// Ends the lease of a key whose run was stopped, now; its attempt counts (it had started).
-    async fn give_back(&self, owner: &Owner, why: &str) {
-        let giving_back = async {
-            match self.runner.pool().acquire().await {
-                Ok(mut connection) => {
-                    store::postpone(&mut connection, owner, Duration::ZERO, why).await
-                }
-                Err(error) => Err(error.into()),
-            }
-        };
+    async fn give_back(&self, owner: &E::Owner, why: &str) {
+        let giving_back = E::postpone_alone(self.runner.pool(), owner, Duration::ZERO, why);
         let given_back = match giving_back
             .within(self.runner.config.database_timeout)
             .await
@@ -428,14 +431,12 @@ impl Resumer {
     }
 
     async fn report_within(&self) {
-        let Ok(mut connection) = self.runner.pool().acquire().await else {
-            return;
-        };
-        match store::resumer_lag(&mut connection).await {
+        let pool = self.runner.pool();
+        match E::resumer_lag(pool).await {
             Ok(lag) => metrics::gauge!("idemflow_resumer_lag_seconds").set(lag.as_secs_f64()),
             Err(error) => tracing::warn!(%error, "could not read the resumer lag"),
         }
-        match store::count_due_unknown(&mut connection, &self.registry.names()).await {
+        match E::count_due_unknown(pool, &self.registry.names()).await {
             Ok(unknown) => {
                 for (workflow, count) in unknown {
                     tracing::warn!(
@@ -469,36 +470,6 @@ async fn sleep_unless_max(wait: Duration) {
         std::future::pending::<()>().await;
     } else {
         tokio::time::sleep(wait).await;
-    }
-}
-
-/// Wakes the resumer when a key is announced due (a failed attempt postponed it, or an operator ended its lease). PgListener
-/// reconnects by itself; a failure to connect is retried with a pause.
-async fn listen_for_due_keys(pool: sqlx::PgPool, wake: Arc<Notify>) {
-    loop {
-        let mut listener = match PgListener::connect_with(&pool).await {
-            Ok(listener) => listener,
-            Err(error) => {
-                tracing::warn!(%error, "cannot listen for due keys; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
-        };
-        if let Err(error) = listener.listen(DUE_CHANNEL).await {
-            tracing::warn!(%error, "cannot listen for due keys; retrying");
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            continue;
-        }
-        loop {
-            match listener.recv().await {
-                Ok(_) => wake.notify_one(),
-                Err(error) => {
-                    tracing::warn!(%error, "lost the due-key listener; reconnecting");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    break;
-                }
-            }
-        }
     }
 }
 

@@ -1,7 +1,8 @@
 use std::time::{Duration, Instant};
 
-use idemflow_pg as store;
-use sqlx::PgPool;
+use sqlx::Pool;
+
+use crate::engine::{Engine, EngineOf, PoolOf};
 
 use crate::error::RunError;
 
@@ -62,19 +63,20 @@ impl Retention {
     /// Deletes every key finished longer ago than `keep_for`, in batches, at most
     /// `max_rows_per_second`; returns how many. What a worker runs every `every`.
     ///
-    /// On the partitioned layout ([`store::partitions`]) it maintains the partitions instead:
+    /// On the partitioned layout ([`idemflow_pg::partitions`]) it maintains the partitions instead:
     /// creates those due ahead of the clock and drops those whose every key is past `keep_for`
     /// (no row is deleted one by one), and returns the keys dropped with them. That needs the
     /// rights of the table's owner (docs/operations.md, "Partitioned expiry").
-    pub async fn expire(&self, pool: &PgPool) -> Result<u64, RunError> {
-        let partitioned = {
-            let mut connection = pool.acquire().await?;
-            store::partitions::is_partitioned(&mut connection).await?
-        };
-        if partitioned {
-            return maintain_partitions(pool, self.keep_for).await;
+    pub async fn expire<D: EngineOf>(&self, pool: &Pool<D>) -> Result<u64, RunError> {
+        self.expire_on::<D::Engine>(pool).await
+    }
+
+    /// [`Retention::expire`] on engine `E`.
+    pub(crate) async fn expire_on<E: Engine>(&self, pool: &PoolOf<E>) -> Result<u64, RunError> {
+        if let Some(dropped) = E::maintain_layout(pool, self.keep_for).await? {
+            return Ok(dropped);
         }
-        expire_paced(
+        paced::<E>(
             pool,
             self.keep_for,
             self.batch_size,
@@ -87,13 +89,26 @@ impl Retention {
 /// Deletes every key finished more than `older_than` ago, `batch_size` rows per
 /// transaction, back to back until none is left; returns how many. Started keys are never
 /// deleted. For a one-off clean-up (the CLI's `expire`); a worker paces it ([`Retention`]).
-pub async fn expire(pool: &PgPool, older_than: Duration, batch_size: i64) -> Result<u64, RunError> {
+pub async fn expire<D: EngineOf>(
+    pool: &Pool<D>,
+    older_than: Duration,
+    batch_size: i64,
+) -> Result<u64, RunError> {
     expire_paced(pool, older_than, batch_size, None).await
 }
 
 /// As [`expire`], with batches spaced so that at most `max_rows_per_second` rows go per second.
-pub async fn expire_paced(
-    pool: &PgPool,
+pub async fn expire_paced<D: EngineOf>(
+    pool: &Pool<D>,
+    older_than: Duration,
+    batch_size: i64,
+    max_rows_per_second: Option<u32>,
+) -> Result<u64, RunError> {
+    paced::<D::Engine>(pool, older_than, batch_size, max_rows_per_second).await
+}
+
+async fn paced<E: Engine>(
+    pool: &PoolOf<E>,
     older_than: Duration,
     batch_size: i64,
     max_rows_per_second: Option<u32>,
@@ -103,9 +118,7 @@ pub async fn expire_paced(
     let began = Instant::now();
     let mut total = 0;
     loop {
-        let mut connection = pool.acquire().await?;
-        let deleted = store::expire_batch(&mut connection, older_than, batch_size).await?;
-        drop(connection);
+        let deleted = E::expire_batch(pool, older_than, batch_size).await?;
         total += deleted;
         if deleted < u64::try_from(batch_size).unwrap_or(u64::MAX) {
             if total > 0 {
@@ -121,38 +134,4 @@ pub async fn expire_paced(
             tokio::time::sleep_until(due.into()).await;
         }
     }
-}
-
-/// Retention on the partitioned layout: one maintenance run, reported in logs and metrics.
-async fn maintain_partitions(pool: &PgPool, keep_for: Duration) -> Result<u64, RunError> {
-    let maintained = store::partitions::maintain(pool, keep_for).await?;
-    if maintained.skipped {
-        return Ok(0);
-    }
-    let keys: u64 = maintained.dropped.iter().map(|dropped| dropped.keys).sum();
-    for dropped in &maintained.dropped {
-        tracing::info!(
-            partition = %dropped.name,
-            keys = dropped.keys,
-            bodies_apart = dropped.bodies_apart,
-            "retention dropped a partition of expired keys"
-        );
-    }
-    for created in &maintained.created {
-        tracing::info!(partition = %created, "retention created a partition ahead");
-    }
-    for kept in &maintained.kept {
-        // Past the window and still holding started keys: nobody finished them. Alert on it.
-        tracing::warn!(
-            partition = %kept.name,
-            started_keys = kept.started_keys,
-            "a partition past the retention window is kept: it holds started keys"
-        );
-    }
-    metrics::counter!("idemflow_expired_total").increment(keys);
-    metrics::counter!("idemflow_partitions_dropped_total")
-        .increment(maintained.dropped.len() as u64);
-    metrics::gauge!("idemflow_partitions_kept_for_started_keys").set(maintained.kept.len() as f64);
-    metrics::gauge!("idemflow_partitions_ahead").set(f64::from(maintained.ahead));
-    Ok(keys)
 }

@@ -1,15 +1,14 @@
 use std::sync::Arc;
 
 use idemflow_core::{Fingerprint, Key, TenantId};
-use idemflow_pg::TakenOver;
 use serde_json::Value;
-use sqlx::PgPool;
 use tracing::Instrument;
 
 use crate::admission::{accept, canonical_request};
 use crate::config::RunnerConfig;
 use crate::crash::{CrashHook, CrashPoints};
 use crate::drive::{Hold, Start};
+use crate::engine::{Engine, EngineOf, KeyOwner, PgStore, PoolOf};
 use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
@@ -30,25 +29,48 @@ pub struct Request<'a> {
     pub body: &'a [u8],
 }
 
-/// Executes workflows under idempotency keys.
-#[derive(Debug, Clone)]
-pub struct Runner {
-    pub(crate) pool: PgPool,
+/// Executes workflows under idempotency keys, on one engine's database: `E`, PostgreSQL unless
+/// named. [`Runner::new`] takes either engine's pool and knows the engine from it.
+#[derive(Debug)]
+pub struct Runner<E: Engine = PgStore> {
+    pub(crate) pool: PoolOf<E>,
     /// Connections kept between requests (see [`crate::warm`]).
-    pub(crate) warm: Arc<Warm>,
+    pub(crate) warm: Arc<Warm<E::Database>>,
     pub(crate) config: RunnerConfig,
     pub(crate) crash_points: CrashPoints,
 }
 
+impl<E: Engine> Clone for Runner<E> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            warm: Arc::clone(&self.warm),
+            config: self.config.clone(),
+            crash_points: self.crash_points.clone(),
+        }
+    }
+}
+
 impl Runner {
-    /// A runner on `pool`, with the default [`RunnerConfig`] (terminal errors are stored). The
-    /// first runner of a process describes the engine's metrics to the installed recorder.
-    pub fn new(pool: PgPool) -> Self {
-        Self::with_config(pool, RunnerConfig::default())
+    /// A runner on `pool` (a `PgPool` or a `SqlitePool`: the engine follows from it), with the
+    /// default [`RunnerConfig`] (terminal errors are stored). The first runner of a process
+    /// describes the engine's metrics to the installed recorder.
+    pub fn new<D: EngineOf>(pool: sqlx::Pool<D>) -> Runner<D::Engine> {
+        Runner::on(pool, RunnerConfig::default())
     }
 
     /// As [`Runner::new`], with `config`.
-    pub fn with_config(pool: PgPool, config: RunnerConfig) -> Self {
+    pub fn with_config<D: EngineOf>(
+        pool: sqlx::Pool<D>,
+        config: RunnerConfig,
+    ) -> Runner<D::Engine> {
+        Runner::on(pool, config)
+    }
+}
+
+impl<E: Engine> Runner<E> {
+    /// A runner of engine `E` on `pool`, with `config`.
+    pub fn on(pool: PoolOf<E>, config: RunnerConfig) -> Self {
         metrics::describe_once();
         Self {
             warm: Arc::new(Warm::new(pool.clone(), config.warm_connections)),
@@ -66,7 +88,7 @@ impl Runner {
     }
 
     /// The pool the runner takes its connections from.
-    pub fn pool(&self) -> &PgPool {
+    pub fn pool(&self) -> &PoolOf<E> {
         &self.pool
     }
 
@@ -108,7 +130,7 @@ impl Runner {
     /// ```
     pub async fn run(
         &self,
-        workflow: &Workflow,
+        workflow: &Workflow<E>,
         tenant: &TenantId,
         key: &Key,
         request: Request<'_>,
@@ -123,7 +145,7 @@ impl Runner {
     /// sealed by the runner's keyring, if they say so).
     pub async fn run_fingerprinted(
         &self,
-        workflow: &Workflow,
+        workflow: &Workflow<E>,
         tenant: &TenantId,
         key: &Key,
         fingerprint: Fingerprint,
@@ -135,7 +157,7 @@ impl Runner {
 
     async fn run_accepted(
         &self,
-        workflow: &Workflow,
+        workflow: &Workflow<E>,
         tenant: &TenantId,
         key: &Key,
         prepared: Result<(Fingerprint, Value), Rejection>,
@@ -162,7 +184,12 @@ impl Runner {
     /// Finishes a key a resumer took over (see [`idemflow_pg::take_over_due`]), from its
     /// recovery point. The takeover is already committed; however long ago that was, the key's
     /// fence is confirmed before any call to another system.
-    pub async fn resume(&self, workflow: &Workflow, taken: TakenOver) -> Result<Outcome, RunError> {
+    pub async fn resume(
+        &self,
+        workflow: &Workflow<E>,
+        taken: E::TakenOver,
+    ) -> Result<Outcome, RunError> {
+        let taken = E::taken(taken);
         let span = tracing::info_span!(
             "idemflow.resume",
             tenant = %taken.owner.tenant(),

@@ -40,10 +40,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
-use sqlx::{PgPool, Postgres};
+use sqlx::{Database, Pool};
 use tokio::sync::oneshot;
-
-type Connection = PoolConnection<Postgres>;
 
 /// One release in this many goes back through the pool rather than to the next request.
 pub(crate) const THROUGH_POOL_EVERY: u64 = 16;
@@ -57,28 +55,38 @@ pub(crate) const HAND_OVER_AFTER: Duration = Duration::from_millis(1);
 pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(250);
 
 /// The connections a runner keeps warm, shared by its clones.
-pub(crate) struct Warm {
-    pool: PgPool,
+pub(crate) struct Warm<D: Database> {
+    pool: Pool<D>,
     /// At most this many kept idle: the pool's size, which they cannot exceed anyway; 0 when
     /// keeping is off ([`crate::RunnerConfig::warm_connections`]).
     capacity: usize,
-    state: Mutex<State>,
+    state: Mutex<State<D>>,
 }
 
-#[derive(Default)]
-struct State {
+struct State<D: Database> {
     /// Idle connections, the most recently kept last (taken first: its socket and its server
     /// process are the likeliest to be in cache).
-    idle: Vec<(Connection, Instant)>,
+    idle: Vec<(PoolConnection<D>, Instant)>,
     /// Requests waiting for a connection, the longest-waiting first, with when they began.
-    waiting: VecDeque<(Instant, oneshot::Sender<Connection>)>,
+    waiting: VecDeque<(Instant, oneshot::Sender<PoolConnection<D>>)>,
     /// Releases so far, for [`THROUGH_POOL_EVERY`].
     released: u64,
     /// Whether the task returning idle connections to the pool runs.
     reaping: bool,
 }
 
-impl fmt::Debug for Warm {
+impl<D: Database> Default for State<D> {
+    fn default() -> Self {
+        Self {
+            idle: Vec::new(),
+            waiting: VecDeque::new(),
+            released: 0,
+            reaping: false,
+        }
+    }
+}
+
+impl<D: Database> fmt::Debug for Warm<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = self.state();
         f.debug_struct("Warm")
@@ -88,8 +96,8 @@ impl fmt::Debug for Warm {
     }
 }
 
-impl Warm {
-    pub(crate) fn new(pool: PgPool, keeping: bool) -> Self {
+impl<D: Database> Warm<D> {
+    pub(crate) fn new(pool: Pool<D>, keeping: bool) -> Self {
         let capacity = if keeping {
             pool.options().get_max_connections() as usize
         } else {
@@ -104,7 +112,7 @@ impl Warm {
 
     /// A connection: a kept one, an idle one of the pool, a new one the pool opens, else the
     /// first of one handed over by a request that ends and one that comes back to the pool.
-    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<Connection, sqlx::Error> {
+    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<PoolConnection<D>, sqlx::Error> {
         if self.capacity == 0 {
             // Keeping is off: every connection comes from the pool, through its hooks.
             return self.pool.acquire().await;
@@ -150,7 +158,7 @@ impl Warm {
     }
 
     /// The connection kept last, else one idle in the pool; without waiting.
-    fn take(&self) -> Option<Connection> {
+    fn take(&self) -> Option<PoolConnection<D>> {
         let mut state = self.state();
         if let Some((connection, _)) = state.idle.pop() {
             return Some(connection);
@@ -163,13 +171,16 @@ impl Warm {
     /// it: hands it to the request that has waited longest if that one has waited
     /// [`HAND_OVER_AFTER`], else keeps it for the next request; or hands it back to the pool
     /// (see the module's notes).
-    pub(crate) fn keep(self: &Arc<Self>, connection: Connection) {
+    pub(crate) fn keep(self: &Arc<Self>, connection: PoolConnection<D>) {
         let spare = self.keep_or_spare(connection);
         // Dropped outside the lock: sqlx spawns the return to the pool.
         drop(spare);
     }
 
-    fn keep_or_spare(self: &Arc<Self>, mut connection: Connection) -> Option<Connection> {
+    fn keep_or_spare(
+        self: &Arc<Self>,
+        mut connection: PoolConnection<D>,
+    ) -> Option<PoolConnection<D>> {
         if self.pool.is_closed() || self.capacity == 0 {
             return Some(connection);
         }
@@ -210,7 +221,7 @@ impl Warm {
     /// Gives back to the pool every connection kept idle since before `since` (all of them
     /// for `None`).
     fn give_back(&self, since: Option<Instant>) {
-        let stale: Vec<(Connection, Instant)> = {
+        let stale: Vec<(PoolConnection<D>, Instant)> = {
             let mut state = self.state();
             match since {
                 None => std::mem::take(&mut state.idle),
@@ -225,11 +236,11 @@ impl Warm {
     }
 
     /// The pool the connections belong to.
-    pub(crate) fn pool(&self) -> &PgPool {
+    pub(crate) fn pool(&self) -> &Pool<D> {
         &self.pool
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
+    fn state(&self) -> MutexGuard<'_, State<D>> {
         // Nothing panics while holding it; a poisoned lock still holds consistent state.
         self.state
             .lock()
@@ -239,7 +250,7 @@ impl Warm {
 
 /// Returns connections kept idle too long to the pool, and all of them once the pool closes
 /// (its `close` waits for every connection to come back). Ends with the runner.
-async fn reap(warm: Weak<Warm>, pool: PgPool) {
+async fn reap<D: Database>(warm: Weak<Warm<D>>, pool: Pool<D>) {
     let closed = pool.close_event();
     tokio::pin!(closed);
     loop {

@@ -10,6 +10,7 @@ use idemflow_core::{PhaseName, PhaseNameError, StoredResponse};
 use idemflow_pg::Limits;
 use serde_json::Value;
 
+use crate::engine::{Engine, PgStore};
 use crate::erased::{Carry, ErasedFailure, ErasedLocal, Step, decode, failure_step};
 use crate::heartbeat::overrun_grace;
 use crate::panic::{Panic, catch_panic_now};
@@ -115,9 +116,13 @@ pub enum BuildError {
 /// // The request is a String, but Answer wants a u64.
 /// let workflow = Workflow::builder::<String>("answer.v1").local(Answer).build();
 /// ```
-pub struct Workflow {
+///
+/// A workflow runs on one engine, `E` (PostgreSQL unless named): its local phases receive that
+/// engine's connection, and only a runner of that engine runs it. For SQLite:
+/// `Workflow::<SqliteStore>::builder_on::<Checkout>("checkout.v1")`, then the same chain.
+pub struct Workflow<E: Engine = PgStore> {
     name: String,
-    pub(crate) steps: Vec<Step>,
+    pub(crate) steps: Vec<Step<E>>,
     lease: Duration,
     /// What the server enforces on this workflow's transactions (from its local time limits).
     limits: Limits,
@@ -125,11 +130,11 @@ pub struct Workflow {
     validate: Option<Validator>,
     redact_request: Option<RequestRedaction>,
     redact_response: Option<ResponseRedaction>,
-    pub(crate) failure: Option<Box<dyn ErasedFailure>>,
+    pub(crate) failure: Option<Box<dyn ErasedFailure<E>>>,
     live_only: bool,
 }
 
-impl std::fmt::Debug for Workflow {
+impl<E: Engine> std::fmt::Debug for Workflow<E> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("Workflow")
@@ -142,9 +147,12 @@ impl std::fmt::Debug for Workflow {
     }
 }
 
+/// The lease a workflow gets unless [`WorkflowBuilder::lease`] says otherwise.
+const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+
 impl Workflow {
     /// The lease a workflow gets unless [`WorkflowBuilder::lease`] says otherwise.
-    pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+    pub const DEFAULT_LEASE: Duration = DEFAULT_LEASE;
 
     /// Starts a workflow taking requests of type `Request`. `name` is durable (stored on every
     /// key the workflow claims); version it (`checkout.v1`) and keep old versions registered
@@ -195,10 +203,21 @@ impl Workflow {
     pub fn builder<Request: PhaseValue>(
         name: impl Into<String>,
     ) -> WorkflowBuilder<Request, Request> {
+        Self::builder_on(name)
+    }
+}
+
+impl<E: Engine> Workflow<E> {
+    /// As [`Workflow::builder`], for a workflow on engine `E`:
+    /// `Workflow::<SqliteStore>::builder_on::<Checkout>("checkout.v1")`. Its local phases are
+    /// `LocalPhase<SqliteStore>`s, receiving a `SqliteConnection`.
+    pub fn builder_on<Request: PhaseValue>(
+        name: impl Into<String>,
+    ) -> WorkflowBuilder<Request, Request, E> {
         WorkflowBuilder {
             name: name.into(),
             steps: Vec::new(),
-            lease: Self::DEFAULT_LEASE,
+            lease: DEFAULT_LEASE,
             decode_request: decode::<Request>,
             validate: None,
             redact_request: None,
@@ -221,7 +240,7 @@ impl Workflow {
     }
 
     /// How long an owner holds the key between commits before another may take it over.
-    /// Default [`Workflow::DEFAULT_LEASE`].
+    /// Default [`Workflow::DEFAULT_LEASE`] (60 s).
     pub fn lease(&self) -> Duration {
         self.lease
     }
@@ -237,7 +256,7 @@ impl Workflow {
     }
 
     /// The time limit of a local phase.
-    pub(crate) fn local_timeout(&self, local: &dyn ErasedLocal) -> Duration {
+    pub(crate) fn local_timeout(&self, local: &dyn ErasedLocal<E>) -> Duration {
         local
             .timeout()
             .unwrap_or_else(|| self.default_local_timeout())
@@ -311,20 +330,20 @@ impl Workflow {
 }
 
 /// Builds a [`Workflow`]; `Chain` is the output type of the last phase added.
-pub struct WorkflowBuilder<Request, Chain> {
+pub struct WorkflowBuilder<Request, Chain, E: Engine = PgStore> {
     name: String,
-    steps: Vec<Step>,
+    steps: Vec<Step<E>>,
     lease: Duration,
     decode_request: fn(&Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
     redact_request: Option<RequestRedaction>,
     redact_response: Option<ResponseRedaction>,
-    failure: Option<Box<dyn ErasedFailure>>,
+    failure: Option<Box<dyn ErasedFailure<E>>>,
     live_only: bool,
     _chain: PhantomData<fn(Request) -> Chain>,
 }
 
-impl<Request, Chain> std::fmt::Debug for WorkflowBuilder<Request, Chain> {
+impl<Request, Chain, E: Engine> std::fmt::Debug for WorkflowBuilder<Request, Chain, E> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("WorkflowBuilder")
@@ -333,7 +352,7 @@ impl<Request, Chain> std::fmt::Debug for WorkflowBuilder<Request, Chain> {
     }
 }
 
-impl<Request: PhaseValue> WorkflowBuilder<Request, Request> {
+impl<Request: PhaseValue, E: Engine> WorkflowBuilder<Request, Request, E> {
     /// Checks each request before its key is claimed. A request that fails is rejected
     /// ([`crate::Outcome::Rejected`]) and leaves nothing behind, so the client may fix it and
     /// send it again under the same key. Only at the start of the chain, where the request is.
@@ -399,12 +418,12 @@ impl<Request: PhaseValue> WorkflowBuilder<Request, Request> {
     }
 }
 
-impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
+impl<Request, Chain: PhaseValue, E: Engine> WorkflowBuilder<Request, Chain, E> {
     /// Appends a local phase taking the chain's current output.
-    pub fn local<P: LocalPhase<Input = Chain>>(
+    pub fn local<P: LocalPhase<E, Input = Chain>>(
         mut self,
         phase: P,
-    ) -> WorkflowBuilder<Request, P::Output> {
+    ) -> WorkflowBuilder<Request, <P as LocalPhase<E>>::Output, E> {
         self.steps.push(Step::local(phase));
         self.retype()
     }
@@ -413,7 +432,7 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
     pub fn foreign<P: ForeignPhase<Input = Chain>>(
         mut self,
         phase: P,
-    ) -> WorkflowBuilder<Request, P::Output> {
+    ) -> WorkflowBuilder<Request, P::Output, E> {
         self.steps.push(Step::foreign(phase));
         self.retype()
     }
@@ -427,7 +446,7 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
 
     /// Sets the failure path: what runs, in one transaction with the stored response, when a
     /// phase's retries run out. Without one, a 500 problem naming the last error is stored.
-    pub fn on_failure<F: FailurePhase<Request = Request>>(mut self, failure: F) -> Self
+    pub fn on_failure<F: FailurePhase<E, Request = Request>>(mut self, failure: F) -> Self
     where
         Request: PhaseValue,
     {
@@ -454,7 +473,7 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
         self
     }
 
-    fn retype<Next>(self) -> WorkflowBuilder<Request, Next> {
+    fn retype<Next>(self) -> WorkflowBuilder<Request, Next, E> {
         WorkflowBuilder {
             name: self.name,
             steps: self.steps,
@@ -479,10 +498,10 @@ impl<Request, Chain: PhaseValue> WorkflowBuilder<Request, Chain> {
     }
 }
 
-impl<Request> WorkflowBuilder<Request, StoredResponse> {
+impl<Request, E: Engine> WorkflowBuilder<Request, StoredResponse, E> {
     /// Checks what the types cannot: names valid and unique, foreign timeouts shorter than the
     /// lease.
-    pub fn build(self) -> Result<Workflow, BuildError> {
+    pub fn build(self) -> Result<Workflow<E>, BuildError> {
         let name_ok = !self.name.is_empty()
             && self.name.len() <= 128
             && self.name.bytes().all(|byte| (0x21..=0x7e).contains(&byte));

@@ -4,13 +4,14 @@
 use serde_json::Value;
 
 use super::{Drive, Entry, FailedAttempt, Stop};
+use crate::engine::{Engine, KeyOwner};
 use crate::erased::Carry;
 use crate::panic::catch_panic_now;
 use crate::phase::PhaseError;
 use crate::retry::RetryPolicy;
 use crate::sealing::{SealError, Slot};
 
-impl Drive<'_> {
+impl<E: Engine> Drive<'_, E> {
     /// The first phase to run and its input. A takeover past its attempt budget runs nothing:
     /// the attempts before it ended without recording an outcome (crashes, kills), and one more
     /// would only repeat that.

@@ -9,15 +9,16 @@
 use std::time::Duration;
 
 use idemflow_core::{RecoveryPoint, StoredResponse};
-use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner, StoreError};
+use idemflow_store::Claim as ClaimRequest;
 use serde_json::Value;
 
 use super::{
-    Drive, FailedAttempt, Hold, Tx, abandoned_session_wait, attempt_of, fenced, problem,
+    Drive, FailedAttempt, Hold, Tx, abandoned_session_wait, attempt_of, commit, fenced, problem,
     redacted_or_problem,
 };
 use crate::config::TerminalPolicy;
 use crate::deadline::Within;
+use crate::engine::{Claimed, Engine, EngineError, KeyOwner};
 use crate::erased::GiveUp;
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -28,7 +29,7 @@ use crate::panic::catch_panic;
 use crate::phase::PhaseErrorKind;
 use crate::sealing::Slot;
 
-impl Drive<'_> {
+impl<E: Engine> Drive<'_, E> {
     /// Records a failed attempt; see the module's documentation for what is recorded when.
     pub(super) async fn fail(mut self, failure: FailedAttempt) -> Result<Outcome, RunError> {
         let FailedAttempt {
@@ -47,19 +48,19 @@ impl Drive<'_> {
             // Bounded: after a phase overran its limit a statement may still be running on it.
             (Some(mut tx), Hold::Claim(_)) => {
                 let wait = self.runner.config.database_timeout;
-                match tx.back_to_claim().within(wait).await {
+                match E::back_to_claim(&mut tx).within(wait).await {
                     Ok(Ok(())) => self.tx = Some(tx),
                     lost => {
                         tracing::warn!(
                             ?lost,
                             "the failed attempt's claim is gone with its connection"
                         );
-                        tx.abandon();
+                        E::abandon(tx);
                     }
                 }
             }
             (Some(tx), _) => {
-                if let Err(rollback) = tx.rollback().await {
+                if let Err(rollback) = E::rollback(tx).await {
                     // The connection is not reused; the server rolls back as it closes.
                     tracing::warn!(%rollback, "rolling back the failed attempt failed");
                 }
@@ -120,7 +121,7 @@ impl Drive<'_> {
                 let stored = self
                     .sealer()
                     .seal_response(&response, held.owner.lock_version())?;
-                let finished = store::finish(
+                let finished = E::finish(
                     &mut held.tx,
                     &held.owner,
                     &recorded.point,
@@ -128,17 +129,14 @@ impl Drive<'_> {
                     self.runner.config.response_apart_above,
                 )
                 .await;
-                fenced(finished, held.tx).await?.commit().await?;
+                commit::<E>(fenced::<E>(finished, held.tx).await?).await?;
                 metrics::count(metrics::FINISHED, self.workflow.name());
                 Ok(Outcome::Executed(response))
             }
             (None, PhaseErrorKind::Retryable { retry_after }) if !exhausted => {
                 let retry_after = retry_policy.wait(retry_after, held.attempt);
-                let postponed =
-                    store::postpone(&mut held.tx, &held.owner, retry_after, &message).await;
-                let mut tx = fenced(postponed, held.tx).await?;
-                store::notify_due(&mut tx).await?;
-                tx.commit().await?;
+                let postponed = E::postpone(&mut held.tx, &held.owner, retry_after, &message).await;
+                commit::<E>(fenced::<E>(postponed, held.tx).await?).await?;
                 metrics::count_phase(metrics::RETRIES, self.workflow.name(), phase);
                 if panicked {
                     return Err(RunError::Panicked {
@@ -172,7 +170,10 @@ impl Drive<'_> {
 
     /// Records a foreign result the failed attempt obtained but did not commit, so the call is
     /// not repeated; the recovery point the record leaves the key at.
-    async fn record_pending_foreign(&mut self, held: Held) -> Result<(Held, Recorded), RunError> {
+    async fn record_pending_foreign(
+        &mut self,
+        held: Held<E>,
+    ) -> Result<(Held<E>, Recorded), RunError> {
         let Some((name, output)) = self.pending_foreign.take() else {
             let recorded = Recorded {
                 point: self.recorded_point.clone(),
@@ -182,9 +183,9 @@ impl Drive<'_> {
         };
         let Held { mut tx, owner, .. } = held;
         let stored = self.sealer().seal_value(Slot::Output(name), &output)?;
-        let advanced = store::advance(&mut tx, &owner, name, &stored, self.workflow.lease()).await;
+        let advanced = E::advance(&mut tx, &owner, name, &stored, self.workflow.lease()).await;
         let held = Held {
-            tx: fenced(advanced, tx).await?,
+            tx: fenced::<E>(advanced, tx).await?,
             owner,
             // The phase that failed is the first execution after that foreign result.
             attempt: 1,
@@ -200,7 +201,7 @@ impl Drive<'_> {
     /// its effects break the commit, with a plain problem and no effects, so the key still ends.
     async fn give_up(
         &mut self,
-        mut held: Held,
+        mut held: Held<E>,
         recorded: Recorded,
         phase: &'static str,
         attempts: u32,
@@ -226,7 +227,7 @@ impl Drive<'_> {
         let stored = self
             .sealer()
             .seal_response(&response, held.owner.lock_version())?;
-        let finished = store::finish(
+        let finished = E::finish(
             &mut held.tx,
             &held.owner,
             &recorded.point,
@@ -234,7 +235,7 @@ impl Drive<'_> {
             self.runner.config.response_apart_above,
         )
         .await;
-        if let Err(error) = fenced(finished, held.tx).await?.commit().await {
+        if let Err(error) = commit::<E>(fenced::<E>(finished, held.tx).await?).await {
             // A deferred constraint broken by the failure path's effects, say.
             tracing::error!(%error, "the give-up did not commit; storing a generic response");
             let response = redacted_or_problem(
@@ -262,15 +263,15 @@ impl Drive<'_> {
             // The claim, kept after the failure or already gone: rolled back entirely, the key
             // is free.
             if let Some(tx) = self.tx.take() {
-                tx.rollback().await?;
+                E::rollback(tx).await?;
             }
             return Ok(true);
         }
         let Some(Held { mut tx, owner, .. }) = self.take_again().await? else {
             return Ok(false);
         };
-        let deleted = store::delete_owned(&mut tx, &owner).await;
-        fenced(deleted, tx).await?.commit().await?;
+        let deleted = E::delete_owned(&mut tx, &owner).await;
+        commit::<E>(fenced::<E>(deleted, tx).await?).await?;
         Ok(true)
     }
 
@@ -288,7 +289,7 @@ impl Drive<'_> {
             let stored = self
                 .sealer()
                 .seal_value(Slot::Output(recovery_point), &output)?;
-            let advanced = store::advance(
+            let advanced = E::advance(
                 &mut tx,
                 &owner,
                 recovery_point,
@@ -296,14 +297,14 @@ impl Drive<'_> {
                 self.workflow.lease(),
             )
             .await;
-            tx = fenced(advanced, tx).await?;
+            tx = fenced::<E>(advanced, tx).await?;
         }
         let stored = self
             .sealer()
             .seal_response(response, owner.lock_version())?;
         let apart_above = self.runner.config.response_apart_above;
-        let finished = store::finish(&mut tx, &owner, recovery_point, &stored, apart_above).await;
-        fenced(finished, tx).await?.commit().await?;
+        let finished = E::finish(&mut tx, &owner, recovery_point, &stored, apart_above).await;
+        commit::<E>(fenced::<E>(finished, tx).await?).await?;
         Ok(())
     }
 
@@ -311,12 +312,12 @@ impl Drive<'_> {
     /// the same owner when its hold was committed; otherwise the claim made again (same token,
     /// which nobody else ever saw) or the takeover made again (compare-and-set on the token it
     /// took over from). `None` when another request got the key meanwhile: it owns the outcome.
-    async fn take_again(&mut self) -> Result<Option<Held>, RunError> {
+    async fn take_again(&mut self) -> Result<Option<Held<E>>, RunError> {
         let workflow = self.workflow;
         let warm = &self.runner.warm;
         match &self.hold {
             Hold::Committed => Ok(Some(Held {
-                tx: begin_live(warm, workflow.limits()).await?,
+                tx: begin_live::<E>(warm, workflow.limits()).await?,
                 owner: self.owner.clone(),
                 attempt: self.context.attempt,
             })),
@@ -340,7 +341,6 @@ impl Drive<'_> {
                 let claim = ClaimRequest {
                     tenant: self.owner.tenant(),
                     key: self.owner.key(),
-                    lock_version: self.owner.lock_version(),
                     fingerprint,
                     workflow: workflow.name(),
                     request: &request,
@@ -351,7 +351,8 @@ impl Drive<'_> {
                 let mut tries = self.runner.pool.size() as usize + 1;
                 loop {
                     let connection = warm.acquire().await?;
-                    match store::begin_claim(connection, &claim, workflow.limits()).await {
+                    let token = self.owner.lock_version();
+                    match E::claim_again(connection, claim, token, workflow.limits()).await {
                         Ok(Claimed::Owned(tx, owner)) => {
                             return Ok(Some(Held {
                                 tx,
@@ -360,7 +361,7 @@ impl Drive<'_> {
                             }));
                         }
                         Ok(Claimed::Lost(_)) => return Ok(None),
-                        Err(StoreError::Database(error))
+                        Err(EngineError::Database(error))
                             if tries > 0 && is_connection_lost(&error) =>
                         {
                             tries -= 1;
@@ -371,7 +372,7 @@ impl Drive<'_> {
                 }
             }
             Hold::TakeOver { seen } => {
-                let mut tx = begin_live(warm, workflow.limits()).await?;
+                let mut tx = begin_live::<E>(warm, workflow.limits()).await?;
                 // The attempt's transaction was given up mid-statement: its session still holds
                 // the uncommitted takeover until the server ends the statement. Waiting for it
                 // (bounded) is what lets this attempt be counted; trying, as a takeover does,
@@ -379,12 +380,12 @@ impl Drive<'_> {
                 if self.abandoned {
                     let wait = abandoned_session_wait(workflow);
                     let (tenant, key) = (self.owner.tenant(), self.owner.key());
-                    if !store::wait_for_claim_lock(&mut tx, tenant, key, wait).await? {
-                        tx.rollback().await?;
+                    if !E::wait_for_claim_lock(&mut tx, tenant, key, wait).await? {
+                        E::rollback(tx).await?;
                         return Ok(None);
                     }
                 }
-                let taken = store::take_over(
+                let taken = E::take_over(
                     &mut tx,
                     self.owner.tenant(),
                     self.owner.key(),
@@ -399,7 +400,7 @@ impl Drive<'_> {
                         owner: taken.owner,
                     })),
                     None => {
-                        tx.rollback().await?;
+                        E::rollback(tx).await?;
                         Ok(None)
                     }
                 }
@@ -410,13 +411,17 @@ impl Drive<'_> {
     /// Runs the workflow's failure path in a savepoint of `tx`, within the local time limit; if
     /// there is none, or it fails or panics itself, the response is a 500 problem naming the
     /// last error.
-    async fn failure_path(&self, tx: &mut Tx, give_up: GiveUp) -> Result<StoredResponse, RunError> {
+    async fn failure_path(
+        &self,
+        tx: &mut Tx<E>,
+        give_up: GiveUp,
+    ) -> Result<StoredResponse, RunError> {
         let detail = give_up_detail(give_up.attempts, &give_up.error);
         let Some(failure) = &self.workflow.failure else {
             return Ok(problem(500, "retries_exhausted", &detail));
         };
         let limit = self.workflow.default_local_timeout();
-        let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+        let mut savepoint = sqlx::Connection::begin(E::connection(tx)).await?;
         let ran = tokio::time::timeout(
             limit + overrun_grace(limit),
             catch_panic(failure.run(&mut savepoint, give_up, &self.context)),
@@ -456,9 +461,9 @@ fn give_up_detail(attempts: u32, error: &str) -> String {
 }
 
 /// The key held again for this owner, in an open transaction, to record a failed attempt.
-struct Held {
-    tx: Tx,
-    owner: Owner,
+struct Held<E: Engine> {
+    tx: Tx<E>,
+    owner: E::Owner,
     /// The attempt being recorded, counted at the key's recovery point.
     attempt: u32,
 }

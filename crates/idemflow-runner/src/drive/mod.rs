@@ -21,10 +21,10 @@ mod steps;
 use std::time::{Duration, Instant};
 
 use idemflow_core::{Fingerprint, StoredResponse};
-use idemflow_pg::{Owner, StoreError, TakenOver};
 use serde_json::Value;
 
 use crate::deadline::Within;
+use crate::engine::{Engine, EngineError, KeyOwner, Taken};
 use crate::erased::{Carry, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -37,7 +37,7 @@ use crate::runner::Runner;
 use crate::sealing::Sealer;
 use crate::workflow::Workflow;
 
-pub(crate) type Tx = idemflow_pg::Transaction;
+pub(crate) type Tx<E> = <E as Engine>::Transaction;
 
 /// Whether this owner's hold on the key is durable yet. A claim or a takeover made by a request
 /// commits with the request's first transaction (no commit of its own); until then, rolling that
@@ -66,11 +66,11 @@ pub(crate) enum Entry {
 }
 
 /// Where a drive starts.
-pub(crate) struct Start {
-    owner: Owner,
+pub(crate) struct Start<E: Engine> {
+    owner: E::Owner,
     /// The claim's or takeover's open transaction; `None` for a key a resumer took over, which
     /// begins one only when a local phase or a record needs it (so it may call out at once).
-    tx: Option<Tx>,
+    tx: Option<Tx<E>>,
     hold: Hold,
     entry: Entry,
     /// The recovery point the row holds.
@@ -87,11 +87,11 @@ pub(crate) struct Start {
     lease_from: Instant,
 }
 
-impl Start {
+impl<E: Engine> Start<E> {
     /// A new key, claimed by this request in `tx` (uncommitted until the first commit).
     pub(crate) fn claimed(
-        owner: Owner,
-        tx: Tx,
+        owner: E::Owner,
+        tx: Tx<E>,
         fingerprint: Fingerprint,
         input: Carry,
         request: Value,
@@ -113,7 +113,7 @@ impl Start {
     /// A key taken over from an expired lease, to go on from its recovery point: by a resumer
     /// (`tx` is `None`, the takeover committed) or by a client retry (in `tx`, uncommitted).
     /// The stored request is decoded as a resumer would, whoever took it over.
-    pub(crate) fn taken_over(taken: TakenOver, tx: Option<Tx>, hold: Hold) -> Self {
+    pub(crate) fn taken_over(taken: Taken<E::Owner>, tx: Option<Tx<E>>, hold: Hold) -> Self {
         Self {
             context: context_of(&taken.owner, attempt_of(taken.attempts)),
             owner: taken.owner,
@@ -132,7 +132,7 @@ impl Start {
 }
 
 /// What a phase is told of the execution it runs in.
-fn context_of(owner: &Owner, attempt: u32) -> PhaseContext {
+fn context_of(owner: &impl KeyOwner, attempt: u32) -> PhaseContext {
     PhaseContext {
         tenant: owner.tenant().clone(),
         key: owner.key().clone(),
@@ -141,8 +141,8 @@ fn context_of(owner: &Owner, attempt: u32) -> PhaseContext {
     }
 }
 
-/// The store counts attempts in an `int`; a phase is told a `u32`.
-fn attempt_of(attempts: i32) -> u32 {
+/// The store counts attempts in an integer; a phase is told a `u32`.
+fn attempt_of(attempts: i64) -> u32 {
     u32::try_from(attempts).unwrap_or(u32::MAX)
 }
 
@@ -193,11 +193,11 @@ impl FailedAttempt {
 }
 
 /// A drive in progress: the owner, its open transaction, and what is not yet recorded.
-struct Drive<'r> {
-    runner: &'r Runner,
-    workflow: &'r Workflow,
-    owner: Owner,
-    tx: Option<Tx>,
+struct Drive<'r, E: Engine> {
+    runner: &'r Runner<E>,
+    workflow: &'r Workflow<E>,
+    owner: E::Owner,
+    tx: Option<Tx<E>>,
     hold: Hold,
     recorded_point: String,
     /// The output stored with `recorded_point` (none at the start): what a failure path is told
@@ -220,7 +220,7 @@ struct Drive<'r> {
     abandoned: bool,
 }
 
-impl Runner {
+impl<E: Engine> Runner<E> {
     /// Runs the phases from the entry point to the end, and records the attempt's failure if it
     /// fails.
     ///
@@ -234,14 +234,18 @@ impl Runner {
     /// allocation per execution instead.
     pub(crate) fn drive<'a>(
         &'a self,
-        workflow: &'a Workflow,
-        start: Start,
+        workflow: &'a Workflow<E>,
+        start: Start<E>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Outcome, RunError>> + Send + 'a>>
     {
         Box::pin(self.drive_inline(workflow, start))
     }
 
-    async fn drive_inline(&self, workflow: &Workflow, start: Start) -> Result<Outcome, RunError> {
+    async fn drive_inline(
+        &self,
+        workflow: &Workflow<E>,
+        start: Start<E>,
+    ) -> Result<Outcome, RunError> {
         let Start {
             owner,
             tx,
@@ -304,7 +308,7 @@ impl Runner {
     }
 }
 
-impl Drive<'_> {
+impl<E: Engine> Drive<'_, E> {
     async fn run(&mut self, mut position: usize, mut carry: Carry) -> Result<Outcome, Stop> {
         let steps = &self.workflow.steps;
         loop {
@@ -326,7 +330,7 @@ impl Drive<'_> {
     }
 }
 
-impl Drive<'_> {
+impl<E: Engine> Drive<'_, E> {
     /// The runner's keyring applied to this key's values.
     fn sealer(&self) -> Sealer<'_> {
         self.runner.sealer(self.owner.tenant(), self.owner.key())
@@ -335,7 +339,10 @@ impl Drive<'_> {
 
 /// A response the failure path stores (and answers): redacted by the workflow, or, if the
 /// redaction panicked, a 500 problem in its place. Never the response unredacted.
-fn redacted_or_problem(workflow: &Workflow, response: StoredResponse) -> StoredResponse {
+fn redacted_or_problem<E: Engine>(
+    workflow: &Workflow<E>,
+    response: StoredResponse,
+) -> StoredResponse {
     workflow
         .redacted_response(response)
         .unwrap_or_else(|panic| {
@@ -350,15 +357,15 @@ fn redacted_or_problem(workflow: &Workflow, response: StoredResponse) -> StoredR
 
 /// The open transaction, begun now (under the workflow's limits) if there is none yet; the wait
 /// for a connection and for `BEGIN` bounded by the runner's database timeout.
-async fn opened<'t>(
-    tx: &'t mut Option<Tx>,
-    runner: &Runner,
-    workflow: &Workflow,
-) -> Result<Result<&'t mut Tx, sqlx::Error>, RunError> {
+async fn opened<'t, E: Engine>(
+    tx: &'t mut Option<Tx<E>>,
+    runner: &Runner<E>,
+    workflow: &Workflow<E>,
+) -> Result<Result<&'t mut Tx<E>, EngineError>, RunError> {
     let open = match tx.take() {
         Some(open) => open,
         None => {
-            let begin = begin_live(&runner.warm, workflow.limits());
+            let begin = begin_live::<E>(&runner.warm, workflow.limits());
             match begin.within(runner.config.database_timeout).await? {
                 Ok(open) => open,
                 Err(error) => return Ok(Err(error)),
@@ -369,33 +376,39 @@ async fn opened<'t>(
 }
 
 /// A database error in the engine's own statements, as the attempt's failure.
-fn database_error(doing: &str, error: &sqlx::Error) -> PhaseError {
+fn database_error(doing: &str, error: &impl std::fmt::Display) -> PhaseError {
     PhaseError::retryable(format!("{doing} failed: {error}"))
 }
 
 /// A store error while the drive writes: fenced stops the drive; anything else fails the
 /// attempt.
 fn store_stop(
-    error: StoreError,
+    error: EngineError,
     doing: &str,
     failure: impl FnOnce(PhaseError) -> FailedAttempt,
 ) -> Stop {
     match error {
-        StoreError::Fenced => Stop::Error(RunError::Fenced),
-        StoreError::Database(error) => Stop::failed(failure(database_error(doing, &error))),
+        EngineError::Fenced => Stop::Error(RunError::Fenced),
+        EngineError::Database(error) => Stop::failed(failure(database_error(doing, &error))),
         other => Stop::Error(other.into()),
     }
 }
 
 /// Passes the transaction on after a successful fenced write; rolls it back on failure.
-async fn fenced(result: Result<(), StoreError>, tx: Tx) -> Result<Tx, RunError> {
+async fn fenced<E: Engine>(result: Result<(), EngineError>, tx: Tx<E>) -> Result<Tx<E>, RunError> {
     match result {
         Ok(()) => Ok(tx),
         Err(error) => {
-            tx.rollback().await?;
+            E::rollback(tx).await?;
             Err(error.into())
         }
     }
+}
+
+/// Commits, handing the connection back to the pool.
+async fn commit<E: Engine>(tx: Tx<E>) -> Result<(), RunError> {
+    E::commit_keeping(tx).await?;
+    Ok(())
 }
 
 /// A problem the engine stores itself, in the one shape (`code` names it in a word).
@@ -411,7 +424,7 @@ fn problem(status: u16, code: &str, detail: &str) -> StoredResponse {
 /// How long a session abandoned past a phase's time limit may live on: its last statement began
 /// before the runner gave it up, and the server cancels it at the workflow's longest local limit
 /// (the transaction's `statement_timeout`); then it reads the closed socket and ends.
-pub(crate) fn abandoned_session_wait(workflow: &Workflow) -> Duration {
+pub(crate) fn abandoned_session_wait<E: Engine>(workflow: &Workflow<E>) -> Duration {
     let limit = workflow
         .limits()
         .statement_timeout

@@ -5,13 +5,13 @@
 use std::time::Instant;
 
 use idemflow_core::{DerivedKey, StoredResponse};
-use idemflow_pg::{self as store, StoreError};
 use serde_json::Value;
 use tracing::Instrument;
 
 use super::{Drive, FailedAttempt, Hold, Stop, Tx, database_error, opened, store_stop};
 use crate::crash::CrashPoint;
 use crate::deadline::Within;
+use crate::engine::{Engine, EngineError, KeyOwner};
 use crate::erased::{Carry, ErasedForeign, ErasedLocal, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -25,12 +25,12 @@ use crate::sealing::Slot;
 use crate::storable::holds_nul;
 use crate::workflow::Workflow;
 
-impl Drive<'_> {
+impl<E: Engine> Drive<'_, E> {
     /// Runs a local phase in the open transaction (begun now if there is none), within its time
     /// limit, a panic caught as a failure.
     pub(super) async fn run_local(
         &mut self,
-        local: &dyn ErasedLocal,
+        local: &dyn ErasedLocal<E>,
         carry: Carry,
     ) -> Result<Carry, Stop> {
         let workflow = self.workflow;
@@ -48,7 +48,7 @@ impl Drive<'_> {
         let heartbeat = self.hold == Hold::Committed;
         let work = tokio::time::timeout(
             limit + overrun_grace(limit),
-            catch_panic(local.run(open, carry, &self.context)),
+            catch_panic(local.run(E::connection(open), carry, &self.context)),
         );
         let ran = runner
             .with_heartbeat(heartbeat, &self.owner, workflow.lease(), work)
@@ -70,7 +70,7 @@ impl Drive<'_> {
                 if !matches!(self.hold, Hold::Claim(_))
                     && let Some(tx) = self.tx.take()
                 {
-                    tx.abandon();
+                    E::abandon(tx);
                     self.abandoned = true;
                 }
                 Err(Stop::failed(failure(PhaseError::retryable(format!(
@@ -132,7 +132,7 @@ impl Drive<'_> {
                 .await?
                 .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
             advanced_at = Some(Instant::now());
-            store::advance(open, &self.owner, name, &stored, workflow.lease())
+            E::advance(open, &self.owner, name, &stored, workflow.lease())
                 .within(runner.config.database_timeout)
                 .await?
                 .map_err(|error| store_stop(error, "recording", failure))?;
@@ -207,11 +207,11 @@ impl Drive<'_> {
                         Stop::failed(failure(database_error("confirming the fence", &error)))
                     })?;
             let renewing = Instant::now();
-            match store::renew_lease(&mut connection, &self.owner, lease)
+            match E::renew_lease(&mut connection, &self.owner, lease)
                 .within(wait)
                 .await?
             {
-                Err(StoreError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
+                Err(EngineError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
                     tries -= 1;
                     tracing::info!(%error, "a pooled connection was lost; renewing on another");
                     connection.close_on_drop();
@@ -330,7 +330,7 @@ impl Drive<'_> {
             .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         let apart_above = runner.config.response_apart_above;
-        store::finish(open, &self.owner, last.raw_name(), &stored, apart_above)
+        E::finish(open, &self.owner, last.raw_name(), &stored, apart_above)
             .within(runner.config.database_timeout)
             .await?
             .map_err(|error| store_stop(error, "storing the response", failure))?;
@@ -361,16 +361,18 @@ impl Drive<'_> {
 
 /// Commits, bounded by the database timeout; a connection whose `COMMIT` succeeded is idle
 /// outside any transaction, so the runner keeps it warm for the next (see `crate::warm`).
-async fn commit_warm(open: Tx, runner: &Runner) -> Result<Result<(), sqlx::Error>, RunError> {
-    let committed = open
-        .commit_keeping()
+async fn commit_warm<E: Engine>(
+    open: Tx<E>,
+    runner: &Runner<E>,
+) -> Result<Result<(), EngineError>, RunError> {
+    let committed = E::commit_keeping(open)
         .within(runner.config.database_timeout)
         .await?;
     Ok(committed.map(|connection| runner.warm.keep(connection)))
 }
 
 /// A phase's output encoded for its recovery point; an error if it cannot be encoded or stored.
-fn storable_output(step: &Step, carry: &Carry) -> Result<Value, PhaseError> {
+fn storable_output<E: Engine>(step: &Step<E>, carry: &Carry) -> Result<Value, PhaseError> {
     let encoded = match catch_panic_now(|| step.encode_output(carry)) {
         Ok(Ok(encoded)) => encoded,
         Ok(Err(error)) => {
@@ -394,7 +396,10 @@ fn storable_output(step: &Step, carry: &Carry) -> Result<Value, PhaseError> {
 
 /// The last phase's output when it is foreign, encoded for its recovery point as the response
 /// is stored: redacted.
-fn recorded_response(workflow: &Workflow, carry: &Carry) -> Result<Value, PhaseError> {
+fn recorded_response<E: Engine>(
+    workflow: &Workflow<E>,
+    carry: &Carry,
+) -> Result<Value, PhaseError> {
     let Some(response) = carry.downcast_ref::<StoredResponse>() else {
         return Err(PhaseError::retryable(
             "the last phase did not produce a response",

@@ -1,0 +1,567 @@
+//! The runner's conformance suite: a checkout (a local phase, a foreign call to the mock provider
+//! over real HTTP, a local phase that answers) run by the same runner, resumer and retention on
+//! every engine, each case written once, generic over [`Engine`] (`engines!` below makes one
+//! test per case and engine). Where `conformance.rs` proves an engine's store, this proves the
+//! runner drives it: execution, replay, 409 and 422, crashes finished by a resumer with each
+//! derived key called at most as the provider's ledger allows, retryable failures postponed and
+//! resumed, retention. Leases are ended by rewinding them in SQL, never by sleeping.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
+use idemflow_runner::{
+    ConnectionOf, CrashHook, CrashPoint, Engine, ForeignPhase, LocalPhase, Outcome, PgStore,
+    PhaseContext, PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError, Runner,
+    RunnerConfig, SqliteStore, Workflow,
+};
+use idemflow_testkit::provider::{Fault, MockProvider};
+use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
+use serde::{Deserialize, Serialize};
+
+/// What a case does on an engine's database behind the runner's back, in the engine's SQL.
+#[async_trait]
+trait Lab: Engine<Database: idemflow_runner::EngineOf<Engine = Self>> {
+    /// Creates the table the checkout's local phases write.
+    async fn create_orders(pool: &PoolOf<Self>);
+    /// Inserts an order in the phase's transaction.
+    async fn insert_order(
+        connection: &mut ConnectionOf<Self>,
+        key: &str,
+        amount: i64,
+    ) -> Result<(), sqlx::Error>;
+    /// Orders stored under `key`.
+    async fn orders(pool: &PoolOf<Self>, key: &str) -> i64;
+    /// Ends every started key's lease.
+    async fn lapse_leases(pool: &PoolOf<Self>);
+    /// Moves every finished key's finish two days back.
+    async fn age_finished(pool: &PoolOf<Self>);
+    /// Rows in the keys table.
+    async fn keys(pool: &PoolOf<Self>) -> i64;
+}
+
+#[async_trait]
+impl Lab for PgStore {
+    async fn create_orders(pool: &sqlx::PgPool) {
+        sqlx::query("CREATE TABLE test_orders (key text NOT NULL, amount bigint NOT NULL)")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_order(
+        connection: &mut sqlx::PgConnection,
+        key: &str,
+        amount: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO test_orders (key, amount) VALUES ($1, $2)")
+            .bind(key)
+            .bind(amount)
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn orders(pool: &sqlx::PgPool, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM test_orders WHERE key = $1")
+            .bind(key)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn lapse_leases(pool: &sqlx::PgPool) {
+        sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE state = 'started'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn age_finished(pool: &sqlx::PgPool) {
+        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - interval '2 days' WHERE state = 'done'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn keys(pool: &sqlx::PgPool) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+}
+
+#[async_trait]
+impl Lab for SqliteStore {
+    async fn create_orders(pool: &sqlx::SqlitePool) {
+        sqlx::query("CREATE TABLE test_orders (key TEXT NOT NULL, amount INTEGER NOT NULL) STRICT")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_order(
+        connection: &mut sqlx::SqliteConnection,
+        key: &str,
+        amount: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO test_orders (key, amount) VALUES (?1, ?2)")
+            .bind(key)
+            .bind(amount)
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn orders(pool: &sqlx::SqlitePool, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM test_orders WHERE key = ?1")
+            .bind(key)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn lapse_leases(pool: &sqlx::SqlitePool) {
+        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn age_finished(pool: &sqlx::SqlitePool) {
+        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn keys(pool: &sqlx::SqlitePool) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// A fresh SQLite database file for `case`, removed at the next run of the same case.
+pub(crate) async fn sqlite(case: &str) -> sqlx::SqlitePool {
+    let directory = std::env::temp_dir().join(format!("idemflow-engines-{case}"));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    idemflow_sqlite::open_file(
+        &directory.join("idemflow.db"),
+        &idemflow_sqlite::OpenOptions::default(),
+    )
+    .await
+    .unwrap()
+}
+
+/// One test per case and engine: PostgreSQL on a fresh database of its own (`#[sqlx::test]`),
+/// SQLite on a fresh file.
+macro_rules! engines {
+    ($($case:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    super::$case::<idemflow_runner::PgStore>(pool).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let pool = super::sqlite(stringify!($case)).await;
+                    super::$case::<idemflow_runner::SqliteStore>(pool).await;
+                }
+            )*
+        }
+    };
+}
+
+engines!(
+    a_checkout_runs_once_and_every_retry_replays_it,
+    a_concurrent_duplicate_is_told_the_key_is_in_progress,
+    a_crash_at_any_point_is_finished_by_the_resumer_and_runs_nothing_twice,
+    a_retryable_failure_is_postponed_and_the_resumer_finishes_it,
+    retention_frees_a_finished_key_for_a_new_request,
+);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Checkout {
+    amount: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Order {
+    amount: i64,
+}
+
+/// Inserts the order, in the claim's transaction.
+struct CreateOrder;
+
+#[async_trait]
+impl<E: Lab> LocalPhase<E> for CreateOrder {
+    const NAME: &'static str = "create_order";
+    type Input = Checkout;
+    type Output = Order;
+
+    async fn run(
+        &self,
+        connection: &mut ConnectionOf<E>,
+        checkout: Checkout,
+        context: &PhaseContext,
+    ) -> Result<Order, PhaseError> {
+        E::insert_order(connection, context.key.as_str(), checkout.amount).await?;
+        Ok(Order {
+            amount: checkout.amount,
+        })
+    }
+}
+
+/// Charges the mock provider over HTTP, with the derived key.
+struct Charge {
+    provider: ProviderClient,
+}
+
+#[async_trait]
+impl ForeignPhase for Charge {
+    const NAME: &'static str = "charge";
+    type Input = Order;
+    type Output = String;
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(10)
+    }
+
+    async fn call(
+        &self,
+        key: &DerivedKey,
+        order: Order,
+        _: &PhaseContext,
+    ) -> Result<String, PhaseError> {
+        let charged = self
+            .provider
+            .charge(
+                key.as_str(),
+                u64::try_from(order.amount).unwrap(),
+                "usd",
+                "tok_visa",
+            )
+            .await
+            .map_err(|error| PhaseError::retryable(error.to_string()))?;
+        match charged {
+            ChargeResult::Succeeded { charge_id } => Ok(charge_id),
+            declined => Err(PhaseError::terminal(format!("{declined:?}"))),
+        }
+    }
+}
+
+/// Answers with the charge.
+struct Answer;
+
+#[async_trait]
+impl<E: Lab> LocalPhase<E> for Answer {
+    const NAME: &'static str = "answer";
+    type Input = String;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        _: &mut ConnectionOf<E>,
+        charge: String,
+        _: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        Ok(StoredResponse::new(
+            201,
+            format!(r#"{{"charge":"{charge}"}}"#),
+        ))
+    }
+}
+
+fn checkout<E: Lab>(provider: &MockProvider) -> Workflow<E> {
+    Workflow::<E>::builder_on::<Checkout>("checkout.v1")
+        .local(CreateOrder)
+        .foreign(Charge {
+            provider: provider.client(),
+        })
+        .local(Answer)
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+fn tenant() -> TenantId {
+    TenantId::new("t-engines").unwrap()
+}
+
+fn request(body: &[u8]) -> Request<'_> {
+    Request {
+        method: "POST",
+        path: "/v1/checkouts",
+        body,
+    }
+}
+
+fn charge_key(key: &Key) -> String {
+    DerivedKey::new(&tenant(), key, PhaseName::new("charge").unwrap()).to_string()
+}
+
+const BODY: &[u8] = br#"{"amount": 1200}"#;
+
+async fn a_checkout_runs_once_and_every_retry_replays_it<E: Lab>(pool: PoolOf<E>) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let workflow = checkout::<E>(&provider);
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let key = Key::parse("order-1").unwrap();
+
+    let Outcome::Executed(first) = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap()
+    else {
+        panic!("the first request runs")
+    };
+    assert_eq!(first.status, 201);
+    // Whitespace and member order do not make another request.
+    let again = runner
+        .run(&workflow, &tenant(), &key, request(br#"{ "amount":1200 }"#))
+        .await
+        .unwrap();
+    assert_eq!(again, Outcome::Replayed(first.clone()));
+    let other = runner
+        .run(&workflow, &tenant(), &key, request(br#"{"amount": 1300}"#))
+        .await
+        .unwrap();
+    assert_eq!(other, Outcome::Mismatch);
+    assert_eq!(E::orders(&pool, "order-1").await, 1);
+    assert_eq!(provider.calls_for(&charge_key(&key)), 1);
+    assert_eq!(provider.charges().len(), 1);
+}
+
+async fn a_concurrent_duplicate_is_told_the_key_is_in_progress<E: Lab>(pool: PoolOf<E>) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let key = Key::parse("order-slow").unwrap();
+    provider.push_fault_for(charge_key(&key), Fault::Delay(Duration::from_millis(1500)));
+    let workflow = Arc::new(checkout::<E>(&provider));
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let first = {
+        let (runner, workflow, key) = (runner.clone(), Arc::clone(&workflow), key.clone());
+        tokio::spawn(async move { runner.run(&workflow, &tenant(), &key, request(BODY)).await })
+    };
+    // The claim committed before the call went out: the duplicate sees a live lease.
+    while !provider.is_in_flight(&charge_key(&key)) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let duplicate = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap();
+    assert!(
+        matches!(duplicate, Outcome::InProgress { retry_after } if retry_after > Duration::ZERO),
+        "{duplicate:?}"
+    );
+    assert!(matches!(
+        first.await.unwrap().unwrap(),
+        Outcome::Executed(_)
+    ));
+    assert_eq!(E::orders(&pool, "order-slow").await, 1);
+    assert_eq!(provider.charges().len(), 1);
+}
+
+/// Stops the run at one crash point, for one key, once.
+#[derive(Debug)]
+struct CrashOnce {
+    point: CrashPoint,
+    armed: AtomicBool,
+}
+
+#[async_trait]
+impl CrashHook for CrashOnce {
+    async fn crash_at(&self, point: &CrashPoint, _: &TenantId, _: &Key) -> bool {
+        *point == self.point && self.armed.swap(false, Ordering::SeqCst)
+    }
+}
+
+async fn a_crash_at_any_point_is_finished_by_the_resumer_and_runs_nothing_twice<E: Lab>(
+    pool: PoolOf<E>,
+) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let workflow = checkout::<E>(&provider);
+    let points = CrashPoint::all(&workflow);
+    assert!(points.len() >= 5, "{points:?}");
+    for (index, point) in points.into_iter().enumerate() {
+        let key = Key::parse(&format!("order-crash-{index}")).unwrap();
+        let hook = Arc::new(CrashOnce {
+            point: point.clone(),
+            armed: AtomicBool::new(true),
+        });
+        let crashing = Runner::<E>::on(pool.clone(), RunnerConfig::default()).with_crash_hook(hook);
+        let crashed = crashing
+            .run(&workflow, &tenant(), &key, request(BODY))
+            .await;
+        assert!(
+            matches!(crashed, Err(RunError::Crashed(_))),
+            "{point:?}: {crashed:?}"
+        );
+        // The crashed process's lease runs out; a resumer in another process finishes the key.
+        E::lapse_leases(&pool).await;
+        let mut registry = Registry::<E>::new();
+        registry.register(checkout::<E>(&provider)).unwrap();
+        let resumer = Resumer::new(
+            Runner::<E>::on(pool.clone(), RunnerConfig::default()),
+            registry,
+        );
+        let drained = resumer.drain().await.unwrap();
+        let finished = Runner::<E>::on(pool.clone(), RunnerConfig::default())
+            .run(&workflow, &tenant(), &key, request(BODY))
+            .await
+            .unwrap();
+        // Before the claim's first commit nothing of the key was left: the retry runs it anew.
+        // After the finish committed it was done: nothing to resume, the retry replays. Between
+        // the two, the resumer finished it.
+        let first_commit = CrashPoint::BeforeCommit {
+            phase: "create_order",
+        };
+        if point == first_commit {
+            assert_eq!(drained.taken, 0, "{point:?}");
+            assert!(
+                matches!(&finished, Outcome::Executed(response) if response.status == 201),
+                "{point:?}: {finished:?}"
+            );
+        } else {
+            if point == CrashPoint::AfterFinish {
+                assert_eq!(drained.taken, 0, "{point:?}");
+            } else {
+                assert_eq!(drained.finished, 1, "{point:?}: {drained:?}");
+            }
+            assert!(
+                matches!(&finished, Outcome::Replayed(response) if response.status == 201),
+                "{point:?}: {finished:?}"
+            );
+        }
+        let name = key.as_str();
+        assert_eq!(E::orders(&pool, name).await, 1, "{point:?}: orders");
+        let executed = provider
+            .charges()
+            .iter()
+            .filter(|charge| charge.idempotency_key == charge_key(&key))
+            .count();
+        assert_eq!(executed, 1, "{point:?}: charges executed");
+    }
+}
+
+async fn a_retryable_failure_is_postponed_and_the_resumer_finishes_it<E: Lab>(pool: PoolOf<E>) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let key = Key::parse("order-flaky").unwrap();
+    provider.push_fault_for(charge_key(&key), Fault::ServerError(503));
+    let workflow = checkout::<E>(&provider);
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let interrupted = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap();
+    assert!(
+        matches!(interrupted, Outcome::Interrupted { .. }),
+        "{interrupted:?}"
+    );
+    // Within its retry-after the key is in progress for a client retry.
+    let retried = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap();
+    assert!(matches!(retried, Outcome::InProgress { .. }), "{retried:?}");
+    E::lapse_leases(&pool).await;
+    let mut registry = Registry::<E>::new();
+    registry.register(checkout::<E>(&provider)).unwrap();
+    let drained = Resumer::new(runner.clone(), registry)
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(drained.finished, 1, "{drained:?}");
+    let replayed = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap();
+    assert!(matches!(replayed, Outcome::Replayed(_)), "{replayed:?}");
+    assert_eq!(E::orders(&pool, "order-flaky").await, 1);
+    assert_eq!(provider.charges().len(), 1);
+}
+
+async fn retention_frees_a_finished_key_for_a_new_request<E: Lab>(pool: PoolOf<E>) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let workflow = checkout::<E>(&provider);
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let key = Key::parse("order-old").unwrap();
+    let ran = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap();
+    assert!(matches!(ran, Outcome::Executed(_)), "{ran:?}");
+    // Within the window nothing goes.
+    let retention = Retention {
+        keep_for: Duration::from_secs(86_400),
+        ..Retention::default()
+    };
+    assert_eq!(retention.expire(&pool).await.unwrap(), 0);
+    E::age_finished(&pool).await;
+    assert_eq!(retention.expire(&pool).await.unwrap(), 1);
+    assert_eq!(E::keys(&pool).await, 0);
+    // The key is new again: the same request under it runs again (retention is the horizon of
+    // a retry), its local effects too; the provider's own idempotency answers the charge with
+    // the first one, since the derived key is the same.
+    let anew = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap();
+    assert!(matches!(anew, Outcome::Executed(_)), "{anew:?}");
+    assert_eq!(E::orders(&pool, "order-old").await, 2);
+    assert_eq!(provider.charges().len(), 1);
+}
+
+/// SQLite's one writer: a request that cannot get the write lock within the busy timeout is
+/// answered busy (503 over HTTP), and leaves nothing behind; the same key then runs.
+#[tokio::test]
+async fn on_sqlite_a_writer_held_past_the_busy_timeout_is_busy_and_leaves_no_key() {
+    let directory = std::env::temp_dir().join("idemflow-engines-busy");
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let options = idemflow_sqlite::OpenOptions {
+        busy_timeout: Duration::from_millis(200),
+        ..idemflow_sqlite::OpenOptions::default()
+    };
+    let pool = idemflow_sqlite::open_file(&directory.join("idemflow.db"), &options)
+        .await
+        .unwrap();
+    SqliteStore::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let workflow = checkout::<SqliteStore>(&provider);
+    let runner = Runner::new(pool.clone());
+    let key = Key::parse("order-busy").unwrap();
+
+    // Another writer (another process, say) holds the write lock.
+    let holder = idemflow_sqlite::Transaction::begin(pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    let busy = runner.run(&workflow, &tenant(), &key, request(BODY)).await;
+    assert!(matches!(busy, Err(RunError::Busy)), "{busy:?}");
+    holder.rollback().await.unwrap();
+    assert_eq!(SqliteStore::keys(&pool).await, 0);
+    assert_eq!(provider.calls(), 0);
+
+    let ran = runner
+        .run(&workflow, &tenant(), &key, request(BODY))
+        .await
+        .unwrap();
+    assert!(matches!(ran, Outcome::Executed(_)), "{ran:?}");
+    assert_eq!(SqliteStore::orders(&pool, "order-busy").await, 1);
+}
