@@ -1,4 +1,4 @@
-//! idemflow: durable multi-phase requests made safe by idempotency keys, on PostgreSQL.
+//! idemflow: durable multi-phase requests made safe by idempotency keys, on PostgreSQL or SQLite.
 //!
 //! A client sends an idempotency key with a request. The first attempt runs the request as an
 //! ordered chain of typed phases; every retry with the same key gets the first result back; the
@@ -20,16 +20,16 @@ pub use idemflow_pg as store;
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
 pub use idemflow_runner::{
-    BuildError, CrashHook, CrashPoint, DrainReport, Failure, FailurePhase, ForeignPhase, Keyring,
-    KeyringError, LocalPhase, METRICS, Outcome, PhaseContext, PhaseError, PhaseErrorKind,
-    PhaseResultExt, PhaseValue, RegisterError, Registry, Rejection, Request, Resumer,
-    ResumerConfig, Retention, RetryPolicy, RunError, Runner, RunnerConfig, SealError,
-    TerminalPolicy, Workflow, WorkflowBuilder, describe_metrics, expire, expire_paced,
-    shutdown_signal,
+    BuildError, ConnectionOf, CrashHook, CrashPoint, DrainReport, Engine, EngineError, EngineOf,
+    Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, METRICS, Outcome,
+    PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf,
+    RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy,
+    RunError, Runner, RunnerConfig, SealError, SqliteStore, TerminalPolicy, Workflow,
+    WorkflowBuilder, describe_metrics, expire, expire_paced, shutdown_signal,
 };
-/// The sqlx this engine is built with: a local phase gets its `PgConnection`. Use this one
-/// (`idemflow::sqlx`) rather than pinning a second copy.
-pub use idemflow_runner::{PgConnection, PgPool, sqlx};
+/// The sqlx this engine is built with: a local phase gets its `PgConnection` (or, on SQLite, its
+/// `SqliteConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.
+pub use idemflow_runner::{PgConnection, PgPool, SqliteConnection, SqlitePool, sqlx};
 
 /// The attribute the phase traits are implemented with (`#[idemflow::async_trait]`), re-exported
 /// so an application needs no async-trait dependency of its own.

@@ -1,10 +1,14 @@
 //! The checkout example as a service: `POST /v1/checkouts` runs a three-phase workflow
 //! (create_order, local → charge, foreign → finish, local) under the request's `Idempotency-Key`,
-//! against PostgreSQL and a payment provider (the testkit's mock, in this process by default).
+//! against SQLite or PostgreSQL and a payment provider (the testkit's mock, in this process by
+//! default).
 //!
-//! `scripts/checkout` (or `DATABASE_URL=postgres://... cargo run --example checkout`) starts the
-//! service with its provider and a resumer, runs the demo against it, prints a curl line to try,
-//! and serves until Ctrl-C. The other commands run one piece each:
+//! `scripts/checkout` (or `cargo run --example checkout`) starts the service with its provider and
+//! a resumer, runs the demo against it, prints a curl line to try, and serves until Ctrl-C. With no
+//! database named it runs on a SQLite file under `target/` (nothing to install);
+//! `--database-url postgres://…` (or `DATABASE_URL`) runs it on PostgreSQL, `sqlite://path` on
+//! another file. The other commands run one piece each (processes sharing one SQLite file, or one
+//! PostgreSQL database):
 //!
 //! ```text
 //! checkout [all] [--bind ADDR] [--demo-only] ...   service + resumer + metrics, then the demo
@@ -13,7 +17,9 @@
 //! checkout demo [--url URL]                        the demo against a running service
 //! ```
 
+mod database;
 mod demo;
+mod orders;
 mod service;
 mod worker;
 mod workflow;
@@ -26,13 +32,14 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, Parser, Subcommand};
-use idemflow::Runner;
+use idemflow::{PgStore, PoolOf, Runner, RunnerConfig, SqliteStore};
 use idemflow_testkit::provider::MockProvider;
 use idemflow_testkit::provider_client::ProviderClient;
-use sqlx::PgPool;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::database::Database as Opened;
+use crate::orders::Shop;
 use crate::service::Crashes;
 
 /// The example's error type.
@@ -41,7 +48,7 @@ pub type Failure = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Debug, Parser)]
 #[command(
     name = "checkout",
-    about = "The idemflow checkout example: an Idempotency-Key checkout service on PostgreSQL",
+    about = "The idemflow checkout example: an Idempotency-Key checkout service on SQLite or PostgreSQL",
     args_conflicts_with_subcommands = true
 )]
 struct Cli {
@@ -67,7 +74,8 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct Database {
-    /// PostgreSQL URL [default: $DATABASE_URL]
+    /// postgres://… or sqlite://path [default: $DATABASE_URL, else the SQLite file
+    /// target/idemflow-checkout/checkout.db]
     #[arg(long, value_name = "URL")]
     database_url: Option<String>,
     /// Change no schema at start-up: the engine's migrations and the example's table were
@@ -181,20 +189,26 @@ async fn main() -> ExitCode {
 
 /// The default: everything in one process, the demo, then serving until Ctrl-C.
 async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
-    let pool = connect(&args.database).await?;
+    match connect(&args.database).await? {
+        Opened::Postgres(pool) => all_on::<PgStore>(pool, args).await,
+        Opened::Sqlite(pool) => all_on::<SqliteStore>(pool, args).await,
+    }
+}
+
+async fn all_on<E: Shop>(pool: PoolOf<E>, args: AllArgs) -> Result<ExitCode, Failure> {
     let lease = Duration::from_secs(args.provider.lease_seconds);
     let listener = bind(args.bind, "--bind").await?;
     let (provider, mock) = provider(&args.provider).await?;
     let metrics = worker::install_metrics()?;
     let url = format!("http://{}", listener.local_addr()?);
 
-    let checkout = workflow::checkout(provider.clone(), lease);
+    let checkout = workflow::checkout::<E>(provider.clone(), lease);
     // The demo arms its crash step in process; clients may ask for one only when allowed.
     let crashes = Crashes::new(&checkout);
-    let runner = crashes.runner(Runner::new(pool.clone()));
+    let runner = crashes.runner(Runner::<E>::on(pool.clone(), RunnerConfig::default()));
     let header = args.allow_crash_header.then(|| crashes.clone());
     let app = service::router(pool.clone(), runner, checkout, header)
-        .merge(worker::routes(pool.clone(), metrics));
+        .merge(worker::routes::<E>(pool.clone(), metrics));
     let stop = Stop::on_signal();
     let server = tokio::spawn(
         idemflow_http::serve(listener, app, idemflow_http::ServeLimits::default())
@@ -206,7 +220,7 @@ async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
         lease.as_secs(),
         provider.timeout()
     );
-    let resumer = worker::resumer(pool, workflow::checkout(provider.clone(), lease))?;
+    let resumer = worker::resumer(pool, workflow::checkout::<E>(provider.clone(), lease))?;
     let resumer = tokio::spawn(resumer.run(stop.stopped()));
     println!("checkout: resumer running (it finishes keys whose lease ended)\n");
 
@@ -279,13 +293,19 @@ fn print_try_it(url: &str, crash_header: bool) {
 
 /// `serve`: the HTTP service only.
 async fn serve(args: ServeArgs) -> Result<ExitCode, Failure> {
-    let pool = connect(&args.database).await?;
+    match connect(&args.database).await? {
+        Opened::Postgres(pool) => serve_on::<PgStore>(pool, args).await,
+        Opened::Sqlite(pool) => serve_on::<SqliteStore>(pool, args).await,
+    }
+}
+
+async fn serve_on<E: Shop>(pool: PoolOf<E>, args: ServeArgs) -> Result<ExitCode, Failure> {
     let lease = Duration::from_secs(args.provider.lease_seconds);
     let listener = bind(args.bind, "--bind").await?;
     let (provider, mock) = provider(&args.provider).await?;
     let url = format!("http://{}", listener.local_addr()?);
-    let checkout = workflow::checkout(provider, lease);
-    let runner = Runner::new(pool.clone());
+    let checkout = workflow::checkout::<E>(provider, lease);
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
     let (runner, crashes) = if args.allow_crash_header {
         let crashes = Crashes::new(&checkout);
         (crashes.runner(runner), Some(crashes))
@@ -318,12 +338,18 @@ async fn serve(args: ServeArgs) -> Result<ExitCode, Failure> {
 
 /// `worker`: the resumer, with metrics and health.
 async fn run_worker(args: WorkerArgs) -> Result<ExitCode, Failure> {
-    let pool = connect(&args.database).await?;
+    match connect(&args.database).await? {
+        Opened::Postgres(pool) => worker_on::<PgStore>(pool, args).await,
+        Opened::Sqlite(pool) => worker_on::<SqliteStore>(pool, args).await,
+    }
+}
+
+async fn worker_on<E: Shop>(pool: PoolOf<E>, args: WorkerArgs) -> Result<ExitCode, Failure> {
     let lease = Duration::from_secs(args.provider.lease_seconds);
     let (provider, mock) = provider(&args.provider).await?;
     worker::run(
         pool,
-        workflow::checkout(provider, lease),
+        workflow::checkout::<E>(provider, lease),
         args.metrics_bind,
         idemflow::shutdown_signal(),
     )
@@ -351,54 +377,19 @@ async fn run_demo(args: DemoArgs) -> Result<ExitCode, Failure> {
     })
 }
 
-/// Connects, runs idemflow's migrations and creates the example's table.
-async fn connect(database: &Database) -> Result<PgPool, Failure> {
-    let url = match &database.database_url {
-        Some(url) => url.clone(),
-        None => std::env::var("DATABASE_URL")
+/// Opens the database (`--database-url`, else `DATABASE_URL`, else the default SQLite file), runs
+/// idemflow's migrations and creates the example's table.
+async fn connect(database: &Database) -> Result<Opened, Failure> {
+    let url = database.database_url.clone().or_else(|| {
+        std::env::var("DATABASE_URL")
             .ok()
             .filter(|url| !url.is_empty())
-            .ok_or(
-                "no database: pass --database-url or set DATABASE_URL (scripts/checkout finds one for you)",
-            )?,
-    };
-    // The engine's pool: no test before acquire, bounded waits, server-side session limits.
-    let settings = idemflow::PoolSettings {
-        max_connections: database.pool_size,
-        ..idemflow::PoolSettings::default()
-    };
-    let pool = settings.connect(&url).await.map_err(|error| {
-        format!(
-            "cannot connect to PostgreSQL at {}: {error}",
-            redact_password(&url)
-        )
-    })?;
-    if !database.no_migrate {
-        create_schema(&pool).await?;
-    }
-    Ok(pool)
-}
-
-/// The schema this process needs, created by whichever of the processes starting at once gets
-/// there first. The engine's migrator serializes itself (an advisory lock); the example's table
-/// is created under a lock of its own, in one transaction: `CREATE TABLE IF NOT EXISTS` checks
-/// for the table before it inserts into the catalog, so two processes creating it at once both
-/// find none and one dies on the catalog's unique index.
-async fn create_schema(pool: &PgPool) -> Result<(), Failure> {
-    idemflow::migrate(pool).await?;
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idemflow.examples.checkout.schema'))")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(workflow::ORDERS_TABLE)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(())
+    });
+    Opened::open(url.as_deref(), database.pool_size, !database.no_migrate).await
 }
 
 /// `postgres://user:secret@host/db` → `postgres://user:***@host/db`.
-fn redact_password(url: &str) -> String {
+pub fn redact_password(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };

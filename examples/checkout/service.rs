@@ -13,19 +13,20 @@ use axum::http::request::Parts;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use idemflow::{CrashHook, CrashPoint, Key, Runner, TenantId, Workflow};
+use idemflow::{CrashHook, CrashPoint, Engine, Key, PoolOf, Runner, TenantId, Workflow};
 use idemflow_http::{BearerTenant, Problem, TenantResolver, WorkflowService};
-use sqlx::PgPool;
+
+use crate::orders::Shop;
 
 /// The header that asks for a crash (only honoured with `--allow-crash-header`).
 pub const CRASH_HEADER: &str = "x-crash-at";
 
 /// The service's routes. `crashes`: `Some` when `X-Crash-At` is honoured; the same hook must be
 /// installed on `runner` (see [`Crashes::runner`]).
-pub fn router(
-    pool: PgPool,
-    runner: Runner,
-    checkout: Workflow,
+pub fn router<E: Shop>(
+    pool: PoolOf<E>,
+    runner: Runner<E>,
+    checkout: Workflow<E>,
     crashes: Option<Arc<Crashes>>,
 ) -> Router {
     let mut checkouts = Router::new().route_service(
@@ -37,13 +38,17 @@ pub fn router(
     }
     checkouts.merge(
         Router::new()
-            .route("/v1/checkouts/{order_id}", get(order))
+            .route("/v1/checkouts/{order_id}", get(order::<E>))
             .with_state(pool),
     )
 }
 
 /// `GET /v1/checkouts/{order_id}`: the order as the example's table holds it, for its tenant only.
-async fn order(State(pool): State<PgPool>, Path(order_id): Path<String>, parts: Parts) -> Response {
+async fn order<E: Shop>(
+    State(pool): State<PoolOf<E>>,
+    Path(order_id): Path<String>,
+    parts: Parts,
+) -> Response {
     let tenant = match BearerTenant.resolve(&parts) {
         Ok(tenant) => tenant,
         Err(problem) => return problem.into_response(),
@@ -59,14 +64,7 @@ async fn order(State(pool): State<PgPool>, Path(order_id): Path<String>, parts: 
     let Ok(id) = order_id.parse::<i64>() else {
         return not_found();
     };
-    let row = sqlx::query_as::<_, OrderRow>(
-        "SELECT id AS order_id, amount, currency, status, charge_id FROM checkout_orders
-         WHERE id = $1 AND tenant = $2",
-    )
-    .bind(id)
-    .bind(tenant.as_str())
-    .fetch_optional(&pool)
-    .await;
+    let row = E::order(&pool, tenant.as_str(), id).await;
     match row {
         Ok(Some(order)) => axum::Json(order).into_response(),
         Ok(None) => not_found(),
@@ -80,16 +78,6 @@ async fn order(State(pool): State<PgPool>, Path(order_id): Path<String>, parts: 
             .into_response()
         }
     }
-}
-
-/// An order as `GET /v1/checkouts/{order_id}` shows it.
-#[derive(Debug, sqlx::FromRow, serde::Serialize)]
-struct OrderRow {
-    order_id: i64,
-    amount: i64,
-    currency: String,
-    status: String,
-    charge_id: Option<String>,
 }
 
 /// A crash hook armed per request, by tenant and idempotency key: by the `X-Crash-At` header (when
@@ -136,7 +124,7 @@ impl Crashes {
     /// The most crashed keys remembered.
     pub const REMEMBERED: usize = 1024;
 
-    pub fn new(workflow: &Workflow) -> Arc<Self> {
+    pub fn new<E: Engine>(workflow: &Workflow<E>) -> Arc<Self> {
         Arc::new(Self {
             points: CrashPoint::all(workflow)
                 .iter()
@@ -147,7 +135,7 @@ impl Crashes {
     }
 
     /// `runner` with this hook installed.
-    pub fn runner(self: &Arc<Self>, runner: Runner) -> Runner {
+    pub fn runner<E: Engine>(self: &Arc<Self>, runner: Runner<E>) -> Runner<E> {
         runner.with_crash_hook(self.clone())
     }
 
@@ -299,7 +287,7 @@ mod tests {
 
     fn crashes() -> Arc<Crashes> {
         let provider = idemflow_testkit::provider_client::ProviderClient::new("http://127.0.0.1:9");
-        Crashes::new(&crate::workflow::checkout(
+        Crashes::new(&crate::workflow::checkout::<idemflow::PgStore>(
             provider,
             std::time::Duration::from_secs(30),
         ))

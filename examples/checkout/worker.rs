@@ -4,20 +4,27 @@
 use std::future::Future;
 use std::net::SocketAddr;
 
+use crate::Failure;
+use crate::orders::Shop;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use idemflow::{Registry, Resumer, Runner, Workflow};
+use idemflow::{PoolOf, Registry, Resumer, Runner, Workflow};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use sqlx::PgPool;
 
-use crate::Failure;
-
-#[derive(Clone)]
-struct Observed {
-    pool: PgPool,
+struct Observed<E: Shop> {
+    pool: PoolOf<E>,
     metrics: PrometheusHandle,
+}
+
+impl<E: Shop> Clone for Observed<E> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            metrics: self.metrics.clone(),
+        }
+    }
 }
 
 /// Installs the process-wide Prometheus recorder (once per process).
@@ -28,24 +35,27 @@ pub fn install_metrics() -> Result<PrometheusHandle, Failure> {
 }
 
 /// `/metrics` (Prometheus text) and `/healthz` (200 while the database answers).
-pub fn routes(pool: PgPool, metrics: PrometheusHandle) -> Router {
+pub fn routes<E: Shop>(pool: PoolOf<E>, metrics: PrometheusHandle) -> Router {
     Router::new()
-        .route("/metrics", get(render_metrics))
-        .route("/healthz", get(health))
-        .with_state(Observed { pool, metrics })
+        .route("/metrics", get(render_metrics::<E>))
+        .route("/healthz", get(health::<E>))
+        .with_state(Observed::<E> { pool, metrics })
 }
 
 /// A resumer that finishes abandoned checkouts.
-pub fn resumer(pool: PgPool, checkout: Workflow) -> Result<Resumer, Failure> {
+pub fn resumer<E: Shop>(pool: PoolOf<E>, checkout: Workflow<E>) -> Result<Resumer<E>, Failure> {
     let mut registry = Registry::new();
     registry.register(checkout)?;
-    Ok(Resumer::new(Runner::new(pool), registry))
+    Ok(Resumer::new(
+        Runner::<E>::on(pool, idemflow::RunnerConfig::default()),
+        registry,
+    ))
 }
 
 /// The `worker` command: the resumer until `shutdown`, with `/metrics` and `/healthz` on `bind`.
-pub async fn run(
-    pool: PgPool,
-    checkout: Workflow,
+pub async fn run<E: Shop>(
+    pool: PoolOf<E>,
+    checkout: Workflow<E>,
     bind: SocketAddr,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Failure> {
@@ -56,7 +66,7 @@ pub async fn run(
     let server = tokio::spawn(
         idemflow_http::serve(
             listener,
-            routes(pool.clone(), metrics),
+            routes::<E>(pool.clone(), metrics),
             idemflow_http::ServeLimits::default(),
         )
         .into_future(),
@@ -69,14 +79,15 @@ pub async fn run(
     Ok(())
 }
 
-async fn render_metrics(State(observed): State<Observed>) -> String {
+async fn render_metrics<E: Shop>(State(observed): State<Observed<E>>) -> String {
     observed.metrics.render()
 }
 
 /// Healthy while the database answers.
-async fn health(State(observed): State<Observed>) -> (StatusCode, &'static str) {
-    match sqlx::query("SELECT 1").execute(&observed.pool).await {
-        Ok(_) => (StatusCode::OK, "ok\n"),
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "database unreachable\n"),
+async fn health<E: Shop>(State(observed): State<Observed<E>>) -> (StatusCode, &'static str) {
+    if E::ping(&observed.pool).await {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "database unreachable\n")
     }
 }

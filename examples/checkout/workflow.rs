@@ -3,25 +3,14 @@
 use std::time::Duration;
 
 use idemflow::{
-    DerivedKey, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseResultExt, StoredResponse,
-    Workflow,
+    ConnectionOf, DerivedKey, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseResultExt,
+    StoredResponse, Workflow,
 };
 use serde::{Deserialize, Serialize};
-use sqlx::PgConnection;
 
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 
-/// The example's own table. A real service would create it in its own migrations.
-pub const ORDERS_TABLE: &str = "CREATE TABLE IF NOT EXISTS checkout_orders (
-    id         bigserial PRIMARY KEY,
-    tenant     text   NOT NULL,
-    -- The idempotency key of the request that created it: which request an order belongs to.
-    request_key text  NOT NULL,
-    amount     bigint NOT NULL CHECK (amount > 0),
-    currency   text   NOT NULL,
-    status     text   NOT NULL DEFAULT 'created',
-    charge_id  text
-)";
+use super::orders::Shop;
 
 /// The request body of `POST /v1/checkouts`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -60,26 +49,24 @@ pub enum ChargeOutcome {
 pub struct CreateOrder;
 
 #[idemflow::async_trait]
-impl LocalPhase for CreateOrder {
+impl<E: Shop> LocalPhase<E> for CreateOrder {
     const NAME: &'static str = "create_order";
     type Input = CheckoutRequest;
     type Output = OrderCreated;
 
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         request: CheckoutRequest,
         context: &PhaseContext,
     ) -> Result<OrderCreated, PhaseError> {
-        let (order_id,): (i64,) = sqlx::query_as(
-            "INSERT INTO checkout_orders (tenant, request_key, amount, currency) \
-             VALUES ($1, $2, $3, $4) RETURNING id",
+        let order_id = E::insert_order(
+            connection,
+            context.tenant.as_str(),
+            context.key.as_str(),
+            request.amount,
+            &request.currency,
         )
-        .bind(context.tenant.as_str())
-        .bind(context.key.as_str())
-        .bind(request.amount)
-        .bind(&request.currency)
-        .fetch_one(connection)
         .await?;
         Ok(OrderCreated {
             order_id,
@@ -156,14 +143,14 @@ impl ForeignPhase for Charge {
 pub struct Finish;
 
 #[idemflow::async_trait]
-impl LocalPhase for Finish {
+impl<E: Shop> LocalPhase<E> for Finish {
     const NAME: &'static str = "finish";
     type Input = ChargeOutcome;
     type Output = StoredResponse;
 
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         outcome: ChargeOutcome,
         _: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
@@ -174,13 +161,7 @@ impl LocalPhase for Finish {
                 currency,
                 charge_id,
             } => {
-                sqlx::query(
-                    "UPDATE checkout_orders SET status = 'paid', charge_id = $2 WHERE id = $1",
-                )
-                .bind(order_id)
-                .bind(&charge_id)
-                .execute(connection)
-                .await?;
+                E::set_status(connection, order_id, "paid", Some(&charge_id)).await?;
                 let body = serde_json::json!({
                     "order_id": order_id, "charge_id": charge_id, "amount": amount,
                     "currency": currency, "status": "paid",
@@ -188,10 +169,7 @@ impl LocalPhase for Finish {
                 Ok(StoredResponse::json(201, &body))
             }
             ChargeOutcome::Declined { order_id, reason } => {
-                sqlx::query("UPDATE checkout_orders SET status = 'declined' WHERE id = $1")
-                    .bind(order_id)
-                    .execute(connection)
-                    .await?;
+                E::set_status(connection, order_id, "declined", None).await?;
                 let problem = serde_json::json!({
                     "type": "about:blank", "title": "Payment Required", "status": 402,
                     "detail": reason, "order_id": order_id,
@@ -222,9 +200,10 @@ fn validate(request: &CheckoutRequest) -> Result<(), String> {
     Ok(())
 }
 
-/// The checkout workflow, charging through `provider`; `lease` must exceed the provider's timeout.
-pub fn checkout(provider: ProviderClient, lease: Duration) -> Workflow {
-    Workflow::builder::<CheckoutRequest>("checkout.v1")
+/// The checkout workflow on engine `E`, charging through `provider`; `lease` must exceed the
+/// provider's timeout.
+pub fn checkout<E: Shop>(provider: ProviderClient, lease: Duration) -> Workflow<E> {
+    Workflow::<E>::builder_on::<CheckoutRequest>("checkout.v1")
         .validate(validate)
         .local(CreateOrder)
         .foreign(Charge { provider })

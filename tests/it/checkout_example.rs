@@ -22,7 +22,7 @@ async fn the_demo_runs_every_step_as_described(options: PgPoolOptions, connect: 
         status,
         stdout,
         stderr,
-    } = run_demo(&binary, &url, LEASE_SECONDS, &[], DEMO_TIMEOUT).await;
+    } = run_demo(&binary, Some(&url), LEASE_SECONDS, &[], DEMO_TIMEOUT).await;
     println!("{stdout}");
     eprintln!("{stderr}");
     let status = status.unwrap_or_else(|| panic!("the demo took longer than {DEMO_TIMEOUT:?}"));
@@ -50,4 +50,53 @@ async fn the_demo_runs_every_step_as_described(options: PgPoolOptions, connect: 
             .await
             .unwrap();
     assert_eq!(statuses, ["paid", "paid", "declined", "paid"]);
+}
+
+/// The main job on a machine with Rust alone: no database named, no `DATABASE_URL`. The example
+/// runs on a SQLite file under the target directory, says where, and the demo passes there.
+#[tokio::test]
+async fn with_no_database_named_the_demo_runs_on_a_sqlite_file_it_names() {
+    let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
+    let target = std::env::temp_dir().join("idemflow-checkout-default-target");
+    let _ = std::fs::remove_dir_all(&target);
+    let target_text = target.to_str().unwrap();
+    let DemoRun {
+        status,
+        stdout,
+        stderr,
+    } = run_demo(
+        &binary,
+        None,
+        LEASE_SECONDS,
+        &[("CARGO_TARGET_DIR", target_text)],
+        DEMO_TIMEOUT,
+    )
+    .await;
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    let status = status.unwrap_or_else(|| panic!("the demo took longer than {DEMO_TIMEOUT:?}"));
+    assert!(status.success(), "the demo failed: {status}");
+    let file = target.join("idemflow-checkout").join("checkout.db");
+    assert!(
+        stdout.contains(&format!("SQLite file {}", file.display())),
+        "the file is named: {stdout}"
+    );
+    for expected in DEMO_STEPS {
+        assert!(stdout.contains(expected), "the demo printed {expected:?}");
+    }
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", file.display()))
+        .await
+        .unwrap();
+    let statuses: Vec<String> =
+        sqlx::query_scalar("SELECT status FROM checkout_orders ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(statuses, ["paid", "paid", "declined", "paid"]);
+    let done: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state = 'done'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(done >= 4, "{done} keys done");
 }

@@ -88,7 +88,7 @@ async fn demo_with_clock(offset: &'static str, expected_shift: i64, connect: &Pg
         status,
         stdout,
         stderr,
-    } = run_demo(&binary, &url, LEASE_SECONDS, &env, DEMO_TIMEOUT).await;
+    } = run_demo(&binary, Some(&url), LEASE_SECONDS, &env, DEMO_TIMEOUT).await;
     println!("{stdout}");
     eprintln!("{stderr}");
     let status = status.unwrap_or_else(|| panic!("the demo took longer than {DEMO_TIMEOUT:?}"));

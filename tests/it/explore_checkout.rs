@@ -6,6 +6,10 @@
 #[allow(dead_code)]
 mod workflow;
 
+#[path = "../../examples/checkout/orders.rs"]
+#[allow(dead_code, clippy::duplicate_mod)]
+mod orders;
+
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idemflow::{
@@ -46,7 +50,7 @@ fn one_final_order<'a>(pool: &'a PgPool, case: &'a Case) -> CheckFuture<'a> {
 }
 
 async fn explore(pool: &PgPool, workflow: Workflow, provider: &MockProvider) -> Report {
-    sqlx::query(workflow::ORDERS_TABLE)
+    sqlx::query(orders::PG_ORDERS_TABLE)
         .execute(pool)
         .await
         .unwrap();

@@ -22,6 +22,10 @@
 #[allow(dead_code, clippy::duplicate_mod)]
 mod workflow;
 
+#[path = "../../examples/checkout/orders.rs"]
+#[allow(dead_code, clippy::duplicate_mod)]
+mod orders;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -516,7 +520,9 @@ impl LocalPhase for NotedFinish {
         outcome: workflow::ChargeOutcome,
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
-        let response = workflow::Finish.run(connection, outcome, context).await?;
+        let response =
+            LocalPhase::<idemflow::PgStore>::run(&workflow::Finish, connection, outcome, context)
+                .await?;
         self.0
             .lock()
             .unwrap()
@@ -700,7 +706,7 @@ async fn fail_over(replication: Replication) -> Failover {
         .await
         .unwrap();
     idemflow::migrate(&pool).await.unwrap();
-    sqlx::query(workflow::ORDERS_TABLE)
+    sqlx::query(orders::PG_ORDERS_TABLE)
         .execute(&pool)
         .await
         .unwrap();

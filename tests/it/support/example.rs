@@ -74,7 +74,7 @@ pub struct DemoRun {
 /// environment variables, for at most `timeout`.
 pub async fn run_demo(
     binary: &std::path::Path,
-    url: &str,
+    url: Option<&str>,
     lease_seconds: &str,
     env: &[(&str, &str)],
     timeout: std::time::Duration,
@@ -92,12 +92,15 @@ pub async fn run_demo(
             "--lease-seconds",
             lease_seconds,
         ])
-        .arg("--database-url")
-        .arg(url)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    // No URL: the example's default, a SQLite file it names (and no DATABASE_URL to find).
+    match url {
+        Some(url) => command.arg("--database-url").arg(url),
+        None => command.env_remove("DATABASE_URL"),
+    };
     for (name, value) in env {
         command.env(name, value);
     }
