@@ -44,12 +44,17 @@ pub fn routes<E: Shop>(pool: PoolOf<E>, metrics: PrometheusHandle) -> Router {
 
 /// A resumer that finishes abandoned checkouts.
 pub fn resumer<E: Shop>(pool: PoolOf<E>, checkout: Workflow<E>) -> Result<Resumer<E>, Failure> {
+    resumer_with(
+        Runner::<E>::on(pool, idemflow::RunnerConfig::default()),
+        checkout,
+    )
+}
+
+/// A resumer of `checkout` keys running on `runner`.
+fn resumer_with<E: Shop>(runner: Runner<E>, checkout: Workflow<E>) -> Result<Resumer<E>, Failure> {
     let mut registry = Registry::new();
     registry.register(checkout)?;
-    Ok(Resumer::new(
-        Runner::<E>::on(pool, idemflow::RunnerConfig::default()),
-        registry,
-    ))
+    Ok(Resumer::new(runner, registry))
 }
 
 /// The `worker` command: the resumer until `shutdown`, with `/metrics` and `/healthz` on `bind`.
@@ -71,7 +76,13 @@ pub async fn run<E: Shop>(
         )
         .into_future(),
     );
-    let resumer = resumer(pool, checkout)?;
+    let runner = Runner::<E>::on(pool, idemflow::RunnerConfig::default());
+    // IDEMFLOW_CRASH_AT=<crash point>: the worker stops there for real too (tests kill it).
+    let runner = match crate::service::ProcessCrash::from_env() {
+        Some(hook) => runner.with_crash_hook(hook),
+        None => runner,
+    };
+    let resumer = resumer_with(runner, checkout)?;
     println!("worker: resuming abandoned checkouts; Ctrl-C or SIGTERM stops it gracefully");
     resumer.run(shutdown).await;
     server.abort();

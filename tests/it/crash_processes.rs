@@ -1,6 +1,8 @@
 //! Real crashes: the checkout service process is killed with SIGKILL at a chosen crash point
-//! (`IDEMFLOW_CRASH_AT`), then a separate worker process finishes the request. The database and
-//! the provider's ledger must show one order, one charge and a stored response.
+//! (`IDEMFLOW_CRASH_AT`), then a separate worker process finishes the request (itself killed at a
+//! crash point once, and another worker finishing after it). The database and the provider's
+//! ledger must show one order, one charge and a stored response. On each engine: PostgreSQL, and
+//! SQLite with every process on one file.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -10,8 +12,80 @@ use crate::support::example::{database_url, example_binary};
 use idemflow::core::PhaseName;
 use idemflow::{DerivedKey, Key, TenantId};
 use idemflow_testkit::provider::MockProvider;
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, SqlitePool};
+
+/// The database the processes share, as the test reads it behind their back.
+enum Db {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+}
+
+impl Db {
+    async fn state(&self, key: &str) -> String {
+        let sql = "SELECT state FROM idempotency_keys WHERE key = $1";
+        match self {
+            Self::Postgres(pool) => sqlx::query_scalar(sql).bind(key).fetch_one(pool).await,
+            Self::Sqlite(pool) => sqlx::query_scalar(sql).bind(key).fetch_one(pool).await,
+        }
+        .unwrap()
+    }
+
+    /// Ends the key's lease by rewinding it, rather than waiting for it.
+    async fn lapse(&self, key: &str) {
+        match self {
+            Self::Postgres(pool) => {
+                sqlx::query(
+                    "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
+                     WHERE key = $1",
+                )
+                .bind(key)
+                .execute(pool)
+                .await
+                .unwrap();
+            }
+            Self::Sqlite(pool) => {
+                sqlx::query(
+                    "UPDATE idempotency_keys SET locked_until = locked_until - 86400000 \
+                     WHERE key = $1",
+                )
+                .bind(key)
+                .execute(pool)
+                .await
+                .unwrap();
+            }
+        }
+    }
+
+    async fn order_statuses(&self, key: &str) -> Vec<String> {
+        let sql = "SELECT status FROM checkout_orders WHERE request_key = $1 ORDER BY id";
+        match self {
+            Self::Postgres(pool) => sqlx::query_scalar(sql).bind(key).fetch_all(pool).await,
+            Self::Sqlite(pool) => sqlx::query_scalar(sql).bind(key).fetch_all(pool).await,
+        }
+        .unwrap()
+    }
+
+    async fn response_status(&self, key: &str) -> i64 {
+        match self {
+            Self::Postgres(pool) => {
+                sqlx::query_scalar(
+                    "SELECT response_status::bigint FROM idempotency_keys WHERE key = $1",
+                )
+                .bind(key)
+                .fetch_one(pool)
+                .await
+            }
+            Self::Sqlite(pool) => {
+                sqlx::query_scalar("SELECT response_status FROM idempotency_keys WHERE key = $1")
+                    .bind(key)
+                    .fetch_one(pool)
+                    .await
+            }
+        }
+        .unwrap()
+    }
+}
 
 const BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
 
@@ -63,9 +137,57 @@ async fn send_checkout(base: &str, key: &str) {
         .await;
 }
 
-async fn crash_then_finish(pool: &PgPool, url: &str, provider: &MockProvider, point: &str) {
+/// Starts a worker and waits until it has finished `key`; kills it then.
+async fn finish_with_a_worker(
+    db: &Db,
+    binary: &std::path::Path,
+    common: &[&str],
+    key: &str,
+    point: &str,
+) {
+    let mut arguments = vec![
+        "worker",
+        "--metrics-bind",
+        "127.0.0.1:0",
+        "--pool-size",
+        crate::support::example::POOL_SIZE,
+    ];
+    arguments.extend(common);
+    let (mut worker, _stdout) = start(binary, &arguments, None);
+    let mut done = false;
+    for _ in 0..200 {
+        if db.state(key).await == "done" {
+            done = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    assert!(
+        done,
+        "the worker did not finish the request killed at {point}"
+    );
+}
+
+/// Kills the service at `point`, then (with `worker_point`) a first worker at that point of its
+/// resumption, and lets a worker finish the request.
+async fn crash_then_finish(
+    db: &Db,
+    url: &str,
+    provider: &MockProvider,
+    point: &str,
+    worker_point: Option<&str>,
+) {
     let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
-    let key = format!("killed-at-{}", point.replace(':', "-"));
+    let key = format!(
+        "killed-at-{}{}",
+        point.replace(':', "-"),
+        worker_point.map_or(String::new(), |then| format!(
+            "-then-{}",
+            then.replace(':', "-")
+        ))
+    );
     let common = [
         "--database-url",
         url,
@@ -106,56 +228,37 @@ async fn crash_then_finish(pool: &PgPool, url: &str, provider: &MockProvider, po
 
     // The key is left as the crash left it: started, with its lease. Rewind the lease rather
     // than wait for it, then let a separate worker process finish the request.
-    let state: String = sqlx::query_scalar("SELECT state FROM idempotency_keys WHERE key = $1")
-        .bind(&key)
-        .fetch_one(pool)
-        .await
-        .unwrap();
-    assert_eq!(state, "started", "{point}");
-    sqlx::query(
-        "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE key = $1",
-    )
-    .bind(&key)
-    .execute(pool)
-    .await
-    .unwrap();
-    let mut arguments = vec![
-        "worker",
-        "--metrics-bind",
-        "127.0.0.1:0",
-        "--pool-size",
-        crate::support::example::POOL_SIZE,
-    ];
-    arguments.extend(common);
-    let (mut worker, _stdout) = start(&binary, &arguments, None);
-    let mut done = false;
-    for _ in 0..200 {
-        let state: String = sqlx::query_scalar("SELECT state FROM idempotency_keys WHERE key = $1")
-            .bind(&key)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-        if state == "done" {
-            done = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(db.state(&key).await, "started", "{point}");
+    db.lapse(&key).await;
+    if let Some(worker_point) = worker_point {
+        // A first worker takes it over and is killed too, mid-resumption.
+        let mut arguments = vec![
+            "worker",
+            "--metrics-bind",
+            "127.0.0.1:0",
+            "--pool-size",
+            crate::support::example::POOL_SIZE,
+        ];
+        arguments.extend(common);
+        let (mut worker, mut stdout) = start(&binary, &arguments, Some(worker_point));
+        let reached =
+            tokio::task::spawn_blocking(move || wait_for_line(&mut stdout, "crash point reached"))
+                .await
+                .unwrap();
+        assert!(reached.ends_with(worker_point), "{reached}");
+        worker.kill().unwrap(); // SIGKILL, inside its run
+        worker.wait().unwrap();
+        assert_eq!(
+            db.state(&key).await,
+            "started",
+            "{point}, then {worker_point}"
+        );
+        db.lapse(&key).await;
     }
-    worker.kill().unwrap();
-    worker.wait().unwrap();
-    assert!(
-        done,
-        "the worker did not finish the request killed at {point}"
-    );
+    finish_with_a_worker(db, &binary, &common, &key, point).await;
 
     // One order, paid; one charge under the derived key; the response stored.
-    let statuses: Vec<String> =
-        sqlx::query_scalar("SELECT status FROM checkout_orders WHERE request_key = $1")
-            .bind(&key)
-            .fetch_all(pool)
-            .await
-            .unwrap();
-    assert_eq!(statuses, ["paid"], "{point}");
+    assert_eq!(db.order_statuses(&key).await, ["paid"], "{point}");
     let derived = DerivedKey::new(
         &TenantId::new("acme").unwrap(),
         &Key::parse(&key).unwrap(),
@@ -167,13 +270,26 @@ async fn crash_then_finish(pool: &PgPool, url: &str, provider: &MockProvider, po
         .filter(|charge| charge.idempotency_key == derived.as_str())
         .count();
     assert_eq!(charges, 1, "{point}: one charge under {derived}");
-    let status: i16 =
-        sqlx::query_scalar("SELECT response_status FROM idempotency_keys WHERE key = $1")
-            .bind(&key)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    assert_eq!(status, 201);
+    assert_eq!(db.response_status(&key).await, 201);
+}
+
+/// The crash points, and the one where a first worker dies too: the service dies after the
+/// claim committed (so the key is left), before and after the call, inside the finish; a worker
+/// dies inside its finish, its write transaction open.
+const SERVICE_POINTS: [&str; 3] = [
+    "after_commit:create_order",
+    "after_call:charge",
+    "before_finish",
+];
+const WORKER_POINT: (&str, &str) = ("after_call:charge", "before_finish");
+
+async fn every_crash<F: std::future::Future<Output = ()>>(
+    run: impl Fn(&'static str, Option<&'static str>) -> F,
+) {
+    for point in SERVICE_POINTS {
+        run(point, None).await;
+    }
+    run(WORKER_POINT.0, Some(WORKER_POINT.1)).await;
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
@@ -187,15 +303,32 @@ async fn a_service_killed_at_a_crash_point_is_finished_by_a_worker_process(
         .connect_with(connect)
         .await
         .unwrap();
+    let db = Db::Postgres(pool);
     let provider = MockProvider::start().await;
-    // The service creates the example's table itself; these points are after the claim committed.
-    for point in [
-        "after_commit:create_order",
-        "after_call:charge",
-        "before_finish",
-    ] {
-        crash_then_finish(&pool, &url, &provider, point).await;
-    }
-    // Two of the three made the call before dying; the worker's call replayed it.
-    assert_eq!(provider.charges().len(), 3);
+    // The service creates the example's table itself.
+    every_crash(|point, worker_point| crash_then_finish(&db, &url, &provider, point, worker_point))
+        .await;
+    // Three of the four made the call before dying; the worker's call replayed it.
+    assert_eq!(provider.charges().len(), 4);
+}
+
+/// The same on SQLite: the service and the workers are processes sharing one database file; a
+/// process killed inside its write transaction leaves the write lock with it.
+#[tokio::test]
+async fn on_sqlite_a_service_killed_at_a_crash_point_is_finished_by_a_worker_process_on_the_same_file()
+ {
+    let directory = std::env::temp_dir().join("idemflow-crash-processes-sqlite");
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let file = directory.join("checkout.db");
+    let url = format!("sqlite://{}", file.display());
+    // Created (and migrated) here first, so the test can read it from the start.
+    let pool = idemflow_sqlite::open(&url, &idemflow_sqlite::OpenOptions::default())
+        .await
+        .unwrap();
+    let db = Db::Sqlite(pool);
+    let provider = MockProvider::start().await;
+    every_crash(|point, worker_point| crash_then_finish(&db, &url, &provider, point, worker_point))
+        .await;
+    assert_eq!(provider.charges().len(), 4);
 }
