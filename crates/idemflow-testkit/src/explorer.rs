@@ -21,10 +21,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
 use idemflow_runner::{
-    CrashHook, CrashPoint, Outcome, Registry, Request, Resumer, ResumerConfig, RunError, Runner,
-    Workflow,
+    CrashHook, CrashPoint, Engine, Outcome, PgStore, PoolOf, Registry, Request, Resumer,
+    ResumerConfig, RunError, Runner, RunnerConfig, SqliteStore, Workflow,
 };
-use sqlx::PgPool;
 
 use crate::provider::{Fault, MockProvider};
 
@@ -175,8 +174,136 @@ impl fmt::Display for Report {
     }
 }
 
-/// A check of your own, run after each case: `Err(why)` fails it.
-pub type Check = Box<dyn for<'a> Fn(&'a PgPool, &'a Case) -> CheckFuture<'a> + Send + Sync>;
+/// A check of your own, run after each case, on the engine's pool: `Err(why)` fails it.
+pub type Check<E = PgStore> =
+    Box<dyn for<'a> Fn(&'a PoolOf<E>, &'a Case) -> CheckFuture<'a> + Send + Sync>;
+
+/// What the explorer reads behind the runner's back, in each engine's SQL: the key's state, its
+/// stored response, and its lease rewound (never slept for).
+#[async_trait::async_trait]
+pub trait Inspect: Engine {
+    /// The key's state and recovery point; `None` when it has no row.
+    async fn state(
+        pool: &PoolOf<Self>,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<Option<(String, String)>, sqlx::Error>;
+    /// Ends a started key's lease now.
+    async fn rewind_lease(
+        pool: &PoolOf<Self>,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<(), sqlx::Error>;
+    /// The key's stored response, with its body (apart or not).
+    async fn stored_response(
+        pool: &PoolOf<Self>,
+        tenant: &TenantId,
+        key: &Key,
+    ) -> Result<Option<StoredResponse>, String>;
+}
+
+#[async_trait::async_trait]
+impl Inspect for PgStore {
+    async fn state(
+        pool: &sqlx::PgPool,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<Option<(String, String)>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT state, recovery_point FROM idempotency_keys WHERE tenant = $1 AND key = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .fetch_optional(pool)
+        .await
+    }
+
+    async fn rewind_lease(
+        pool: &sqlx::PgPool,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
+             WHERE tenant = $1 AND key = $2 AND state = 'started'",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .execute(pool)
+        .await
+        .map(|_| ())
+    }
+
+    async fn stored_response(
+        pool: &sqlx::PgPool,
+        tenant: &TenantId,
+        key: &Key,
+    ) -> Result<Option<StoredResponse>, String> {
+        let mut connection = pool.acquire().await.map_err(|error| error.to_string())?;
+        let row = idemflow_pg::inspect(&mut connection, tenant, key)
+            .await
+            .map_err(|error| error.to_string())?;
+        Ok(row.and_then(|row| row.response))
+    }
+}
+
+#[async_trait::async_trait]
+impl Inspect for SqliteStore {
+    async fn state(
+        pool: &sqlx::SqlitePool,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<Option<(String, String)>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT state, recovery_point FROM idempotency_keys WHERE tenant = ?1 AND key = ?2",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .fetch_optional(pool)
+        .await
+    }
+
+    async fn rewind_lease(
+        pool: &sqlx::SqlitePool,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET locked_until = locked_until - 86400000 \
+             WHERE tenant = ?1 AND key = ?2 AND state = 'started'",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .execute(pool)
+        .await
+        .map(|_| ())
+    }
+
+    async fn stored_response(
+        pool: &sqlx::SqlitePool,
+        tenant: &TenantId,
+        key: &Key,
+    ) -> Result<Option<StoredResponse>, String> {
+        let mut connection = pool.acquire().await.map_err(|error| error.to_string())?;
+        let found = match idemflow_sqlite::look_up(&mut connection, tenant, key)
+            .await
+            .map_err(|error| error.to_string())?
+        {
+            idemflow_sqlite::LookUp::Found(found) => found,
+            idemflow_sqlite::LookUp::Absent => return Ok(None),
+        };
+        let Some(mut response) = found.response else {
+            return Ok(None);
+        };
+        if let Some(life) = found.body_apart {
+            response.body = idemflow_sqlite::response_apart(&mut connection, tenant, key, life)
+                .await
+                .map_err(|error| error.to_string())?
+                .ok_or("the body stored apart is gone")?;
+        }
+        Ok(Some(response))
+    }
+}
 
 /// What a [`Check`] returns: `Ok(())`, or `Err(why)` to fail the case.
 pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
@@ -220,19 +347,21 @@ pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Sen
 /// report.assert_all_passed();
 /// # }
 /// ```
-pub struct Explorer {
-    pool: PgPool,
-    workflow: Arc<Workflow>,
+///
+/// On SQLite, give it a `SqlitePool` and a `Workflow<SqliteStore>`: the same cases, the same checks.
+pub struct Explorer<E: Inspect = PgStore> {
+    pool: PoolOf<E>,
+    workflow: Arc<Workflow<E>>,
     tenant: TenantId,
     method: String,
     path: String,
     body: Vec<u8>,
-    checks: Vec<(String, Check)>,
+    checks: Vec<(String, Check<E>)>,
     faults: Vec<Fault>,
     recovery_rounds: usize,
 }
 
-impl fmt::Debug for Explorer {
+impl<E: Inspect> fmt::Debug for Explorer<E> {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter
             .debug_struct("Explorer")
@@ -241,12 +370,12 @@ impl fmt::Debug for Explorer {
     }
 }
 
-impl Explorer {
+impl<E: Inspect> Explorer<E> {
     /// Explores `workflow` with a JSON `body` sent as `POST path` by `tenant`. Each case uses a
     /// fresh key, so one database serves every case.
     pub fn new(
-        pool: PgPool,
-        workflow: impl Into<Arc<Workflow>>,
+        pool: PoolOf<E>,
+        workflow: impl Into<Arc<Workflow<E>>>,
         tenant: TenantId,
         path: &str,
         body: &[u8],
@@ -281,7 +410,7 @@ impl Explorer {
     /// Adds an invariant of yours, checked after every case (e.g. exactly one order row).
     pub fn check<F>(mut self, name: &str, check: F) -> Self
     where
-        F: for<'a> Fn(&'a PgPool, &'a Case) -> CheckFuture<'a> + Send + Sync + 'static,
+        F: for<'a> Fn(&'a PoolOf<E>, &'a Case) -> CheckFuture<'a> + Send + Sync + 'static,
     {
         self.checks.push((name.to_owned(), Box::new(check)));
         self
@@ -340,7 +469,7 @@ impl Explorer {
         let first_attempt = self.first_attempt(&case, provider, &mut failures).await;
 
         // Recover: rewind the lease (never sleep for it) and let the recovery path finish it.
-        let plain = Runner::new(self.pool.clone());
+        let plain = Runner::<E>::on(self.pool.clone(), RunnerConfig::default());
         let mut finished = false;
         for _ in 0..self.recovery_rounds {
             let recovered = match self.state(&case).await {
@@ -430,7 +559,8 @@ impl Explorer {
                     key: case.key.clone(),
                     fired: AtomicBool::new(false),
                 });
-                let runner = Runner::new(self.pool.clone()).with_crash_hook(hook.clone());
+                let runner = Runner::<E>::on(self.pool.clone(), RunnerConfig::default())
+                    .with_crash_hook(hook.clone());
                 let result = runner
                     .run(
                         &self.workflow,
@@ -448,7 +578,7 @@ impl Explorer {
                 if let Some(provider) = provider {
                     provider.push_fault(fault.clone());
                 }
-                Runner::new(self.pool.clone())
+                Runner::<E>::on(self.pool.clone(), RunnerConfig::default())
             }
         };
         let result = runner
@@ -477,7 +607,7 @@ impl Explorer {
         }
     }
 
-    fn resumer(&self) -> Resumer {
+    fn resumer(&self) -> Resumer<E> {
         let mut registry = Registry::new();
         registry
             .register(self.workflow.clone())
@@ -486,33 +616,23 @@ impl Explorer {
             retention: None,
             ..ResumerConfig::default()
         };
-        Resumer::with_config(Runner::new(self.pool.clone()), registry, config)
+        Resumer::with_config(
+            Runner::<E>::on(self.pool.clone(), RunnerConfig::default()),
+            registry,
+            config,
+        )
     }
 
     async fn state(&self, case: &Case) -> Result<Option<(String, String)>, sqlx::Error> {
-        sqlx::query_as(
-            "SELECT state, recovery_point FROM idempotency_keys WHERE tenant = $1 AND key = $2",
-        )
-        .bind(case.tenant.as_str())
-        .bind(&case.key)
-        .fetch_optional(&self.pool)
-        .await
+        E::state(&self.pool, &case.tenant, &case.key).await
     }
 
     async fn rewind_lease(&self, case: &Case) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
-             WHERE tenant = $1 AND key = $2 AND state = 'started'",
-        )
-        .bind(case.tenant.as_str())
-        .bind(&case.key)
-        .execute(&self.pool)
-        .await
-        .map(|_| ())
+        E::rewind_lease(&self.pool, &case.tenant, &case.key).await
     }
 
     /// A further retry must return the stored response, byte for byte.
-    async fn check_replay(&self, case: &Case, runner: &Runner, failures: &mut Vec<String>) {
+    async fn check_replay(&self, case: &Case, runner: &Runner<E>, failures: &mut Vec<String>) {
         let stored = match self.stored_response(case).await {
             Ok(Some(stored)) => stored,
             Ok(None) => return failures.push("no stored response".to_owned()),
@@ -540,15 +660,7 @@ impl Explorer {
 
     async fn stored_response(&self, case: &Case) -> Result<Option<StoredResponse>, String> {
         let key = Key::parse(&case.key).map_err(|error| error.to_string())?;
-        let mut connection = self
-            .pool
-            .acquire()
-            .await
-            .map_err(|error| error.to_string())?;
-        let row = idemflow_pg::inspect(&mut connection, &case.tenant, &key)
-            .await
-            .map_err(|error| error.to_string())?;
-        Ok(row.and_then(|row| row.response))
+        E::stored_response(&self.pool, &case.tenant, &key).await
     }
 
     /// Every charge made during the case carries one of this request's derived keys, once.
