@@ -53,6 +53,8 @@ mod documents {
     mod client {}
     #[doc = include_str!("../docs/consumer.md")]
     mod consumer {}
+    #[doc = include_str!("../docs/engines.md")]
+    mod engines {}
     #[doc = include_str!("../docs/http.md")]
     mod http {}
     #[doc = include_str!("../docs/mock-provider.md")]
