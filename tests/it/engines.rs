@@ -23,7 +23,9 @@ use serde::{Deserialize, Serialize};
 
 /// What a case does on an engine's database behind the runner's back, in the engine's SQL.
 #[async_trait]
-trait Lab: Engine<Database: idemflow_runner::EngineOf<Engine = Self>> {
+trait Lab:
+    Engine<Database: idemflow_runner::EngineOf<Engine = Self>> + idemflow_consumer::ConsumerStore
+{
     /// Creates the table the checkout's local phases write.
     async fn create_orders(pool: &PoolOf<Self>);
     /// Inserts an order in the phase's transaction.
@@ -40,6 +42,8 @@ trait Lab: Engine<Database: idemflow_runner::EngineOf<Engine = Self>> {
     async fn age_finished(pool: &PoolOf<Self>);
     /// Rows in the keys table.
     async fn keys(pool: &PoolOf<Self>) -> i64;
+    /// Moves every processed message's time two days back.
+    async fn age_processed(pool: &PoolOf<Self>);
 }
 
 #[async_trait]
@@ -91,6 +95,15 @@ impl Lab for PgStore {
             .fetch_one(pool)
             .await
             .unwrap()
+    }
+
+    async fn age_processed(pool: &sqlx::PgPool) {
+        sqlx::query(
+            "UPDATE processed_messages SET processed_at = processed_at - interval '2 days'",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
     }
 }
 
@@ -144,6 +157,13 @@ impl Lab for SqliteStore {
             .await
             .unwrap()
     }
+
+    async fn age_processed(pool: &sqlx::SqlitePool) {
+        sqlx::query("UPDATE processed_messages SET processed_at = processed_at - 2 * 86400000")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
 }
 
 /// A fresh SQLite database file for `case`, removed at the next run of the same case.
@@ -189,6 +209,10 @@ engines!(
     a_crash_at_any_point_is_finished_by_the_resumer_and_runs_nothing_twice,
     a_retryable_failure_is_postponed_and_the_resumer_finishes_it,
     retention_frees_a_finished_key_for_a_new_request,
+    the_consumer_applies_a_message_once_and_acknowledges_its_redeliveries,
+    the_consumer_rolls_a_failed_handler_back_with_the_identity,
+    the_consumer_applies_concurrent_deliveries_of_one_message_once,
+    the_consumers_retention_forgets_old_identities_only,
 );
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -564,4 +588,179 @@ async fn on_sqlite_a_writer_held_past_the_busy_timeout_is_busy_and_leaves_no_key
         .unwrap();
     assert!(matches!(ran, Outcome::Executed(_)), "{ran:?}");
     assert_eq!(SqliteStore::orders(&pool, "order-busy").await, 1);
+}
+
+/// The consumer's handler: an order per message, failing on its first `fail_first` runs, slow
+/// when asked.
+struct Orders {
+    fail_first: std::sync::atomic::AtomicU32,
+    hold: Duration,
+}
+
+impl Orders {
+    fn new(fail_first: u32, hold: Duration) -> Self {
+        Self {
+            fail_first: std::sync::atomic::AtomicU32::new(fail_first),
+            hold,
+        }
+    }
+}
+
+#[async_trait]
+impl<E: Lab> idemflow_consumer::Handler<E> for Orders {
+    async fn handle(
+        &self,
+        connection: &mut ConnectionOf<E>,
+        message: &idemflow_consumer::Message,
+    ) -> Result<(), idemflow_consumer::HandlerError> {
+        E::insert_order(connection, message.id(), 1).await?;
+        tokio::time::sleep(self.hold).await;
+        let left = self.fail_first.load(Ordering::SeqCst);
+        if left > 0 {
+            self.fail_first.store(left - 1, Ordering::SeqCst);
+            return Err("the handler failed".into());
+        }
+        Ok(())
+    }
+}
+
+fn consumer<E: Lab>(pool: &PoolOf<E>) -> idemflow_consumer::Consumer<E> {
+    idemflow_consumer::Consumer::new(
+        pool.clone(),
+        idemflow_consumer::Subscriber::new("ledger").unwrap(),
+    )
+}
+
+fn message(id: &str, payload: &[u8]) -> idemflow_consumer::Message {
+    idemflow_consumer::Message::new(id.to_owned(), payload.to_vec()).unwrap()
+}
+
+async fn the_consumer_applies_a_message_once_and_acknowledges_its_redeliveries<E: Lab>(
+    pool: PoolOf<E>,
+) {
+    use idemflow_consumer::{ConsumerError, Processed};
+    E::create_orders(&pool).await;
+    let consumer = consumer::<E>(&pool);
+    let handler = Orders::new(0, Duration::ZERO);
+    let first = message("m-1", b"credit 10");
+    assert_eq!(
+        consumer.process(&handler, &first).await.unwrap(),
+        Processed::Applied
+    );
+    assert_eq!(
+        consumer.process(&handler, &first).await.unwrap(),
+        Processed::Duplicate
+    );
+    let other = consumer
+        .process(&handler, &message("m-1", b"credit 99"))
+        .await;
+    assert!(
+        matches!(other, Err(ConsumerError::PayloadMismatch { .. })),
+        "{other:?}"
+    );
+    assert_eq!(E::orders(&pool, "m-1").await, 1);
+    // Another subscriber applies it for itself.
+    let audit = idemflow_consumer::Consumer::new(
+        pool.clone(),
+        idemflow_consumer::Subscriber::new("audit").unwrap(),
+    );
+    assert_eq!(
+        audit.process(&handler, &first).await.unwrap(),
+        Processed::Applied
+    );
+    assert_eq!(E::orders(&pool, "m-1").await, 2);
+}
+
+async fn the_consumer_rolls_a_failed_handler_back_with_the_identity<E: Lab>(pool: PoolOf<E>) {
+    use idemflow_consumer::{ConsumerError, Processed};
+    E::create_orders(&pool).await;
+    let consumer = consumer::<E>(&pool);
+    let handler = Orders::new(1, Duration::ZERO);
+    let delivery = message("m-2", b"credit 20");
+    let failed = consumer.process(&handler, &delivery).await;
+    assert!(
+        matches!(failed, Err(ConsumerError::Handler(_))),
+        "{failed:?}"
+    );
+    assert_eq!(E::orders(&pool, "m-2").await, 0, "the effect rolled back");
+    // Redelivered: not a duplicate, since nothing of the first delivery stayed.
+    assert_eq!(
+        consumer.process(&handler, &delivery).await.unwrap(),
+        Processed::Applied
+    );
+    assert_eq!(E::orders(&pool, "m-2").await, 1);
+}
+
+async fn the_consumer_applies_concurrent_deliveries_of_one_message_once<E: Lab>(pool: PoolOf<E>) {
+    use idemflow_consumer::Processed;
+    E::create_orders(&pool).await;
+    let consumer = consumer::<E>(&pool);
+    let handler = Arc::new(Orders::new(0, Duration::from_millis(200)));
+    let deliveries = (0..3).map(|_| {
+        let (consumer, handler) = (consumer.clone(), Arc::clone(&handler));
+        tokio::spawn(async move {
+            consumer
+                .process(handler.as_ref(), &message("m-3", b"credit 30"))
+                .await
+        })
+    });
+    let mut outcomes = Vec::new();
+    for delivery in deliveries.collect::<Vec<_>>() {
+        outcomes.push(delivery.await.unwrap().unwrap());
+    }
+    outcomes.sort_by_key(|outcome| *outcome == Processed::Duplicate);
+    assert_eq!(
+        outcomes,
+        [
+            Processed::Applied,
+            Processed::Duplicate,
+            Processed::Duplicate
+        ]
+    );
+    assert_eq!(E::orders(&pool, "m-3").await, 1);
+}
+
+async fn the_consumers_retention_forgets_old_identities_only<E: Lab>(pool: PoolOf<E>) {
+    use idemflow_consumer::Processed;
+    E::create_orders(&pool).await;
+    let consumer = consumer::<E>(&pool);
+    let handler = Orders::new(0, Duration::ZERO);
+    for id in ["m-4", "m-5", "m-6"] {
+        assert_eq!(
+            consumer
+                .process(&handler, &message(id, b"x"))
+                .await
+                .unwrap(),
+            Processed::Applied
+        );
+    }
+    let day = Duration::from_secs(86_400);
+    assert_eq!(
+        idemflow_consumer::expire_processed(&pool, day, 2, None)
+            .await
+            .unwrap(),
+        0
+    );
+    E::age_processed(&pool).await;
+    assert_eq!(
+        consumer
+            .process(&handler, &message("m-7", b"x"))
+            .await
+            .unwrap(),
+        Processed::Applied
+    );
+    // In batches of two, the three old ones; the new one stays.
+    assert_eq!(
+        idemflow_consumer::expire_processed(&pool, day, 2, None)
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(
+        consumer
+            .process(&handler, &message("m-7", b"x"))
+            .await
+            .unwrap(),
+        Processed::Duplicate
+    );
 }

@@ -10,12 +10,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idemflow_pg::{Limits, Transaction};
-use sqlx::{PgConnection, PgPool};
+use idemflow_runner::{ConnectionOf, EngineOf, PgStore, PoolOf};
 use tracing::Instrument;
 
 use crate::identity::{Message, Subscriber, hex};
 use crate::metrics::{self, DUPLICATES, FAILED, PROCESSED, REFUSED, count};
+use crate::store::{ConsumerStore, consumer_error};
 
 /// What a handler's error becomes: any error converts (`?` on sqlx's, serde's, yours).
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
@@ -25,13 +25,16 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 ///
 /// A handler must do nothing outside that transaction that it cannot do twice: a message whose
 /// commit failed, or whose process died before it, is delivered again and the handler runs again.
+///
+/// A handler names the engine it writes through (`E`, PostgreSQL unless named): on SQLite,
+/// `impl Handler<SqliteStore> for …` receives a `SqliteConnection`.
 #[async_trait]
-pub trait Handler: Send + Sync {
+pub trait Handler<E: ConsumerStore = PgStore>: Send + Sync {
     /// The message's effects. An error rolls them back with the identity: the delivery is to be
     /// redelivered (negatively acknowledged, or left to the broker).
     async fn handle(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         message: &Message,
     ) -> Result<(), HandlerError>;
 }
@@ -121,39 +124,59 @@ pub trait CrashHook: Send + Sync + fmt::Debug {
     async fn crash_at(&self, point: CrashPoint, message: &Message) -> bool;
 }
 
-/// Applies messages for one subscriber, each at most once, on a pool.
-#[derive(Debug, Clone)]
-pub struct Consumer {
-    pool: PgPool,
+/// Applies messages for one subscriber, each at most once, on a pool of engine `E` (PostgreSQL
+/// unless named; [`Consumer::new`] knows it from the pool).
+#[derive(Debug)]
+pub struct Consumer<E: ConsumerStore = PgStore> {
+    pool: PoolOf<E>,
     subscriber: Subscriber,
     crash_hook: Option<Arc<dyn CrashHook>>,
-    /// What the transaction's `BEGIN` sets: its `lock_timeout` when a wait limit is set.
-    limits: Limits,
+    /// How long a delivery waits behind another of the same message (PostgreSQL: the
+    /// transaction's `lock_timeout`, sent with its `BEGIN`).
+    wait_limit: Option<Duration>,
+}
+
+impl<E: ConsumerStore> Clone for Consumer<E> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            subscriber: self.subscriber.clone(),
+            crash_hook: self.crash_hook.clone(),
+            wait_limit: self.wait_limit,
+        }
+    }
 }
 
 /// How often an identity found and gone again is tried before [`ConsumerError::Contended`].
 const ROUNDS: usize = 3;
 
 impl Consumer {
-    /// A consumer for `subscriber`. Describes the metrics to the installed recorder once per
-    /// process. The pool's database must be migrated (`idemflow::migrate`).
-    pub fn new(pool: PgPool, subscriber: Subscriber) -> Self {
+    /// A consumer for `subscriber` on `pool` (a `PgPool` or a `SqlitePool`: the engine follows
+    /// from it). Describes the metrics to the installed recorder once per process. The pool's
+    /// database must be migrated (`idemflow::migrate`, or `idemflow_sqlite::open`).
+    pub fn new<D>(pool: sqlx::Pool<D>, subscriber: Subscriber) -> Consumer<D::Engine>
+    where
+        D: EngineOf,
+        D::Engine: ConsumerStore,
+    {
         metrics::describe_once();
-        Self {
+        Consumer {
             pool,
             subscriber,
             crash_hook: None,
-            limits: Limits::default(),
+            wait_limit: None,
         }
     }
+}
 
+impl<E: ConsumerStore> Consumer<E> {
     /// The same consumer, waiting at most `limit` on another delivery of the same message that
     /// is in flight (its uncommitted identity): past it the delivery ends with
     /// [`ConsumerError::HeldElsewhere`] rather than holding its connection and its broker slot
     /// for as long as the other handler runs. Without a limit it waits as long as the server lets
     /// it. Sent with the `BEGIN`, in the same message: no round trip of its own.
     pub fn with_wait_limit(mut self, limit: Duration) -> Self {
-        self.limits.lock_timeout = Some(limit);
+        self.wait_limit = Some(limit);
         self
     }
 
@@ -169,7 +192,7 @@ impl Consumer {
     }
 
     /// The pool it works on.
-    pub fn pool(&self) -> &PgPool {
+    pub fn pool(&self) -> &PoolOf<E> {
         &self.pool
     }
 
@@ -184,7 +207,7 @@ impl Consumer {
     ///
     /// Acknowledge the delivery on `Ok` only; on any error leave it to be redelivered, except
     /// [`ConsumerError::PayloadMismatch`], which will never pass.
-    pub async fn process<H: Handler + ?Sized>(
+    pub async fn process<H: Handler<E> + ?Sized>(
         &self,
         handler: &H,
         message: &Message,
@@ -221,55 +244,29 @@ impl Consumer {
         .await
     }
 
-    async fn process_in_transaction<H: Handler + ?Sized>(
+    async fn process_in_transaction<H: Handler<E> + ?Sized>(
         &self,
         handler: &H,
         message: &Message,
     ) -> Result<Processed, ConsumerError> {
-        // The engine's transaction, not sqlx's: dropped while its BEGIN is in flight (a timeout
-        // around this call, a shutdown's select!), it closes the connection rather than hand it
-        // back to a shared pool inside the transaction, where the pool's next user (a runner's
-        // look-up) would run in it. And it states READ COMMITTED, which the duplicate's check
-        // needs (a fresh snapshot per statement).
-        let mut transaction =
-            Transaction::begin_limited(self.pool.acquire().await?, &self.limits).await?;
+        let mut transaction = E::begin_delivery(&self.pool, self.wait_limit).await?;
+        let subscriber = self.subscriber.as_str();
         let mut rounds = 0;
-        // The identity before the effects: a second delivery in flight blocks here, on the
-        // first's uncommitted row, rather than running the handler beside it.
+        // The identity before the effects: a second delivery in flight waits here, behind the
+        // first's uncommitted identity, rather than running the handler beside it.
         loop {
-            let inserted = sqlx::query(
-                "INSERT INTO processed_messages (subscriber, message_id, fingerprint) \
-                 VALUES ($1, $2, $3) ON CONFLICT (subscriber, message_id) DO NOTHING",
-            )
-            .bind(self.subscriber.as_str())
-            .bind(message.id())
-            .bind(message.fingerprint().as_slice())
-            .execute(&mut *transaction)
-            .await;
-            let inserted = match inserted {
-                Ok(done) => done.rows_affected(),
-                // lock_not_available: the wait limit passed behind another delivery's identity.
-                Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("55P03") => {
-                    return Err(ConsumerError::HeldElsewhere(message.id().to_owned()));
-                }
-                Err(error) => return Err(error.into()),
-            };
-            if inserted == 1 {
+            let fingerprint = message.fingerprint().as_slice();
+            if E::insert_identity(&mut transaction, subscriber, message.id(), fingerprint).await? {
                 break;
             }
             // A separate statement, so a fresh snapshot (Read Committed) sees the row that the
             // insert found, committed by another transaction after this one began.
-            let stored: Option<Vec<u8>> = sqlx::query_scalar(
-                "SELECT fingerprint FROM processed_messages \
-                 WHERE subscriber = $1 AND message_id = $2",
-            )
-            .bind(self.subscriber.as_str())
-            .bind(message.id())
-            .fetch_optional(&mut *transaction)
-            .await?;
+            let stored = E::stored_fingerprint(&mut transaction, subscriber, message.id()).await?;
             match stored {
                 Some(stored) => {
-                    transaction.rollback().await?;
+                    E::rollback(transaction)
+                        .await
+                        .map_err(|error| consumer_error(error, message.id()))?;
                     if stored.as_slice() == message.fingerprint().as_slice() {
                         return Ok(Processed::Duplicate);
                     }
@@ -285,25 +282,33 @@ impl Consumer {
                 None => return Err(ConsumerError::Contended(message.id().to_owned())),
             }
         }
-        match CatchPanic(Box::pin(handler.handle(&mut transaction, message))).await {
+        let handled = CatchPanic(Box::pin(
+            handler.handle(E::connection(&mut transaction), message),
+        ))
+        .await;
+        match handled {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                transaction.rollback().await?;
+                E::rollback(transaction)
+                    .await
+                    .map_err(|error| consumer_error(error, message.id()))?;
                 return Err(ConsumerError::Handler(error));
             }
             Err(panic) => {
-                // The transaction may be mid-statement: its connection is closed, and the server
-                // rolls back.
-                transaction.abandon();
+                // The transaction may be mid-statement: its connection is closed, and the
+                // database rolls back.
+                E::abandon(transaction);
                 return Err(ConsumerError::Panicked(panic));
             }
         }
         if self.crashes_at(CrashPoint::BeforeCommit, message).await {
-            // Dropping the transaction rolls it back, as the server does when a process dies.
+            // Dropping the transaction rolls it back, as the database does when a process dies.
             drop(transaction);
             return Err(ConsumerError::Crashed(CrashPoint::BeforeCommit));
         }
-        transaction.commit().await?;
+        E::commit_keeping(transaction)
+            .await
+            .map_err(|error| consumer_error(error, message.id()))?;
         if self.crashes_at(CrashPoint::AfterCommit, message).await {
             return Err(ConsumerError::Crashed(CrashPoint::AfterCommit));
         }

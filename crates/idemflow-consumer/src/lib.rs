@@ -49,6 +49,7 @@ mod consumer;
 mod identity;
 mod metrics;
 mod retention;
+mod store;
 
 pub use consumer::{
     Consumer, ConsumerError, CrashHook, CrashPoint, Handler, HandlerError, Processed,
@@ -56,3 +57,4 @@ pub use consumer::{
 pub use identity::{InvalidIdentity, Message, Subscriber};
 pub use metrics::{CATALOGUE, describe_metrics};
 pub use retention::{MessageRetention, expire_batch, expire_processed};
+pub use store::ConsumerStore;

@@ -4,7 +4,10 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use sqlx::{PgConnection, PgPool};
+use idemflow_runner::EngineOf;
+use sqlx::{PgConnection, Pool};
+
+use crate::store::ConsumerStore;
 
 use crate::metrics::EXPIRED;
 
@@ -56,7 +59,11 @@ impl Default for MessageRetention {
 impl MessageRetention {
     /// Deletes every record older than `keep_for`, in batches, at most `max_rows_per_second`;
     /// returns how many.
-    pub async fn expire(&self, pool: &PgPool) -> Result<u64, sqlx::Error> {
+    pub async fn expire<D>(&self, pool: &Pool<D>) -> Result<u64, sqlx::Error>
+    where
+        D: EngineOf,
+        D::Engine: ConsumerStore,
+    {
         expire_processed(
             pool,
             self.keep_for,
@@ -68,7 +75,11 @@ impl MessageRetention {
 
     /// Expires now and then every `every` until `shutdown` completes. A failed run is logged and
     /// tried again at the next tick: retention is never urgent.
-    pub async fn run(&self, pool: &PgPool, shutdown: impl Future<Output = ()>) {
+    pub async fn run<D>(&self, pool: &Pool<D>, shutdown: impl Future<Output = ()>)
+    where
+        D: EngineOf,
+        D::Engine: ConsumerStore,
+    {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut ticks = tokio::time::interval(self.every.max(Duration::from_millis(1)));
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -114,20 +125,22 @@ pub async fn expire_batch(
 
 /// Deletes every record processed more than `older_than` ago, `batch_size` rows per
 /// transaction, paced to at most `max_rows_per_second` (`None`: back to back); returns how many.
-pub async fn expire_processed(
-    pool: &PgPool,
+pub async fn expire_processed<D>(
+    pool: &Pool<D>,
     older_than: Duration,
     batch_size: i64,
     max_rows_per_second: Option<u32>,
-) -> Result<u64, sqlx::Error> {
+) -> Result<u64, sqlx::Error>
+where
+    D: EngineOf,
+    D::Engine: ConsumerStore,
+{
     let batch_size = batch_size.max(1);
     let rate = max_rows_per_second.filter(|&rate| rate > 0).map(f64::from);
     let began = Instant::now();
     let mut total = 0;
     loop {
-        let mut connection = pool.acquire().await?;
-        let deleted = expire_batch(&mut connection, older_than, batch_size).await?;
-        drop(connection);
+        let deleted = D::Engine::expire_identities(pool, older_than, batch_size).await?;
         total += deleted;
         if deleted < u64::try_from(batch_size).unwrap_or(u64::MAX) {
             if total > 0 {
