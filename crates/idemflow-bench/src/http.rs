@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing;
 use axum::serve::ListenerExt;
-use idemflow::{Runner, Workflow};
+use idemflow::{Engine, Runner, Workflow};
 use idemflow_http::{BearerTenant, WorkflowService};
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
@@ -33,7 +33,10 @@ impl Drop for Server {
     }
 }
 
-pub async fn serve(runner: Runner, workflow: Arc<Workflow>) -> Result<Server, Error> {
+pub async fn serve<E: Engine>(
+    runner: Runner<E>,
+    workflow: Arc<Workflow<E>>,
+) -> Result<Server, Error> {
     let service = WorkflowService::new(runner, workflow, BearerTenant);
     serve_router(Router::new().route_service(PATH, service)).await
 }
@@ -89,7 +92,7 @@ async fn raw_handler(
     }
 }
 
-async fn serve_router(router: Router) -> Result<Server, Error> {
+pub(crate) async fn serve_router(router: Router) -> Result<Server, Error> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let address = listener.local_addr()?;
     let listener = listener.tap_io(|tcp| {

@@ -19,6 +19,7 @@ mod provider_storm;
 mod raw;
 pub mod report;
 mod sqlite;
+mod sqlite_runner;
 mod wire_counts;
 mod workflows;
 mod workloads;

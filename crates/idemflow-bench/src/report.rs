@@ -712,14 +712,16 @@ impl Report {
         if !self.sqlite.is_empty() {
             let _ = writeln!(
                 out,
-                "\nsqlite (13): one file, WAL, synchronous = FULL; per second, the store vs raw sqlx \
-                 sending the same statements (a request: claim, one phase, finish, one write \
-                 transaction; a replay: the look-up)"
+                "\nsqlite (13): one file, WAL, synchronous = FULL; per second, engine vs raw sqlx. \
+                 The store: request (claim, one phase, finish, one write transaction) and replay \
+                 (the look-up), the same statements; the runner: checkout, local-only and \
+                 run-replay (Runner<SqliteStore>) and http-checkout, http-replay (WorkflowService) \
+                 vs what a hand-written service sends"
             );
             for row in &self.sqlite {
                 let _ = writeln!(
                     out,
-                    "  {:<8} {:>3} clients: engine {:>8.0}/s  raw {:>8.0}/s  ({:.2}×)",
+                    "  {:<13} {:>3} clients: engine {:>8.0}/s  raw {:>8.0}/s  ({:.2}×)",
                     row.operation,
                     row.clients,
                     row.engine_per_second,

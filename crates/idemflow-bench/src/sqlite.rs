@@ -72,6 +72,8 @@ pub async fn run(config: &Config) -> Result<Vec<SqliteRun>, Error> {
             });
         }
     }
+    // The runner's operations, on the same file.
+    runs.extend(crate::sqlite_runner::run(&pool, &config.clients, config.duration).await?);
     pool.close().await;
     let _ = std::fs::remove_dir_all(path.parent().unwrap_or(Path::new(".")));
     Ok(runs)

@@ -117,7 +117,7 @@ impl LocalPhase for CreateOrder {
 pub type Ledger = Arc<Mutex<HashMap<String, u32>>>;
 
 /// The foreign phase: an in-process no-op, so the database is what is measured.
-struct Charge(Option<Ledger>);
+pub(crate) struct Charge(pub(crate) Option<Ledger>);
 
 #[async_trait::async_trait]
 impl ForeignPhase for Charge {

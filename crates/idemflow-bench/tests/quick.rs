@@ -45,8 +45,9 @@ async fn quick_mode_completes_with_the_documented_counts() {
     assert_counts(&report, LOCAL_ONLY, RAW, 1, 5);
     assert_counts(&report, REPLAY, RAW, 0, 1);
     assert_eq!(report.hook_calls_per_request, Some(6.0));
-    // Workload 13: both operations on SQLite at every client count, engine and raw.
-    assert_eq!(report.sqlite.len(), 2 * report.settings.clients.len());
+    // Workload 13: the store's two operations and the runner's five on SQLite, at every client
+    // count, engine and raw.
+    assert_eq!(report.sqlite.len(), 7 * report.settings.clients.len());
     assert!(
         report
             .sqlite

@@ -1,0 +1,508 @@
+//! Workload 13, the runner's part: the engine on SQLite (`Runner<SqliteStore>`, the same checkout
+//! and one-phase workflows as workloads 1 to 3, their local phases in SQLite's SQL) beside raw
+//! sqlx on SQLite sending the statements a hand-written service would, on one database file; and
+//! through HTTP (workload 7's route and hand-written handler, on SQLite). Engine and raw alternate
+//! in halves of the run, as in the store's part (`sqlite.rs`).
+//!
+//! Statements per request (read off the code, SQLite has no wire to count): a checkout, engine 13
+//! (look-up; BEGIN IMMEDIATE, exists, fence, claim, savepoint, order, advance, COMMIT; BEGIN
+//! IMMEDIATE, order, finish, COMMIT) vs raw 11 (no look-up, no savepoint); one local phase, engine
+//! 9 vs raw 7; a replay, 1 and 1. Two write transactions a checkout, one a local-only request, on
+//! both sides.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing;
+use idemflow::{
+    Key, LocalPhase, Outcome, PhaseContext, PhaseError, Runner, SqliteConnection, SqliteStore,
+    StoredResponse, Workflow,
+};
+use idemflow_sqlite::statements;
+use sqlx::SqlitePool;
+
+use crate::Error;
+use crate::http::{self, Server};
+use crate::report::SqliteRun;
+use crate::workflows::{
+    CHECKOUT, Charge, Charged, CheckoutRequest, OrderCreated, PATH, PLACE, TENANT,
+    fingerprint_and_request, request, tenant,
+};
+
+const ORDERS: &str = "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, tenant TEXT NOT NULL, \
+     key TEXT NOT NULL, amount INTEGER NOT NULL, status TEXT NOT NULL DEFAULT 'created', paid_by TEXT) STRICT";
+const INSERT_ORDER: &str =
+    "INSERT INTO orders (tenant, key, amount) VALUES (?1, ?2, ?3) RETURNING id";
+const MARK_PAID: &str = "UPDATE orders SET status = ?2, paid_by = ?3 WHERE id = ?1";
+const SELECT_RESPONSE: &str = "SELECT response_status, response_headers, response_body \
+     FROM idempotency_keys WHERE tenant = ?1 AND key = ?2";
+const LEASE_MS: i64 = 60_000;
+const REPLAY_KEYS: u64 = 1_000;
+
+struct CreateOrder;
+
+#[async_trait::async_trait]
+impl LocalPhase<SqliteStore> for CreateOrder {
+    const NAME: &'static str = "create_order";
+    type Input = CheckoutRequest;
+    type Output = OrderCreated;
+
+    async fn run(
+        &self,
+        connection: &mut SqliteConnection,
+        input: CheckoutRequest,
+        context: &PhaseContext,
+    ) -> Result<OrderCreated, PhaseError> {
+        let order_id: i64 = sqlx::query_scalar(INSERT_ORDER)
+            .bind(context.tenant.as_str())
+            .bind(context.key.as_str())
+            .bind(input.amount)
+            .fetch_one(connection)
+            .await?;
+        Ok(OrderCreated {
+            order_id,
+            amount: input.amount,
+            source: input.source,
+        })
+    }
+}
+
+struct MarkPaid;
+
+#[async_trait::async_trait]
+impl LocalPhase<SqliteStore> for MarkPaid {
+    const NAME: &'static str = "mark_paid";
+    type Input = Charged;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut SqliteConnection,
+        charged: Charged,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        sqlx::query(MARK_PAID)
+            .bind(charged.order_id)
+            .bind("paid")
+            .bind(format!("attempt-{}", context.attempt))
+            .execute(connection)
+            .await?;
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({"order_id": charged.order_id, "charge_id": charged.charge_id, "status": "paid"}),
+        ))
+    }
+}
+
+struct PlaceOrder;
+
+#[async_trait::async_trait]
+impl LocalPhase<SqliteStore> for PlaceOrder {
+    const NAME: &'static str = "place_order";
+    type Input = CheckoutRequest;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut SqliteConnection,
+        input: CheckoutRequest,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let order_id: i64 = sqlx::query_scalar(INSERT_ORDER)
+            .bind(context.tenant.as_str())
+            .bind(context.key.as_str())
+            .bind(input.amount)
+            .fetch_one(connection)
+            .await?;
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({"order_id": order_id, "status": "created"}),
+        ))
+    }
+}
+
+fn checkout() -> Result<Workflow<SqliteStore>, Error> {
+    Ok(
+        Workflow::<SqliteStore>::builder_on::<CheckoutRequest>(CHECKOUT)
+            .local(CreateOrder)
+            .foreign(Charge(None))
+            .local(MarkPaid)
+            .build()?,
+    )
+}
+
+fn place() -> Result<Workflow<SqliteStore>, Error> {
+    Ok(
+        Workflow::<SqliteStore>::builder_on::<CheckoutRequest>(PLACE)
+            .local(PlaceOrder)
+            .build()?,
+    )
+}
+
+/// What the raw requests store, fixed: the engine computes these per request.
+#[derive(Debug, Clone)]
+struct Shape {
+    fingerprint: Vec<u8>,
+    request: String,
+}
+
+fn headers() -> String {
+    r#"[["content-type","application/json"]]"#.to_owned()
+}
+
+/// The raw claim in an open write transaction: its token.
+async fn raw_claim(
+    connection: &mut SqliteConnection,
+    shape: &Shape,
+    workflow: &str,
+    key: &str,
+) -> Result<i64, Error> {
+    let exists = sqlx::query(statements::EXISTS)
+        .bind(TENANT)
+        .bind(key)
+        .fetch_optional(&mut *connection)
+        .await?;
+    if exists.is_some() {
+        return Err(format!("raw claim of a fresh key {key} found it taken").into());
+    }
+    let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
+        .fetch_one(&mut *connection)
+        .await?;
+    sqlx::query(statements::CLAIM)
+        .bind(TENANT)
+        .bind(key)
+        .bind(shape.fingerprint.as_slice())
+        .bind(workflow)
+        .bind(&shape.request)
+        .bind(LEASE_MS)
+        .bind(token)
+        .execute(&mut *connection)
+        .await?;
+    Ok(token)
+}
+
+async fn raw_finish(
+    connection: &mut SqliteConnection,
+    key: &str,
+    token: i64,
+    point: &str,
+    body: &str,
+) -> Result<(), Error> {
+    let _: Option<i64> = sqlx::query_scalar(statements::FINISH)
+        .bind(TENANT)
+        .bind(key)
+        .bind(token)
+        .bind(point)
+        .bind(201_i64)
+        .bind(headers())
+        .bind(body.as_bytes())
+        .fetch_optional(connection)
+        .await?;
+    Ok(())
+}
+
+/// Raw checkout: BEGIN IMMEDIATE, claim, order, advance, COMMIT; (no-op); BEGIN IMMEDIATE, order
+/// update, finish, COMMIT. Returns the body stored.
+async fn raw_checkout(pool: &SqlitePool, shape: &Shape, key: &str) -> Result<String, Error> {
+    let mut connection = pool.acquire().await?;
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut *connection)
+        .await?;
+    let token = raw_claim(&mut connection, shape, CHECKOUT, key).await?;
+    let order_id: i64 = sqlx::query_scalar(INSERT_ORDER)
+        .bind(TENANT)
+        .bind(key)
+        .bind(100_i64)
+        .fetch_one(&mut *connection)
+        .await?;
+    let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
+    sqlx::query(statements::ADVANCE)
+        .bind(TENANT)
+        .bind(key)
+        .bind(token)
+        .bind("create_order")
+        .bind(output.to_string())
+        .bind(LEASE_MS)
+        .execute(&mut *connection)
+        .await?;
+    sqlx::query("COMMIT").execute(&mut *connection).await?;
+
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut *connection)
+        .await?;
+    sqlx::query(MARK_PAID)
+        .bind(order_id)
+        .bind("paid")
+        .bind("attempt-1")
+        .execute(&mut *connection)
+        .await?;
+    let body = format!(r#"{{"charge_id":"ch_{order_id}","order_id":{order_id},"status":"paid"}}"#);
+    raw_finish(&mut connection, key, token, "mark_paid", &body).await?;
+    sqlx::query("COMMIT").execute(&mut *connection).await?;
+    Ok(body)
+}
+
+/// Raw one-phase request: BEGIN IMMEDIATE, claim, order, finish, COMMIT.
+async fn raw_place(pool: &SqlitePool, shape: &Shape, key: &str) -> Result<(), Error> {
+    let mut connection = pool.acquire().await?;
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut *connection)
+        .await?;
+    let token = raw_claim(&mut connection, shape, PLACE, key).await?;
+    let order_id: i64 = sqlx::query_scalar(INSERT_ORDER)
+        .bind(TENANT)
+        .bind(key)
+        .bind(100_i64)
+        .fetch_one(&mut *connection)
+        .await?;
+    let body = format!(r#"{{"order_id":{order_id},"status":"created"}}"#);
+    raw_finish(&mut connection, key, token, "place_order", &body).await?;
+    sqlx::query("COMMIT").execute(&mut *connection).await?;
+    Ok(())
+}
+
+type StoredRow = (i64, String, Vec<u8>);
+
+async fn raw_stored(pool: &SqlitePool, key: &str) -> Result<Option<StoredRow>, Error> {
+    Ok(sqlx::query_as(SELECT_RESPONSE)
+        .bind(TENANT)
+        .bind(key)
+        .fetch_optional(pool)
+        .await?)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Engine,
+    Raw,
+}
+
+/// What one measured operation needs.
+struct Bench {
+    pool: SqlitePool,
+    shape: Shape,
+    runner: Runner<SqliteStore>,
+    checkout: Arc<Workflow<SqliteStore>>,
+    place: Workflow<SqliteStore>,
+    next: AtomicU64,
+    http_client: reqwest::Client,
+    engine_url: String,
+    raw_url: String,
+}
+
+impl Bench {
+    async fn one(&self, operation: &str, side: Side, client: u64, round: u64) -> Result<(), Error> {
+        let fresh = || format!("{operation}-{}", self.next.fetch_add(1, Ordering::Relaxed));
+        let replay_key = || format!("replay-{}", (client * 7 + round) % REPLAY_KEYS);
+        match (operation, side) {
+            ("checkout", Side::Engine) => {
+                let key = Key::parse(&fresh())?;
+                let outcome = self
+                    .runner
+                    .run(&self.checkout, &tenant(), &key, request())
+                    .await?;
+                expect_executed(&outcome)
+            }
+            ("checkout", Side::Raw) => raw_checkout(&self.pool, &self.shape, &fresh())
+                .await
+                .map(drop),
+            ("local-only", Side::Engine) => {
+                let key = Key::parse(&fresh())?;
+                let outcome = self
+                    .runner
+                    .run(&self.place, &tenant(), &key, request())
+                    .await?;
+                expect_executed(&outcome)
+            }
+            ("local-only", Side::Raw) => raw_place(&self.pool, &self.shape, &fresh()).await,
+            ("run-replay", Side::Engine) => {
+                let key = Key::parse(&replay_key())?;
+                match self
+                    .runner
+                    .run(&self.checkout, &tenant(), &key, request())
+                    .await?
+                {
+                    Outcome::Replayed(_) => Ok(()),
+                    other => Err(format!("a replay was {other:?}").into()),
+                }
+            }
+            ("run-replay", Side::Raw) => match raw_stored(&self.pool, &replay_key()).await? {
+                Some((201, _, _)) => Ok(()),
+                other => Err(format!("raw replay: {other:?}").into()),
+            },
+            ("http-checkout", side) => {
+                let url = self.url(side);
+                http::post(&self.http_client, url, &fresh(), false).await
+            }
+            ("http-replay", side) => {
+                let url = self.url(side);
+                http::post(&self.http_client, url, &replay_key(), true).await
+            }
+            (other, _) => Err(format!("no operation {other}").into()),
+        }
+    }
+
+    fn url(&self, side: Side) -> &str {
+        match side {
+            Side::Engine => &self.engine_url,
+            Side::Raw => &self.raw_url,
+        }
+    }
+}
+
+fn expect_executed(outcome: &Outcome) -> Result<(), Error> {
+    match outcome {
+        Outcome::Executed(response) if response.status == 201 => Ok(()),
+        other => Err(format!("a new request was {other:?}").into()),
+    }
+}
+
+/// The operations measured, in order.
+pub const OPERATIONS: [&str; 5] = [
+    "checkout",
+    "local-only",
+    "run-replay",
+    "http-checkout",
+    "http-replay",
+];
+
+/// Runs every operation at each client count on `pool`'s file, engine and raw alternating.
+pub async fn run(
+    pool: &SqlitePool,
+    clients: &[usize],
+    duration: Duration,
+) -> Result<Vec<SqliteRun>, Error> {
+    sqlx::query(ORDERS).execute(pool).await?;
+    let (fingerprint, canonical) = fingerprint_and_request()?;
+    let shape = Shape {
+        fingerprint: fingerprint.as_bytes().to_vec(),
+        request: canonical.to_string(),
+    };
+    let runner = Runner::new(pool.clone());
+    let checkout = Arc::new(checkout()?);
+    // Finished checkouts for the replays (the engine's and the raw HTTP handler's alike).
+    for index in 0..REPLAY_KEYS {
+        let key = Key::parse(&format!("replay-{index}"))?;
+        let outcome = runner.run(&checkout, &tenant(), &key, request()).await?;
+        expect_executed(&outcome)?;
+    }
+    let engine_server = http::serve(runner.clone(), checkout.clone()).await?;
+    let raw_server = serve_raw(pool.clone(), shape.clone()).await?;
+    let most = clients.iter().copied().max().unwrap_or(1);
+    let bench = Arc::new(Bench {
+        pool: pool.clone(),
+        shape,
+        runner,
+        checkout,
+        place: place()?,
+        next: AtomicU64::new(0),
+        http_client: http::client(most)?,
+        engine_url: engine_server.url.clone(),
+        raw_url: raw_server.url.clone(),
+    });
+    let mut runs = Vec::new();
+    for &clients in clients {
+        for operation in OPERATIONS {
+            let mut counts = [0_u64; 2];
+            let half = duration / 2;
+            for side in [Side::Engine, Side::Raw, Side::Engine, Side::Raw] {
+                let done = timed(&bench, operation, side, clients, half / 2).await?;
+                counts[usize::from(side == Side::Raw)] += done;
+            }
+            let seconds = half.as_secs_f64();
+            runs.push(SqliteRun {
+                operation: operation.to_owned(),
+                clients,
+                engine_per_second: counts[0] as f64 / seconds,
+                raw_per_second: counts[1] as f64 / seconds,
+            });
+        }
+    }
+    drop((engine_server, raw_server));
+    Ok(runs)
+}
+
+async fn timed(
+    bench: &Arc<Bench>,
+    operation: &'static str,
+    side: Side,
+    clients: usize,
+    duration: Duration,
+) -> Result<u64, Error> {
+    let until = Instant::now() + duration;
+    let mut tasks = tokio::task::JoinSet::new();
+    for client in 0..clients {
+        let bench = Arc::clone(bench);
+        tasks.spawn(async move {
+            let mut done = 0_u64;
+            while Instant::now() < until {
+                bench.one(operation, side, client as u64, done).await?;
+                done += 1;
+            }
+            Ok::<u64, Error>(done)
+        });
+    }
+    let mut total = 0;
+    while let Some(joined) = tasks.join_next().await {
+        total += joined??;
+    }
+    Ok(total)
+}
+
+/// The HTTP baseline on SQLite: a hand-written axum handler (the key from its header, the body
+/// parsed as JSON, the stored response by primary key, else the raw checkout).
+async fn serve_raw(pool: SqlitePool, shape: Shape) -> Result<Server, Error> {
+    let router = Router::new()
+        .route(PATH, routing::post(raw_handler))
+        .with_state(Arc::new((pool, shape)));
+    http::serve_router(router).await
+}
+
+async fn raw_handler(
+    State(state): State<Arc<(SqlitePool, Shape)>>,
+    request_headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Some(key) = request_headers
+        .get("idempotency-key")
+        .and_then(|key| key.to_str().ok())
+    else {
+        return (StatusCode::BAD_REQUEST, "no idempotency key").into_response();
+    };
+    if serde_json::from_slice::<serde_json::Value>(&body).is_err() {
+        return (StatusCode::BAD_REQUEST, "the body is not JSON").into_response();
+    }
+    let (pool, shape) = &*state;
+    let answer = async {
+        if let Some((status, _, body)) = raw_stored(pool, key).await? {
+            return Ok::<_, Error>((true, status, body));
+        }
+        let body = raw_checkout(pool, shape, key).await?;
+        Ok((false, 201, body.into_bytes()))
+    };
+    match answer.await {
+        Ok((replayed, status, body)) => {
+            let status = u16::try_from(status)
+                .ok()
+                .and_then(|status| StatusCode::from_u16(status).ok())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut response = (status, body).into_response();
+            response
+                .headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/json"));
+            if replayed {
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            response
+        }
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
