@@ -30,6 +30,7 @@ pub use config::{Config, SECTIONS};
 pub use db::ServerCounts;
 pub use load::LatencySummary;
 pub use report::Report;
+pub use sqlite_runner::{CHILD as SQLITE_CHILD, child as sqlite_child};
 pub use wire_counts::WireCount;
 
 /// Any failure: the benchmark stops at the first one (a run with failed requests means nothing).

@@ -43,6 +43,19 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // A child process of workload 13's several-processes measurement: count, print, exit.
+    if let Ok(spec) = std::env::var(idemflow_bench::SQLITE_CHILD) {
+        return match idemflow_bench::sqlite_child(&spec).await {
+            Ok(done) => {
+                println!("{done}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("idemflow-bench (sqlite child): {error}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let args = Args::parse();
     let Some(database_url) = args
         .database_url

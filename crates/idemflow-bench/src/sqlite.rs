@@ -75,6 +75,11 @@ pub async fn run(config: &Config) -> Result<Vec<SqliteRun>, Error> {
     // The runner's operations, on the same file.
     runs.extend(crate::sqlite_runner::run(&pool, &config.clients, config.duration).await?);
     pool.close().await;
+    // Several processes on the same file (the orders table exists now): processes of the bench
+    // binary itself, so not from the quick test's binary.
+    if !config.quick {
+        runs.extend(crate::sqlite_runner::processes(&path, config.duration).await?);
+    }
     let _ = std::fs::remove_dir_all(path.parent().unwrap_or(Path::new(".")));
     Ok(runs)
 }

@@ -290,6 +290,9 @@ struct Bench {
     runner: Runner<SqliteStore>,
     checkout: Arc<Workflow<SqliteStore>>,
     place: Workflow<SqliteStore>,
+    /// Keys are `<operation>-<prefix><n>`: the prefix names the process, so processes sharing the
+    /// file never draw one key twice.
+    prefix: String,
     next: AtomicU64,
     http_client: reqwest::Client,
     engine_url: String,
@@ -298,7 +301,10 @@ struct Bench {
 
 impl Bench {
     async fn one(&self, operation: &str, side: Side, client: u64, round: u64) -> Result<(), Error> {
-        let fresh = || format!("{operation}-{}", self.next.fetch_add(1, Ordering::Relaxed));
+        let fresh = || {
+            let n = self.next.fetch_add(1, Ordering::Relaxed);
+            format!("{operation}-{}{n}", self.prefix)
+        };
         let replay_key = || format!("replay-{}", (client * 7 + round) % REPLAY_KEYS);
         match (operation, side) {
             ("checkout", Side::Engine) => {
@@ -401,6 +407,7 @@ pub async fn run(
         runner,
         checkout,
         place: place()?,
+        prefix: String::new(),
         next: AtomicU64::new(0),
         http_client: http::client(most)?,
         engine_url: engine_server.url.clone(),
@@ -505,4 +512,106 @@ async fn raw_handler(
         }
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
     }
+}
+
+/// The environment variable that makes the bench binary a child process of the several-processes
+/// measurement: `<file>|<engine or raw>|<seconds>|<clients>`.
+pub const CHILD: &str = "IDEMFLOW_BENCH_SQLITE_CHILD";
+
+/// Processes measured at once on one file.
+pub const PROCESSES: [usize; 3] = [1, 2, 4];
+
+/// Clients per process in the several-processes measurement.
+const CLIENTS_PER_PROCESS: usize = 4;
+
+/// A child process: checkouts on `side` for the given time on the file, the count printed.
+pub async fn child(spec: &str) -> Result<u64, Error> {
+    let parts: Vec<&str> = spec.split('|').collect();
+    let [path, side, seconds, clients] = parts.as_slice() else {
+        return Err(
+            format!("{CHILD}: {spec}: want <file>|<engine|raw>|<seconds>|<clients>").into(),
+        );
+    };
+    let side = if *side == "raw" {
+        Side::Raw
+    } else {
+        Side::Engine
+    };
+    let pool = idemflow_sqlite::open_file(
+        std::path::Path::new(path),
+        &idemflow_sqlite::OpenOptions {
+            max_connections: 8,
+            ..idemflow_sqlite::OpenOptions::default()
+        },
+    )
+    .await?;
+    let (fingerprint, canonical) = fingerprint_and_request()?;
+    let bench = Arc::new(Bench {
+        pool: pool.clone(),
+        shape: Shape {
+            fingerprint: fingerprint.as_bytes().to_vec(),
+            request: canonical.to_string(),
+        },
+        runner: Runner::new(pool.clone()),
+        checkout: Arc::new(checkout()?),
+        place: place()?,
+        prefix: format!("p{}-", std::process::id()),
+        next: AtomicU64::new(0),
+        http_client: http::client(1)?,
+        engine_url: String::new(),
+        raw_url: String::new(),
+    });
+    let duration = Duration::from_secs_f64(seconds.parse()?);
+    let done = timed(&bench, "checkout", side, clients.parse()?, duration).await?;
+    pool.close().await;
+    Ok(done)
+}
+
+/// Several processes on one file: 1, 2 and 4 processes of [`CLIENTS_PER_PROCESS`] clients each
+/// doing checkouts, the engine's and raw alternating; requests per second across all of them.
+pub async fn processes(
+    path: &std::path::Path,
+    duration: Duration,
+) -> Result<Vec<SqliteRun>, Error> {
+    let binary = std::env::current_exe()?;
+    let mut runs = Vec::new();
+    for processes in PROCESSES {
+        let mut counts = [0_u64; 2];
+        let quarter = duration / 4;
+        for side in [Side::Engine, Side::Raw, Side::Engine, Side::Raw] {
+            let name = if side == Side::Raw { "raw" } else { "engine" };
+            let spec = format!(
+                "{}|{name}|{}|{CLIENTS_PER_PROCESS}",
+                path.display(),
+                quarter.as_secs_f64()
+            );
+            let children: Vec<_> = (0..processes)
+                .map(|_| {
+                    std::process::Command::new(&binary)
+                        .env(CHILD, &spec)
+                        .stdout(std::process::Stdio::piped())
+                        .stderr(std::process::Stdio::inherit())
+                        .spawn()
+                })
+                .collect::<Result<_, _>>()?;
+            for child in children {
+                let output =
+                    tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+                if !output.status.success() {
+                    return Err(format!("a bench child process failed: {}", output.status).into());
+                }
+                counts[usize::from(side == Side::Raw)] += String::from_utf8_lossy(&output.stdout)
+                    .trim()
+                    .parse::<u64>()?;
+            }
+        }
+        let seconds = (duration / 2).as_secs_f64();
+        runs.push(SqliteRun {
+            operation: format!("{processes}-processes"),
+            clients: processes * CLIENTS_PER_PROCESS,
+            engine_per_second: counts[0] as f64 / seconds,
+            raw_per_second: counts[1] as f64 / seconds,
+        });
+    }
+    Ok(runs)
 }
