@@ -764,3 +764,76 @@ async fn the_consumers_retention_forgets_old_identities_only<E: Lab>(pool: PoolO
         Processed::Duplicate
     );
 }
+
+/// A local phase whose statement never ends (a runaway query).
+struct Runaway;
+
+#[async_trait]
+impl LocalPhase<SqliteStore> for Runaway {
+    const NAME: &'static str = "runaway";
+    type Input = Checkout;
+    type Output = StoredResponse;
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(Duration::from_millis(300))
+    }
+
+    async fn run(
+        &self,
+        connection: &mut sqlx::SqliteConnection,
+        _: Checkout,
+        _: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let _: i64 = sqlx::query_scalar(
+            "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r",
+        )
+        .fetch_one(connection)
+        .await?;
+        Ok(StoredResponse::new(201, "never"))
+    }
+}
+
+/// SQLite has no `statement_timeout`: a statement that never ends would hold the one write lock
+/// for good, past the phase's limit, and every other writer of the file would be busy. The phase's
+/// limit interrupts it inside SQLite: the attempt fails at its limit and the next request runs.
+#[tokio::test]
+async fn on_sqlite_a_runaway_statement_is_interrupted_at_its_phases_limit() {
+    let pool = sqlite("runaway").await;
+    SqliteStore::create_orders(&pool).await;
+    let runaway = Workflow::<SqliteStore>::builder_on::<Checkout>("runaway.v1")
+        .local(Runaway)
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let runner = Runner::new(pool.clone());
+    let started = std::time::Instant::now();
+    let stuck = runner
+        .run(
+            &runaway,
+            &tenant(),
+            &Key::parse("runaway-1").unwrap(),
+            request(BODY),
+        )
+        .await;
+    assert!(
+        matches!(&stuck, Ok(Outcome::Interrupted { .. })),
+        "the attempt fails at its limit: {stuck:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    // The write lock is free again: another key's request runs, it is not told busy.
+    let provider = MockProvider::start().await;
+    let workflow = checkout::<SqliteStore>(&provider);
+    let next = runner
+        .run(
+            &workflow,
+            &tenant(),
+            &Key::parse("after-runaway").unwrap(),
+            request(BODY),
+        )
+        .await;
+    assert!(matches!(next, Ok(Outcome::Executed(_))), "{next:?}");
+}

@@ -10,7 +10,8 @@ mod deadline;
 mod drive;
 mod engine;
 pub use engine::{
-    ConnectionOf, Engine, EngineError, EngineOf, KeyOwner, PgStore, PoolOf, SqliteStore, Taken,
+    Claimed, ConnectionOf, Engine, EngineError, EngineOf, KeyOwner, PgStore, PoolOf, SqliteStore,
+    Taken,
 };
 mod erased;
 mod error;
