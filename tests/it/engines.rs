@@ -794,11 +794,21 @@ impl LocalPhase<SqliteStore> for Runaway {
 }
 
 /// SQLite has no `statement_timeout`: a statement that never ends would hold the one write lock
-/// for good, past the phase's limit, and every other writer of the file would be busy. The phase's
-/// limit interrupts it inside SQLite: the attempt fails at its limit and the next request runs.
+/// for good, long after the runner gave its phase up (at the phase's limit) and closed its
+/// connection, and every other writer of the file would be busy. The engine's statement timeout
+/// interrupts it inside SQLite: the next request runs.
 #[tokio::test]
-async fn on_sqlite_a_runaway_statement_is_interrupted_at_its_phases_limit() {
-    let pool = sqlite("runaway").await;
+async fn on_sqlite_a_runaway_statement_is_interrupted_and_frees_the_writer() {
+    let directory = std::env::temp_dir().join("idemflow-engines-runaway");
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let options = idemflow_sqlite::OpenOptions {
+        statement_timeout: Duration::from_secs(1),
+        ..idemflow_sqlite::OpenOptions::default()
+    };
+    let pool = idemflow_sqlite::open_file(&directory.join("idemflow.db"), &options)
+        .await
+        .unwrap();
     SqliteStore::create_orders(&pool).await;
     let runaway = Workflow::<SqliteStore>::builder_on::<Checkout>("runaway.v1")
         .local(Runaway)

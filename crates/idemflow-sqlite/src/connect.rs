@@ -9,10 +9,17 @@
 //!   A payments engine takes the fsync per commit.
 //! - **A busy timeout** ([`OpenOptions::busy_timeout`], 5 s by default): a writer waits that long
 //!   for the write lock, then the store answers [`crate::StoreError::Busy`].
+//! - **A statement timeout** ([`OpenOptions::statement_timeout`], 30 s by default), which SQLite
+//!   lacks: a statement still running that long is interrupted (`SQLITE_INTERRUPT`) by a progress
+//!   handler every connection gets when it opens. A statement that never ends (a runaway query in
+//!   a local phase) would otherwise hold the one write lock for good, long after the runner gave
+//!   the phase up and closed its connection. Installed once per connection, it costs a request
+//!   nothing: arming a limit per phase took a round trip to the connection's thread, 15% of a
+//!   checkout.
 
 use std::path::Path;
 use std::str::FromStr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
@@ -24,6 +31,9 @@ pub struct OpenOptions {
     pub busy_timeout: Duration,
     /// Connections in the pool (one writes at a time; the others read).
     pub max_connections: u32,
+    /// How long one statement may run before SQLite interrupts it: at least the longest local
+    /// phase time limit of the workflows on this file (as PostgreSQL's `statement_timeout` is).
+    pub statement_timeout: Duration,
 }
 
 impl Default for OpenOptions {
@@ -31,6 +41,8 @@ impl Default for OpenOptions {
         Self {
             busy_timeout: Duration::from_secs(5),
             max_connections: 8,
+            // Half the default lease: the default time limit of a local phase.
+            statement_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -45,10 +57,7 @@ pub async fn open(url: &str, options: &OpenOptions) -> Result<SqlitePool, sqlx::
         ));
     }
     let connect = connect_options(SqliteConnectOptions::from_str(url)?, options);
-    let pool = SqlitePoolOptions::new()
-        .max_connections(options.max_connections)
-        .connect_with(connect)
-        .await?;
+    let pool = pool_options(options).connect_with(connect).await?;
     crate::MIGRATOR.run(&pool).await?;
     Ok(pool)
 }
@@ -56,12 +65,50 @@ pub async fn open(url: &str, options: &OpenOptions) -> Result<SqlitePool, sqlx::
 /// [`open`] for a file path.
 pub async fn open_file(path: &Path, options: &OpenOptions) -> Result<SqlitePool, sqlx::Error> {
     let connect = connect_options(SqliteConnectOptions::new().filename(path), options);
-    let pool = SqlitePoolOptions::new()
-        .max_connections(options.max_connections)
-        .connect_with(connect)
-        .await?;
+    let pool = pool_options(options).connect_with(connect).await?;
     crate::MIGRATOR.run(&pool).await?;
     Ok(pool)
+}
+
+/// The pool: every connection it opens gets the statement timeout's progress handler.
+fn pool_options(options: &OpenOptions) -> SqlitePoolOptions {
+    let limit = options.statement_timeout;
+    SqlitePoolOptions::new()
+        .max_connections(options.max_connections)
+        .after_connect(move |connection, _| {
+            Box::pin(async move {
+                let mut handle = connection.lock_handle().await?;
+                handle.set_progress_handler(PROGRESS_STEPS, statement_limit(limit));
+                Ok(())
+            })
+        })
+}
+
+/// Virtual machine steps between two calls of the progress handler: tens of microseconds of
+/// work.
+const PROGRESS_STEPS: i32 = 4_000;
+
+/// Calls of the progress handler further apart than this belong to two statements. The handler
+/// runs only while a statement steps, every [`PROGRESS_STEPS`]; between statements (and while a
+/// statement waits on the disk) it does not, and a statement shorter than [`PROGRESS_STEPS`] never
+/// calls it. A statement that waits longer than this between two steps counts as starting again
+/// (lenient); long statements following one another within this gap count as one, so a connection
+/// kept stepping without a pause for the whole timeout is interrupted: a workload only a runaway
+/// has, since the engine's own statements are index lookups of a few hundred steps.
+const STATEMENT_GAP: Duration = Duration::from_millis(50);
+
+/// The progress handler: `false` (interrupt) once the statement it is called for has run `limit`.
+fn statement_limit(limit: Duration) -> impl FnMut() -> bool + Send + 'static {
+    let mut last = None::<Instant>;
+    let mut started = Instant::now();
+    move || {
+        let now = Instant::now();
+        if last.is_none_or(|last| now.duration_since(last) > STATEMENT_GAP) {
+            started = now;
+        }
+        last = Some(now);
+        now.duration_since(started) < limit
+    }
 }
 
 fn connect_options(connect: SqliteConnectOptions, options: &OpenOptions) -> SqliteConnectOptions {

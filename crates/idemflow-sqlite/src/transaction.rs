@@ -9,8 +9,6 @@
 //! Dropped unfinished (a timeout, a cancelled request), the connection is closed rather than
 //! handed back to the pool inside the transaction: the next user would otherwise run inside it.
 
-use std::time::{Duration, Instant};
-
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::SqliteTransactionManager;
 use sqlx::{AssertSqlSafe, SqlSafeStr, Sqlite, SqliteConnection};
@@ -18,16 +16,10 @@ use sqlx_core::transaction::TransactionManager;
 
 use crate::error::StoreError;
 
-/// Virtual machine steps between two checks of a statement limit's deadline: a few microseconds
-/// of work, so a limit is kept to well under a millisecond.
-const PROGRESS_STEPS: i32 = 4_000;
-
 /// A write transaction holding SQLite's write lock from its first statement.
 #[derive(Debug)]
 pub struct Transaction {
     connection: Option<PoolConnection<Sqlite>>,
-    /// A statement limit is armed ([`Transaction::limit_statements`]).
-    limited: bool,
 }
 
 impl Transaction {
@@ -38,7 +30,6 @@ impl Transaction {
         // connection too.
         let mut transaction = Self {
             connection: Some(connection),
-            limited: false,
         };
         // Through sqlx's transaction manager, so it counts the transaction: a phase's own
         // `begin()` inside it becomes a savepoint, as on PostgreSQL.
@@ -54,38 +45,14 @@ impl Transaction {
             .unwrap_or_else(|| unreachable!("a transaction holds its connection until it ends"))
     }
 
-    /// Interrupts any statement of this transaction still running `limit` from now (SQLite has no
-    /// `statement_timeout`: a progress handler checks the deadline every few thousand virtual
-    /// machine steps, and the statement fails with `SQLITE_INTERRUPT`); `None` disarms it. A
-    /// statement that never ends would otherwise hold the one write lock for good. Disarmed
-    /// before the transaction ends, so the connection goes back to the pool without it.
-    pub async fn limit_statements(&mut self, limit: Option<Duration>) -> Result<(), StoreError> {
-        if limit.is_none() && !self.limited {
-            return Ok(());
-        }
-        let mut handle = self.connection().lock_handle().await?;
-        match limit {
-            Some(limit) => {
-                let deadline = Instant::now() + limit;
-                handle.set_progress_handler(PROGRESS_STEPS, move || Instant::now() < deadline);
-            }
-            None => handle.remove_progress_handler(),
-        }
-        drop(handle);
-        self.limited = limit.is_some();
-        Ok(())
-    }
-
     /// Commits, and hands the connection back.
     pub async fn commit(mut self) -> Result<PoolConnection<Sqlite>, StoreError> {
-        self.limit_statements(None).await?;
         SqliteTransactionManager::commit(self.connection()).await?;
         Ok(self.release())
     }
 
     /// Rolls back, and hands the connection back.
     pub async fn rollback(mut self) -> Result<PoolConnection<Sqlite>, StoreError> {
-        self.limit_statements(None).await?;
         SqliteTransactionManager::rollback(self.connection()).await?;
         Ok(self.release())
     }
@@ -102,7 +69,6 @@ impl Transaction {
     /// every effect since the claim is undone and the claim is kept, still uncommitted, so a
     /// failed first attempt is recorded under it.
     pub async fn back_to_claim(&mut self) -> Result<(), StoreError> {
-        self.limit_statements(None).await?;
         sqlx::query(crate::statements::BACK_TO_CLAIM)
             .execute(self.connection())
             .await?;

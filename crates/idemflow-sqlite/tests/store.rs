@@ -159,6 +159,7 @@ async fn a_dropped_transaction_leaves_no_connection_inside_it() {
     let options = OpenOptions {
         busy_timeout: Duration::from_millis(100),
         max_connections: 1,
+        ..OpenOptions::default()
     };
     let pool = open_file(&path, &options).await.expect("open");
     let key = key("k-drop");

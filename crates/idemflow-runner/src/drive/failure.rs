@@ -421,23 +421,6 @@ impl<E: Engine> Drive<'_, E> {
             return Ok(problem(500, "retries_exhausted", &detail));
         };
         let limit = self.workflow.default_local_timeout();
-        E::limit_statements(tx, Some(limit)).await?;
-        let response = self
-            .failure_path_limited(tx, failure.as_ref(), give_up, limit, detail)
-            .await;
-        // The finish that follows is the engine's own statement: unbounded again.
-        E::limit_statements(tx, None).await?;
-        response
-    }
-
-    async fn failure_path_limited(
-        &self,
-        tx: &mut Tx<E>,
-        failure: &dyn crate::erased::ErasedFailure<E>,
-        give_up: GiveUp,
-        limit: Duration,
-        detail: String,
-    ) -> Result<StoredResponse, RunError> {
         let mut savepoint = sqlx::Connection::begin(E::connection(tx)).await?;
         let ran = tokio::time::timeout(
             limit + overrun_grace(limit),

@@ -41,11 +41,6 @@ impl<E: Engine> Drive<'_, E> {
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         let span = tracing::debug_span!("idemflow.phase", phase = local.name(), kind = "local");
         let limit = workflow.local_timeout(local);
-        // Where the session has no statement limit of its own (SQLite), the phase's statements
-        // are bounded now, so one that never ends cannot hold the database past the limit.
-        E::limit_statements(open, Some(limit))
-            .await
-            .map_err(|error| Stop::failed(failure(database_error("limiting", &error))))?;
         let started = Instant::now();
         // An uncommitted claim or takeover cannot be taken over by anyone (a claim is invisible,
         // a takeover holds the row's lock and the claim's lock): no heartbeat. A heartbeat
@@ -61,16 +56,7 @@ impl<E: Engine> Drive<'_, E> {
             .await;
         metrics::phase_duration(workflow.name(), local.name(), "local", started.elapsed());
         match ran {
-            Ok(Ok(Ok(Ok(output)))) => {
-                // The engine's own statements that follow (the advance, the finish) are not the
-                // phase's: unbounded again.
-                if let Some(open) = self.tx.as_mut() {
-                    E::limit_statements(open, None).await.map_err(|error| {
-                        Stop::failed(failure(database_error("limiting", &error)))
-                    })?;
-                }
-                Ok(output)
-            }
+            Ok(Ok(Ok(Ok(output)))) => Ok(output),
             Ok(Ok(Ok(Err(error)))) => Err(Stop::failed(failure(error))),
             Ok(Ok(Err(panic))) => Err(Stop::failed(FailedAttempt {
                 panicked: true,

@@ -140,13 +140,6 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
     async fn rollback(transaction: Self::Transaction) -> Result<(), EngineError>;
     /// Gives the transaction's connection up (closed, not pooled): a statement may still run.
     fn abandon(transaction: Self::Transaction);
-    /// Bounds every statement of `transaction` from now on to end within `limit` (`None`: lifts
-    /// the bound). PostgreSQL's sessions have theirs already (`statement_timeout`, set with the
-    /// `BEGIN`); SQLite's statements are interrupted inside SQLite.
-    async fn limit_statements(
-        transaction: &mut Self::Transaction,
-        limit: Option<Duration>,
-    ) -> Result<(), EngineError>;
     /// Undoes everything since the claim, keeping the uncommitted claim.
     async fn back_to_claim(transaction: &mut Self::Transaction) -> Result<(), EngineError>;
 

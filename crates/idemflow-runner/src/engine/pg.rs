@@ -115,15 +115,6 @@ impl Engine for PgStore {
         transaction.abandon();
     }
 
-    /// Set with the transaction's `BEGIN` (`statement_timeout`, the workflow's longest local
-    /// limit): nothing to send.
-    async fn limit_statements(
-        _transaction: &mut Transaction,
-        _limit: Option<Duration>,
-    ) -> Result<(), EngineError> {
-        Ok(())
-    }
-
     async fn back_to_claim(transaction: &mut Transaction) -> Result<(), EngineError> {
         Ok(transaction.back_to_claim().await?)
     }

@@ -103,13 +103,6 @@ impl Engine for SqliteStore {
         transaction.abandon();
     }
 
-    async fn limit_statements(
-        transaction: &mut Transaction,
-        limit: Option<Duration>,
-    ) -> Result<(), EngineError> {
-        Ok(transaction.limit_statements(limit).await?)
-    }
-
     async fn back_to_claim(transaction: &mut Transaction) -> Result<(), EngineError> {
         Ok(transaction.back_to_claim().await?)
     }
