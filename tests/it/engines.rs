@@ -803,7 +803,7 @@ async fn on_sqlite_a_runaway_statement_is_interrupted_and_frees_the_writer() {
     let _ = std::fs::remove_dir_all(&directory);
     std::fs::create_dir_all(&directory).unwrap();
     let options = idemflow_sqlite::OpenOptions {
-        statement_timeout: Duration::from_secs(1),
+        statement_timeout: Some(Duration::from_secs(1)),
         ..idemflow_sqlite::OpenOptions::default()
     };
     let pool = idemflow_sqlite::open_file(&directory.join("idemflow.db"), &options)
@@ -846,4 +846,60 @@ async fn on_sqlite_a_runaway_statement_is_interrupted_and_frees_the_writer() {
         )
         .await;
     assert!(matches!(next, Ok(Outcome::Executed(_))), "{next:?}");
+}
+
+/// SQLite: a local phase hung in a statement past its limit counts an attempt every time, and its
+/// key gives up at its budget. The runner records the failed attempt once the phase's transaction
+/// is rolled back, which on SQLite waits for the hung statement to be interrupted (the write lock
+/// is its until then): with a statement timeout longer than the busy timeout that record was told
+/// busy, the attempt went uncounted (its takeover rolled back with the phase), and every retry of
+/// the key was answered 503 for ever. Found by the schedule explorer on SQLite (a price phase hung
+/// in the database, a quarter-second busy timeout).
+#[tokio::test]
+async fn on_sqlite_a_phase_hung_in_a_statement_counts_its_attempts_and_gives_up() {
+    let directory = std::env::temp_dir().join("idemflow-engines-hung-attempts");
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let options = idemflow_sqlite::OpenOptions {
+        // Shorter than the default, for a quick test; the statement timeout is left to follow it.
+        busy_timeout: Duration::from_millis(600),
+        ..idemflow_sqlite::OpenOptions::default()
+    };
+    let pool = idemflow_sqlite::open_file(&directory.join("idemflow.db"), &options)
+        .await
+        .unwrap();
+    SqliteStore::create_orders(&pool).await;
+    let hung = Workflow::<SqliteStore>::builder_on::<Checkout>("hung.v1")
+        .local(Runaway)
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let runner = Runner::new(pool.clone());
+    let key = Key::parse("hung-1").unwrap();
+    let budget = Runaway.retry_policy().max_attempts;
+    let mut answers = Vec::new();
+    for _ in 0..budget + 2 {
+        let answer = runner.run(&hung, &tenant(), &key, request(BODY)).await;
+        let ended = matches!(answer, Ok(Outcome::Executed(_)) | Ok(Outcome::Replayed(_)));
+        answers.push(format!("{answer:?}"));
+        if ended {
+            break;
+        }
+        SqliteStore::lapse_leases(&pool).await;
+    }
+    let state: Option<String> =
+        sqlx::query_scalar("SELECT state FROM idempotency_keys WHERE key = 'hung-1'")
+            .fetch_optional(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        state.as_deref(),
+        Some("done"),
+        "the key gives up within {} runs; its answers: {answers:#?}",
+        budget + 2
+    );
+    assert!(
+        answers.iter().all(|answer| !answer.contains("Busy")),
+        "no retry is told busy: {answers:#?}"
+    );
 }

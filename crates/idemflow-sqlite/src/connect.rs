@@ -9,13 +9,18 @@
 //!   A payments engine takes the fsync per commit.
 //! - **A busy timeout** ([`OpenOptions::busy_timeout`], 5 s by default): a writer waits that long
 //!   for the write lock, then the store answers [`crate::StoreError::Busy`].
-//! - **A statement timeout** ([`OpenOptions::statement_timeout`], 30 s by default), which SQLite
-//!   lacks: a statement still running that long is interrupted (`SQLITE_INTERRUPT`) by a progress
-//!   handler every connection gets when it opens. A statement that never ends (a runaway query in
-//!   a local phase) would otherwise hold the one write lock for good, long after the runner gave
-//!   the phase up and closed its connection. Installed once per connection, it costs a request
-//!   nothing: arming a limit per phase took a round trip to the connection's thread, 15% of a
-//!   checkout.
+//! - **A statement timeout** ([`OpenOptions::statement_timeout`], half the busy timeout by
+//!   default, and always shorter than it), which SQLite lacks: a statement still running that long
+//!   is interrupted (`SQLITE_INTERRUPT`) by a progress handler every connection gets when it
+//!   opens. A statement that never ends (a runaway query in a local phase) would otherwise hold
+//!   the one write lock for good, long after the runner gave the phase up and closed its
+//!   connection. Installed once per connection, it costs a request nothing: arming a limit per
+//!   phase took a round trip to the connection's thread, 15% of a checkout.
+//!   Shorter than the busy timeout because of what follows a phase given up at its time limit:
+//!   the runner records the failed attempt in a new write transaction, which waits for the hung
+//!   statement to be interrupted. A statement allowed to outlast that wait left the attempt
+//!   unrecorded (busy), and a key whose phase always hangs was retried for ever, every retry
+//!   answered 503, instead of giving up at its budget.
 
 use std::path::Path;
 use std::str::FromStr;
@@ -31,9 +36,35 @@ pub struct OpenOptions {
     pub busy_timeout: Duration,
     /// Connections in the pool (one writes at a time; the others read).
     pub max_connections: u32,
-    /// How long one statement may run before SQLite interrupts it: at least the longest local
-    /// phase time limit of the workflows on this file (as PostgreSQL's `statement_timeout` is).
-    pub statement_timeout: Duration,
+    /// How long one statement may run before SQLite interrupts it; `None`: half the busy
+    /// timeout. Shorter than the busy timeout, or [`open`] refuses it (see the module's docs).
+    /// On SQLite one statement holds every writer of the file: a local phase's statements are
+    /// each bounded by this, its whole run by its time limit.
+    pub statement_timeout: Option<Duration>,
+}
+
+impl OpenOptions {
+    /// The statement timeout in force: the one set, or half the busy timeout.
+    pub fn statement_limit(&self) -> Duration {
+        self.statement_timeout.unwrap_or(self.busy_timeout / 2)
+    }
+
+    /// Refuses a statement timeout the busy timeout does not outlast.
+    fn check(&self) -> Result<(), sqlx::Error> {
+        if self.statement_limit() >= self.busy_timeout {
+            return Err(sqlx::Error::Configuration(
+                format!(
+                    "statement_timeout ({:?}) must be shorter than busy_timeout ({:?}): a phase \
+                     given up at its time limit records its attempt only once its hung \
+                     statement is interrupted",
+                    self.statement_limit(),
+                    self.busy_timeout
+                )
+                .into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for OpenOptions {
@@ -41,8 +72,7 @@ impl Default for OpenOptions {
         Self {
             busy_timeout: Duration::from_secs(5),
             max_connections: 8,
-            // Half the default lease: the default time limit of a local phase.
-            statement_timeout: Duration::from_secs(30),
+            statement_timeout: None,
         }
     }
 }
@@ -56,6 +86,7 @@ pub async fn open(url: &str, options: &OpenOptions) -> Result<SqlitePool, sqlx::
             "an in-memory SQLite database keeps nothing past its process: give a file".into(),
         ));
     }
+    options.check()?;
     let connect = connect_options(SqliteConnectOptions::from_str(url)?, options);
     let pool = pool_options(options).connect_with(connect).await?;
     crate::MIGRATOR.run(&pool).await?;
@@ -64,6 +95,7 @@ pub async fn open(url: &str, options: &OpenOptions) -> Result<SqlitePool, sqlx::
 
 /// [`open`] for a file path.
 pub async fn open_file(path: &Path, options: &OpenOptions) -> Result<SqlitePool, sqlx::Error> {
+    options.check()?;
     let connect = connect_options(SqliteConnectOptions::new().filename(path), options);
     let pool = pool_options(options).connect_with(connect).await?;
     crate::MIGRATOR.run(&pool).await?;
@@ -72,7 +104,7 @@ pub async fn open_file(path: &Path, options: &OpenOptions) -> Result<SqlitePool,
 
 /// The pool: every connection it opens gets the statement timeout's progress handler.
 fn pool_options(options: &OpenOptions) -> SqlitePoolOptions {
-    let limit = options.statement_timeout;
+    let limit = options.statement_limit();
     SqlitePoolOptions::new()
         .max_connections(options.max_connections)
         .after_connect(move |connection, _| {

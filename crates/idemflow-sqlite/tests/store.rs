@@ -184,3 +184,27 @@ async fn an_in_memory_database_is_refused() {
     };
     assert!(message.to_string().contains("in-memory"), "{message}");
 }
+
+/// A statement timeout the busy timeout does not outlast is refused with a clear error: a phase
+/// given up at its time limit could not record its attempt (its hung statement holds the write
+/// lock past the record's wait), and a key whose phase always hangs would never give up.
+#[tokio::test]
+async fn a_statement_timeout_not_shorter_than_the_busy_timeout_is_refused() {
+    let directory = std::env::temp_dir().join("idemflow-sqlite-statement-timeout");
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let options = OpenOptions {
+        busy_timeout: Duration::from_secs(1),
+        statement_timeout: Some(Duration::from_secs(1)),
+        ..OpenOptions::default()
+    };
+    let refused = open_file(&directory.join("idemflow.db"), &options).await;
+    let Err(sqlx::Error::Configuration(message)) = refused else {
+        panic!("refused: {refused:?}");
+    };
+    assert!(message.to_string().contains("busy_timeout"), "{message}");
+    assert_eq!(
+        OpenOptions::default().statement_limit(),
+        OpenOptions::default().busy_timeout / 2
+    );
+}
