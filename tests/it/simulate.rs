@@ -1,19 +1,18 @@
 //! The schedule explorer over the engine (crates/idemflow-testkit/src/simulation): seeded
 //! schedules of concurrent clients, resumers, operators and faults, each checked, each on the
 //! settings it draws (layout, isolation, bodies apart, sealing, a consumer on the engine's pool).
-//! The suite runs seeds 0 to 149 (in three parts, side by side): the same schedules every time,
-//! about 45 s each.
+//! One source, every engine: the suite runs seeds 0 to 149 on PostgreSQL (in three parts, side
+//! by side, about 45 s each) and seeds 0 to 99 on SQLite (two parts): the same schedules every
+//! time.
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
 
 use idemflow_testkit::simulation::Simulation;
-use sqlx::PgPool;
 
 /// Runs the schedules `seeds` names, one after another, and fails with every broken one.
-async fn explore(pool: &PgPool, seeds: impl IntoIterator<Item = u64>) {
+async fn explore(simulation: &Simulation, seeds: impl IntoIterator<Item = u64>) {
     crate::support::logs();
-    let simulation = Simulation::new(pool).await.unwrap();
     let mut failed = Vec::new();
     for seed in seeds {
         let report = simulation.run(seed).await;
@@ -49,17 +48,54 @@ fn seeds_from_env(default: std::ops::Range<u64>) -> std::ops::Range<u64> {
         .unwrap_or(default)
 }
 
-#[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn schedules_0_to_49(pool: PgPool) {
-    explore(&pool, seeds_from_env(0..50)).await;
+/// The PostgreSQL engine: seeds 0 to 149, every layout and isolation level the seeds draw.
+mod postgres {
+    use super::{explore, seeds_from_env};
+    use idemflow_testkit::simulation::Simulation;
+    use sqlx::PgPool;
+
+    async fn simulation(pool: &PgPool) -> Simulation {
+        Simulation::new(pool).await.unwrap()
+    }
+
+    #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+    async fn schedules_0_to_49(pool: PgPool) {
+        explore(&simulation(&pool).await, seeds_from_env(0..50)).await;
+    }
+
+    #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+    async fn schedules_50_to_99(pool: PgPool) {
+        explore(&simulation(&pool).await, seeds_from_env(50..100)).await;
+    }
+
+    #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+    async fn schedules_100_to_149(pool: PgPool) {
+        explore(&simulation(&pool).await, seeds_from_env(100..150)).await;
+    }
 }
 
-#[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn schedules_50_to_99(pool: PgPool) {
-    explore(&pool, seeds_from_env(50..100)).await;
-}
+/// The SQLite engine: the same schedules from the same seeds, seeds 0 to 99 (a third of them with
+/// a quarter-second busy timeout), each part on a file of its own.
+mod sqlite {
+    use super::{explore, seeds_from_env};
+    use idemflow_testkit::simulation::Simulation;
 
-#[sqlx::test(migrator = "idemflow::MIGRATOR")]
-async fn schedules_100_to_149(pool: PgPool) {
-    explore(&pool, seeds_from_env(100..150)).await;
+    async fn simulation(part: &str) -> Simulation {
+        let directory = std::env::temp_dir().join(format!("idemflow-simulate-{part}"));
+        let _ = std::fs::remove_dir_all(&directory);
+        std::fs::create_dir_all(&directory).unwrap();
+        Simulation::on_sqlite(&directory.join("idemflow.db"))
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn schedules_0_to_49() {
+        explore(&simulation("0-to-49").await, seeds_from_env(0..50)).await;
+    }
+
+    #[tokio::test]
+    async fn schedules_50_to_99() {
+        explore(&simulation("50-to-99").await, seeds_from_env(50..100)).await;
+    }
 }

@@ -192,7 +192,7 @@ async fn an_in_memory_database_is_refused() {
 async fn a_statement_timeout_not_shorter_than_the_busy_timeout_is_refused() {
     let directory = std::env::temp_dir().join("idemflow-sqlite-statement-timeout");
     let _ = std::fs::remove_dir_all(&directory);
-    std::fs::create_dir_all(&directory).unwrap();
+    std::fs::create_dir_all(&directory).expect("a scratch directory");
     let options = OpenOptions {
         busy_timeout: Duration::from_secs(1),
         statement_timeout: Some(Duration::from_secs(1)),

@@ -3,11 +3,12 @@
 //! invariant with the command that replays each.
 //!
 //! ```text
-//! idemflow-simulate [--schedules N] [--seed S] [--verbose]
+//! idemflow-simulate [--engine postgres|sqlite] [--schedules N] [--seed S] [--verbose]
 //! ```
 //!
-//! Needs `DATABASE_URL` (a server it may create a database on); `scripts/simulate` finds one the
-//! way the test suite does. Exit 0 when every schedule passed, 1 when one broke, 2 on bad usage or
+//! On PostgreSQL (the default) it needs `DATABASE_URL` (a server it may create a database on);
+//! `scripts/simulate` finds one the way the test suite does. On SQLite it needs nothing: a scratch
+//! file in the temporary directory, removed at the end. Exit 0 when every schedule passed, 1 when one broke, 2 on bad usage or
 //! when the database cannot be reached.
 
 use std::process::ExitCode;
@@ -18,17 +19,21 @@ use idemflow_testkit::simulation::Simulation;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor};
 
-const USAGE: &str = "usage: idemflow-simulate [--schedules N] [--seed S] [--verbose] [--history]
+const USAGE: &str =
+    "usage: idemflow-simulate [--engine E] [--schedules N] [--seed S] [--verbose] [--history]
 
+  --engine E      postgres (default) or sqlite
   --schedules N   how many schedules to run (default 50)
   --seed S        the first seed (default: one drawn from the clock); schedule i runs seed S+i
   --verbose       print each schedule's line as it ends, and a failing one's whole history
   --history       print every schedule's whole history, passed or not
 
-Needs DATABASE_URL; creates a scratch database there and drops it at the end.";
+On postgres, needs DATABASE_URL; creates a scratch database there and drops it at the end.
+On sqlite, runs on a scratch file in the temporary directory, removed at the end.";
 
 #[derive(Debug)]
 struct Args {
+    sqlite: bool,
     schedules: u64,
     seed: Option<u64>,
     verbose: bool,
@@ -37,6 +42,7 @@ struct Args {
 
 fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
     let mut parsed = Args {
+        sqlite: false,
         schedules: 50,
         seed: None,
         verbose: false,
@@ -52,6 +58,11 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String>
         match arg.as_str() {
             "-h" | "--help" => return Ok(None),
             "--schedules" => parsed.schedules = number("--schedules")?,
+            "--engine" => match args.next().as_deref() {
+                Some("postgres") => parsed.sqlite = false,
+                Some("sqlite") => parsed.sqlite = true,
+                other => return Err(format!("--engine {other:?}: postgres or sqlite")),
+            },
             "--seed" => parsed.seed = Some(number("--seed")?),
             "--verbose" => parsed.verbose = true,
             "--history" => parsed.history = true,
@@ -103,6 +114,9 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<bool, String> {
+    if args.sqlite {
+        return run_on_sqlite(args).await;
+    }
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set".to_owned())?;
     let server =
         PgConnectOptions::from_str(&url).map_err(|error| format!("DATABASE_URL: {error}"))?;
@@ -121,7 +135,7 @@ async fn run(args: Args) -> Result<bool, String> {
         .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {scratch}")))
         .await
         .map_err(|error| format!("cannot create a scratch database: {error}"))?;
-    let result = explore(&server.clone().database(&scratch), &args).await;
+    let result = explore_postgres(&server.clone().database(&scratch), &args).await;
     let _ = admin
         .execute(sqlx::AssertSqlSafe(format!(
             "DROP DATABASE IF EXISTS {scratch} WITH (FORCE)"
@@ -131,7 +145,27 @@ async fn run(args: Args) -> Result<bool, String> {
     result
 }
 
-async fn explore(options: &PgConnectOptions, args: &Args) -> Result<bool, String> {
+/// Runs the schedules on a scratch SQLite file, removed at the end.
+async fn run_on_sqlite(args: Args) -> Result<bool, String> {
+    let path = std::env::temp_dir().join(format!(
+        "idemflow_simulate_{}_{}.db",
+        std::process::id(),
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs())
+    ));
+    let simulation = Simulation::on_sqlite(&path)
+        .await
+        .map_err(|error| format!("preparing the schedules on {}: {error}", path.display()))?;
+    let result = explore(&simulation, &args).await;
+    drop(simulation);
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    result
+}
+
+async fn explore_postgres(options: &PgConnectOptions, args: &Args) -> Result<bool, String> {
     let pool = PgPoolOptions::new()
         .max_connections(4)
         .connect_with(options.clone())
@@ -143,6 +177,10 @@ async fn explore(options: &PgConnectOptions, args: &Args) -> Result<bool, String
     let simulation = Simulation::new(&pool)
         .await
         .map_err(|error| format!("preparing the schedules: {error}"))?;
+    explore(&simulation, args).await
+}
+
+async fn explore(simulation: &Simulation, args: &Args) -> Result<bool, String> {
     let first = args.seed.unwrap_or_else(|| {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)

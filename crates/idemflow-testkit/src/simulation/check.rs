@@ -23,11 +23,12 @@ use std::collections::HashMap;
 use idemflow_core::{Key, StoredResponse};
 use idemflow_runner::{Outcome, Request};
 
+use super::engine::SimEngine;
 use super::scheduler::ACTOR;
 use super::workflow::{self, SimRequest};
 use super::world::{Shared, World};
 
-pub(crate) async fn replays_and_ends(world: &mut World) {
+pub(crate) async fn replays_and_ends<E: SimEngine>(world: &mut World<E>) {
     let ending = world.ending();
     let shared = ending.shared;
     let tenant = &shared.tenant;
@@ -41,23 +42,18 @@ pub(crate) async fn replays_and_ends(world: &mut World) {
         let Ok(parsed) = Key::parse(key) else {
             continue;
         };
-        let Ok(mut connection) = shared.observer.acquire().await else {
-            shared.violation("the observer could not connect".to_owned());
-            return;
+        let row = match shared.observer.stored(tenant, &parsed).await {
+            Ok(row) => row,
+            Err(error) => {
+                shared.violation(format!("the observer could not read key {key}: {error}"));
+                return;
+            }
         };
-        let row = idemflow_pg::inspect(&mut connection, tenant, &parsed).await;
-        let connection: &mut sqlx::PgConnection = &mut connection;
-        let request: Option<sqlx::types::Json<serde_json::Value>> = sqlx::query_scalar(
-            "SELECT request FROM idempotency_keys WHERE tenant = $1 AND key = $2",
-        )
-        .bind(tenant.as_str())
-        .bind(key)
-        .fetch_optional(connection)
-        .await
-        .ok()
-        .flatten();
-        let life = request.and_then(|request| shared.life_of(key, request.0));
-        if let Ok(Some(row)) = row
+        let life = row
+            .as_ref()
+            .and_then(|row| row.request.clone())
+            .and_then(|request| shared.life_of(key, request));
+        if let Some(row) = row
             && let Some(response) = row.response
         {
             // As a client is answered: opened, when the schedule seals.
@@ -183,15 +179,7 @@ pub(crate) async fn replays_and_ends(world: &mut World) {
     // Per claim: under the forget policy a deleted key's request may be claimed and run again
     // (there are no clock jumps then, so a claim's time names it).
     let per_claim = ending.forget_policy;
-    let duplicated: Vec<(String, i64, String, i64)> = sqlx::query_as(
-        "SELECT key, life, phase, count(*) FROM sim_effects WHERE tenant = $1 \
-         GROUP BY key, life, phase, CASE WHEN $2 THEN claimed_at END HAVING count(*) > 1",
-    )
-    .bind(tenant.as_str())
-    .bind(per_claim)
-    .fetch_all(&shared.observer)
-    .await
-    .unwrap_or_default();
+    let duplicated = shared.observer.duplicated_effects(tenant, per_claim).await;
     let expired = shared.log().expired.clone();
     for (key, life, phase, times) in duplicated {
         // Deleted by retention after its window, the key was new to a request of the same life
@@ -208,20 +196,16 @@ pub(crate) async fn replays_and_ends(world: &mut World) {
             continue;
         }
         for phase in ["reserve", "price", "complete"] {
-            let times: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM sim_effects \
-                 WHERE tenant = $1 AND key = $2 AND life = $3 AND phase = $4 \
-                   AND (NOT $5 OR claimed_at = (SELECT created_at::text FROM idempotency_keys \
-                                               WHERE tenant = $1 AND key = $2))",
-            )
-            .bind(tenant.as_str())
-            .bind(key)
-            .bind(stored_life.unwrap_or_default())
-            .bind(phase)
-            .bind(per_claim)
-            .fetch_one(&shared.observer)
-            .await
-            .unwrap_or_default();
+            let times = shared
+                .observer
+                .effects_of(
+                    tenant,
+                    key,
+                    stored_life.unwrap_or_default(),
+                    phase,
+                    per_claim,
+                )
+                .await;
             if times != 1 {
                 shared.violation(format!(
                     "key {key} finished, but its {phase} committed {times} times"
@@ -316,29 +300,11 @@ fn parsed(key: &str) -> idemflow_core::Key {
 /// without its effect (they commit together).
 pub(crate) async fn messages_applied_once(shared: &Shared) {
     let prefix = format!("{}-%", shared.tenant);
-    let twice: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT message_id, count(*) FROM sim_ledger WHERE message_id LIKE $1 \
-         GROUP BY message_id HAVING count(*) > 1",
-    )
-    .bind(&prefix)
-    .fetch_all(&shared.observer)
-    .await
-    .unwrap_or_default();
+    let twice = shared.observer.ledger_twice(&prefix).await;
     for (message, times) in twice {
         shared.violation(format!("message {message} was applied {times} times"));
     }
-    let disagreeing: Vec<String> = sqlx::query_scalar(
-        "SELECT coalesce(ledger.message_id, processed.message_id) \
-         FROM (SELECT DISTINCT message_id FROM sim_ledger WHERE message_id LIKE $1) AS ledger \
-         FULL JOIN (SELECT message_id FROM processed_messages \
-                    WHERE subscriber = 'sim-ledger' AND message_id LIKE $1) AS processed \
-           ON ledger.message_id = processed.message_id \
-         WHERE ledger.message_id IS NULL OR processed.message_id IS NULL",
-    )
-    .bind(&prefix)
-    .fetch_all(&shared.observer)
-    .await
-    .unwrap_or_default();
+    let disagreeing = shared.observer.ledger_disagreeing(&prefix).await;
     for message in disagreeing {
         shared.violation(format!(
             "message {message} has an effect without its identity, or an identity without its effect"
@@ -353,15 +319,7 @@ pub(crate) async fn messages_applied_once(shared: &Shared) {
 pub(crate) async fn no_connection_left_in_a_transaction(shared: &Shared) {
     let mut open = 0;
     for _ in 0..50 {
-        open = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND application_name = $1 \
-               AND state LIKE 'idle in transaction%'",
-        )
-        .bind(super::ENGINE_APPLICATION)
-        .fetch_one(&shared.observer)
-        .await
-        .unwrap_or(0_i64);
+        open = shared.observer.transactions_left_open().await;
         if open == 0 {
             return;
         }

@@ -31,19 +31,27 @@
 //! ```
 
 mod check;
+mod engine;
+mod observe;
 mod rng;
 mod scheduler;
 mod workflow;
 mod world;
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
-use sqlx::PgPool;
+use idemflow_runner::{PgStore, SqliteStore};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, SqlitePool};
 
+pub use engine::SimEngine;
 pub use rng::Rng;
 pub use world::Counts;
+
+use observe::{Observe, PgObserver, SqliteObserver};
 
 use crate::provider::MockProvider;
 
@@ -63,12 +71,27 @@ pub const PARTITIONED_SCHEMA: &str = "idemflow_sim_partitioned";
 
 /// Runs schedules against one database.
 pub struct Simulation {
-    /// How to reach the database; each schedule opens the engine's pool from it with the
-    /// settings it drew (layout, isolation), and closes it at its end.
-    options: PgConnectOptions,
-    /// The schedule's own connections, by layout.
-    observers: [PgPool; 2],
+    backend: Backend,
     provider: Arc<MockProvider>,
+}
+
+/// The database a simulation's schedules run on.
+enum Backend {
+    Postgres {
+        /// How to reach the database; each schedule opens the engine's pool from it with the
+        /// settings it drew (layout, isolation), and closes it at its end. (Boxed: the
+        /// options are large beside the other engine's.)
+        options: Box<PgConnectOptions>,
+        /// The schedule's own connections, by layout.
+        observers: [PgPool; 2],
+    },
+    Sqlite {
+        /// The database file; each schedule opens the engine's pool on it, and closes it at its
+        /// end.
+        path: PathBuf,
+        /// The schedule's own connections.
+        observer: SqlitePool,
+    },
 }
 
 impl fmt::Debug for Simulation {
@@ -113,41 +136,124 @@ impl Simulation {
         }
         prepare_partitioned(&options).await?;
         let partitioned = observer(Layout::Partitioned).await?;
-        let provider = MockProvider::builder()
-            .start()
-            .await
-            .map_err(sqlx::Error::Io)?;
         Ok(Self {
-            options,
-            observers: [plain, partitioned],
-            provider: Arc::new(provider),
+            backend: Backend::Postgres {
+                options: Box::new(options),
+                observers: [plain, partitioned],
+            },
+            provider: Arc::new(MockProvider::start_for_simulation().await?),
         })
+    }
+
+    /// Prepares schedules on the SQLite engine, on the database file at `path` (created and
+    /// migrated if need be): the tables the scripted workflow writes, the observer's pool, and a
+    /// mock provider on loopback. A schedule draws the busy timeout of its engine's pool from
+    /// its seed: a short one (a quarter second) makes busy answers part of the schedule.
+    /// PostgreSQL's layouts, isolation levels and killed connections have no SQLite form: a
+    /// schedule draws them and they do nothing.
+    pub async fn on_sqlite(path: &Path) -> Result<Self, sqlx::Error> {
+        let observer = idemflow_sqlite::open_file(
+            path,
+            &idemflow_sqlite::OpenOptions {
+                // The observer stands aside rather than wait for a writer (observe/sqlite.rs).
+                busy_timeout: Duration::from_millis(100),
+                max_connections: 4,
+                ..idemflow_sqlite::OpenOptions::default()
+            },
+        )
+        .await?;
+        for statement in [
+            "CREATE TABLE IF NOT EXISTS sim_effects (tenant TEXT NOT NULL, key TEXT NOT NULL, \
+             life INTEGER NOT NULL, phase TEXT NOT NULL, lock_version INTEGER NOT NULL, \
+             claimed_at TEXT)",
+            "CREATE TABLE IF NOT EXISTS sim_parents (id INTEGER PRIMARY KEY)",
+            "CREATE TABLE IF NOT EXISTS sim_orphans (parent INTEGER REFERENCES sim_parents (id) \
+             DEFERRABLE INITIALLY DEFERRED)",
+            "CREATE TABLE IF NOT EXISTS sim_ledger (message_id TEXT NOT NULL)",
+        ] {
+            sqlx::query(statement).execute(&observer).await?;
+        }
+        Ok(Self {
+            backend: Backend::Sqlite {
+                path: path.to_owned(),
+                observer,
+            },
+            provider: Arc::new(MockProvider::start_for_simulation().await?),
+        })
+    }
+
+    /// The engine this simulation runs on (`postgres` or `sqlite`).
+    pub fn engine(&self) -> &'static str {
+        match self.backend {
+            Backend::Postgres { .. } => "postgres",
+            Backend::Sqlite { .. } => "sqlite",
+        }
     }
 
     /// Runs the schedule `seed` names, and checks it.
     pub async fn run(&self, seed: u64) -> ScheduleReport {
-        world::run(self, seed).await
+        match &self.backend {
+            Backend::Postgres { options, observers } => {
+                world::run::<PgStore, _, _>(&self.provider, seed, |settings| async move {
+                    let observer: Arc<dyn Observe> =
+                        Arc::new(PgObserver(observers[settings.layout as usize].clone()));
+                    Ok((pg_engine(options, &settings).await?, observer))
+                })
+                .await
+            }
+            Backend::Sqlite { path, observer } => {
+                world::run::<SqliteStore, _, _>(&self.provider, seed, |_| async move {
+                    let observer: Arc<dyn Observe> = Arc::new(SqliteObserver(observer.clone()));
+                    Ok((sqlite_engine(path, seed).await?, observer))
+                })
+                .await
+            }
+        }
     }
+}
 
-    /// The observer's pool on `layout`.
-    pub(crate) fn observer(&self, layout: Layout) -> &PgPool {
-        &self.observers[layout as usize]
-    }
+/// The engine's pool for a schedule on PostgreSQL: its layout, and the database default
+/// isolation its sessions get (the engine states its own in every transaction it begins).
+async fn pg_engine(options: &PgConnectOptions, settings: &Settings) -> Result<PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(40)
+        .test_before_acquire(false)
+        .connect_with(
+            settings
+                .layout
+                .options(options.clone())
+                .options([("default_transaction_isolation", settings.isolation.as_sql())])
+                .application_name(ENGINE_APPLICATION),
+        )
+        .await
+}
 
-    /// The engine's pool for a schedule: its layout, and the database default isolation its
-    /// sessions get (the engine states its own in every transaction it begins).
-    pub(crate) async fn engine(&self, settings: &Settings) -> Result<PgPool, sqlx::Error> {
-        PgPoolOptions::new()
-            .max_connections(40)
-            .test_before_acquire(false)
-            .connect_with(
-                settings
-                    .layout
-                    .options(self.options.clone())
-                    .options([("default_transaction_isolation", settings.isolation.as_sql())])
-                    .application_name(ENGINE_APPLICATION),
-            )
-            .await
+/// The engine's pool for a schedule on SQLite: a busy timeout drawn from the seed (one schedule
+/// in three waits a quarter second for the write lock, then answers busy), and the statement
+/// timeout that follows it.
+async fn sqlite_engine(path: &Path, seed: u64) -> Result<SqlitePool, sqlx::Error> {
+    let busy_timeout = if seed.is_multiple_of(3) {
+        Duration::from_millis(250)
+    } else {
+        Duration::from_secs(3)
+    };
+    idemflow_sqlite::open_file(
+        path,
+        &idemflow_sqlite::OpenOptions {
+            busy_timeout,
+            max_connections: 16,
+            // Half the busy timeout: a hung statement frees the write lock before a phase given
+            // up records its attempt.
+            statement_timeout: None,
+        },
+    )
+    .await
+}
+
+impl MockProvider {
+    /// The mock provider a simulation's schedules charge.
+    async fn start_for_simulation() -> Result<Self, sqlx::Error> {
+        Self::builder().start().await.map_err(sqlx::Error::Io)
     }
 }
 
@@ -282,6 +388,8 @@ impl Settings {
 pub struct ScheduleReport {
     /// The seed that decided the schedule; [`ScheduleReport::replay_command`] runs it again.
     pub seed: u64,
+    /// The engine it ran on (`postgres` or `sqlite`).
+    pub engine: &'static str,
     /// Every invariant that failed, as it was seen; empty when the schedule passed.
     pub violations: Vec<String>,
     /// Every step: actions, waits, grants, calls, answers.
@@ -299,8 +407,8 @@ impl ScheduleReport {
     /// The command that runs this schedule again.
     pub fn replay_command(&self) -> String {
         format!(
-            "scripts/simulate --seed {} --schedules 1 --verbose",
-            self.seed
+            "scripts/simulate --engine {} --seed {} --schedules 1 --verbose",
+            self.engine, self.seed
         )
     }
 }
@@ -308,12 +416,17 @@ impl ScheduleReport {
 impl fmt::Display for ScheduleReport {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.passed() {
-            return write!(formatter, "seed {}: ok ({:?})", self.seed, self.counts);
+            return write!(
+                formatter,
+                "seed {} on {}: ok ({:?})",
+                self.seed, self.engine, self.counts
+            );
         }
         writeln!(
             formatter,
-            "seed {}: {} violation(s); replay with: {}",
+            "seed {} on {}: {} violation(s); replay with: {}",
             self.seed,
+            self.engine,
             self.violations.len(),
             self.replay_command()
         )?;

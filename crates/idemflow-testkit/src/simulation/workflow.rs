@@ -14,11 +14,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idemflow_core::{DerivedKey, StoredResponse};
 use idemflow_runner::{
-    Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, RetryPolicy,
-    Workflow,
+    ConnectionOf, Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError,
+    RetryPolicy, Workflow,
 };
 use serde::{Deserialize, Serialize};
-use sqlx::PgConnection;
+
+use super::engine::SimEngine;
 
 use super::scheduler::{Point, Verdict};
 use super::world::Shared;
@@ -115,8 +116,8 @@ pub(crate) const LOCAL_TIMEOUT: Duration = Duration::from_millis(600);
 /// How long the engine waits for the charge.
 pub(crate) const CHARGE_TIMEOUT: Duration = Duration::from_secs(2);
 
-pub(crate) fn workflow(shared: &Arc<Shared>, lease: Duration) -> Workflow {
-    Workflow::builder::<SimRequest>(WORKFLOW)
+pub(crate) fn workflow<E: SimEngine>(shared: &Arc<Shared>, lease: Duration) -> Workflow<E> {
+    Workflow::<E>::builder_on::<SimRequest>(WORKFLOW)
         .local(Reserve(shared.clone()))
         .local(Price(shared.clone()))
         .foreign(Charge(shared.clone()))
@@ -140,31 +141,28 @@ async fn act_for(shared: &Shared, phase: &'static str, context: &PhaseContext) -
 }
 
 /// Records a local phase's effect in its transaction.
-async fn effect(
-    connection: &mut PgConnection,
+async fn effect<E: SimEngine>(
+    connection: &mut ConnectionOf<E>,
     context: &PhaseContext,
     life: u32,
     phase: &str,
 ) -> Result<(), PhaseError> {
-    sqlx::query(
-        "INSERT INTO sim_effects (tenant, key, life, phase, lock_version, claimed_at) \
-         SELECT $1, $2, $3, $4, $5, \
-                (SELECT created_at::text FROM idempotency_keys WHERE tenant = $1 AND key = $2)",
+    E::effect(
+        connection,
+        context.tenant.as_str(),
+        context.key.as_str(),
+        i64::from(life),
+        phase,
+        context.lock_version,
     )
-    .bind(context.tenant.as_str())
-    .bind(context.key.as_str())
-    .bind(i64::from(life))
-    .bind(phase)
-    .bind(context.lock_version)
-    .execute(connection)
     .await?;
     Ok(())
 }
 
 /// What a local phase's act makes of its run: the note it passes on, or its failure.
-async fn local_act(
+async fn local_act<E: SimEngine>(
     act: Act,
-    connection: &mut PgConnection,
+    connection: &mut ConnectionOf<E>,
     phase: &str,
     life: u32,
     amount: u64,
@@ -187,16 +185,12 @@ async fn local_act(
         }
         Act::HangInDatabase => {
             tokio::time::sleep(LOCAL_TIMEOUT * 9 / 10).await;
-            sqlx::query("SELECT pg_sleep(3600)")
-                .execute(connection)
-                .await?;
+            E::hang(connection).await?;
             Ok(format!("{phase} slept"))
         }
         Act::Unstorable => Ok(format!("{phase} \u{0} unstorable")),
         Act::BreakCommit => {
-            sqlx::query("INSERT INTO sim_orphans (parent) VALUES (1)")
-                .execute(connection)
-                .await?;
+            E::break_commit(connection).await?;
             Ok(format!("{phase} broke"))
         }
     }
@@ -204,24 +198,24 @@ async fn local_act(
 
 /// A local phase before the charge, as the schedule says: its effect, its act, and when it ended
 /// (the commit that records it is judged against that).
-async fn scripted(
+async fn scripted<E: SimEngine>(
     shared: &Shared,
     phase: &'static str,
-    connection: &mut PgConnection,
+    connection: &mut ConnectionOf<E>,
     context: &PhaseContext,
     request: &SimRequest,
 ) -> Result<String, PhaseError> {
     let act = act_for(shared, phase, context).await;
-    effect(connection, context, request.life, phase).await?;
-    let note = local_act(act, connection, phase, request.life, request.amount).await?;
-    shared.note_phase_end(connection, context).await?;
+    effect::<E>(connection, context, request.life, phase).await?;
+    let note = local_act::<E>(act, connection, phase, request.life, request.amount).await?;
+    shared.note_phase_end::<E>(connection).await?;
     Ok(note)
 }
 
 struct Reserve(Arc<Shared>);
 
 #[async_trait]
-impl LocalPhase for Reserve {
+impl<E: SimEngine> LocalPhase<E> for Reserve {
     const NAME: &'static str = "reserve";
     type Input = SimRequest;
     type Output = Progress;
@@ -236,11 +230,18 @@ impl LocalPhase for Reserve {
 
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         request: SimRequest,
         context: &PhaseContext,
     ) -> Result<Progress, PhaseError> {
-        let note = scripted(&self.0, Self::NAME, connection, context, &request).await?;
+        let note = scripted::<E>(
+            &self.0,
+            <Self as LocalPhase<E>>::NAME,
+            connection,
+            context,
+            &request,
+        )
+        .await?;
         Ok(Progress {
             amount: request.amount,
             life: request.life,
@@ -253,7 +254,7 @@ impl LocalPhase for Reserve {
 struct Price(Arc<Shared>);
 
 #[async_trait]
-impl LocalPhase for Price {
+impl<E: SimEngine> LocalPhase<E> for Price {
     const NAME: &'static str = "price";
     type Input = Progress;
     type Output = Progress;
@@ -268,7 +269,7 @@ impl LocalPhase for Price {
 
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         progress: Progress,
         context: &PhaseContext,
     ) -> Result<Progress, PhaseError> {
@@ -276,7 +277,14 @@ impl LocalPhase for Price {
             amount: progress.amount,
             life: progress.life,
         };
-        let note = scripted(&self.0, Self::NAME, connection, context, &request).await?;
+        let note = scripted::<E>(
+            &self.0,
+            <Self as LocalPhase<E>>::NAME,
+            connection,
+            context,
+            &request,
+        )
+        .await?;
         Ok(Progress { note, ..progress })
     }
 }
@@ -352,7 +360,7 @@ fn provider_error(error: &ProviderError) -> PhaseError {
 struct Complete(Arc<Shared>);
 
 #[async_trait]
-impl LocalPhase for Complete {
+impl<E: SimEngine> LocalPhase<E> for Complete {
     const NAME: &'static str = "complete";
     type Input = Progress;
     type Output = StoredResponse;
@@ -367,18 +375,18 @@ impl LocalPhase for Complete {
 
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         progress: Progress,
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
-        let act = act_for(&self.0, Self::NAME, context).await;
-        effect(connection, context, progress.life, Self::NAME).await?;
+        let act = act_for(&self.0, <Self as LocalPhase<E>>::NAME, context).await;
+        effect::<E>(connection, context, progress.life, "complete").await?;
         let act = if act == Act::Unstorable {
             Act::Succeed
         } else {
             act
         };
-        local_act(act, connection, Self::NAME, progress.life, progress.amount).await?;
+        local_act::<E>(act, connection, "complete", progress.life, progress.amount).await?;
         Ok(response(
             201,
             progress.life,
@@ -391,17 +399,17 @@ impl LocalPhase for Complete {
 struct Cancel(Arc<Shared>);
 
 #[async_trait]
-impl FailurePhase for Cancel {
+impl<E: SimEngine> FailurePhase<E> for Cancel {
     type Request = SimRequest;
 
     async fn run(
         &self,
-        connection: &mut PgConnection,
+        connection: &mut ConnectionOf<E>,
         failure: Failure<SimRequest>,
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
         let _ = &self.0;
-        effect(connection, context, failure.request.life, "cancel").await?;
+        effect::<E>(connection, context, failure.request.life, "cancel").await?;
         Ok(response(
             502,
             failure.request.life,

@@ -3,6 +3,7 @@
 //! and the checks of `check.rs`.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -10,17 +11,18 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_runner::{
-    CrashHook, CrashPoint, Keyring, Outcome, PhaseContext, Registry, Request, Resumer,
-    ResumerConfig, RunError, Runner, RunnerConfig, TerminalPolicy,
+    ConnectionOf, CrashHook, CrashPoint, Keyring, Outcome, PhaseContext, PoolOf, Registry, Request,
+    Resumer, ResumerConfig, RunError, Runner, RunnerConfig, TerminalPolicy,
 };
 use serde_json::Value;
-use sqlx::PgPool;
 use tokio::task::JoinSet;
 
+use super::engine::SimEngine;
+use super::observe::{Lapse, Observe};
 use super::rng::Rng;
 use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict, Waiting};
 use super::workflow::{self, Act, ProviderFault, SimRequest};
-use super::{ScheduleReport, Settings, Simulation};
+use super::{ScheduleReport, Settings};
 use crate::provider::MockProvider;
 use crate::provider_client::ProviderClient;
 
@@ -30,8 +32,8 @@ pub(crate) const LEASE: Duration = Duration::from_secs(30);
 /// The retention window of the schedule's operator.
 const RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// How far a time jump moves the clock: past the retention window.
-const JUMP: &str = "25 hours";
+/// How far a time jump moves the clock, in hours: past the retention window.
+const JUMP_HOURS: i64 = 25;
 
 /// The schedule waits this long without an event before it acts again.
 const QUIET: Duration = Duration::from_millis(8);
@@ -99,7 +101,8 @@ impl Setup {
 /// What the actors and the hook share with the schedule.
 pub(crate) struct Shared {
     pub scheduler: Scheduler,
-    pub observer: PgPool,
+    /// The schedule's reads and chaos on the engine it runs on.
+    pub observer: Arc<dyn Observe>,
     pub provider: Arc<MockProvider>,
     pub provider_client: ProviderClient,
     pub tenant: TenantId,
@@ -262,23 +265,22 @@ impl Shared {
         phase: &str,
     ) {
         self.log().counts.calls += 1;
-        /// Token, state, recovery point, lease live (none when done), request.
-        type Seen = (i64, String, String, Option<bool>, sqlx::types::Json<Value>);
-        let row: Result<Option<Seen>, _> = sqlx::query_as(
-            "SELECT lock_version, state, recovery_point, locked_until > clock_timestamp(), \
-                    request \
-             FROM idempotency_keys WHERE tenant = $1 AND key = $2",
-        )
-        .bind(context.tenant.as_str())
-        .bind(context.key.as_str())
-        .fetch_optional(&self.observer)
-        .await;
+        let row = self
+            .observer
+            .caller_view(&context.tenant, context.key.as_str())
+            .await;
         let key = context.key.as_str();
         let problem = match row {
             Err(error) => Some(format!("reading the key failed: {error}")),
             Ok(None) => Some("the key does not exist".to_owned()),
-            Ok(Some((token, state, point, live, request))) => {
-                let row_life = self.life_of(key, request.0);
+            Ok(Some(view)) => {
+                let (token, state, point, live) = (
+                    view.lock_version,
+                    view.state,
+                    view.recovery_point,
+                    view.live,
+                );
+                let row_life = self.life_of(key, view.request);
                 if state != "started" {
                     Some(format!("the key is {state}"))
                 } else if token != context.lock_version {
@@ -311,16 +313,12 @@ impl Shared {
     /// Notes, in the phase's transaction, when a local phase ended by the database clock. The
     /// engine records the phase right after (no wait in between), so a lease measured from that
     /// record ends no earlier than this plus the lease.
-    pub(crate) async fn note_phase_end(
+    pub(crate) async fn note_phase_end<E: SimEngine>(
         &self,
-        connection: &mut sqlx::PgConnection,
-        context: &PhaseContext,
+        connection: &mut ConnectionOf<E>,
     ) -> Result<(), idemflow_runner::PhaseError> {
-        let ended: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
-            .fetch_one(connection)
-            .await?;
+        let ended = E::clock(connection).await?;
         let actor = self.scheduler.current();
-        let _ = context;
         self.phase_ends
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -337,15 +335,7 @@ impl Shared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&actor);
-        let seen: Result<Option<(f64, i64)>, _> = sqlx::query_as(
-            "SELECT extract(epoch FROM locked_until)::float8, lock_version \
-             FROM idempotency_keys WHERE tenant = $1 AND key = $2 AND state = 'started'",
-        )
-        .bind(self.tenant.as_str())
-        .bind(key)
-        .fetch_optional(&self.observer)
-        .await;
-        let Ok(Some((until, token))) = seen else {
+        let Some((until, token)) = self.observer.started_lease(&self.tenant, key).await else {
             return;
         };
         self.log()
@@ -354,9 +344,9 @@ impl Shared {
             .or_default()
             .insert(token);
         if let (true, Some(ended)) = (recorded, ended) {
-            // A millisecond for the clock's rounding.
+            // Allowing for the clock's rounding.
             let short = ended + LEASE.as_secs_f64() - until;
-            if short > 0.001 {
+            if short > self.observer.clock_resolution() {
                 self.violation(format!(
                     "{actor} committed key {key} with a lease {short:.3} s short of a whole one \
                      (measured from before its last phase ended)"
@@ -366,14 +356,7 @@ impl Shared {
     }
 
     async fn note_committed(&self, key: &str) {
-        let token: Result<Option<i64>, _> = sqlx::query_scalar(
-            "SELECT lock_version FROM idempotency_keys WHERE tenant = $1 AND key = $2",
-        )
-        .bind(self.tenant.as_str())
-        .bind(key)
-        .fetch_optional(&self.observer)
-        .await;
-        if let Ok(Some(token)) = token {
+        if let Some(token) = self.observer.token(&self.tenant, key).await {
             self.log()
                 .committed
                 .entry(key.to_owned())
@@ -550,9 +533,9 @@ enum Action {
     Corrupt,
 }
 
-pub(crate) struct World {
+pub(crate) struct World<E: SimEngine> {
     /// The engine's pool, opened for this schedule's settings and closed at its end.
-    engine: PgPool,
+    engine: PoolOf<E>,
     /// When each actor may be granted a step again: a few are frozen for a while (a paused
     /// process, a long garbage collection), so others overtake them.
     frozen_until: HashMap<ActorId, usize>,
@@ -566,16 +549,27 @@ pub(crate) struct World {
     shared: Arc<Shared>,
     rng: Rng,
     setup: Setup,
-    runner: Runner,
-    workflow: Arc<idemflow_runner::Workflow>,
-    resumers: Vec<(Resumer, Arc<AtomicBool>)>,
+    runner: Runner<E>,
+    workflow: Arc<idemflow_runner::Workflow<E>>,
+    resumers: Vec<(Resumer<E>, Arc<AtomicBool>)>,
     /// The consumer on the engine's pool (used when the settings say so).
-    consumer: Arc<idemflow_consumer::Consumer>,
+    consumer: Arc<idemflow_consumer::Consumer<E>>,
     keys: Vec<KeySeen>,
     actors: JoinSet<()>,
 }
 
-pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
+/// Runs the schedule `seed` names on the engine `open` opens for the settings the seed draws
+/// (its pool, and the observer beside it).
+pub(crate) async fn run<E, Open, Opening>(
+    provider: &Arc<MockProvider>,
+    seed: u64,
+    open: Open,
+) -> ScheduleReport
+where
+    E: SimEngine,
+    Open: FnOnce(Settings) -> Opening,
+    Opening: Future<Output = Result<(PoolOf<E>, Arc<dyn Observe>), sqlx::Error>>,
+{
     let mut rng = Rng::new(seed);
     let setup = Setup::draw(&mut rng);
     let tenant = TenantId::new(format!("sim-{seed}"))
@@ -586,11 +580,12 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         .map(|(key, phase, act)| (key_name(*key), (*phase, *act)))
         .collect();
     let settings = setup.settings;
-    let engine = match sim.engine(&settings).await {
-        Ok(engine) => engine,
+    let (engine, observer) = match open(settings).await {
+        Ok(opened) => opened,
         Err(error) => {
             return ScheduleReport {
                 seed,
+                engine: E::NAME,
                 violations: vec![format!("the engine's pool could not connect: {error}")],
                 history: Vec::new(),
                 counts: Counts::default(),
@@ -602,9 +597,9 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         .then(|| Keyring::new("sim", [7; 32]).unwrap_or_else(|_| unreachable!("a valid key id")));
     let shared = Arc::new(Shared {
         scheduler: Scheduler::default(),
-        observer: sim.observer(settings.layout).clone(),
-        provider: sim.provider.clone(),
-        provider_client: ProviderClient::builder(sim.provider.url())
+        observer,
+        provider: provider.clone(),
+        provider_client: ProviderClient::builder(provider.url())
             .timeout(Duration::from_millis(400))
             .build(),
         tenant,
@@ -627,13 +622,13 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
         },
         ..RunnerConfig::default()
     };
-    let runner = Runner::with_config(engine.clone(), config).with_crash_hook(hook);
-    let workflow = Arc::new(workflow::workflow(&shared, LEASE));
+    let runner = Runner::<E>::on(engine.clone(), config).with_crash_hook(hook);
+    let workflow = Arc::new(workflow::workflow::<E>(&shared, LEASE));
     let resumers = setup
         .resumers
         .iter()
         .map(|&(batch_size, concurrency)| {
-            let mut registry = Registry::new();
+            let mut registry = Registry::<E>::new();
             registry
                 .register(workflow.clone())
                 .unwrap_or_else(|_| unreachable!("one workflow"));
@@ -649,7 +644,10 @@ pub(crate) async fn run(sim: &Simulation, seed: u64) -> ScheduleReport {
             )
         })
         .collect();
-    shared.event(ActorId(0), format!("seed {seed}: {setup:?}"));
+    shared.event(
+        ActorId(0),
+        format!("seed {seed} on {}: {setup:?}", shared.observer.engine()),
+    );
     let mut world = World {
         engine: engine.clone(),
         frozen_until: HashMap::new(),
@@ -716,40 +714,29 @@ fn describe(result: &Result<Outcome, RunError>) -> String {
     }
 }
 
-impl World {
+impl<E: SimEngine> World<E> {
     /// Reads every key of the schedule: what the next action chooses from, the tokens seen
     /// committed.
     async fn sample(&mut self) {
-        type Row = (
-            String,
-            String,
-            i64,
-            Option<String>,
-            String,
-            String,
-            sqlx::types::Json<Value>,
-            bool,
-        );
-        let rows: Vec<Row> = match sqlx::query_as(
-            "SELECT key, state, lock_version, locked_until::text, recovery_point, \
-                    created_at::text, request, \
-                    state = 'started' AND locked_until <= now() \
-             FROM idempotency_keys WHERE tenant = $1",
-        )
-        .bind(self.shared.tenant.as_str())
-        .fetch_all(&self.shared.observer)
-        .await
-        {
+        let rows = match self.shared.observer.rows(&self.shared.tenant).await {
             Ok(rows) => rows,
             Err(_) => return,
         };
         let before: Vec<Option<RowSeen>> = self.keys.iter_mut().map(|key| key.row.take()).collect();
         let mut log = self.shared.log();
         let mut repeated = Vec::new();
-        for (key, state, lock_version, locked_until, recovery_point, created_at, request, due) in
-            rows
-        {
-            let life = self.shared.life_of(&key, request.0);
+        for row in rows {
+            let super::observe::SampledRow {
+                key,
+                state,
+                lock_version,
+                locked_until,
+                recovery_point,
+                created_at,
+                request,
+                due,
+            } = row;
+            let life = self.shared.life_of(&key, request);
             log.committed
                 .entry(key.clone())
                 .or_default()
@@ -1253,21 +1240,17 @@ impl World {
     }
 
     async fn expire_lease_of(&mut self, index: usize, row: RowSeen) {
-        let result = sqlx::query(
-            "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
-             WHERE (tenant, key) IN ( \
-                 SELECT tenant, key FROM idempotency_keys \
-                 WHERE tenant = $1 AND key = $2 AND state = 'started' AND lock_version = $3 \
-                   AND locked_until::text IS NOT DISTINCT FROM $4 \
-                 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind(self.shared.tenant.as_str())
-        .bind(key_name(index))
-        .bind(row.lock_version)
-        .bind(&row.locked_until)
-        .execute(&self.shared.observer)
-        .await;
-        if matches!(&result, Ok(done) if done.rows_affected() == 1) {
+        let expired = self
+            .shared
+            .observer
+            .expire_lease(
+                &self.shared.tenant,
+                &key_name(index),
+                row.lock_version,
+                row.locked_until.as_deref(),
+            )
+            .await;
+        if expired {
             self.lapsed.push(index);
             self.shared.log().counts.lease_expiries += 1;
             self.shared
@@ -1281,24 +1264,11 @@ impl World {
             return;
         };
         let key = key_name(index);
-        let Ok(mut tx) = self.shared.observer.begin().await else {
-            return;
-        };
-        // Held while ending the lease, so no owner's write lands between the look and the end.
-        let unchanged: Result<Option<i64>, _> = sqlx::query_scalar(
-            "SELECT lock_version FROM idempotency_keys \
-             WHERE tenant = $1 AND key = $2 AND locked_until::text IS NOT DISTINCT FROM $3 \
-             FOR UPDATE SKIP LOCKED",
-        )
-        .bind(self.shared.tenant.as_str())
-        .bind(&key)
-        .bind(&row.locked_until)
-        .fetch_optional(&mut *tx)
-        .await;
-        if let Ok(Some(token)) = unchanged
-            && let Ok(Some(_)) =
-                idemflow_pg::end_lease(&mut tx, self.shared.tenant.as_str(), &key, token).await
-            && tx.commit().await.is_ok()
+        if self
+            .shared
+            .observer
+            .end_lease(&self.shared.tenant, &key, row.locked_until.as_deref())
+            .await
         {
             self.lapsed.push(index);
             self.shared.log().counts.leases_ended += 1;
@@ -1309,15 +1279,11 @@ impl World {
 
     /// An operator runs retention. Keys within their window must all be there afterwards.
     async fn retention(&mut self) {
-        let protected: Vec<String> = sqlx::query_scalar(
-            "SELECT key FROM idempotency_keys WHERE tenant = $1 AND state = 'done' \
-               AND finished_at > now() - $2::bigint * interval '1 millisecond' + interval '1 minute'",
-        )
-        .bind(self.shared.tenant.as_str())
-        .bind(i64::try_from(RETENTION.as_millis()).unwrap_or(i64::MAX))
-        .fetch_all(&self.shared.observer)
-        .await
-        .unwrap_or_default();
+        let protected = self
+            .shared
+            .observer
+            .done_within(&self.shared.tenant, RETENTION)
+            .await;
         // What a worker runs: batched deletes, or on the partitioned layout partition drops.
         let retention = idemflow_runner::Retention {
             keep_for: RETENTION,
@@ -1329,14 +1295,7 @@ impl World {
         self.shared.log().counts.expiries += 1;
         self.shared
             .event(ActorId(0), format!("operator ran retention: {deleted:?}"));
-        let present: HashSet<String> =
-            sqlx::query_scalar("SELECT key FROM idempotency_keys WHERE tenant = $1")
-                .bind(self.shared.tenant.as_str())
-                .fetch_all(&self.shared.observer)
-                .await
-                .unwrap_or_default()
-                .into_iter()
-                .collect();
+        let present = self.shared.observer.present(&self.shared.tenant).await;
         for key in protected {
             if !present.contains(&key) {
                 self.shared.violation(format!(
@@ -1357,44 +1316,23 @@ impl World {
     /// A day passes for retention: the schedule's keys were claimed and finished a day earlier.
     /// Leases are left alone (their owners' heartbeats would have kept them).
     async fn time_jump(&mut self) {
-        // A body stored apart names its key's life by the key's creation time: it moves with it.
-        let jumped = sqlx::query(
-            "WITH moved AS ( \
-                 UPDATE idempotency_keys SET created_at = created_at - $2::interval, \
-                        updated_at = updated_at - $2::interval, \
-                        finished_at = finished_at - $2::interval \
-                 WHERE (tenant, key) IN (SELECT tenant, key FROM idempotency_keys \
-                                         WHERE tenant = $1 FOR UPDATE SKIP LOCKED) \
-                 RETURNING tenant, key, created_at + $2::interval AS was) \
-             UPDATE idempotency_responses AS apart SET created_at = apart.created_at - $2::interval \
-             FROM moved \
-             WHERE apart.tenant = moved.tenant AND apart.key = moved.key \
-               AND apart.created_at = moved.was",
-        )
-        .bind(self.shared.tenant.as_str())
-        .bind(JUMP)
-        .execute(&self.shared.observer)
-        .await;
-        if jumped.is_ok() {
+        let jumped = self
+            .shared
+            .observer
+            .time_jump(&self.shared.tenant, JUMP_HOURS)
+            .await;
+        if jumped {
             self.shared.log().counts.time_jumps += 1;
             self.shared
-                .event(ActorId(0), format!("the clock jumped {JUMP}"));
+                .event(ActorId(0), format!("the clock jumped {JUMP_HOURS} hours"));
         }
     }
 
     /// One of the engine's connections is killed by the server.
     async fn kill(&mut self) {
         let offset = self.rng.below(8) as i64;
-        let killed: Result<Option<bool>, _> = sqlx::query_scalar(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE application_name = $1 AND datname = current_database() \
-             ORDER BY pid OFFSET $2 LIMIT 1",
-        )
-        .bind(super::ENGINE_APPLICATION)
-        .bind(offset)
-        .fetch_optional(&self.shared.observer)
-        .await;
-        if matches!(killed, Ok(Some(true))) {
+        let killed = self.shared.observer.kill(offset).await;
+        if killed {
             self.shared.log().counts.kills += 1;
             self.shared
                 .event(ActorId(0), "an engine connection was killed");
@@ -1410,17 +1348,12 @@ impl World {
         if row.recovery_point != "price" {
             return;
         }
-        let corrupted = sqlx::query(
-            "UPDATE idempotency_keys SET phase_output = '{\"amount\": \"a lot\"}' \
-             WHERE (tenant, key) IN (SELECT tenant, key FROM idempotency_keys \
-                 WHERE tenant = $1 AND key = $2 AND recovery_point = 'price' \
-                 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind(self.shared.tenant.as_str())
-        .bind(key_name(index))
-        .execute(&self.shared.observer)
-        .await;
-        if matches!(&corrupted, Ok(done) if done.rows_affected() == 1) {
+        let corrupted = self
+            .shared
+            .observer
+            .corrupt(&self.shared.tenant, &key_name(index))
+            .await;
+        if corrupted {
             self.shared.log().counts.corruptions += 1;
             self.shared.event(
                 ActorId(0),
@@ -1471,17 +1404,12 @@ impl World {
                 break;
             }
             for index in open {
-                let lapsed = sqlx::query(
-                    "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
-                     WHERE tenant = $1 AND key = $2 AND state = 'started'",
-                )
-                .bind(self.shared.tenant.as_str())
-                .bind(key_name(index))
-                .execute(&self.shared.observer)
-                .await;
-                if let Err(sqlx::Error::Database(error)) = &lapsed
-                    && error.code().as_deref() == Some("55P03")
-                {
+                let lapsed = self
+                    .shared
+                    .observer
+                    .lapse(&self.shared.tenant, &key_name(index))
+                    .await;
+                if lapsed == Lapse::Stuck {
                     self.shared.violation(format!(
                         "key {} stayed locked after the schedule ended (a transaction no one \
                          ends holds it)",
@@ -1537,6 +1465,7 @@ impl World {
         let log = std::mem::take(&mut *self.shared.log());
         ScheduleReport {
             seed,
+            engine: E::NAME,
             violations: log.violations,
             history: log.history,
             counts: log.counts,
@@ -1545,16 +1474,16 @@ impl World {
 }
 
 /// What the final checks read of a world.
-pub(crate) struct Ending<'w> {
+pub(crate) struct Ending<'w, E: SimEngine> {
     pub shared: &'w Shared,
     pub forget_policy: bool,
-    pub runner: &'w Runner,
-    pub workflow: &'w idemflow_runner::Workflow,
+    pub runner: &'w Runner<E>,
+    pub workflow: &'w idemflow_runner::Workflow<E>,
     pub keys: Vec<(String, u32, bool)>,
 }
 
-impl World {
-    pub(crate) fn ending(&self) -> Ending<'_> {
+impl<E: SimEngine> World<E> {
+    pub(crate) fn ending(&self) -> Ending<'_, E> {
         Ending {
             shared: &self.shared,
             forget_policy: self.setup.terminal == TerminalPolicy::Forget,
@@ -1574,16 +1503,13 @@ impl World {
 struct Ledger;
 
 #[async_trait]
-impl idemflow_consumer::Handler for Ledger {
+impl<E: SimEngine> idemflow_consumer::Handler<E> for Ledger {
     async fn handle(
         &self,
-        connection: &mut sqlx::PgConnection,
+        connection: &mut ConnectionOf<E>,
         message: &idemflow_consumer::Message,
     ) -> Result<(), idemflow_consumer::HandlerError> {
-        sqlx::query("INSERT INTO sim_ledger (message_id) VALUES ($1)")
-            .bind(message.id())
-            .execute(connection)
-            .await?;
+        E::apply(connection, message.id()).await?;
         Ok(())
     }
 }

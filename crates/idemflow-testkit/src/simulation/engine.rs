@@ -1,0 +1,156 @@
+//! What the scripted workflow and the consumer's handler do inside the engine's own transactions,
+//! per engine: the effects they commit, and the acts that misbehave there (a statement that never
+//! ends, a commit a deferred constraint refuses).
+
+use async_trait::async_trait;
+use idemflow_consumer::ConsumerStore;
+use idemflow_runner::{ConnectionOf, EngineOf, PgStore, SqliteStore};
+
+/// An engine the schedule explorer runs on.
+#[async_trait]
+pub trait SimEngine: ConsumerStore<Database: EngineOf<Engine = Self>> {
+    /// Now by the database's clock, in seconds since the Unix epoch (the clock its leases use).
+    async fn clock(connection: &mut ConnectionOf<Self>) -> Result<f64, sqlx::Error>;
+
+    /// Records a local phase's effect: one row naming the key, its life, the phase, the token,
+    /// and the claim (the key's creation time as text) it ran under.
+    async fn effect(
+        connection: &mut ConnectionOf<Self>,
+        tenant: &str,
+        key: &str,
+        life: i64,
+        phase: &str,
+        lock_version: i64,
+    ) -> Result<(), sqlx::Error>;
+
+    /// A statement that runs until something stops it.
+    async fn hang(connection: &mut ConnectionOf<Self>) -> Result<(), sqlx::Error>;
+
+    /// A write its transaction's commit refuses (a deferred foreign key left dangling).
+    async fn break_commit(connection: &mut ConnectionOf<Self>) -> Result<(), sqlx::Error>;
+
+    /// The consumer's effect: one ledger row for the message.
+    async fn apply(
+        connection: &mut ConnectionOf<Self>,
+        message_id: &str,
+    ) -> Result<(), sqlx::Error>;
+}
+
+#[async_trait]
+impl SimEngine for PgStore {
+    async fn clock(connection: &mut sqlx::PgConnection) -> Result<f64, sqlx::Error> {
+        sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+            .fetch_one(connection)
+            .await
+    }
+
+    async fn effect(
+        connection: &mut sqlx::PgConnection,
+        tenant: &str,
+        key: &str,
+        life: i64,
+        phase: &str,
+        lock_version: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO sim_effects (tenant, key, life, phase, lock_version, claimed_at) \
+             SELECT $1, $2, $3, $4, $5, \
+                    (SELECT created_at::text FROM idempotency_keys WHERE tenant = $1 AND key = $2)",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(life)
+        .bind(phase)
+        .bind(lock_version)
+        .execute(connection)
+        .await
+        .map(drop)
+    }
+
+    async fn hang(connection: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT pg_sleep(3600)")
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn break_commit(connection: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_orphans (parent) VALUES (1)")
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn apply(
+        connection: &mut sqlx::PgConnection,
+        message_id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_ledger (message_id) VALUES ($1)")
+            .bind(message_id)
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+}
+
+#[async_trait]
+impl SimEngine for SqliteStore {
+    async fn clock(connection: &mut sqlx::SqliteConnection) -> Result<f64, sqlx::Error> {
+        sqlx::query_scalar("SELECT unixepoch('subsec')")
+            .fetch_one(connection)
+            .await
+    }
+
+    async fn effect(
+        connection: &mut sqlx::SqliteConnection,
+        tenant: &str,
+        key: &str,
+        life: i64,
+        phase: &str,
+        lock_version: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO sim_effects (tenant, key, life, phase, lock_version, claimed_at) \
+             SELECT ?1, ?2, ?3, ?4, ?5, \
+                    (SELECT CAST(created_at AS TEXT) FROM idempotency_keys \
+                     WHERE tenant = ?1 AND key = ?2)",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(life)
+        .bind(phase)
+        .bind(lock_version)
+        .execute(connection)
+        .await
+        .map(drop)
+    }
+
+    async fn hang(connection: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+        // Counts for ever: only the connection's statement timeout ends it.
+        sqlx::query(
+            "WITH RECURSIVE forever(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM forever) \
+             SELECT count(*) FROM forever",
+        )
+        .execute(connection)
+        .await
+        .map(drop)
+    }
+
+    async fn break_commit(connection: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_orphans (parent) VALUES (1)")
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn apply(
+        connection: &mut sqlx::SqliteConnection,
+        message_id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_ledger (message_id) VALUES (?1)")
+            .bind(message_id)
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+}
