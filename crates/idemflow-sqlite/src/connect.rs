@@ -12,7 +12,7 @@
 //! - **A statement timeout** ([`OpenOptions::statement_timeout`], half the busy timeout by
 //!   default, and always shorter than it), which SQLite lacks: a statement still running that long
 //!   is interrupted (`SQLITE_INTERRUPT`) by a progress handler every connection gets when it
-//!   opens. A statement that never ends (a runaway query in a local phase) would otherwise hold
+//!   opens ([`crate::statement_timeout`]). A statement that never ends (a runaway query in a local phase) would otherwise hold
 //!   the one write lock for good, long after the runner gave the phase up and closed its
 //!   connection. Installed once per connection, it costs a request nothing: arming a limit per
 //!   phase took a round trip to the connection's thread, 15% of a checkout.
@@ -24,7 +24,7 @@
 
 use std::path::Path;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
@@ -102,45 +102,14 @@ pub async fn open_file(path: &Path, options: &OpenOptions) -> Result<SqlitePool,
     Ok(pool)
 }
 
-/// The pool: every connection it opens gets the statement timeout's progress handler.
+/// The pool: every connection it opens gets the statement timeout.
 fn pool_options(options: &OpenOptions) -> SqlitePoolOptions {
     let limit = options.statement_limit();
     SqlitePoolOptions::new()
         .max_connections(options.max_connections)
         .after_connect(move |connection, _| {
-            Box::pin(async move {
-                let mut handle = connection.lock_handle().await?;
-                handle.set_progress_handler(PROGRESS_STEPS, statement_limit(limit));
-                Ok(())
-            })
+            Box::pin(crate::statement_timeout::install(connection, limit))
         })
-}
-
-/// Virtual machine steps between two calls of the progress handler: tens of microseconds of
-/// work.
-const PROGRESS_STEPS: i32 = 4_000;
-
-/// Calls of the progress handler further apart than this belong to two statements. The handler
-/// runs only while a statement steps, every [`PROGRESS_STEPS`]; between statements (and while a
-/// statement waits on the disk) it does not, and a statement shorter than [`PROGRESS_STEPS`] never
-/// calls it. A statement that waits longer than this between two steps counts as starting again
-/// (lenient); long statements following one another within this gap count as one, so a connection
-/// kept stepping without a pause for the whole timeout is interrupted: a workload only a runaway
-/// has, since the engine's own statements are index lookups of a few hundred steps.
-const STATEMENT_GAP: Duration = Duration::from_millis(50);
-
-/// The progress handler: `false` (interrupt) once the statement it is called for has run `limit`.
-fn statement_limit(limit: Duration) -> impl FnMut() -> bool + Send + 'static {
-    let mut last = None::<Instant>;
-    let mut started = Instant::now();
-    move || {
-        let now = Instant::now();
-        if last.is_none_or(|last| now.duration_since(last) > STATEMENT_GAP) {
-            started = now;
-        }
-        last = Some(now);
-        now.duration_since(started) < limit
-    }
 }
 
 fn connect_options(connect: SqliteConnectOptions, options: &OpenOptions) -> SqliteConnectOptions {

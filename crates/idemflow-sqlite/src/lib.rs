@@ -16,6 +16,7 @@ mod look_up;
 mod owner;
 mod report;
 mod retention;
+mod statement_timeout;
 pub mod statements;
 mod store;
 mod take_over;

@@ -208,3 +208,78 @@ async fn a_statement_timeout_not_shorter_than_the_busy_timeout_is_refused() {
         OpenOptions::default().busy_timeout / 2
     );
 }
+
+/// The statement timeout limits one statement, never a connection kept busy: a connection
+/// running short statements back to back for far longer than the timeout (a service under steady
+/// load, a bulk seeding) is never interrupted. SQLite
+/// counts a prepared statement's steps across its runs and calls the progress handler every few
+/// thousand of them, so a handler that cannot tell one statement from the next would take a
+/// steady stream of short ones for one statement that never ends.
+#[tokio::test]
+async fn a_connection_busy_with_short_statements_for_longer_than_the_statement_timeout_is_never_interrupted()
+ {
+    let pool = open_file(
+        &scratch("statement-timeout-busy-connection"),
+        &OpenOptions {
+            busy_timeout: Duration::from_secs(2),
+            max_connections: 1,
+            statement_timeout: Some(Duration::from_millis(100)),
+        },
+    )
+    .await
+    .expect("open");
+    let mut connection = pool.acquire().await.expect("connection");
+    let until = std::time::Instant::now() + Duration::from_millis(800);
+    let mut statements = 0;
+    while std::time::Instant::now() < until {
+        // A statement of a few thousand steps, short on its own (about a millisecond), one after
+        // another on the one connection.
+        let counted: i64 = sqlx::query_scalar(
+            "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 3000) \
+             SELECT count(*) FROM n",
+        )
+        .fetch_one(&mut *connection)
+        .await
+        .unwrap_or_else(|error| panic!("statement {statements} was interrupted: {error}"));
+        assert_eq!(counted, 3000);
+        statements += 1;
+    }
+    assert!(statements > 10, "only {statements} statements ran");
+}
+
+/// A statement that alone outruns the statement timeout is interrupted at it, and the connection
+/// goes on serving: the timeout still does what it is for.
+#[tokio::test]
+async fn a_statement_that_outruns_the_statement_timeout_is_interrupted_and_the_connection_serves_on()
+ {
+    let pool = open_file(
+        &scratch("statement-timeout-runaway"),
+        &OpenOptions {
+            busy_timeout: Duration::from_secs(2),
+            max_connections: 1,
+            statement_timeout: Some(Duration::from_millis(100)),
+        },
+    )
+    .await
+    .expect("open");
+    let started = std::time::Instant::now();
+    let runaway = sqlx::query_scalar::<_, i64>(
+        "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT count(*) FROM n",
+    )
+    .fetch_one(&pool)
+    .await;
+    let Err(sqlx::Error::Database(error)) = runaway else {
+        panic!("not interrupted: {runaway:?}");
+    };
+    assert!(error.message().contains("interrupted"), "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let one: i64 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&pool)
+        .await
+        .expect("the connection serves on");
+    assert_eq!(one, 1);
+}
