@@ -1253,6 +1253,39 @@ fn ratio_target(name: String, ratio: Option<f64>, at_least: f64) -> Target {
     }
 }
 
+/// Workload 13: engine ÷ raw ≥ 0.9× for each operation on SQLite, judged at the largest client
+/// count it ran (the single writer holds both sides there), and the several processes at the most
+/// processes.
+fn sqlite_targets(runs: &[report::SqliteRun], targets: &mut Vec<Target>) {
+    let mut operations: Vec<&str> = Vec::new();
+    for run in runs {
+        let judged_by = if run.operation.ends_with("-processes") {
+            "processes"
+        } else {
+            run.operation.as_str()
+        };
+        if !operations.contains(&judged_by) {
+            operations.push(judged_by);
+        }
+    }
+    for operation in operations {
+        let judged = runs
+            .iter()
+            .filter(|run| {
+                run.operation == operation
+                    || (operation == "processes" && run.operation.ends_with("-processes"))
+            })
+            .max_by_key(|run| run.clients);
+        if let Some(run) = judged {
+            targets.push(ratio_target(
+                format!("13 sqlite {} @{}: engine ÷ raw", run.operation, run.clients),
+                (run.raw_per_second > 0.0).then(|| run.engine_per_second / run.raw_per_second),
+                0.9,
+            ));
+        }
+    }
+}
+
 fn targets(config: &Config, report: &Report) -> Vec<Target> {
     let at = config.reference_clients();
     let rate =
@@ -1442,6 +1475,7 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
     if let Some(partitioned) = &report.partitioned_expiry {
         partitioned_targets(partitioned, &mut targets);
     }
+    sqlite_targets(&report.sqlite, &mut targets);
     // End to end, the difference drowns in the run-to-run noise (shown as the larger half-to-half
     // spread of the two variants); the direct estimate is calls × cost per call over the
     // machine's CPU time per request at the measured rate (cores ÷ requests per second).
