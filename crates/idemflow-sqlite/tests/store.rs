@@ -209,17 +209,10 @@ async fn a_statement_timeout_not_shorter_than_the_busy_timeout_is_refused() {
     );
 }
 
-/// The statement timeout limits one statement, never a connection kept busy: a connection
-/// running short statements back to back for far longer than the timeout (a service under steady
-/// load, a bulk seeding) is never interrupted. SQLite
-/// counts a prepared statement's steps across its runs and calls the progress handler every few
-/// thousand of them, so a handler that cannot tell one statement from the next would take a
-/// steady stream of short ones for one statement that never ends.
-#[tokio::test]
-async fn a_connection_busy_with_short_statements_for_longer_than_the_statement_timeout_is_never_interrupted()
- {
-    let pool = open_file(
-        &scratch("statement-timeout-busy-connection"),
+/// One connection on a file of its own, its statements interrupted at 100 ms.
+async fn one_connection_with_a_short_statement_timeout(name: &str) -> SqlitePool {
+    open_file(
+        &scratch(name),
         &OpenOptions {
             busy_timeout: Duration::from_secs(2),
             max_connections: 1,
@@ -227,7 +220,19 @@ async fn a_connection_busy_with_short_statements_for_longer_than_the_statement_t
         },
     )
     .await
-    .expect("open");
+    .expect("open")
+}
+
+/// The statement timeout limits one statement, never a connection kept busy: a connection
+/// running short statements back to back for far longer than the timeout (a service under steady
+/// load, a bulk seeding) is never interrupted. SQLite counts a prepared statement's steps across
+/// its runs and calls the progress handler every few thousand of them, so a handler that cannot tell one statement from the next would take a
+/// steady stream of short ones for one statement that never ends.
+#[tokio::test]
+async fn a_connection_busy_with_short_statements_for_longer_than_the_statement_timeout_is_never_interrupted()
+ {
+    let pool =
+        one_connection_with_a_short_statement_timeout("statement-timeout-busy-connection").await;
     let mut connection = pool.acquire().await.expect("connection");
     let until = std::time::Instant::now() + Duration::from_millis(800);
     let mut statements = 0;
@@ -252,16 +257,7 @@ async fn a_connection_busy_with_short_statements_for_longer_than_the_statement_t
 #[tokio::test]
 async fn a_statement_that_outruns_the_statement_timeout_is_interrupted_and_the_connection_serves_on()
  {
-    let pool = open_file(
-        &scratch("statement-timeout-runaway"),
-        &OpenOptions {
-            busy_timeout: Duration::from_secs(2),
-            max_connections: 1,
-            statement_timeout: Some(Duration::from_millis(100)),
-        },
-    )
-    .await
-    .expect("open");
+    let pool = one_connection_with_a_short_statement_timeout("statement-timeout-runaway").await;
     let started = std::time::Instant::now();
     let runaway = sqlx::query_scalar::<_, i64>(
         "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT count(*) FROM n",
