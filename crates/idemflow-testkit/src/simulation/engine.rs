@@ -9,6 +9,10 @@ use idemflow_runner::{ConnectionOf, EngineOf, PgStore, SqliteStore};
 /// An engine the schedule explorer runs on.
 #[async_trait]
 pub trait SimEngine: ConsumerStore<Database: EngineOf<Engine = Self>> {
+    /// One write transaction at a time on the whole database (SQLite): a run held inside one
+    /// holds every other writer, the operator's too, until it moves on.
+    const ONE_WRITER: bool;
+
     /// Now by the database's clock, in seconds since the Unix epoch (the clock its leases use).
     async fn clock(connection: &mut ConnectionOf<Self>) -> Result<f64, sqlx::Error>;
 
@@ -38,6 +42,8 @@ pub trait SimEngine: ConsumerStore<Database: EngineOf<Engine = Self>> {
 
 #[async_trait]
 impl SimEngine for PgStore {
+    const ONE_WRITER: bool = false;
+
     async fn clock(connection: &mut sqlx::PgConnection) -> Result<f64, sqlx::Error> {
         sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
             .fetch_one(connection)
@@ -95,6 +101,8 @@ impl SimEngine for PgStore {
 
 #[async_trait]
 impl SimEngine for SqliteStore {
+    const ONE_WRITER: bool = true;
+
     async fn clock(connection: &mut sqlx::SqliteConnection) -> Result<f64, sqlx::Error> {
         sqlx::query_scalar("SELECT unixepoch('subsec')")
             .fetch_one(connection)

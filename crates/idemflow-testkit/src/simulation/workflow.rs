@@ -289,11 +289,14 @@ impl<E: SimEngine> LocalPhase<E> for Price {
     }
 }
 
+/// The workflow's one foreign phase; the others are local.
+pub(crate) const FOREIGN_PHASE: &str = "charge";
+
 struct Charge(Arc<Shared>);
 
 #[async_trait]
 impl ForeignPhase for Charge {
-    const NAME: &'static str = "charge";
+    const NAME: &'static str = FOREIGN_PHASE;
     type Input = Progress;
     type Output = Progress;
 

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_runner::{
     ConnectionOf, CrashHook, CrashPoint, Keyring, Outcome, PhaseContext, PoolOf, Registry, Request,
-    Resumer, ResumerConfig, RunError, Runner, RunnerConfig, TerminalPolicy,
+    Resumer, ResumerConfig, RunError, Runner, RunnerConfig, SealError, TerminalPolicy,
 };
 use serde_json::Value;
 use tokio::task::JoinSet;
@@ -380,6 +380,15 @@ impl Shared {
                 log.forgotten.insert(key.to_owned(), life);
             }
             Err(RunError::Fenced) => log.fenced.push((actor, key.to_owned())),
+            // No schedule alters a stored response: one that does not open was read with a row
+            // it does not belong to (a body apart of another life of the key, say).
+            Err(RunError::Sealing(SealError::NotAuthentic { what })) if what == "response" => {
+                drop(log);
+                self.violation(format!(
+                    "a replay of key {key} (life {life}) read a stored response that does not open \
+                     under its row (a body of another row or life)"
+                ));
+            }
             _ => {}
         }
     }
@@ -818,7 +827,7 @@ impl<E: SimEngine> World<E> {
                 if waiting > 0 { 12 + 2 * waiting } else { 0 },
                 Action::Grant,
             ),
-            (4 + 4 * held, Action::Request),
+            (4 + 6 * held, Action::Request),
             (1, Action::Burst),
             (3 * u32::from(self.setup.settings.consumer), Action::Deliver),
             (2 + 3 * due, Action::Drain),
@@ -826,9 +835,9 @@ impl<E: SimEngine> World<E> {
             (2, Action::ExpireAll),
             (u32::from(waiting > 0), Action::Stall),
             (1, Action::EndLease),
-            (1 + 3 * held, Action::Retention),
+            (1 + 5 * held, Action::Retention),
             (
-                u32::from(self.setup.terminal == TerminalPolicy::Store) * (1 + 3 * held),
+                u32::from(self.setup.terminal == TerminalPolicy::Store) * (1 + 5 * held),
                 Action::TimeJump,
             ),
             (1, Action::Kill),
@@ -871,12 +880,12 @@ impl<E: SimEngine> World<E> {
             .enumerate()
             .map(|(index, parked)| {
                 let rng = &mut self.rng;
-                // Most held replays are patient: they read their body only once no request of a
-                // newer life of their key is running, so a new life claimed meanwhile (the key
-                // deleted by retention) has finished first.
+                // Most held replays are patient: they read their body only once no newer life
+                // of their key is running or claimed and not done, so a new life claimed
+                // meanwhile (the key deleted by retention) has finished first.
                 let replay = is_replay_body(&parked.point);
                 if replay
-                    && newer_life_running(&self.keys, &self.lives, &self.shared, parked)
+                    && newer_life_unfinished(&self.keys, &self.lives, &self.shared, parked)
                     && *self
                         .patient
                         .entry(parked.actor)
@@ -888,7 +897,7 @@ impl<E: SimEngine> World<E> {
                 // replay about to read its body apart stalls most, and longest: the key may end
                 // its window and live again meanwhile.
                 let (stalls, shortest, longest) = if replay {
-                    (0.7, 15, 60)
+                    (0.8, 20, 80)
                 } else if self.shared.scheduler.is_engine_actor(parked.actor) {
                     (0.4, 5, 25)
                 } else {
@@ -908,7 +917,12 @@ impl<E: SimEngine> World<E> {
             return;
         }
         let chosen = &waiting[self.rng.weighted(&weights)];
-        let verdict = match &chosen.point {
+        self.grant_to(chosen);
+    }
+
+    /// Lets a waiting actor go on, drawing what it does at its point.
+    fn grant_to(&mut self, parked: &Waiting) {
+        let verdict = match &parked.point {
             Point::Engine(point) => {
                 // Around a call crashes are likelier: they leave keys whose next step is the
                 // call, the ones a late or stale owner could call twice.
@@ -920,14 +934,42 @@ impl<E: SimEngine> World<E> {
                     Verdict::Go
                 }
             }
-            Point::Phase(phase) => Verdict::Act(self.draw_act(&chosen.key, phase)),
+            Point::Phase(phase) => Verdict::Act(self.draw_act(&parked.key, phase)),
         };
         self.shared.log().counts.grants += 1;
         self.shared.event(
-            chosen.actor,
-            format!("granted at {} of {}: {verdict:?}", chosen.point, chosen.key),
+            parked.actor,
+            format!("granted at {} of {}: {verdict:?}", parked.point, parked.key),
         );
-        self.shared.scheduler.grant(chosen.actor, verdict);
+        self.shared.scheduler.grant(parked.actor, verdict);
+    }
+
+    /// On an engine with one writer, an operator's write waits (its busy timeout) for the run
+    /// whose transaction holds the database, and that run goes on meanwhile: runs held inside a
+    /// write transaction are let go until none is (bounded). Without this, the operator's writes
+    /// would only ever meet a held writer and fail busy, and retention would rarely delete a key
+    /// while a replay of it is held, the window a new life of the key is made in. Some of the
+    /// time the writer stays held, and the operator's write fails busy, as it may.
+    async fn let_the_writer_finish(&mut self) {
+        if !E::ONE_WRITER || self.rng.chance(0.2) {
+            return;
+        }
+        for _ in 0..100 {
+            let holding: Vec<Waiting> = self
+                .shared
+                .scheduler
+                .waiting()
+                .into_iter()
+                .filter(|parked| holds_the_writer(&parked.point))
+                .collect();
+            if holding.is_empty() {
+                return;
+            }
+            for parked in &holding {
+                self.grant_to(parked);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     fn draw_act(&mut self, key: &str, phase: &'static str) -> Act {
@@ -1008,6 +1050,25 @@ impl<E: SimEngine> World<E> {
             .any(|parked| is_replay_body(&parked.point))
     }
 
+    /// Keys a held replay waits on: a newer life of the key is claimed and not done, and no
+    /// request of it runs.
+    fn awaited_lives(&self) -> Vec<usize> {
+        let mut keys: Vec<usize> = self
+            .shared
+            .scheduler
+            .waiting()
+            .iter()
+            .filter(|parked| {
+                is_replay_body(&parked.point)
+                    && newer_life_unfinished(&self.keys, &self.lives, &self.shared, parked)
+                    && !newer_life_running(&self.keys, &self.lives, &self.shared, parked)
+            })
+            .filter_map(|parked| key_index(&parked.key))
+            .collect();
+        keys.dedup();
+        keys
+    }
+
     /// A waiting actor's process stalls (a pause, a long garbage collection): it is granted
     /// nothing for a while, whatever it holds.
     fn stall(&mut self) {
@@ -1037,14 +1098,19 @@ impl<E: SimEngine> World<E> {
                 .filter(|index| log.forgotten.contains_key(&key_name(*index)))
                 .collect()
         };
-        // While a replay is held, a retired key's client is likelier to come back.
+        // While a replay is held, a retired key's client is likelier to come back, and so is
+        // the client of a newer life the replay waits for.
         let retired: Vec<usize> = (0..self.keys.len())
             .filter(|index| self.keys[*index].retired)
             .collect();
+        let awaited = self.awaited_lives();
         let held = self.replay_held();
         let index = match (forgotten.first(), self.lapsed.pop()) {
             _ if held && !retired.is_empty() && self.rng.chance(0.7) => {
                 retired[self.rng.below(retired.len() as u64) as usize]
+            }
+            _ if !awaited.is_empty() && self.rng.chance(0.6) => {
+                awaited[self.rng.below(awaited.len() as u64) as usize]
             }
             (Some(forgotten), _) if self.rng.chance(0.7) => *forgotten,
             (_, Some(lapsed)) if self.rng.chance(0.6) => lapsed,
@@ -1279,6 +1345,7 @@ impl<E: SimEngine> World<E> {
 
     /// An operator runs retention. Keys within their window must all be there afterwards.
     async fn retention(&mut self) {
+        self.let_the_writer_finish().await;
         let protected = self
             .shared
             .observer
@@ -1316,6 +1383,7 @@ impl<E: SimEngine> World<E> {
     /// A day passes for retention: the schedule's keys were claimed and finished a day earlier.
     /// Leases are left alone (their owners' heartbeats would have kept them).
     async fn time_jump(&mut self) {
+        self.let_the_writer_finish().await;
         let jumped = self
             .shared
             .observer
@@ -1515,6 +1583,14 @@ impl<E: SimEngine> idemflow_consumer::Handler<E> for Ledger {
 }
 
 /// The point a replay reaches after reading its key's row and before reading its body apart.
+/// A run waiting here is inside a write transaction: a local phase's body, or about to commit.
+fn holds_the_writer(point: &Point) -> bool {
+    match point {
+        Point::Engine(point) => point.starts_with("before_commit:") || point == "before_finish",
+        Point::Phase(phase) => *phase != workflow::FOREIGN_PHASE,
+    }
+}
+
 fn is_replay_body(point: &Point) -> bool {
     matches!(point, Point::Engine(point) if point.as_str() == "before_replay_body")
 }
@@ -1533,4 +1609,26 @@ fn newer_life_running(
         return false;
     };
     seen.life > *sent && shared.in_flight(&parked.key, seen.life) > 0
+}
+
+/// A newer life of `parked`'s key than the one its client sent is running, or claimed and not
+/// done (its request crashed or gave up for now: a retry or a resumer finishes it).
+fn newer_life_unfinished(
+    keys: &[KeySeen],
+    lives: &HashMap<ActorId, u32>,
+    shared: &Shared,
+    parked: &Waiting,
+) -> bool {
+    if newer_life_running(keys, lives, shared, parked) {
+        return true;
+    }
+    let (Some(sent), Some(seen)) = (
+        lives.get(&parked.actor),
+        key_index(&parked.key).and_then(|index| keys.get(index)),
+    ) else {
+        return false;
+    };
+    seen.row.as_ref().is_some_and(|row| {
+        row.state == "started" && row.life.is_some_and(|life| life > i64::from(*sent))
+    })
 }
