@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
+use idemflow_mysql::MySqlStore;
 use idemflow_pg::PgStore;
 use idemflow_sqlite::SqliteStore;
 use idemflow_store::{Claim, Failure, LookUp, Store};
@@ -58,6 +59,23 @@ impl Bench for SqliteStore {
     }
 }
 
+#[async_trait]
+impl Bench for MySqlStore {
+    async fn lapse_leases(pool: &sqlx::MySqlPool) {
+        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn age_finished(pool: &sqlx::MySqlPool) {
+        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+}
+
 /// A fresh SQLite database file for `case`, removed at the next run of the same case.
 async fn sqlite(case: &str) -> sqlx::SqlitePool {
     let directory = std::env::temp_dir().join(format!("idemflow-conformance-{case}"));
@@ -72,7 +90,7 @@ async fn sqlite(case: &str) -> sqlx::SqlitePool {
 }
 
 /// One test per case and engine: PostgreSQL on a fresh database of its own (`#[sqlx::test]`),
-/// SQLite on a fresh file.
+/// SQLite on a fresh file, MariaDB on a fresh database of its own.
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod postgres {
@@ -92,6 +110,18 @@ macro_rules! conformance {
                 }
             )*
         }
+        mod mariadb {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let pool = crate::support::mariadb::fresh(
+                        concat!("conformance_", stringify!($case)),
+                    )
+                    .await;
+                    super::$case::<idemflow_mysql::MySqlStore>(pool).await;
+                }
+            )*
+        }
     };
 }
 
@@ -106,6 +136,7 @@ conformance!(
     a_postponed_key_waits_its_retry_after_under_a_new_token,
     a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing,
     an_ended_lease_advances_the_fence_and_frees_the_key_at_once,
+    keys_and_tenants_are_compared_byte_for_byte,
 );
 
 fn tenant() -> TenantId {
@@ -610,4 +641,30 @@ async fn an_ended_lease_advances_the_fence_and_frees_the_key_at_once<S: Store>(p
         .unwrap()
         .expect("taken over at once");
     assert!(![token, S::token(&owner)].contains(&S::token(&taken.owner)));
+}
+
+/// Keys that differ only in case or in a trailing space are two keys, and so are tenants that
+/// differ only in case: a key generator that treats case as significant must not have its
+/// identities collapsed by a case-insensitive or padding comparison (MariaDB's text collations
+/// all pad, `utf8mb4_bin` included).
+async fn keys_and_tenants_are_compared_byte_for_byte<S: Store>(pool: S::Pool) {
+    let names = ["Key-A", "key-a", "a", "a ", "a  "];
+    for name in names {
+        claim_and_finish::<S>(&pool, &key(name), name.as_bytes(), usize::MAX).await;
+    }
+    for name in names {
+        let found = found::<S>(&pool, &key(name)).await;
+        assert_eq!(
+            found.response.map(|response| response.body),
+            Some(name.as_bytes().to_vec()),
+            "{name:?} was answered with another key's response"
+        );
+    }
+    let upper = TenantId::new("T-Conformance").unwrap();
+    match S::look_up(&pool, &upper, &key("Key-A")).await.unwrap() {
+        LookUp::Absent(_) => {}
+        LookUp::Found(_) | LookUp::Claiming => {
+            panic!("tenant T-Conformance found t-conformance's key")
+        }
+    }
 }

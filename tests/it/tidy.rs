@@ -15,7 +15,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 /// The engines' stores: the crates whose SQL is the engine's.
-const STORES: [&str; 2] = ["idemflow-pg", "idemflow-sqlite"];
+const STORES: [&str; 3] = ["idemflow-pg", "idemflow-sqlite", "idemflow-mysql"];
 
 /// Library and binary source of every crate but the stores: what ships.
 fn shipped_sources(root: &Path) -> Vec<PathBuf> {

@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 pub mod example;
+pub mod mariadb;
 pub mod report;
 
 // The wire-counting proxy lives in the testkit (the benchmark uses it too); only some tests count.

@@ -1,0 +1,103 @@
+//! The claim of a new key ([`begin_claim`]): a transaction that inserts the key's row, and stays
+//! open for the leading local phases.
+//!
+//! The primary key is the claim's exclusion. A committed row of the key refuses the insert with
+//! a duplicate-key error (1062): the claim is lost, nothing written. An uncommitted one (another
+//! claim in flight) makes the insert wait for that transaction, up to the lock wait timeout:
+//! committed, the insert is refused as above; rolled back, the insert goes on and the key is
+//! ours; still open at the timeout, the claim answers busy. Several claims waiting on one can
+//! deadlock as the first ends (each holds a shared lock on the duplicate and wants it
+//! exclusively): InnoDB rolls a victim back (1213), and its claim, which had written nothing
+//! else, is tried again.
+
+use std::time::Duration;
+
+use idemflow_core::{Fingerprint, Key, TenantId};
+use serde_json::Value;
+use sqlx::MySql;
+use sqlx::pool::PoolConnection;
+
+use crate::error::{DEADLOCK, DUPLICATE_KEY, StoreError, error_number};
+use crate::owner::Owner;
+use crate::statements::{self, FENCES_PER_LIFE};
+use crate::transaction::Transaction;
+
+/// Everything a claim stores.
+#[derive(Debug)]
+pub struct ClaimRequest<'a> {
+    /// The tenant the key belongs to.
+    pub tenant: &'a TenantId,
+    /// The idempotency key claimed.
+    pub key: &'a Key,
+    /// The request's fingerprint.
+    pub fingerprint: &'a Fingerprint,
+    /// The name (and version) of the workflow that runs the key.
+    pub workflow: &'a str,
+    /// The workflow's input, stored so a resumer in another process can run the key.
+    pub request: &'a Value,
+    /// How long the claim's lease lasts, from the insert; stored in whole milliseconds.
+    pub lease: Duration,
+}
+
+/// What [`begin_claim`] did.
+#[derive(Debug)]
+pub enum Claimed {
+    /// The key is ours: the transaction holds the uncommitted claim.
+    Owned(Transaction, Owner),
+    /// Another claim of this key committed first. Nothing was written; look the key up again.
+    Lost(PoolConnection<MySql>),
+}
+
+/// How many times a claim chosen as a deadlock's victim is tried again before it answers busy.
+const DEADLOCK_RETRIES: usize = 3;
+
+/// Begins a transaction holding the claim of a new key.
+pub async fn begin_claim(
+    mut connection: PoolConnection<MySql>,
+    claim: &ClaimRequest<'_>,
+) -> Result<Claimed, StoreError> {
+    let request = serde_json::to_string(claim.request)
+        .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
+    for _ in 0..DEADLOCK_RETRIES {
+        let mut transaction = Transaction::begin(connection).await?;
+        let inserted = sqlx::query(statements::CLAIM)
+            .bind(claim.tenant.as_str())
+            .bind(claim.key.as_str())
+            .bind(claim.fingerprint.as_bytes().as_slice())
+            .bind(claim.workflow)
+            .bind(request.as_str())
+            .bind(millis(claim.lease))
+            .execute(transaction.connection())
+            .await;
+        match inserted {
+            Ok(done) => {
+                let life = i64::try_from(done.last_insert_id())
+                    .map_err(|_| StoreError::Corrupt("a life past i64".to_owned()))?;
+                sqlx::query(statements::CLAIMED_SAVEPOINT)
+                    .execute(transaction.connection())
+                    .await?;
+                let token = life
+                    .checked_mul(FENCES_PER_LIFE)
+                    .ok_or_else(|| StoreError::Corrupt(format!("life {life} past the tokens")))?;
+                return Ok(Claimed::Owned(
+                    transaction,
+                    Owner::new(claim.tenant.clone(), claim.key.clone(), token),
+                ));
+            }
+            Err(error) if error_number(&error) == Some(DUPLICATE_KEY) => {
+                return Ok(Claimed::Lost(transaction.rollback().await?));
+            }
+            // The victim's transaction is already rolled back; its connection serves on.
+            Err(error) if error_number(&error) == Some(DEADLOCK) => {
+                connection = transaction.rollback().await?;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Err(StoreError::Busy)
+}
+
+/// Whole milliseconds, saturating (a lease of centuries is as good as forever).
+pub(crate) fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX / 2)
+}

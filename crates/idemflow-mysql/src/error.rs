@@ -1,0 +1,53 @@
+//! [`StoreError`], the one error type of every store call, as the other engines have it. InnoDB's
+//! lock waits past `innodb_lock_wait_timeout` (1205) and its deadlock victims (1213) are
+//! [`StoreError::Busy`]: an answer to retry later, never a failure a client sees as a 500.
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A fenced write updated no row: another owner took the key over (or it was finished or
+    /// deleted). The caller must roll back its transaction and stop working on the key.
+    #[error("fenced: the lease on this key was lost to another owner")]
+    Fenced,
+    /// A row lock was held for longer than the lock wait timeout (1205), or InnoDB chose this
+    /// transaction as a deadlock's victim (1213). The transaction is lost; nothing it wrote is
+    /// kept. The caller may try again later (over HTTP: 503 with `Retry-After`).
+    #[error("busy: a row lock was held for longer than the lock wait timeout, or a deadlock")]
+    Busy,
+    /// A statement failed or the connection broke: sqlx's error, as it came. A transaction it
+    /// happened in is lost.
+    #[error("database error: {0}")]
+    Database(sqlx::Error),
+    /// A stored row breaks the schema's promises. Never expected; reported rather than guessed
+    /// around.
+    #[error("corrupt key row: {0}")]
+    Corrupt(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        if matches!(error_number(&error), Some(LOCK_WAIT_TIMEOUT | DEADLOCK)) {
+            Self::Busy
+        } else {
+            Self::Database(error)
+        }
+    }
+}
+
+/// ER_DUP_ENTRY: a unique key already holds the value (a claim lost to a committed one).
+pub(crate) const DUPLICATE_KEY: u16 = 1062;
+/// ER_LOCK_WAIT_TIMEOUT.
+pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
+/// ER_LOCK_DEADLOCK: the whole transaction was rolled back.
+pub(crate) const DEADLOCK: u16 = 1213;
+
+/// The server's error number, for an error the server sent.
+pub(crate) fn error_number(error: &sqlx::Error) -> Option<u16> {
+    let sqlx::Error::Database(error) = error else {
+        return None;
+    };
+    error
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .map(sqlx::mysql::MySqlDatabaseError::number)
+}

@@ -1,0 +1,207 @@
+//! Every statement the MySQL/MariaDB store sends, in one place (as `idemflow_pg::statements` is
+//! for PostgreSQL). Parameters are `?`, bound in the order they appear. Times are milliseconds
+//! since the Unix epoch by the server's clock in UTC ([`NOW_MS`]: `UTC_TIMESTAMP` does not
+//! depend on a session's time zone, and is fixed for the length of a statement).
+//!
+//! The SQL is what MariaDB 10.6+ and MySQL 8.4 both accept, except where a constant says
+//! otherwise (see docs/engines.md for the table of differences).
+
+/// Now, in milliseconds since the Unix epoch, UTC.
+macro_rules! now_ms {
+    () => {
+        "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
+    };
+}
+
+/// [`now_ms!`] as a constant, for documentation and tests.
+pub const NOW_MS: &str = now_ms!();
+
+/// How many tokens one life of a key can hold: the fence is the token's low 20 bits (see the
+/// migration). A life whose fence reached the last is never taken over again.
+pub const FENCES_PER_LIFE: i64 = 1 << 20;
+
+/// The look-up, outside any transaction (a consistent read: it never waits for a writer):
+/// `tenant`, `key`. `life` only when the body is stored apart.
+pub const LOOK_UP: &str = concat!(
+    "SELECT fingerprint, workflow, state = 'done' AS done, \
+            GREATEST(COALESCE(locked_until, 0) - ",
+    now_ms!(),
+    ", 0) AS lease_left_ms, \
+            lock_version, response_status, response_headers, response_body, \
+            CASE WHEN response_apart THEN life END AS life \
+     FROM idempotency_keys WHERE tenant = ? AND `key` = ?"
+);
+
+/// The claim's insert: `tenant`, `key`, `fingerprint`, `workflow`, `request` (JSON text), the
+/// lease in ms. The row's life comes back as the insert's id (the table's AUTO_INCREMENT); its
+/// token is the life times [`FENCES_PER_LIFE`]. A committed row of the key answers with a
+/// duplicate-key error (1062); an uncommitted one makes the insert wait for its transaction.
+pub const CLAIM: &str = concat!(
+    "INSERT INTO idempotency_keys \
+         (tenant, `key`, fingerprint, workflow, request, locked_until, created_at, updated_at) \
+     VALUES (?, ?, ?, ?, ?, ",
+    now_ms!(),
+    " + ?, ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    ")"
+);
+
+/// Ends a claim's statements: a savepoint the failure record rolls back to, undoing the first
+/// attempt's effects while keeping its uncommitted claim.
+pub const CLAIMED_SAVEPOINT: &str = "SAVEPOINT idemflow_claimed";
+
+/// Undoes everything since [`CLAIMED_SAVEPOINT`], keeping the claim (and the savepoint).
+pub const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT idemflow_claimed";
+
+/// Records a completed phase (fenced): `recovery_point`, its output (JSON text), the lease in
+/// ms (from this statement, never shortening), `tenant`, `key`, `lock_version`.
+pub const ADVANCE: &str = concat!(
+    "UPDATE idempotency_keys \
+     SET recovery_point = ?, phase_output = ?, attempts = 1, last_error = NULL, \
+         locked_until = GREATEST(locked_until, ",
+    now_ms!(),
+    " + ?), updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'"
+);
+
+/// Stores the response and marks the key done (fenced): `recovery_point`, status, headers
+/// (JSON text), body (`NULL` when stored apart), apart (bool), `tenant`, `key`, `lock_version`.
+pub const FINISH: &str = concat!(
+    "UPDATE idempotency_keys \
+     SET state = 'done', recovery_point = ?, phase_output = NULL, locked_until = NULL, \
+         response_status = ?, response_headers = ?, response_body = ?, response_apart = ?, \
+         finished_at = ",
+    now_ms!(),
+    ", updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'"
+);
+
+/// The body of a response stored apart, for its key's life, in the transaction of [`FINISH`]
+/// (which holds the key's row): `tenant`, `key`, life, body. A body an earlier life left is
+/// replaced, never served. (`VALUES()` in `ON DUPLICATE KEY UPDATE`: MariaDB's form, which MySQL
+/// 8.4 still accepts with a deprecation warning.)
+pub const STORE_APART: &str = "INSERT INTO idempotency_responses (tenant, `key`, life, body) \
+     VALUES (?, ?, ?, ?) \
+     ON DUPLICATE KEY UPDATE life = VALUES(life), body = VALUES(body)";
+
+/// The body stored apart for one life of its key: `tenant`, `key`, life.
+pub const RESPONSE_APART: &str =
+    "SELECT body FROM idempotency_responses WHERE tenant = ? AND `key` = ? AND life = ?";
+
+/// Extends the lease of a started key (fenced), never shortening it: the lease in ms,
+/// `tenant`, `key`, `lock_version`.
+pub const RENEW_LEASE: &str = concat!(
+    "UPDATE idempotency_keys SET locked_until = GREATEST(locked_until, ",
+    now_ms!(),
+    " + ?) WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'"
+);
+
+/// Takes over a started key whose lease is over, naming the token the taker saw; the fence
+/// advances, so the taker's token is the seen one plus one: the lease in ms, `tenant`, `key`,
+/// the token seen.
+pub const TAKE_OVER: &str = concat!(
+    "UPDATE idempotency_keys \
+     SET fence = fence + 1, locked_until = ",
+    now_ms!(),
+    " + ?, attempts = attempts + 1, updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started' \
+       AND locked_until <= ",
+    now_ms!(),
+    " AND fence < 1048575"
+);
+
+/// What a taker goes on with, read in its transaction right after [`TAKE_OVER`] (MySQL has no
+/// `UPDATE … RETURNING`): `tenant`, `key`.
+pub const TAKEN: &str = "SELECT recovery_point, phase_output, request, workflow, attempts, \
+            last_error, lock_version \
+     FROM idempotency_keys WHERE tenant = ? AND `key` = ?";
+
+/// Started keys whose lease is over, of the named workflows (a JSON array), oldest lease first,
+/// locked, skipping those another transaction holds (another resumer's scan, an owner's write):
+/// the JSON array, how many.
+pub const DUE_OF: &str = concat!(
+    "SELECT tenant, `key`, lock_version, workflow FROM idempotency_keys \
+     WHERE state = 'started' AND locked_until <= ",
+    now_ms!(),
+    " AND JSON_CONTAINS(?, JSON_QUOTE(workflow)) ORDER BY locked_until LIMIT ? \
+     FOR UPDATE SKIP LOCKED"
+);
+
+/// Postpones a key after a failed attempt (fenced), advancing the fence: ms until the lease
+/// ends, the error, `tenant`, `key`, `lock_version`.
+pub const POSTPONE: &str = concat!(
+    "UPDATE idempotency_keys SET locked_until = ",
+    now_ms!(),
+    " + ?, fence = fence + 1, last_error = ?, updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started' \
+       AND fence < 1048575"
+);
+
+/// Deletes a started key its owner holds (the forget policy): `tenant`, `key`, `lock_version`.
+/// A started key has no body apart.
+pub const DELETE_OWNED: &str = "DELETE FROM idempotency_keys \
+     WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'";
+
+/// Ends a started key's lease now and advances its fence: `tenant`, `key`, the token seen.
+pub const END_LEASE: &str = concat!(
+    "UPDATE idempotency_keys SET locked_until = LEAST(locked_until, ",
+    now_ms!(),
+    "), fence = fence + 1, updated_at = ",
+    now_ms!(),
+    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started' \
+       AND fence < 1048575"
+);
+
+/// One batch of retention, locked: finished keys whose window (ms, from their finish) is over,
+/// at most `batch`, skipping rows another transaction holds.
+pub const EXPIRE_DUE: &str = concat!(
+    "SELECT life FROM idempotency_keys \
+     WHERE state = 'done' AND finished_at < ",
+    now_ms!(),
+    " - ? ORDER BY finished_at LIMIT ? FOR UPDATE SKIP LOCKED"
+);
+
+/// Deletes finished lives of keys by their lives (unique across the table), a list of `?` that
+/// [`lives`] makes follows.
+pub const DELETE_DONE_LIVES: &str =
+    "DELETE FROM idempotency_keys WHERE state = 'done' AND life IN ";
+
+/// Deletes the bodies apart of deleted lives, a list of `?` that [`lives`] makes follows.
+pub const DELETE_APART_LIVES: &str = "DELETE FROM idempotency_responses WHERE life IN ";
+
+/// `statement` followed by a list of `count` placeholders: `(?, ?, ?)`.
+pub fn lives(statement: &str, count: usize) -> String {
+    let mut sql = String::with_capacity(statement.len() + 3 * count + 2);
+    sql.push_str(statement);
+    sql.push('(');
+    for index in 0..count {
+        if index > 0 {
+            sql.push_str(", ");
+        }
+        sql.push('?');
+    }
+    sql.push(')');
+    sql
+}
+
+/// Started keys due now whose workflow is not in the JSON array, counted by workflow.
+pub const COUNT_DUE_UNKNOWN: &str = concat!(
+    "SELECT workflow, COUNT(*) FROM idempotency_keys WHERE state = 'started' AND locked_until <= ",
+    now_ms!(),
+    " AND NOT JSON_CONTAINS(?, JSON_QUOTE(workflow)) GROUP BY workflow ORDER BY workflow"
+);
+
+/// Milliseconds since the oldest ended lease of a started key ended (0: none is due).
+pub const RESUMER_LAG: &str = concat!(
+    "SELECT CAST(COALESCE(",
+    now_ms!(),
+    " - MIN(locked_until), 0) AS SIGNED) FROM idempotency_keys \
+     WHERE state = 'started' AND locked_until <= ",
+    now_ms!()
+);

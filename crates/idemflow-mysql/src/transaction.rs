@@ -1,0 +1,85 @@
+//! [`Transaction`]: the engine's write transaction on InnoDB, at READ COMMITTED (set on every
+//! connection when it opens, [`crate::open`]).
+//!
+//! Dropped unfinished (a timeout, a cancelled request), the connection is closed rather than
+//! handed back to the pool inside the transaction: the next user would otherwise run inside it,
+//! holding its row locks. The server rolls the transaction back when the connection closes.
+
+use sqlx::mysql::MySqlTransactionManager;
+use sqlx::pool::PoolConnection;
+use sqlx::{MySql, MySqlConnection};
+use sqlx_core::transaction::TransactionManager;
+
+use crate::error::StoreError;
+
+/// A write transaction on one pooled connection.
+#[derive(Debug)]
+pub struct Transaction {
+    connection: Option<PoolConnection<MySql>>,
+}
+
+impl Transaction {
+    /// `BEGIN` on `connection`.
+    pub async fn begin(connection: PoolConnection<MySql>) -> Result<Self, StoreError> {
+        // The guard exists before BEGIN is sent: dropped while BEGIN is in flight, it closes the
+        // connection too.
+        let mut transaction = Self {
+            connection: Some(connection),
+        };
+        // Through sqlx's transaction manager, so it counts the transaction: a phase's own
+        // `begin()` inside it becomes a savepoint, as on PostgreSQL.
+        MySqlTransactionManager::begin(transaction.connection(), None).await?;
+        Ok(transaction)
+    }
+
+    /// The connection, inside the transaction (a local phase's writes go here).
+    pub fn connection(&mut self) -> &mut MySqlConnection {
+        self.connection
+            .as_deref_mut()
+            .unwrap_or_else(|| unreachable!("a transaction holds its connection until it ends"))
+    }
+
+    /// Commits, and hands the connection back.
+    pub async fn commit(mut self) -> Result<PoolConnection<MySql>, StoreError> {
+        MySqlTransactionManager::commit(self.connection()).await?;
+        Ok(self.release())
+    }
+
+    /// Rolls back, and hands the connection back.
+    pub async fn rollback(mut self) -> Result<PoolConnection<MySql>, StoreError> {
+        MySqlTransactionManager::rollback(self.connection()).await?;
+        Ok(self.release())
+    }
+
+    /// Gives the connection up rather than back: it closes instead of returning to the pool, and
+    /// the server rolls back as it closes. For a transaction abandoned while a statement may
+    /// still be running on it (a phase past its time limit: the server's statement timeout ends
+    /// that statement, [`crate::OpenOptions::statement_timeout`]).
+    pub fn abandon(self) {
+        drop(self);
+    }
+
+    /// Rolls back to the savepoint a claim ends with ([`crate::statements::CLAIMED_SAVEPOINT`]):
+    /// every effect since the claim is undone and the claim is kept, still uncommitted, so a
+    /// failed first attempt is recorded under it.
+    pub async fn back_to_claim(&mut self) -> Result<(), StoreError> {
+        sqlx::query(crate::statements::BACK_TO_CLAIM)
+            .execute(self.connection())
+            .await?;
+        Ok(())
+    }
+
+    fn release(&mut self) -> PoolConnection<MySql> {
+        self.connection
+            .take()
+            .unwrap_or_else(|| unreachable!("a transaction ends once"))
+    }
+}
+
+impl Drop for Transaction {
+    fn drop(&mut self) {
+        if let Some(mut connection) = self.connection.take() {
+            connection.close_on_drop();
+        }
+    }
+}
