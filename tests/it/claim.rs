@@ -356,6 +356,20 @@ async fn a_failure_record_never_brings_back_a_claim_that_vanished(pool: PgPool) 
     .await
     .unwrap();
     assert_eq!(killed, 1, "A's claim holds the key's advisory lock");
+    // pg_terminate_backend only signals the session: its locks go when it has exited. Until
+    // then B's look-up would rightly see the claim in progress.
+    for _ in 0..1000 {
+        let held = count(
+            &pool,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> pg_backend_pid() \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .await;
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 
     // B, another request under the key, runs and is forgotten: its client is told the key is free.
     let second = Harness::default();

@@ -13,9 +13,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
 use idemflow_runner::{
-    ConnectionOf, CrashHook, CrashPoint, Engine, ForeignPhase, LocalPhase, Outcome, PgStore,
-    PhaseContext, PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError, Runner,
-    RunnerConfig, SqliteStore, Workflow,
+    ConnectionOf, CrashHook, CrashPoint, Engine, ForeignPhase, LocalPhase, MySqlStore, Outcome,
+    PgStore, PhaseContext, PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError,
+    Runner, RunnerConfig, SqliteStore, Workflow,
 };
 use idemflow_testkit::provider::{Fault, MockProvider};
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
@@ -166,6 +166,68 @@ impl Lab for SqliteStore {
     }
 }
 
+#[async_trait]
+impl Lab for MySqlStore {
+    async fn create_orders(pool: &sqlx::MySqlPool) {
+        sqlx::query(
+            "CREATE TABLE test_orders (`key` VARBINARY(255) NOT NULL, amount BIGINT NOT NULL) \
+             ENGINE = InnoDB",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn insert_order(
+        connection: &mut sqlx::MySqlConnection,
+        key: &str,
+        amount: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO test_orders (`key`, amount) VALUES (?, ?)")
+            .bind(key)
+            .bind(amount)
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn orders(pool: &sqlx::MySqlPool, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM test_orders WHERE `key` = ?")
+            .bind(key)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn lapse_leases(pool: &sqlx::MySqlPool) {
+        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn age_finished(pool: &sqlx::MySqlPool) {
+        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn keys(pool: &sqlx::MySqlPool) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_keys")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn age_processed(pool: &sqlx::MySqlPool) {
+        sqlx::query("UPDATE processed_messages SET processed_at = processed_at - 2 * 86400000")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+}
+
 /// A fresh SQLite database file for `case`, removed at the next run of the same case.
 pub(crate) async fn sqlite(case: &str) -> sqlx::SqlitePool {
     let directory = std::env::temp_dir().join(format!("idemflow-engines-{case}"));
@@ -180,7 +242,7 @@ pub(crate) async fn sqlite(case: &str) -> sqlx::SqlitePool {
 }
 
 /// One test per case and engine: PostgreSQL on a fresh database of its own (`#[sqlx::test]`),
-/// SQLite on a fresh file.
+/// SQLite on a fresh file, MariaDB on a fresh database of its own.
 macro_rules! engines {
     ($($case:ident),* $(,)?) => {
         mod postgres {
@@ -197,6 +259,18 @@ macro_rules! engines {
                 async fn $case() {
                     let pool = super::sqlite(stringify!($case)).await;
                     super::$case::<idemflow_runner::SqliteStore>(pool).await;
+                }
+            )*
+        }
+        mod mariadb {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let pool = crate::support::mariadb::fresh(
+                        concat!("engines_", stringify!($case)),
+                    )
+                    .await;
+                    super::$case::<idemflow_runner::MySqlStore>(pool).await;
                 }
             )*
         }

@@ -2,8 +2,8 @@
 //! schedules of concurrent clients, resumers, operators and faults, each checked, each on the
 //! settings it draws (layout, isolation, bodies apart, sealing, a consumer on the engine's pool).
 //! One source, every engine: the suite runs seeds 0 to 149 on PostgreSQL (in three parts, side
-//! by side, about 45 s each) and seeds 0 to 99 on SQLite (two parts): the same schedules every
-//! time.
+//! by side, about 45 s each), seeds 0 to 99 on SQLite (two parts) and seeds 0 to 149 on
+//! MariaDB (three parts): the same schedules every time.
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
@@ -100,5 +100,32 @@ mod sqlite {
     #[tokio::test]
     async fn schedules_50_to_99() {
         explore(&simulation("50-to-99").await, seeds_from_env(50..100)).await;
+    }
+}
+
+/// The MySQL/MariaDB engine: the same schedules from the same seeds, seeds 0 to 149 (a third of
+/// them with a one-second lock wait timeout), each part on a database of its own.
+mod mariadb {
+    use super::{explore, seeds_from_env};
+    use idemflow_testkit::simulation::Simulation;
+
+    async fn simulation(part: &str) -> Simulation {
+        let pool = crate::support::mariadb::fresh(&format!("simulate_{part}")).await;
+        Simulation::on_mysql(&pool).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn schedules_0_to_49() {
+        explore(&simulation("0_to_49").await, seeds_from_env(0..50)).await;
+    }
+
+    #[tokio::test]
+    async fn schedules_50_to_99() {
+        explore(&simulation("50_to_99").await, seeds_from_env(50..100)).await;
+    }
+
+    #[tokio::test]
+    async fn schedules_100_to_149() {
+        explore(&simulation("100_to_149").await, seeds_from_env(100..150)).await;
     }
 }

@@ -1,16 +1,16 @@
 //! The consumer's statements on each engine: the delivery's transaction, its identity inserted
-//! first (a second delivery in flight waits behind it: PostgreSQL on the row, SQLite on the write
-//! lock), the stored fingerprint read when the identity was there, and retention.
+//! first (a second delivery in flight waits behind it: PostgreSQL and MySQL on the row, SQLite
+//! on the write lock), the stored fingerprint read when the identity was there, and retention.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_pg::Limits;
-use idemflow_runner::{Engine, EngineError, PgStore, PoolOf, SqliteStore};
+use idemflow_runner::{Engine, EngineError, MySqlStore, PgStore, PoolOf, SqliteStore};
 
 use crate::consumer::ConsumerError;
 
-/// An engine the consumer runs on: [`PgStore`] (the default) or [`SqliteStore`].
+/// An engine the consumer runs on: [`PgStore`] (the default), [`SqliteStore`] or [`MySqlStore`].
 #[async_trait]
 pub trait ConsumerStore: Engine {
     /// Begins a delivery's write transaction; `wait_limit` bounds lock waits where the engine
@@ -185,6 +185,78 @@ impl ConsumerStore for SqliteStore {
         .bind(batch)
         .execute(pool)
         .await?;
+        Ok(deleted.rows_affected())
+    }
+}
+
+#[async_trait]
+impl ConsumerStore for MySqlStore {
+    /// A plain transaction: a second delivery of the message waits at its identity's insert, on
+    /// the first one's row, up to the session's lock wait timeout (`wait_limit` is not applied:
+    /// InnoDB's wait is set per session, in whole seconds, when the pool's connections open).
+    async fn begin_delivery(
+        pool: &sqlx::MySqlPool,
+        _wait_limit: Option<Duration>,
+    ) -> Result<idemflow_mysql::Transaction, ConsumerError> {
+        idemflow_mysql::Transaction::begin(pool.acquire().await?)
+            .await
+            .map_err(|error| consumer_error(error.into(), "(any)"))
+    }
+
+    /// A duplicate key (1062) is the answer "applied already": the statement is undone, the
+    /// transaction goes on. (`INSERT IGNORE` would also hide errors that are not duplicates.)
+    async fn insert_identity(
+        transaction: &mut idemflow_mysql::Transaction,
+        subscriber: &str,
+        message_id: &str,
+        fingerprint: &[u8],
+    ) -> Result<bool, ConsumerError> {
+        let inserted = sqlx::query(idemflow_mysql::statements::INSERT_IDENTITY)
+            .bind(subscriber)
+            .bind(message_id)
+            .bind(fingerprint)
+            .execute(transaction.connection())
+            .await;
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(sqlx::Error::Database(error))
+                if error
+                    .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                    .is_some_and(|error| error.number() == 1062) =>
+            {
+                Ok(false)
+            }
+            Err(error) => Err(consumer_error(
+                idemflow_mysql::StoreError::from(error).into(),
+                message_id,
+            )),
+        }
+    }
+
+    async fn stored_fingerprint(
+        transaction: &mut idemflow_mysql::Transaction,
+        subscriber: &str,
+        message_id: &str,
+    ) -> Result<Option<Vec<u8>>, ConsumerError> {
+        Ok(
+            sqlx::query_scalar(idemflow_mysql::statements::STORED_FINGERPRINT)
+                .bind(subscriber)
+                .bind(message_id)
+                .fetch_optional(transaction.connection())
+                .await?,
+        )
+    }
+
+    async fn expire_identities(
+        pool: &sqlx::MySqlPool,
+        older_than: Duration,
+        batch: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let deleted = sqlx::query(idemflow_mysql::statements::EXPIRE_IDENTITIES)
+            .bind(millis(older_than))
+            .bind(batch)
+            .execute(pool)
+            .await?;
         Ok(deleted.rows_affected())
     }
 }

@@ -205,3 +205,24 @@ pub const RESUMER_LAG: &str = concat!(
      WHERE state = 'started' AND locked_until <= ",
     now_ms!()
 );
+
+/// The idempotent consumer's identity, inserted first in a delivery's transaction: subscriber,
+/// message id, fingerprint. A duplicate key (1062) means the message was applied already.
+pub const INSERT_IDENTITY: &str = concat!(
+    "INSERT INTO processed_messages (subscriber, message_id, fingerprint, processed_at) \
+     VALUES (?, ?, ?, ",
+    now_ms!(),
+    ")"
+);
+
+/// The fingerprint stored with a message's identity: subscriber, message id.
+pub const STORED_FINGERPRINT: &str =
+    "SELECT fingerprint FROM processed_messages WHERE subscriber = ? AND message_id = ?";
+
+/// One batch of the consumer's retention: identities applied more than the ms given ago, at most
+/// the number given, oldest first.
+pub const EXPIRE_IDENTITIES: &str = concat!(
+    "DELETE FROM processed_messages WHERE processed_at < ",
+    now_ms!(),
+    " - ? ORDER BY processed_at LIMIT ?"
+);

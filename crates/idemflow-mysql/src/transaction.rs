@@ -62,7 +62,20 @@ impl Transaction {
     /// Rolls back to the savepoint a claim ends with ([`crate::statements::CLAIMED_SAVEPOINT`]):
     /// every effect since the claim is undone and the claim is kept, still uncommitted, so a
     /// failed first attempt is recorded under it.
+    ///
+    /// Called after a phase gave a statement up mid-flight, the connection still owes that
+    /// statement's answer: sqlx reads it before sending the next statement and reports its
+    /// error (the server's statement timeout, 1969, most often) as that statement's, which was
+    /// never sent. So a server error here is met once more: the second try is the rollback's own.
     pub async fn back_to_claim(&mut self) -> Result<(), StoreError> {
+        let first = sqlx::query(crate::statements::BACK_TO_CLAIM)
+            .execute(self.connection())
+            .await;
+        match first {
+            Ok(_) => return Ok(()),
+            Err(sqlx::Error::Database(_)) => {}
+            Err(error) => return Err(error.into()),
+        }
         sqlx::query(crate::statements::BACK_TO_CLAIM)
             .execute(self.connection())
             .await?;

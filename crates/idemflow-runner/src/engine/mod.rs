@@ -3,13 +3,14 @@
 //! engine, no more).
 //!
 //! [`Engine`] is implemented by each engine's store type: [`PgStore`] (the default everywhere a
-//! type takes an engine, so PostgreSQL code names none) and [`SqliteStore`]. A workflow, its
+//! type takes an engine, so PostgreSQL code names none), [`SqliteStore`] and [`MySqlStore`]. A workflow, its
 //! phases, its runner and its resumer all name one engine: a local phase receives that engine's
 //! connection, and a workflow built for one engine cannot be run by a runner of another (it does
 //! not compile). The statements themselves live in the engine's crate (`idemflow-pg`,
 //! `idemflow-sqlite`); the implementations here only say which of them the runner's steps are.
 //! What every engine must keep is in docs/engines.md; the conformance suite proves it.
 
+mod mysql;
 mod pg;
 mod sqlite;
 
@@ -19,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
+pub use idemflow_mysql::MySqlStore;
 use idemflow_pg::Limits;
 pub use idemflow_pg::PgStore;
 pub use idemflow_sqlite::SqliteStore;
@@ -101,10 +103,11 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for idemflow_pg::PgStore {}
     impl Sealed for idemflow_sqlite::SqliteStore {}
+    impl Sealed for idemflow_mysql::MySqlStore {}
 }
 
-/// An engine the runner can drive: see the module's documentation. Implemented by [`PgStore`]
-/// and [`SqliteStore`]; sealed (a new engine is added here, and proven by the conformance suite).
+/// An engine the runner can drive: see the module's documentation. Implemented by [`PgStore`],
+/// [`SqliteStore`] and [`MySqlStore`]; sealed (a new engine is added here, and proven by the conformance suite).
 #[async_trait]
 pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static {
     /// The sqlx database the engine runs on.
@@ -271,4 +274,8 @@ impl EngineOf for sqlx::Postgres {
 
 impl EngineOf for sqlx::Sqlite {
     type Engine = SqliteStore;
+}
+
+impl EngineOf for sqlx::MySql {
+    type Engine = MySqlStore;
 }

@@ -3,12 +3,13 @@
 //! invariant with the command that replays each.
 //!
 //! ```text
-//! idemflow-simulate [--engine postgres|sqlite] [--schedules N] [--seed S] [--verbose]
+//! idemflow-simulate [--engine postgres|sqlite|mysql] [--schedules N] [--seed S] [--verbose]
 //! ```
 //!
 //! On PostgreSQL (the default) it needs `DATABASE_URL` (a server it may create a database on);
 //! `scripts/simulate` finds one the way the test suite does. On SQLite it needs nothing: a scratch
-//! file in the temporary directory, removed at the end. Exit 0 when every schedule passed, 1 when one broke, 2 on bad usage or
+//! file in the temporary directory, removed at the end. On MySQL/MariaDB it needs `MARIADB_URL`
+//! (default `mysql://root@127.0.0.1:3306/test`), and makes a scratch database there. Exit 0 when every schedule passed, 1 when one broke, 2 on bad usage or
 //! when the database cannot be reached.
 
 use std::process::ExitCode;
@@ -22,18 +23,28 @@ use sqlx::{ConnectOptions, Connection, Executor};
 const USAGE: &str =
     "usage: idemflow-simulate [--engine E] [--schedules N] [--seed S] [--verbose] [--history]
 
-  --engine E      postgres (default) or sqlite
+  --engine E      postgres (default), sqlite or mysql (MySQL/MariaDB)
   --schedules N   how many schedules to run (default 50)
   --seed S        the first seed (default: one drawn from the clock); schedule i runs seed S+i
   --verbose       print each schedule's line as it ends, and a failing one's whole history
   --history       print every schedule's whole history, passed or not
 
 On postgres, needs DATABASE_URL; creates a scratch database there and drops it at the end.
-On sqlite, runs on a scratch file in the temporary directory, removed at the end.";
+On sqlite, runs on a scratch file in the temporary directory, removed at the end.
+On mysql, needs MARIADB_URL (default mysql://root@127.0.0.1:3306/test); creates a scratch
+database there and drops it at the end.";
+
+/// The engine the schedules run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EngineName {
+    Postgres,
+    Sqlite,
+    MySql,
+}
 
 #[derive(Debug)]
 struct Args {
-    sqlite: bool,
+    engine: EngineName,
     schedules: u64,
     seed: Option<u64>,
     verbose: bool,
@@ -42,7 +53,7 @@ struct Args {
 
 fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
     let mut parsed = Args {
-        sqlite: false,
+        engine: EngineName::Postgres,
         schedules: 50,
         seed: None,
         verbose: false,
@@ -59,9 +70,10 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String>
             "-h" | "--help" => return Ok(None),
             "--schedules" => parsed.schedules = number("--schedules")?,
             "--engine" => match args.next().as_deref() {
-                Some("postgres") => parsed.sqlite = false,
-                Some("sqlite") => parsed.sqlite = true,
-                other => return Err(format!("--engine {other:?}: postgres or sqlite")),
+                Some("postgres") => parsed.engine = EngineName::Postgres,
+                Some("sqlite") => parsed.engine = EngineName::Sqlite,
+                Some("mysql" | "mariadb") => parsed.engine = EngineName::MySql,
+                other => return Err(format!("--engine {other:?}: postgres, sqlite or mysql")),
             },
             "--seed" => parsed.seed = Some(number("--seed")?),
             "--verbose" => parsed.verbose = true,
@@ -114,8 +126,10 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<bool, String> {
-    if args.sqlite {
-        return run_on_sqlite(args).await;
+    match args.engine {
+        EngineName::Sqlite => return run_on_sqlite(args).await,
+        EngineName::MySql => return run_on_mysql(args).await,
+        EngineName::Postgres => {}
     }
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set".to_owned())?;
     let server =
@@ -162,6 +176,51 @@ async fn run_on_sqlite(args: Args) -> Result<bool, String> {
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
+    result
+}
+
+/// Runs the schedules on a scratch database of the MySQL/MariaDB server, dropped at the end.
+async fn run_on_mysql(args: Args) -> Result<bool, String> {
+    let url = std::env::var("MARIADB_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let server = sqlx::mysql::MySqlConnectOptions::from_str(&url)
+        .map_err(|error| format!("MARIADB_URL: {error}"))?;
+    let scratch = format!(
+        "idemflow_simulate_{}_{}",
+        std::process::id(),
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs())
+    );
+    let mut admin = server
+        .connect()
+        .await
+        .map_err(|error| format!("cannot connect to {url}: {error}"))?;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {scratch}")))
+        .await
+        .map_err(|error| format!("cannot create a scratch database: {error}"))?;
+    let result = async {
+        let pool = idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions::default())
+            .connect_with(server.clone().database(&scratch))
+            .await
+            .map_err(|error| format!("cannot connect to the scratch database: {error}"))?;
+        idemflow_mysql::MIGRATOR
+            .run(&pool)
+            .await
+            .map_err(|error| format!("migrating: {error}"))?;
+        let simulation = Simulation::on_mysql(&pool)
+            .await
+            .map_err(|error| format!("preparing the schedules: {error}"))?;
+        explore(&simulation, &args).await
+    }
+    .await;
+    let _ = admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {scratch}"
+        )))
+        .await;
+    let _ = admin.close().await;
     result
 }
 

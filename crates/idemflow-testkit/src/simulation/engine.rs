@@ -4,7 +4,7 @@
 
 use async_trait::async_trait;
 use idemflow_consumer::ConsumerStore;
-use idemflow_runner::{ConnectionOf, EngineOf, PgStore, SqliteStore};
+use idemflow_runner::{ConnectionOf, EngineOf, MySqlStore, PgStore, SqliteStore};
 
 /// An engine the schedule explorer runs on.
 #[async_trait]
@@ -156,6 +156,73 @@ impl SimEngine for SqliteStore {
         message_id: &str,
     ) -> Result<(), sqlx::Error> {
         sqlx::query("INSERT INTO sim_ledger (message_id) VALUES (?1)")
+            .bind(message_id)
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+}
+
+#[async_trait]
+impl SimEngine for MySqlStore {
+    const ONE_WRITER: bool = false;
+
+    async fn clock(connection: &mut sqlx::MySqlConnection) -> Result<f64, sqlx::Error> {
+        sqlx::query_scalar(
+            "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) / 1e6",
+        )
+        .fetch_one(connection)
+        .await
+    }
+
+    async fn effect(
+        connection: &mut sqlx::MySqlConnection,
+        tenant: &str,
+        key: &str,
+        life: i64,
+        phase: &str,
+        lock_version: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO sim_effects (tenant, `key`, life, phase, lock_version, claimed_at) \
+             SELECT ?, ?, ?, ?, ?, \
+                    (SELECT CAST(created_at AS CHAR) FROM idempotency_keys \
+                     WHERE tenant = ? AND `key` = ?)",
+        )
+        .bind(tenant)
+        .bind(key)
+        .bind(life)
+        .bind(phase)
+        .bind(lock_version)
+        .bind(tenant)
+        .bind(key)
+        .execute(connection)
+        .await
+        .map(drop)
+    }
+
+    async fn hang(connection: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        // Sleeps for an hour: only the session's statement timeout (`max_statement_time`) ends it.
+        sqlx::query("SELECT SLEEP(3600)")
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    /// InnoDB checks foreign keys at once (it has no deferred constraints): the write fails its
+    /// own statement, and the phase fails with it, rather than at the commit.
+    async fn break_commit(connection: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_orphans (parent) VALUES (1)")
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn apply(
+        connection: &mut sqlx::MySqlConnection,
+        message_id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_ledger (message_id) VALUES (?)")
             .bind(message_id)
             .execute(connection)
             .await

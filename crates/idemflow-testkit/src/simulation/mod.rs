@@ -43,15 +43,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemflow_runner::{PgStore, SqliteStore};
+use idemflow_runner::{MySqlStore, PgStore, SqliteStore};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, SqlitePool};
+use sqlx::{Executor, MySqlPool, PgPool, SqlitePool};
 
 pub use engine::SimEngine;
 pub use rng::Rng;
 pub use world::Counts;
 
-use observe::{Observe, PgObserver, SqliteObserver};
+use observe::{MySqlObserver, Observe, PgObserver, SqliteObserver};
 
 use crate::provider::MockProvider;
 
@@ -91,6 +92,13 @@ enum Backend {
         path: PathBuf,
         /// The schedule's own connections.
         observer: SqlitePool,
+    },
+    MySql {
+        /// How to reach the database; each schedule opens the engine's pool from it, and closes
+        /// it at its end.
+        options: Box<MySqlConnectOptions>,
+        /// The schedule's own connections.
+        observer: MySqlPool,
     },
 }
 
@@ -182,11 +190,59 @@ impl Simulation {
         })
     }
 
-    /// The engine this simulation runs on (`postgres` or `sqlite`).
+    /// Prepares schedules on the MySQL/MariaDB engine, on the database `pool` reaches (migrated
+    /// with `idemflow_mysql::MIGRATOR`): the tables the scripted workflow writes, the observer's
+    /// pool (its sessions marked, so the chaos never kills them), and a mock provider on
+    /// loopback. A schedule draws the lock wait timeout of its engine's pool from its seed: a
+    /// short one (one second, InnoDB's least) makes busy answers part of the schedule.
+    /// PostgreSQL's layouts and isolation levels have no form here (the engine sets READ
+    /// COMMITTED on its own sessions): a schedule draws them and they do nothing.
+    pub async fn on_mysql(pool: &MySqlPool) -> Result<Self, sqlx::Error> {
+        let options = pool.connect_options().as_ref().clone();
+        for statement in [
+            "CREATE TABLE IF NOT EXISTS sim_effects (tenant VARCHAR(128) NOT NULL, \
+             `key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+             life BIGINT NOT NULL, phase VARCHAR(64) NOT NULL, lock_version BIGINT NOT NULL, \
+             claimed_at VARCHAR(32)) ENGINE = InnoDB",
+            "CREATE TABLE IF NOT EXISTS sim_parents (id INT PRIMARY KEY) ENGINE = InnoDB",
+            "CREATE TABLE IF NOT EXISTS sim_orphans (parent INT, \
+             FOREIGN KEY (parent) REFERENCES sim_parents (id)) ENGINE = InnoDB",
+            "CREATE TABLE IF NOT EXISTS sim_ledger (message_id VARCHAR(255) CHARACTER SET utf8mb4 \
+             COLLATE utf8mb4_bin NOT NULL) ENGINE = InnoDB",
+            "CREATE TABLE IF NOT EXISTS sim_observers (id BIGINT UNSIGNED PRIMARY KEY) ENGINE = InnoDB",
+        ] {
+            sqlx::query(statement).execute(pool).await?;
+        }
+        let observer = MySqlPoolOptions::new()
+            .max_connections(4)
+            .after_connect(|connection, _| {
+                Box::pin(async move {
+                    connection
+                        .execute("INSERT IGNORE INTO sim_observers (id) VALUES (CONNECTION_ID())")
+                        .await?;
+                    connection
+                        .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                        .await
+                        .map(drop)
+                })
+            })
+            .connect_with(options.clone())
+            .await?;
+        Ok(Self {
+            backend: Backend::MySql {
+                options: Box::new(options),
+                observer,
+            },
+            provider: Arc::new(MockProvider::start_for_simulation().await?),
+        })
+    }
+
+    /// The engine this simulation runs on (`postgres`, `sqlite` or `mysql`).
     pub fn engine(&self) -> &'static str {
         match self.backend {
             Backend::Postgres { .. } => "postgres",
             Backend::Sqlite { .. } => "sqlite",
+            Backend::MySql { .. } => "mysql",
         }
     }
 
@@ -205,6 +261,13 @@ impl Simulation {
                 world::run::<SqliteStore, _, _>(&self.provider, seed, |_| async move {
                     let observer: Arc<dyn Observe> = Arc::new(SqliteObserver(observer.clone()));
                     Ok((sqlite_engine(path, seed).await?, observer))
+                })
+                .await
+            }
+            Backend::MySql { options, observer } => {
+                world::run::<MySqlStore, _, _>(&self.provider, seed, |_| async move {
+                    let observer: Arc<dyn Observe> = Arc::new(MySqlObserver(observer.clone()));
+                    Ok((mysql_engine(options, seed).await?, observer))
                 })
                 .await
             }
@@ -247,6 +310,24 @@ async fn sqlite_engine(path: &Path, seed: u64) -> Result<SqlitePool, sqlx::Error
             statement_timeout: None,
         },
     )
+    .await
+}
+
+/// The engine's pool for a schedule on MySQL/MariaDB: a lock wait timeout drawn from the seed
+/// (one schedule in three waits one second for a row lock, then answers busy), and the statement
+/// timeout that follows it (half that).
+async fn mysql_engine(options: &MySqlConnectOptions, seed: u64) -> Result<MySqlPool, sqlx::Error> {
+    let lock_wait_timeout = if seed.is_multiple_of(3) {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_secs(3)
+    };
+    idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions {
+        lock_wait_timeout,
+        statement_timeout: None,
+        max_connections: 40,
+    })
+    .connect_with(options.clone())
     .await
 }
 

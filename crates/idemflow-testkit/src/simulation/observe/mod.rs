@@ -2,11 +2,12 @@
 //! the keys' rows, the chaos it writes (leases rewound, an operator's `end-lease`, the clock
 //! moved, an output corrupted, a connection killed), and the reads the final checks make.
 //!
-//! Every write here stands aside rather than wait for an owner: PostgreSQL's skip row locks
-//! (`FOR UPDATE SKIP LOCKED`); SQLite's take the one write lock only if it is free within a short
+//! Every write here stands aside rather than wait for an owner: PostgreSQL's and MySQL's skip row
+//! locks (`FOR UPDATE SKIP LOCKED`); SQLite's take the one write lock only if it is free within a short
 //! busy timeout. Either way the chaos never lands in the middle of an owner's transaction; it
 //! lands between two of them, which is where a lapsed lease or an operator meets an owner.
 
+mod mysql;
 mod pg;
 mod sqlite;
 
@@ -17,6 +18,7 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use serde_json::Value;
 
+pub(crate) use mysql::MySqlObserver;
 pub(crate) use pg::PgObserver;
 pub(crate) use sqlite::SqliteObserver;
 
