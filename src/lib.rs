@@ -21,15 +21,17 @@ pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
 pub use idemflow_runner::{
     BuildError, ConnectionOf, CrashHook, CrashPoint, DrainReport, Engine, EngineError, EngineOf,
-    Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, METRICS, Outcome,
-    PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf,
+    Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, METRICS, MySqlStore,
+    Outcome, PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf,
     RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy,
     RunError, Runner, RunnerConfig, SealError, SqliteStore, TerminalPolicy, Workflow,
     WorkflowBuilder, describe_metrics, expire, expire_paced, shutdown_signal,
 };
 /// The sqlx this engine is built with: a local phase gets its `PgConnection` (or, on SQLite, its
-/// `SqliteConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.
-pub use idemflow_runner::{PgConnection, PgPool, SqliteConnection, SqlitePool, sqlx};
+/// `SqliteConnection`; on MySQL/MariaDB, its `MySqlConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.
+pub use idemflow_runner::{
+    MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool, sqlx,
+};
 
 /// The attribute the phase traits are implemented with (`#[idemflow::async_trait]`), re-exported
 /// so an application needs no async-trait dependency of its own.

@@ -1,10 +1,11 @@
-//! Which database a process runs on: `--database-url postgres://…` or `sqlite://…`; without one
+//! Which database a process runs on: `--database-url postgres://…`, `mysql://…` (MySQL or
+//! MariaDB) or `sqlite://…`; without one
 //! (and no `DATABASE_URL`), a SQLite file under `target/` ([`default_sqlite_file`]), so the
 //! example runs on a machine with Rust alone.
 
 use std::path::PathBuf;
 
-use idemflow::{PgStore, SqliteStore, sqlx};
+use idemflow::{MySqlStore, PgStore, SqliteStore, sqlx};
 
 use crate::Failure;
 use crate::orders::Shop;
@@ -15,6 +16,8 @@ pub enum Database {
     Postgres(sqlx::PgPool),
     /// SQLite, in a file on this machine (shared by every process on it).
     Sqlite(sqlx::SqlitePool),
+    /// MySQL or MariaDB, at a server.
+    MySql(sqlx::MySqlPool),
 }
 
 /// Where the example keeps its SQLite file when no database is named: under the workspace's
@@ -27,7 +30,8 @@ pub fn default_sqlite_file() -> PathBuf {
 }
 
 impl Database {
-    /// Opens `url` (`postgres://…`, `postgresql://…` or `sqlite://path`), or, for `None`, the
+    /// Opens `url` (`postgres://…`, `postgresql://…`, `mysql://…` or `sqlite://path`), or, for
+    /// `None`, the
     /// default SQLite file (created, with its directory). Runs idemflow's migrations and creates
     /// the orders table unless `migrate` is false.
     pub async fn open(url: Option<&str>, pool_size: u32, migrate: bool) -> Result<Self, Failure> {
@@ -55,9 +59,28 @@ impl Database {
             }
             return Ok(Self::Sqlite(pool));
         }
+        if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            let url = url.replacen("mariadb://", "mysql://", 1);
+            let options = idemflow_mysql::OpenOptions {
+                max_connections: pool_size,
+                ..idemflow_mysql::OpenOptions::default()
+            };
+            let pool = idemflow_mysql::open(&url, &options)
+                .await
+                .map_err(|error| {
+                    format!(
+                        "cannot open MySQL/MariaDB at {}: {error}",
+                        crate::redact_password(&url)
+                    )
+                })?;
+            if migrate {
+                MySqlStore::create_orders(&pool).await?;
+            }
+            return Ok(Self::MySql(pool));
+        }
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(format!(
-                "unknown database URL {}: postgres://… or sqlite://path",
+                "unknown database URL {}: postgres://…, mysql://… or sqlite://path",
                 crate::redact_password(&url)
             )
             .into());

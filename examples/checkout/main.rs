@@ -1,14 +1,14 @@
 //! The checkout example as a service: `POST /v1/checkouts` runs a three-phase workflow
 //! (create_order, local → charge, foreign → finish, local) under the request's `Idempotency-Key`,
-//! against SQLite or PostgreSQL and a payment provider (the testkit's mock, in this process by
+//! against SQLite, PostgreSQL or MySQL/MariaDB and a payment provider (the testkit's mock, in this process by
 //! default).
 //!
 //! `scripts/checkout` (or `cargo run --example checkout`) starts the service with its provider and
 //! a resumer, runs the demo against it, prints a curl line to try, and serves until Ctrl-C. With no
 //! database named it runs on a SQLite file under `target/` (nothing to install);
-//! `--database-url postgres://…` (or `DATABASE_URL`) runs it on PostgreSQL, `sqlite://path` on
-//! another file. The other commands run one piece each (processes sharing one SQLite file, or one
-//! PostgreSQL database):
+//! `--database-url postgres://…` (or `DATABASE_URL`) runs it on PostgreSQL, `mysql://…` on MySQL
+//! or MariaDB, `sqlite://path` on another file. The other commands run one piece each (processes
+//! sharing one SQLite file, or one database on a server):
 //!
 //! ```text
 //! checkout [all] [--bind ADDR] [--demo-only] ...   service + resumer + metrics, then the demo
@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, Parser, Subcommand};
-use idemflow::{PgStore, PoolOf, Runner, RunnerConfig, SqliteStore};
+use idemflow::{MySqlStore, PgStore, PoolOf, Runner, RunnerConfig, SqliteStore};
 use idemflow_testkit::provider::MockProvider;
 use idemflow_testkit::provider_client::ProviderClient;
 use tokio::net::TcpListener;
@@ -74,7 +74,7 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct Database {
-    /// postgres://… or sqlite://path [default: $DATABASE_URL, else the SQLite file
+    /// postgres://…, mysql://… or sqlite://path [default: $DATABASE_URL, else the SQLite file
     /// target/idemflow-checkout/checkout.db]
     #[arg(long, value_name = "URL")]
     database_url: Option<String>,
@@ -192,6 +192,7 @@ async fn all(args: AllArgs) -> Result<ExitCode, Failure> {
     match connect(&args.database).await? {
         Opened::Postgres(pool) => all_on::<PgStore>(pool, args).await,
         Opened::Sqlite(pool) => all_on::<SqliteStore>(pool, args).await,
+        Opened::MySql(pool) => all_on::<MySqlStore>(pool, args).await,
     }
 }
 
@@ -296,6 +297,7 @@ async fn serve(args: ServeArgs) -> Result<ExitCode, Failure> {
     match connect(&args.database).await? {
         Opened::Postgres(pool) => serve_on::<PgStore>(pool, args).await,
         Opened::Sqlite(pool) => serve_on::<SqliteStore>(pool, args).await,
+        Opened::MySql(pool) => serve_on::<MySqlStore>(pool, args).await,
     }
 }
 
@@ -341,6 +343,7 @@ async fn run_worker(args: WorkerArgs) -> Result<ExitCode, Failure> {
     match connect(&args.database).await? {
         Opened::Postgres(pool) => worker_on::<PgStore>(pool, args).await,
         Opened::Sqlite(pool) => worker_on::<SqliteStore>(pool, args).await,
+        Opened::MySql(pool) => worker_on::<MySqlStore>(pool, args).await,
     }
 }
 

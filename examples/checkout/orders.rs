@@ -3,7 +3,7 @@
 //! phases in the engine's transaction and read by `GET /v1/checkouts/{order_id}`. Everything else
 //! (claims, leases, recovery points, responses) is idemflow's.
 
-use idemflow::{ConnectionOf, Engine, PgStore, PoolOf, SqliteStore, sqlx};
+use idemflow::{ConnectionOf, Engine, MySqlStore, PgStore, PoolOf, SqliteStore, sqlx};
 
 /// An order as `GET /v1/checkouts/{order_id}` shows it.
 #[derive(Debug, sqlx::FromRow, serde::Serialize)]
@@ -67,6 +67,20 @@ pub const SQLITE_ORDERS_TABLE: &str = "CREATE TABLE IF NOT EXISTS checkout_order
     status      TEXT    NOT NULL DEFAULT 'created',
     charge_id   TEXT
 ) STRICT";
+
+/// The orders table on MySQL/MariaDB.
+pub const MYSQL_ORDERS_TABLE: &str = "CREATE TABLE IF NOT EXISTS checkout_orders (
+    id          BIGINT AUTO_INCREMENT PRIMARY KEY,
+    tenant      VARCHAR(128) NOT NULL,
+    request_key VARBINARY(255) NOT NULL,
+    amount      BIGINT NOT NULL CHECK (amount > 0),
+    currency    VARCHAR(3) NOT NULL,
+    status      VARCHAR(16) NOT NULL DEFAULT 'created',
+    charge_id   VARCHAR(128)
+) ENGINE = InnoDB";
+
+const MYSQL_SELECT_ORDER: &str = "SELECT id AS order_id, amount, currency, status, charge_id \
+     FROM checkout_orders WHERE id = ? AND tenant = ?";
 
 const SELECT_ORDER: &str = "SELECT id AS order_id, amount, currency, status, charge_id \
      FROM checkout_orders WHERE id = $1 AND tenant = $2";
@@ -202,6 +216,73 @@ impl Shop for SqliteStore {
     }
 
     async fn ping(pool: &sqlx::SqlitePool) -> bool {
+        sqlx::query("SELECT 1").execute(pool).await.is_ok()
+    }
+}
+
+#[idemflow::async_trait]
+impl Shop for MySqlStore {
+    /// `CREATE TABLE IF NOT EXISTS` is atomic on MySQL/MariaDB (the data dictionary's lock): two
+    /// processes at once both succeed.
+    async fn create_orders(pool: &sqlx::MySqlPool) -> Result<(), sqlx::Error> {
+        sqlx::query(MYSQL_ORDERS_TABLE)
+            .execute(pool)
+            .await
+            .map(drop)
+    }
+
+    async fn insert_order(
+        connection: &mut sqlx::MySqlConnection,
+        tenant: &str,
+        request_key: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<i64, sqlx::Error> {
+        let inserted = sqlx::query(
+            "INSERT INTO checkout_orders (tenant, request_key, amount, currency) \
+             VALUES (?, ?, ?, ?)",
+        )
+        .bind(tenant)
+        .bind(request_key)
+        .bind(amount)
+        .bind(currency)
+        .execute(connection)
+        .await?;
+        i64::try_from(inserted.last_insert_id())
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))
+    }
+
+    async fn set_status(
+        connection: &mut sqlx::MySqlConnection,
+        order_id: i64,
+        status: &str,
+        charge_id: Option<&str>,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE checkout_orders SET status = ?, charge_id = COALESCE(?, charge_id) \
+             WHERE id = ?",
+        )
+        .bind(status)
+        .bind(charge_id)
+        .bind(order_id)
+        .execute(connection)
+        .await
+        .map(drop)
+    }
+
+    async fn order(
+        pool: &sqlx::MySqlPool,
+        tenant: &str,
+        order_id: i64,
+    ) -> Result<Option<OrderRow>, sqlx::Error> {
+        sqlx::query_as(MYSQL_SELECT_ORDER)
+            .bind(order_id)
+            .bind(tenant)
+            .fetch_optional(pool)
+            .await
+    }
+
+    async fn ping(pool: &sqlx::MySqlPool) -> bool {
         sqlx::query("SELECT 1").execute(pool).await.is_ok()
     }
 }

@@ -100,3 +100,31 @@ async fn with_no_database_named_the_demo_runs_on_a_sqlite_file_it_names() {
             .unwrap();
     assert!(done >= 4, "{done} keys done");
 }
+
+/// The main job on MySQL/MariaDB: `--database-url mysql://…`, a database of its own on the
+/// server. The demo passes there, and the database holds one order per request that ran.
+#[tokio::test]
+async fn on_mariadb_the_demo_runs_every_step_as_described() {
+    let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
+    let test = "checkout_example_demo";
+    let pool = crate::support::mariadb::fresh(test).await;
+    let url = crate::support::mariadb::url_of(&crate::support::mariadb::database_name(test));
+    let DemoRun {
+        status,
+        stdout,
+        stderr,
+    } = run_demo(&binary, Some(&url), LEASE_SECONDS, &[], DEMO_TIMEOUT).await;
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    let status = status.unwrap_or_else(|| panic!("the demo took longer than {DEMO_TIMEOUT:?}"));
+    assert!(status.success(), "the demo failed: {status}");
+    for expected in DEMO_STEPS {
+        assert!(stdout.contains(expected), "the demo printed {expected:?}");
+    }
+    let statuses: Vec<String> =
+        sqlx::query_scalar("SELECT status FROM checkout_orders ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(statuses, ["paid", "paid", "declined", "paid"]);
+}

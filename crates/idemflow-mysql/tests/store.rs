@@ -90,3 +90,31 @@ async fn a_statement_given_up_mid_flight_ends_at_the_statement_timeout_and_the_c
         .unwrap();
     assert_eq!(keys, 1, "the claim was kept");
 }
+
+/// Every session of the pool gets the engine's settings as it opens: READ COMMITTED, the lock wait
+/// timeout in whole seconds, the statement timeout, strict mode, UTC.
+#[tokio::test]
+async fn every_session_gets_the_engines_settings() {
+    let pool = fresh(
+        "settings",
+        &OpenOptions {
+            lock_wait_timeout: Duration::from_secs(3),
+            statement_timeout: Some(Duration::from_millis(1500)),
+            max_connections: 2,
+        },
+    )
+    .await;
+    let (isolation, lock_wait, statement, sql_mode, time_zone): (String, u64, f64, String, String) =
+        sqlx::query_as(
+            "SELECT @@tx_isolation, @@innodb_lock_wait_timeout, @@max_statement_time, \
+                    @@sql_mode, @@time_zone",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(isolation, "READ-COMMITTED");
+    assert_eq!(lock_wait, 3);
+    assert!((statement - 1.5).abs() < 1e-9, "{statement}");
+    assert!(sql_mode.contains("STRICT_ALL_TABLES"), "{sql_mode}");
+    assert_eq!(time_zone, "+00:00");
+}

@@ -22,7 +22,7 @@ pub use metrics::{CATALOGUE as METRICS, describe_metrics};
 /// The sqlx this engine is built with: phases take its `PgConnection`; use this one rather than
 /// pinning a second copy.
 pub use sqlx;
-pub use sqlx::{PgConnection, PgPool, SqliteConnection, SqlitePool};
+pub use sqlx::{MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool};
 mod outcome;
 mod panic;
 mod phase;

@@ -12,14 +12,14 @@ pub fn url() -> String {
 }
 
 /// The server's URL with `database` in place of its own.
-fn url_of(database: &str) -> String {
+pub fn url_of(database: &str) -> String {
     let base = url();
     let (server, _) = base.rsplit_once('/').unwrap_or((base.as_str(), ""));
     format!("{server}/{database}")
 }
 
-/// A database name for `test` (MySQL names are at most 64 characters).
-fn name_of(test: &str) -> String {
+/// The database [`fresh`] makes for `test` (MySQL names are at most 64 characters).
+pub fn database_name(test: &str) -> String {
     let mut hasher = DefaultHasher::new();
     test.hash(&mut hasher);
     let readable: String = test
@@ -32,7 +32,7 @@ fn name_of(test: &str) -> String {
 
 /// A fresh, migrated database for `test`, opened with `options`.
 pub async fn fresh_with(test: &str, options: &idemflow_mysql::OpenOptions) -> MySqlPool {
-    let database = name_of(test);
+    let database = database_name(test);
     let mut server = MySqlConnection::connect(&url()).await.unwrap_or_else(|error| {
         panic!(
             "no MariaDB at {} ({error}): the MariaDB tests need one (scripts/test checks for it; \

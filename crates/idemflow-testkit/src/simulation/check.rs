@@ -319,13 +319,20 @@ pub(crate) async fn messages_applied_once(shared: &Shared) {
 /// Once every actor ended, no connection of the engine's pool is inside a transaction: one handed
 /// back to the pool so would run the next request's statements in it (its claim lock, its
 /// `lock_timeout` with them). Connections handed back are tested by the pool in the background,
-/// which ends a transaction dropped open: that is waited for, a second at most.
+/// which ends a transaction dropped open: that is waited for, as long as the engine's observer
+/// says a transaction may take to end on its own (a second; on MySQL, until a statement given
+/// up has met the server's statement timeout).
 pub(crate) async fn no_connection_left_in_a_transaction(shared: &Shared) {
-    let mut open = 0;
-    for _ in 0..50 {
+    let patience = shared.observer.left_open_patience();
+    let started = std::time::Instant::now();
+    let mut open;
+    loop {
         open = shared.observer.transactions_left_open().await;
         if open == 0 {
             return;
+        }
+        if started.elapsed() >= patience {
+            break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }

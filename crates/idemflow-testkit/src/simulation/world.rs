@@ -218,6 +218,9 @@ impl Shared {
             "+{:>6} ms {actor:>4} {what}",
             self.began.elapsed().as_millis()
         );
+        if std::env::var_os("IDEMFLOW_SIM_TRACE").is_some() {
+            eprintln!("{} {line}", self.tenant.as_str());
+        }
         self.log().history.push(line);
     }
 
@@ -1484,7 +1487,18 @@ impl<E: SimEngine> World<E> {
                         key_name(index)
                     ));
                 }
-                let life = self.keys[index].life;
+                // A started key holding an older life's request (a late request of that life
+                // claimed it again after retention deleted it, and the client had moved on) is
+                // retried by that life's client, which still waits on the error it was given:
+                // the newer life's would only be told its request does not match.
+                let seen = &self.keys[index];
+                let life = seen
+                    .row
+                    .as_ref()
+                    .filter(|row| row.state == "started")
+                    .and_then(|row| row.life)
+                    .and_then(|life| u32::try_from(life).ok())
+                    .unwrap_or(seen.life);
                 self.spawn_request(index, life);
                 while let Some(joined) = self.actors.join_next().await {
                     if let Err(error) = joined

@@ -148,4 +148,10 @@ pub(crate) trait Observe: Send + Sync {
     /// Transactions the engine's pool left open once every actor ended (PostgreSQL: its sessions
     /// idle in a transaction; SQLite: the write lock still held).
     async fn transactions_left_open(&self) -> i64;
+
+    /// How long a transaction may take to end on its own after every actor ended (a connection
+    /// handed back and tested by the pool, a statement the server runs on until its timeout).
+    fn left_open_patience(&self) -> Duration {
+        Duration::from_secs(1)
+    }
 }

@@ -319,8 +319,8 @@ impl Observe for MySqlObserver {
     async fn kill(&self, offset: i64) -> bool {
         // One of the engine's sessions on this database, never the observer's own (each marks
         // itself in `sim_observers` as it opens).
-        let victim: Option<u64> = sqlx::query_scalar(
-            "SELECT id FROM information_schema.PROCESSLIST \
+        let victim: Option<i64> = sqlx::query_scalar(
+            "SELECT CAST(id AS SIGNED) FROM information_schema.PROCESSLIST \
              WHERE db = DATABASE() AND id <> CONNECTION_ID() \
                AND id NOT IN (SELECT id FROM sim_observers) \
              ORDER BY id LIMIT 1 OFFSET ?",
@@ -495,32 +495,51 @@ impl Observe for MySqlObserver {
     }
 
     async fn transactions_left_open(&self) -> i64 {
-        // Sessions of the engine's pool on this database inside a transaction (InnoDB's list of
-        // open transactions, by session), the observer's own aside. A session whose statement a
-        // phase gave up (its connection closed by the client) goes on until the server's
-        // statement timeout ends it, then rolls back: it is not left open, so it is waited for
-        // (the schedule's statement timeouts are at most 1.5 s). A leaked one stays.
-        let started = std::time::Instant::now();
-        loop {
-            let open = self.open_transactions().await;
-            if open == 0 || started.elapsed() > Duration::from_secs(4) {
-                return open;
+        // Sessions of the engine's pool on this database inside a transaction, the observer's
+        // own aside: InnoDB's list of active transactions (`SHOW ENGINE INNODB STATUS`, read
+        // live; `information_schema.INNODB_TRX` is a cache InnoDB refreshes only when no one
+        // read it for 100 ms, so schedules polling it side by side read it stale for good).
+        let status: Result<(String, String, String), _> =
+            sqlx::query_as("SHOW ENGINE INNODB STATUS")
+                .fetch_one(&self.0)
+                .await;
+        let Ok((_, _, status)) = status else {
+            return 0;
+        };
+        let mut active = Vec::new();
+        let mut in_active = false;
+        for line in status.lines() {
+            if line.starts_with("---TRANSACTION") {
+                in_active = line.contains("ACTIVE");
+            } else if in_active
+                && let Some(rest) = line.strip_prefix("MySQL thread id ")
+                && let Some(id) = rest
+                    .split(',')
+                    .next()
+                    .and_then(|id| id.trim().parse::<i64>().ok())
+            {
+                active.push(id);
+                in_active = false;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-}
-
-impl MySqlObserver {
-    async fn open_transactions(&self) -> i64 {
-        sqlx::query_scalar(
-            "SELECT COUNT(*) FROM information_schema.INNODB_TRX AS trx \
-             JOIN information_schema.PROCESSLIST AS session ON session.id = trx.trx_mysql_thread_id \
-             WHERE session.db = DATABASE() AND session.id <> CONNECTION_ID() \
-               AND session.id NOT IN (SELECT id FROM sim_observers)",
+        if active.is_empty() {
+            return 0;
+        }
+        let sessions: Vec<i64> = sqlx::query_scalar(
+            "SELECT CAST(id AS SIGNED) FROM information_schema.PROCESSLIST \
+             WHERE db = DATABASE() AND id <> CONNECTION_ID() \
+               AND id NOT IN (SELECT id FROM sim_observers)",
         )
-        .fetch_one(&self.0)
+        .fetch_all(&self.0)
         .await
-        .unwrap_or_default()
+        .unwrap_or_default();
+        active.iter().filter(|id| sessions.contains(id)).count() as i64
+    }
+
+    fn left_open_patience(&self) -> Duration {
+        // A session whose statement a phase gave up (its connection closed by the client) goes
+        // on until the server's statement timeout ends it (at most 1.5 s in a schedule), then
+        // rolls back: not left open.
+        Duration::from_secs(3)
     }
 }
