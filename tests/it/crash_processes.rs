@@ -19,6 +19,7 @@ use sqlx::{PgPool, SqlitePool};
 enum Db {
     Postgres(PgPool),
     Sqlite(SqlitePool),
+    MySql(sqlx::MySqlPool),
 }
 
 impl Db {
@@ -27,6 +28,14 @@ impl Db {
         match self {
             Self::Postgres(pool) => sqlx::query_scalar(sql).bind(key).fetch_one(pool).await,
             Self::Sqlite(pool) => sqlx::query_scalar(sql).bind(key).fetch_one(pool).await,
+            Self::MySql(pool) => {
+                sqlx::query_scalar(
+                    "SELECT CAST(state AS CHAR) FROM idempotency_keys WHERE `key` = ?",
+                )
+                .bind(key)
+                .fetch_one(pool)
+                .await
+            }
         }
         .unwrap()
     }
@@ -54,6 +63,16 @@ impl Db {
                 .await
                 .unwrap();
             }
+            Self::MySql(pool) => {
+                sqlx::query(
+                    "UPDATE idempotency_keys SET locked_until = locked_until - 86400000 \
+                     WHERE `key` = ?",
+                )
+                .bind(key)
+                .execute(pool)
+                .await
+                .unwrap();
+            }
         }
     }
 
@@ -62,6 +81,14 @@ impl Db {
         match self {
             Self::Postgres(pool) => sqlx::query_scalar(sql).bind(key).fetch_all(pool).await,
             Self::Sqlite(pool) => sqlx::query_scalar(sql).bind(key).fetch_all(pool).await,
+            Self::MySql(pool) => {
+                sqlx::query_scalar(
+                    "SELECT status FROM checkout_orders WHERE request_key = ? ORDER BY id",
+                )
+                .bind(key)
+                .fetch_all(pool)
+                .await
+            }
         }
         .unwrap()
     }
@@ -81,6 +108,14 @@ impl Db {
                     .bind(key)
                     .fetch_one(pool)
                     .await
+            }
+            Self::MySql(pool) => {
+                sqlx::query_scalar(
+                    "SELECT CAST(response_status AS SIGNED) FROM idempotency_keys WHERE `key` = ?",
+                )
+                .bind(key)
+                .fetch_one(pool)
+                .await
             }
         }
         .unwrap()
@@ -327,6 +362,21 @@ async fn on_sqlite_a_service_killed_at_a_crash_point_is_finished_by_a_worker_pro
         .await
         .unwrap();
     let db = Db::Sqlite(pool);
+    let provider = MockProvider::start().await;
+    every_crash(|point, worker_point| crash_then_finish(&db, &url, &provider, point, worker_point))
+        .await;
+    assert_eq!(provider.charges().len(), 4);
+}
+
+/// The same on MariaDB: the service and the workers are processes on one database of the server;
+/// a process killed inside its transaction leaves it to the server, which rolls it back as the
+/// connection drops.
+#[tokio::test]
+async fn on_mariadb_a_service_killed_at_a_crash_point_is_finished_by_a_worker_process() {
+    let test = "crash_processes";
+    let pool = crate::support::mariadb::fresh(test).await;
+    let url = crate::support::mariadb::url_of(&crate::support::mariadb::database_name(test));
+    let db = Db::MySql(pool);
     let provider = MockProvider::start().await;
     every_crash(|point, worker_point| crash_then_finish(&db, &url, &provider, point, worker_point))
         .await;

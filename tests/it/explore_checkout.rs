@@ -261,3 +261,45 @@ async fn the_explorer_catches_a_local_effect_outside_the_phase_transaction(pool:
         "{report}"
     );
 }
+
+/// The same cases on MariaDB: the explorer, the workflow and the check are the same code.
+#[tokio::test]
+async fn on_mariadb_the_checkout_survives_every_crash_point_and_provider_fault() {
+    let pool = crate::support::mariadb::fresh("explore_checkout").await;
+    sqlx::query(orders::MYSQL_ORDERS_TABLE)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let provider = MockProvider::start().await;
+    let checkout =
+        workflow::checkout::<idemflow::MySqlStore>(client(&provider), Duration::from_secs(5));
+    let report = Explorer::new(
+        pool,
+        checkout,
+        TenantId::new("acme").unwrap(),
+        "/v1/checkouts",
+        BODY,
+    )
+    .check("one order per request", |pool, case| {
+        Box::pin(async move {
+            let statuses: Vec<String> = sqlx::query_scalar(
+                "SELECT status FROM checkout_orders WHERE tenant = ? AND request_key = ?",
+            )
+            .bind(case.tenant.as_str())
+            .bind(&case.key)
+            .fetch_all(pool)
+            .await
+            .map_err(|error| error.to_string())?;
+            match statuses.as_slice() {
+                [status] if status == "paid" || status == "declined" => Ok(()),
+                [status] => Err(format!("the order is left {status}")),
+                orders => Err(format!("{} orders for one request", orders.len())),
+            }
+        })
+    })
+    .run(Some(&provider))
+    .await;
+    println!("{report}");
+    assert_eq!(report.results.len(), 22);
+    report.assert_all_passed();
+}

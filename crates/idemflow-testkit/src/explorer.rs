@@ -305,6 +305,65 @@ impl Inspect for SqliteStore {
     }
 }
 
+#[async_trait::async_trait]
+impl Inspect for idemflow_runner::MySqlStore {
+    async fn state(
+        pool: &sqlx::MySqlPool,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<Option<(String, String)>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT CAST(state AS CHAR), recovery_point FROM idempotency_keys \
+             WHERE tenant = ? AND `key` = ?",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .fetch_optional(pool)
+        .await
+    }
+
+    async fn rewind_lease(
+        pool: &sqlx::MySqlPool,
+        tenant: &TenantId,
+        key: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET locked_until = locked_until - 86400000 \
+             WHERE tenant = ? AND `key` = ? AND state = 'started'",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .execute(pool)
+        .await
+        .map(|_| ())
+    }
+
+    async fn stored_response(
+        pool: &sqlx::MySqlPool,
+        tenant: &TenantId,
+        key: &Key,
+    ) -> Result<Option<StoredResponse>, String> {
+        let mut connection = pool.acquire().await.map_err(|error| error.to_string())?;
+        let found = match idemflow_mysql::look_up(&mut connection, tenant, key)
+            .await
+            .map_err(|error| error.to_string())?
+        {
+            idemflow_mysql::LookUp::Found(found) => found,
+            idemflow_mysql::LookUp::Absent => return Ok(None),
+        };
+        let Some(mut response) = found.response else {
+            return Ok(None);
+        };
+        if let Some(life) = found.body_apart {
+            response.body = idemflow_mysql::response_apart(&mut connection, tenant, key, life)
+                .await
+                .map_err(|error| error.to_string())?
+                .ok_or("the body stored apart is gone")?;
+        }
+        Ok(Some(response))
+    }
+}
+
 /// What a [`Check`] returns: `Ok(())`, or `Err(why)` to fail the case.
 pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
 
