@@ -13,6 +13,7 @@
 #![deny(missing_docs)]
 
 pub mod duration;
+pub mod mysql;
 mod render;
 pub mod sqlite;
 

@@ -16,7 +16,8 @@ struct Cli {
     /// Print one JSON document instead of text.
     #[arg(long, global = true)]
     json: bool,
-    /// PostgreSQL URL (postgres://…) or SQLite file (sqlite://path: all but partitions); defaults
+    /// PostgreSQL URL (postgres://…), SQLite file (sqlite://path) or MySQL/MariaDB URL
+    /// (mysql://…; both: all but partitions); defaults
     /// to the DATABASE_URL environment variable.
     #[arg(long, global = true, value_name = "URL")]
     database_url: Option<String>,
@@ -137,6 +138,9 @@ async fn run(cli: Cli, format: Format) -> Output {
     if idemflow_cli::sqlite::is_sqlite(&url) {
         return run_on_sqlite(cli.command, &url, format).await;
     }
+    if idemflow_cli::mysql::is_mysql(&url) {
+        return run_on_mysql(cli.command, &url, format).await;
+    }
     let pool = match idemflow_cli::connect(&url).await {
         Ok(pool) => pool,
         Err(error) => return error.output(format),
@@ -215,6 +219,30 @@ async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
         }
         Command::Stats => sqlite::stats(url, format).await,
         Command::Partitions { .. } => sqlite::not_yet("partitions", format),
+        Command::Fingerprint { .. } => unreachable!("answered before connecting"),
+    }
+}
+
+/// The commands MySQL/MariaDB has; the others say so.
+async fn run_on_mysql(command: Command, url: &str, format: Format) -> Output {
+    use idemflow_cli::mysql;
+    match command {
+        Command::Migrate => mysql::migrate(url, format).await,
+        Command::Expire {
+            older_than,
+            batch_size,
+        } => mysql::expire(url, format, older_than, batch_size).await,
+        Command::Inspect { tenant, key } => mysql::inspect(url, format, &tenant, &key).await,
+        Command::List {
+            min_attempts,
+            limit,
+            ..
+        } => mysql::list_stuck(url, format, min_attempts, limit).await,
+        Command::EndLease { tenant, key, force } => {
+            mysql::end_lease(url, format, &tenant, &key, force).await
+        }
+        Command::Stats => mysql::stats(url, format).await,
+        Command::Partitions { .. } => mysql::not_yet("partitions", format),
         Command::Fingerprint { .. } => unreachable!("answered before connecting"),
     }
 }

@@ -16,6 +16,7 @@ mod error;
 mod fenced_writes;
 mod look_up;
 mod owner;
+mod report;
 mod retention;
 pub mod statements;
 mod store;
@@ -30,6 +31,7 @@ pub use fenced_writes::{
 };
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
 pub use owner::Owner;
+pub use report::{key_report, stuck_keys, table_stats};
 pub use retention::expire_batch;
 pub use store::MySqlStore;
 pub use take_over::{

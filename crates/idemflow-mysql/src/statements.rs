@@ -226,3 +226,55 @@ pub const EXPIRE_IDENTITIES: &str = concat!(
     now_ms!(),
     " - ? ORDER BY processed_at LIMIT ?"
 );
+
+/// What an operator sees of a key (`idemflow inspect`, `list --stuck`): the columns of
+/// `idemflow_store::KeyReport`, by name, in the types it reads them in.
+macro_rules! report_columns {
+    () => {
+        concat!(
+            "CONVERT(tenant USING utf8mb4) AS tenant, CONVERT(`key` USING utf8mb4) AS `key`, \
+             workflow, CAST(state AS CHAR) AS state, recovery_point, \
+             CASE WHEN state = 'started' THEN locked_until - ",
+            now_ms!(),
+            " END AS lease_left_ms, \
+             lock_version, attempts, last_error, response_status, \
+             CAST(COALESCE(LENGTH(response_body), \
+                      (SELECT LENGTH(body) FROM idempotency_responses AS apart \
+                       WHERE apart.tenant = idempotency_keys.tenant \
+                         AND apart.`key` = idempotency_keys.`key` \
+                         AND apart.life = idempotency_keys.life)) AS SIGNED) AS response_bytes, \
+             LOWER(HEX(fingerprint)) AS fingerprint_hex, \
+             (",
+            now_ms!(),
+            " - created_at) DIV 1000 AS age_seconds"
+        )
+    };
+}
+
+/// One key's report: `tenant`, `key`.
+pub const KEY_REPORT: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant = ? AND `key` = ?"
+);
+
+/// Started keys that look stuck, past their lease or with at least the attempts given, oldest
+/// lease first, at most the number given.
+pub const STUCK_KEYS: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE state = 'started' AND (locked_until <= ",
+    now_ms!(),
+    " OR attempts >= ?) ORDER BY locked_until, tenant, `key` LIMIT ?"
+);
+
+/// Keys by workflow and state, for operators.
+pub const COUNTS: &str = "SELECT workflow, CAST(state AS CHAR), COUNT(*) FROM idempotency_keys \
+     GROUP BY workflow, state ORDER BY workflow, CAST(state AS CHAR)";
+
+/// Age in whole seconds of the oldest started key (`NULL`: none).
+pub const OLDEST_STARTED: &str = concat!(
+    "SELECT CAST((",
+    now_ms!(),
+    " - MIN(created_at)) DIV 1000 AS SIGNED) FROM idempotency_keys WHERE state = 'started'"
+);
