@@ -280,6 +280,7 @@ macro_rules! engines {
 engines!(
     a_checkout_runs_once_and_every_retry_replays_it,
     a_concurrent_duplicate_is_told_the_key_is_in_progress,
+    a_storm_of_duplicates_runs_each_key_once_and_fails_no_client,
     a_crash_at_any_point_is_finished_by_the_resumer_and_runs_nothing_twice,
     a_retryable_failure_is_postponed_and_the_resumer_finishes_it,
     retention_frees_a_finished_key_for_a_new_request,
@@ -471,6 +472,48 @@ async fn a_concurrent_duplicate_is_told_the_key_is_in_progress<E: Lab>(pool: Poo
     ));
     assert_eq!(E::orders(&pool, "order-slow").await, 1);
     assert_eq!(provider.charges().len(), 1);
+}
+
+/// A storm of duplicates: many copies of each of a few requests at once, their look-ups all
+/// finding the key absent and their claims racing (on MariaDB, inserts waiting on one uncommitted
+/// claim deadlock as it ends, and InnoDB rolls victims back). Each key runs once (one order, one
+/// charge), and no client is answered with a failure: every copy gets the response, the replay,
+/// "in progress" (409) or "busy" (503 with `Retry-After`), never a database error (500).
+async fn a_storm_of_duplicates_runs_each_key_once_and_fails_no_client<E: Lab>(pool: PoolOf<E>) {
+    const KEYS: usize = 6;
+    const COPIES: usize = 12;
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let workflow = Arc::new(checkout::<E>(&provider));
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let start = Arc::new(tokio::sync::Barrier::new(KEYS * COPIES));
+    let mut copies = tokio::task::JoinSet::new();
+    for index in 0..KEYS * COPIES {
+        let (runner, workflow, start) = (runner.clone(), Arc::clone(&workflow), Arc::clone(&start));
+        let key = Key::parse(&format!("storm-{}", index % KEYS)).unwrap();
+        copies.spawn(async move {
+            start.wait().await;
+            runner.run(&workflow, &tenant(), &key, request(BODY)).await
+        });
+    }
+    let (mut executed, mut answered) = (0, 0);
+    while let Some(outcome) = copies.join_next().await {
+        match outcome.unwrap() {
+            Ok(Outcome::Executed(_)) => executed += 1,
+            Ok(Outcome::Replayed(_) | Outcome::InProgress { .. }) | Err(RunError::Busy) => {
+                answered += 1;
+            }
+            other => panic!("a copy was answered with a failure: {other:?}"),
+        }
+    }
+    assert_eq!(
+        executed, KEYS,
+        "each key executed once ({answered} other answers)"
+    );
+    for index in 0..KEYS {
+        assert_eq!(E::orders(&pool, &format!("storm-{index}")).await, 1);
+    }
+    assert_eq!(provider.charges().len(), KEYS);
 }
 
 /// Stops the run at one crash point, for one key, once.
