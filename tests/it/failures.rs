@@ -707,7 +707,7 @@ async fn a_refused_commit_counts_and_the_key_is_given_up_on(pool: PgPool) {
         panic!("{outcomes:?}");
     };
     assert_eq!(response.status, 500);
-    assert_eq!(scripts.place.runs(), 3);
+    assert_eq!(scripts.place.runs(), 3, "{outcomes:?}");
     assert_eq!(effects(&pool, "k", "place").await, 0);
     assert_eq!(stored(&pool, "k").await.unwrap().status, 500);
 }
