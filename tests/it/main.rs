@@ -1,6 +1,7 @@
 //! The integration tests, one binary (one build of `support/` and of every dependency's test
 //! profile): each module was once a test binary of its own. Every test that touches storage runs
-//! against a real PostgreSQL (`DATABASE_URL`), one fresh database per test (`#[sqlx::test]`).
+//! against a real database, a fresh one per test: PostgreSQL (`DATABASE_URL`, `#[sqlx::test]`),
+//! a SQLite file, or MariaDB (`MARIADB_URL`, `support::mariadb::fresh`).
 //! Run one module with `cargo nextest run --test it -E 'test(/^simulate::/)'`.
 #![allow(clippy::unwrap_used)]
 
