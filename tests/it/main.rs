@@ -32,6 +32,7 @@ mod resumer;
 mod retention;
 mod roles;
 mod round_trips;
+mod round_trips_mariadb;
 mod simulate;
 mod slow_clients;
 mod startup;

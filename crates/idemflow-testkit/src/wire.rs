@@ -6,6 +6,10 @@
 //! encryption request, answered with one byte), then typed messages `type, int32 length, body`.
 //! A round trip ends with `Sync` (extended protocol) or is one `Query` (simple protocol). A `Sync`
 //! with no message before it since the previous one is sqlx's connection ping, counted apart.
+//!
+//! [`mysql`] is the same proxy for MySQL/MariaDB.
+
+pub mod mysql;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

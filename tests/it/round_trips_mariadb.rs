@@ -1,0 +1,254 @@
+//! Commits and round trips per request on MariaDB, counted on the wire
+//! (`idemflow_testkit::wire::mysql`), as `round_trips.rs` counts them on PostgreSQL.
+//!
+//! MySQL's protocol sends one command per round trip and has no way to send `BEGIN` with the
+//! claim, so the engine's statements cost one round trip each: a new key's checkout is the
+//! look-up; `BEGIN`, claim, savepoint, advance, `COMMIT`; `BEGIN`, finish, `COMMIT` (9), beside
+//! its phases' own statements (one each here). The figures docs/engines.md gives are these.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow::{
+    DerivedKey, ForeignPhase, Key, LocalPhase, MySqlConnection, MySqlStore, Outcome, PhaseContext,
+    PhaseError, Request, Runner, StoredResponse, TenantId, Workflow,
+};
+use idemflow_testkit::wire::mysql::start_proxy;
+use idemflow_testkit::wire::{Counts, WireCounts};
+use serde::{Deserialize, Serialize};
+use sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
+
+use crate::support::mariadb;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Order {
+    amount: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Placed {
+    order_id: u64,
+}
+
+struct CreateOrder;
+
+#[async_trait]
+impl LocalPhase<MySqlStore> for CreateOrder {
+    const NAME: &'static str = "create_order";
+    type Input = Order;
+    type Output = Placed;
+
+    async fn run(
+        &self,
+        connection: &mut MySqlConnection,
+        order: Order,
+        context: &PhaseContext,
+    ) -> Result<Placed, PhaseError> {
+        let done = sqlx::query("INSERT INTO rt_orders (`key`, amount) VALUES (?, ?)")
+            .bind(context.key.as_str())
+            .bind(order.amount)
+            .execute(connection)
+            .await?;
+        Ok(Placed {
+            order_id: done.last_insert_id(),
+        })
+    }
+}
+
+struct Charge;
+
+#[async_trait]
+impl ForeignPhase for Charge {
+    const NAME: &'static str = "charge";
+    type Input = Placed;
+    type Output = Placed;
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+
+    async fn call(
+        &self,
+        _: &DerivedKey,
+        placed: Placed,
+        _: &PhaseContext,
+    ) -> Result<Placed, PhaseError> {
+        Ok(placed)
+    }
+}
+
+struct MarkPaid;
+
+#[async_trait]
+impl LocalPhase<MySqlStore> for MarkPaid {
+    const NAME: &'static str = "mark_paid";
+    type Input = Placed;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut MySqlConnection,
+        placed: Placed,
+        _: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        sqlx::query("UPDATE rt_orders SET paid = 1 WHERE id = ?")
+            .bind(placed.order_id)
+            .execute(connection)
+            .await?;
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({"order": placed.order_id}),
+        ))
+    }
+}
+
+struct PlaceOrder;
+
+#[async_trait]
+impl LocalPhase<MySqlStore> for PlaceOrder {
+    const NAME: &'static str = "place_order";
+    type Input = Order;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut MySqlConnection,
+        order: Order,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let done = sqlx::query("INSERT INTO rt_orders (`key`, amount) VALUES (?, ?)")
+            .bind(context.key.as_str())
+            .bind(order.amount)
+            .execute(connection)
+            .await?;
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({"order": done.last_insert_id()}),
+        ))
+    }
+}
+
+fn checkout() -> Workflow<MySqlStore> {
+    Workflow::<MySqlStore>::builder_on::<Order>("checkout.v1")
+        .local(CreateOrder)
+        .foreign(Charge)
+        .local(MarkPaid)
+        .build()
+        .unwrap()
+}
+
+fn local_only() -> Workflow<MySqlStore> {
+    Workflow::<MySqlStore>::builder_on::<Order>("place.v1")
+        .local(PlaceOrder)
+        .build()
+        .unwrap()
+}
+
+/// A migrated database for `test` and a runner on a pool of one connection through the
+/// counting proxy (no ping before acquire, no TLS: the proxy reads the packets).
+async fn counted(test: &str) -> (Runner<MySqlStore>, Arc<WireCounts>) {
+    let direct = mariadb::fresh(test).await;
+    sqlx::query(
+        "CREATE TABLE rt_orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
+         `key` VARBINARY(255) NOT NULL, amount BIGINT NOT NULL, paid BOOL NOT NULL DEFAULT 0)",
+    )
+    .execute(&direct)
+    .await
+    .unwrap();
+    direct.close().await;
+    let connect =
+        MySqlConnectOptions::from_str(&mariadb::url_of(&mariadb::database_name(test))).unwrap();
+    let upstream = tokio::net::lookup_host((connect.get_host(), connect.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let (port, counts) = start_proxy(upstream).await;
+    let pool = idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions {
+        max_connections: 1,
+        ..idemflow_mysql::OpenOptions::default()
+    })
+    .test_before_acquire(false)
+    .connect_with(
+        connect
+            .host("127.0.0.1")
+            .port(port)
+            .ssl_mode(MySqlSslMode::Disabled),
+    )
+    .await
+    .unwrap();
+    (Runner::new(pool), counts)
+}
+
+async fn run(runner: &Runner<MySqlStore>, workflow: &Workflow<MySqlStore>, key: &str) -> Outcome {
+    let tenant = TenantId::new("round-trips").unwrap();
+    let request = Request {
+        method: "POST",
+        path: "/v1/orders",
+        body: br#"{"amount": 100}"#,
+    };
+    runner
+        .run(workflow, &tenant, &Key::parse(key).unwrap(), request)
+        .await
+        .unwrap()
+}
+
+/// Runs `warm_up`, then `key`, counting the second (the first prepares the statements).
+async fn measure(
+    runner: &Runner<MySqlStore>,
+    workflow: &Workflow<MySqlStore>,
+    counts: &WireCounts,
+    warm_up: &str,
+    key: &str,
+) -> (Outcome, Counts) {
+    run(runner, workflow, warm_up).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = counts.snapshot();
+    let outcome = run(runner, workflow, key).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    (outcome, counts.snapshot() - before)
+}
+
+fn executed(outcome: &Outcome) {
+    assert!(
+        matches!(outcome, Outcome::Executed(response) if response.status == 201),
+        "{outcome:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_local_only_request_is_one_transaction() {
+    let (runner, counts) = counted("round_trips_local_only").await;
+    let (outcome, used) = measure(&runner, &local_only(), &counts, "warm-up", "k").await;
+    executed(&outcome);
+    assert_eq!(used.commits, 1, "{used:?}");
+    // Look-up; BEGIN, claim, savepoint, place_order's insert, finish, COMMIT.
+    assert_eq!(used.round_trips, 6 + 1, "{used:?}");
+    assert_eq!(used.pings, 0, "{used:?}");
+}
+
+#[tokio::test]
+async fn local_foreign_local_commits_twice() {
+    let (runner, counts) = counted("round_trips_checkout").await;
+    let (outcome, used) = measure(&runner, &checkout(), &counts, "warm-up", "k").await;
+    executed(&outcome);
+    assert_eq!(used.commits, 2, "{used:?}");
+    // Look-up; BEGIN, claim, savepoint, create_order's insert, advance, COMMIT; the charge;
+    // BEGIN, mark_paid's update, finish, COMMIT.
+    assert_eq!(used.round_trips, 9 + 2, "{used:?}");
+    assert_eq!(used.pings, 0, "{used:?}");
+}
+
+#[tokio::test]
+async fn a_replay_is_one_read_and_commits_nothing() {
+    let (runner, counts) = counted("round_trips_replay").await;
+    let workflow = checkout();
+    executed(&run(&runner, &workflow, "k").await);
+    let (outcome, used) = measure(&runner, &workflow, &counts, "warm-up", "k").await;
+    assert!(matches!(outcome, Outcome::Replayed(_)), "{outcome:?}");
+    assert_eq!(used.commits, 0, "{used:?}");
+    assert_eq!(used.round_trips, 1, "{used:?}");
+    assert_eq!(used.pings, 0, "{used:?}");
+}
