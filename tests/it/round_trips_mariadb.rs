@@ -1,10 +1,11 @@
 //! Commits and round trips per request on MariaDB, counted on the wire
 //! (`idemflow_testkit::wire::mysql`), as `round_trips.rs` counts them on PostgreSQL.
 //!
-//! MySQL's protocol sends one command per round trip and has no way to send `BEGIN` with the
-//! claim, so the engine's statements cost one round trip each: a new key's checkout is the
-//! look-up; `BEGIN`, claim, savepoint, advance, `COMMIT`; `BEGIN`, finish, `COMMIT` (9), beside
-//! its phases' own statements (one each here). The figures docs/engines.md gives are these.
+//! MySQL's protocol sends one command per round trip, and a prepared statement alone; the claim
+//! and its savepoint travel as one message of the text protocol. So a new key's checkout is the
+//! look-up; `BEGIN`, claim with savepoint, advance, `COMMIT`; `BEGIN`, finish, `COMMIT` (8),
+//! beside its phases' own statements (one each here). The figures docs/engines.md gives are
+//! these.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -224,8 +225,8 @@ async fn a_local_only_request_is_one_transaction() {
     let (outcome, used) = measure(&runner, &local_only(), &counts, "warm-up", "k").await;
     executed(&outcome);
     assert_eq!(used.commits, 1, "{used:?}");
-    // Look-up; BEGIN, claim, savepoint, place_order's insert, finish, COMMIT.
-    assert_eq!(used.round_trips, 6 + 1, "{used:?}");
+    // Look-up; BEGIN, claim with savepoint, place_order's insert, finish, COMMIT.
+    assert_eq!(used.round_trips, 5 + 1, "{used:?}");
     assert_eq!(used.pings, 0, "{used:?}");
 }
 
@@ -235,9 +236,9 @@ async fn local_foreign_local_commits_twice() {
     let (outcome, used) = measure(&runner, &checkout(), &counts, "warm-up", "k").await;
     executed(&outcome);
     assert_eq!(used.commits, 2, "{used:?}");
-    // Look-up; BEGIN, claim, savepoint, create_order's insert, advance, COMMIT; the charge;
+    // Look-up; BEGIN, claim with savepoint, create_order's insert, advance, COMMIT; the charge;
     // BEGIN, mark_paid's update, finish, COMMIT.
-    assert_eq!(used.round_trips, 9 + 2, "{used:?}");
+    assert_eq!(used.round_trips, 8 + 2, "{used:?}");
     assert_eq!(used.pings, 0, "{used:?}");
 }
 

@@ -5,6 +5,8 @@ use std::time::Duration;
 pub struct Config {
     /// The server to measure: a scratch database is created on it, used and dropped.
     pub database_url: String,
+    /// The MariaDB (or MySQL) server of workload 14: `MARIADB_URL`, else root at 127.0.0.1:3306.
+    pub mariadb_url: String,
     /// Tiny counts for CI (a smoke test): only the counts are meant to be read.
     pub quick: bool,
     /// Concurrent clients for workloads 1, 2, 3 and 7 (and pgbench).
@@ -73,6 +75,7 @@ pub const SECTIONS: &[(&str, &str)] = &[
     ("11", "fleet"),
     ("12", "partitioned-expiry"),
     ("13", "sqlite"),
+    ("14", "mariadb"),
 ];
 
 impl Config {
@@ -80,6 +83,8 @@ impl Config {
     pub fn full(database_url: impl Into<String>) -> Self {
         Self {
             database_url: database_url.into(),
+            mariadb_url: std::env::var("MARIADB_URL")
+                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned()),
             quick: false,
             clients: vec![1, 8, 32, 64],
             duration: Duration::from_secs(5),
@@ -219,7 +224,9 @@ mod tests {
             Some(&["provider-storm", "mass-crash", "wire"][..])
         );
         assert!(config.runs("provider-storm") && !config.runs("checkout"));
-        assert!(config.select(&["14".to_owned()]).is_err());
+        assert!(config.select(&["15".to_owned()]).is_err());
+        assert_eq!(config.select(&["14".to_owned()]), Ok(()));
+        assert!(config.runs("mariadb") && !config.runs("sqlite"));
         assert_eq!(config.select(&["13".to_owned()]), Ok(()));
         assert!(config.runs("sqlite") && !config.runs("checkout"));
         assert_eq!(config.select(&["12".to_owned()]), Ok(()));

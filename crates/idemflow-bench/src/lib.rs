@@ -12,6 +12,7 @@ mod fleet;
 mod http;
 mod large_responses;
 mod load;
+pub mod mariadb;
 mod mass_crash;
 mod partitioned;
 mod pgbench;

@@ -33,12 +33,16 @@ struct Args {
     no_pgbench: bool,
     /// Run only these, comma-separated: workload numbers or names (1 checkout, 2 local-only,
     /// 3 replay, 4 storm, 5 drain, 6 retention, 7 http, 8 provider-storm, 9 mass-crash,
-    /// 10 large-responses, 11 fleet, 12 partitioned-expiry, 13 sqlite), wire, pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
+    /// 10 large-responses, 11 fleet, 12 partitioned-expiry, 13 sqlite, 14 mariadb), wire, pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
     #[arg(long, value_delimiter = ',', value_name = "WORKLOADS")]
     only: Option<Vec<String>>,
     /// The server (a scratch database is created on it); default $DATABASE_URL
     #[arg(long)]
     database_url: Option<String>,
+    /// The MariaDB or MySQL server of workload 14 (a scratch database is created on it);
+    /// default $MARIADB_URL, else mysql://root@127.0.0.1:3306/test
+    #[arg(long)]
+    mariadb_url: Option<String>,
 }
 
 #[tokio::main]
@@ -73,6 +77,9 @@ async fn main() -> ExitCode {
     };
     if let Some(clients) = args.clients {
         config.clients = clients;
+    }
+    if let Some(url) = args.mariadb_url {
+        config.mariadb_url = url;
     }
     if let Some(seconds) = args.duration_secs {
         config.duration = Duration::from_secs_f64(seconds);

@@ -62,7 +62,9 @@ pub struct Report {
     pub partitioned_expiry: Option<PartitionedExpiry>,
     /// Workload 13: the SQLite store beside raw sqlx on SQLite, one row per operation and
     /// client count.
-    pub sqlite: Vec<SqliteRun>,
+    pub sqlite: Vec<EngineRun>,
+    /// Workload 14: the MariaDB engine beside raw sqlx on MariaDB.
+    pub mariadb: Option<crate::mariadb::MariaDb>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -245,12 +247,13 @@ pub struct LargeResponse {
     pub retention_micros_per_key: f64,
 }
 
-/// Workload 13: one operation at one client count, the SQLite store and raw sqlx sending the
-/// same statements in alternating halves of the run.
+/// Workloads 13 and 14: one operation at one client count on another engine (SQLite, MariaDB),
+/// the engine and raw sqlx sending the same statements in alternating halves of the run.
 #[derive(Debug, Clone, Serialize)]
-pub struct SqliteRun {
-    /// `request` (a new key: claim, one phase, finish, in one write transaction) or `replay` (the
-    /// look-up of a finished key).
+pub struct EngineRun {
+    /// `request` (a new key: claim, one phase, finish, in one write transaction), `replay` (the
+    /// look-up of a finished key), or one of the runner's: `checkout`, `local-only`,
+    /// `run-replay`, `http-checkout`, `http-replay`.
     pub operation: String,
     pub clients: usize,
     pub engine_per_second: f64,
@@ -730,6 +733,9 @@ impl Report {
                 );
             }
         }
+        if let Some(mariadb) = &self.mariadb {
+            mariadb_table(&mut out, mariadb);
+        }
         if !self.mass_crash.is_empty() {
             let _ = writeln!(
                 out,
@@ -949,5 +955,61 @@ fn met(met: Option<bool>) -> &'static str {
         Some(true) => "yes",
         Some(false) => "NO",
         None => "n/a",
+    }
+}
+
+/// Workload 14's tables: engine vs raw per operation, the storm, the wire counts.
+fn mariadb_table(out: &mut String, mariadb: &crate::mariadb::MariaDb) {
+    let _ = writeln!(
+        out,
+        "\nmariadb (14): {}, READ COMMITTED; per second, engine vs raw sqlx with the same \
+         statements: checkout, local-only and run-replay (Runner<MySqlStore>), http-checkout and \
+         http-replay (WorkflowService) vs what a hand-written service sends",
+        mariadb.server
+    );
+    for row in &mariadb.runs {
+        let _ = writeln!(
+            out,
+            "  {:<13} {:>3} clients: engine {:>8.0}/s  raw {:>8.0}/s  ({:.2}×)",
+            row.operation,
+            row.clients,
+            row.engine_per_second,
+            row.raw_per_second,
+            row.engine_per_second / row.raw_per_second
+        );
+    }
+    for storm in &mariadb.storm {
+        let _ = writeln!(
+            out,
+            "  storm {:<6} {} clients on {} keys × {} rounds: {:>6.0} copies/s; executed {}, \
+             replayed {}, 409 {}, failed {} (deadlocks seen {}); InnoDB deadlocks {}",
+            storm.side,
+            storm.clients,
+            storm.keys_per_round,
+            storm.rounds,
+            storm.per_second,
+            storm.executed,
+            storm.replayed,
+            storm.in_progress,
+            storm.failed,
+            storm.deadlocks_seen_by_clients,
+            storm.deadlocks
+        );
+    }
+    for count in &mariadb.wire {
+        let _ = writeln!(
+            out,
+            "  wire  {:<11} {:<6}: {:.2} commits, {:.2} round trips, {:.2} pings per request{}",
+            count.workload,
+            count.variant,
+            count.commits_per_request,
+            count.round_trips_per_request,
+            count.pings_per_request,
+            if count.as_documented() {
+                ""
+            } else {
+                " (NOT as documented)"
+            }
+        );
     }
 }

@@ -17,7 +17,7 @@ use sqlx::SqlitePool;
 
 use crate::Error;
 use crate::config::Config;
-use crate::report::SqliteRun;
+use crate::report::EngineRun;
 
 const LEASE: Duration = Duration::from_secs(30);
 const REPLAY_KEYS: u64 = 1_000;
@@ -38,7 +38,7 @@ enum Side {
 }
 
 /// Runs both operations at each of the configured client counts.
-pub async fn run(config: &Config) -> Result<Vec<SqliteRun>, Error> {
+pub async fn run(config: &Config) -> Result<Vec<EngineRun>, Error> {
     let path = database()?;
     let pool = idemflow_sqlite::open_file(
         &path,
@@ -64,7 +64,7 @@ pub async fn run(config: &Config) -> Result<Vec<SqliteRun>, Error> {
                 counts[usize::from(side == Side::Raw)] += done;
             }
             let seconds = half.as_secs_f64();
-            runs.push(SqliteRun {
+            runs.push(EngineRun {
                 operation: operation.to_owned(),
                 clients,
                 engine_per_second: counts[0] as f64 / seconds,

@@ -29,7 +29,7 @@ use sqlx::SqlitePool;
 
 use crate::Error;
 use crate::http::{self, Server};
-use crate::report::SqliteRun;
+use crate::report::EngineRun;
 use crate::workflows::{
     CHECKOUT, Charge, Charged, CheckoutRequest, OrderCreated, PATH, PLACE, TENANT,
     fingerprint_and_request, request, tenant,
@@ -383,7 +383,7 @@ pub async fn run(
     pool: &SqlitePool,
     clients: &[usize],
     duration: Duration,
-) -> Result<Vec<SqliteRun>, Error> {
+) -> Result<Vec<EngineRun>, Error> {
     sqlx::query(ORDERS).execute(pool).await?;
     let (fingerprint, canonical) = fingerprint_and_request()?;
     let shape = Shape {
@@ -423,7 +423,7 @@ pub async fn run(
                 counts[usize::from(side == Side::Raw)] += done;
             }
             let seconds = half.as_secs_f64();
-            runs.push(SqliteRun {
+            runs.push(EngineRun {
                 operation: operation.to_owned(),
                 clients,
                 engine_per_second: counts[0] as f64 / seconds,
@@ -572,7 +572,7 @@ pub async fn child(spec: &str) -> Result<u64, Error> {
 pub async fn processes(
     path: &std::path::Path,
     duration: Duration,
-) -> Result<Vec<SqliteRun>, Error> {
+) -> Result<Vec<EngineRun>, Error> {
     let binary = std::env::current_exe()?;
     let mut runs = Vec::new();
     for processes in PROCESSES {
@@ -606,7 +606,7 @@ pub async fn processes(
             }
         }
         let seconds = (duration / 2).as_secs_f64();
-        runs.push(SqliteRun {
+        runs.push(EngineRun {
             operation: format!("{processes}-processes"),
             clients: processes * CLIENTS_PER_PROCESS,
             engine_per_second: counts[0] as f64 / seconds,

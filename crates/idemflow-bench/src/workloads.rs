@@ -26,7 +26,7 @@ use crate::wire_counts::{self, WireCount, counted_pool, settle};
 use crate::workflows::{self, CLAIMED_AT, CountingHook, Ledger, NeverCrash, TENANT};
 use crate::{
     DOCUMENTED_CHECKOUT, DOCUMENTED_LOCAL_ONLY, DOCUMENTED_REPLAY, Error, fleet, http,
-    large_responses, mass_crash, partitioned, pgbench, provider_storm, sqlite,
+    large_responses, mariadb, mass_crash, partitioned, pgbench, provider_storm, sqlite,
 };
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, Error>> + Send>>;
@@ -239,6 +239,14 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         Vec::new()
     };
 
+    let mariadb = if config.runs("mariadb") {
+        trace("mariadb");
+        eprintln!("idemflow-bench: mariadb: the MariaDB engine vs raw sqlx on MariaDB");
+        Some(mariadb::run(config).await?)
+    } else {
+        None
+    };
+
     let fleet = if config.runs("fleet") {
         trace("fleet");
         eprintln!(
@@ -313,6 +321,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         fleet,
         partitioned_expiry,
         sqlite,
+        mariadb,
         targets: Vec::new(),
         load_trace,
         notes,
@@ -1256,7 +1265,7 @@ fn ratio_target(name: String, ratio: Option<f64>, at_least: f64) -> Target {
 /// Workload 13: engine ÷ raw ≥ 0.9× for each operation on SQLite, judged at the largest client
 /// count it ran (the single writer holds both sides there), and the several processes at the most
 /// processes.
-fn sqlite_targets(runs: &[report::SqliteRun], targets: &mut Vec<Target>) {
+fn sqlite_targets(runs: &[report::EngineRun], targets: &mut Vec<Target>) {
     let mut operations: Vec<&str> = Vec::new();
     for run in runs {
         let judged_by = if run.operation.ends_with("-processes") {
@@ -1283,6 +1292,65 @@ fn sqlite_targets(runs: &[report::SqliteRun], targets: &mut Vec<Target>) {
                 0.9,
             ));
         }
+    }
+}
+
+/// Workload 14: engine ÷ raw ≥ 0.9× for each operation on MariaDB at the largest client count
+/// it ran, and in the storm of duplicates; no deadlock ever reaches a client; the engine's wire
+/// counts are the documented ones.
+fn mariadb_targets(mariadb: &mariadb::MariaDb, targets: &mut Vec<Target>) {
+    for operation in mariadb::OPERATIONS {
+        let judged = mariadb
+            .runs
+            .iter()
+            .filter(|run| run.operation == operation)
+            .max_by_key(|run| run.clients);
+        if let Some(run) = judged {
+            targets.push(ratio_target(
+                format!("14 mariadb {operation} @{}: engine ÷ raw", run.clients),
+                (run.raw_per_second > 0.0).then(|| run.engine_per_second / run.raw_per_second),
+                0.9,
+            ));
+        }
+    }
+    let side = |name: &str| mariadb.storm.iter().find(|run| run.side == name);
+    if let (Some(engine), Some(raw)) = (side("engine"), side("raw")) {
+        targets.push(ratio_target(
+            format!("14 mariadb storm @{}: engine ÷ raw", engine.clients),
+            (raw.per_second > 0.0).then(|| engine.per_second / raw.per_second),
+            0.9,
+        ));
+        targets.push(Target {
+            name: "14 mariadb storm: failures clients saw (engine)".to_owned(),
+            measured: format!(
+                "{} ({} deadlocks; InnoDB counted {})",
+                engine.failed, engine.deadlocks_seen_by_clients, engine.deadlocks
+            ),
+            target: "0".to_owned(),
+            met: Some(engine.failed == 0),
+        });
+    }
+    let engine_wire: Vec<_> = mariadb
+        .wire
+        .iter()
+        .filter(|count| count.variant == "engine")
+        .collect();
+    if !engine_wire.is_empty() {
+        targets.push(Target {
+            name: "14 mariadb wire: commits and round trips as documented".to_owned(),
+            measured: engine_wire
+                .iter()
+                .map(|count| {
+                    format!(
+                        "{} {:.0}/{:.0}",
+                        count.workload, count.commits_per_request, count.round_trips_per_request
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            target: "2/10, 1/6, 0/1".to_owned(),
+            met: Some(engine_wire.iter().all(|count| count.as_documented())),
+        });
     }
 }
 
@@ -1476,6 +1544,9 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
         partitioned_targets(partitioned, &mut targets);
     }
     sqlite_targets(&report.sqlite, &mut targets);
+    if let Some(mariadb) = &report.mariadb {
+        mariadb_targets(mariadb, &mut targets);
+    }
     // End to end, the difference drowns in the run-to-run noise (shown as the larger half-to-half
     // spread of the two variants); the direct estimate is calls × cost per call over the
     // machine's CPU time per request at the measured rate (cores ÷ requests per second).

@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use idemflow_core::{Fingerprint, Key, TenantId};
 use serde_json::Value;
 use sqlx::MySql;
@@ -60,22 +61,38 @@ pub async fn begin_claim(
         .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
     for _ in 0..DEADLOCK_RETRIES {
         let mut transaction = Transaction::begin(connection).await?;
-        let inserted = sqlx::query(statements::CLAIM)
-            .bind(claim.tenant.as_str())
-            .bind(claim.key.as_str())
-            .bind(claim.fingerprint.as_bytes().as_slice())
-            .bind(claim.workflow)
-            .bind(request.as_str())
-            .bind(millis(claim.lease))
-            .execute(transaction.connection())
-            .await;
+        let sql = statements::claim_then_savepoint(
+            claim.tenant.as_str().as_bytes(),
+            claim.key.as_str().as_bytes(),
+            claim.fingerprint.as_bytes(),
+            claim.workflow,
+            &request,
+            millis(claim.lease),
+        );
+        // One result per statement: the insert's (its id is the life), then the savepoint's. An
+        // error ends the message, so the savepoint never runs without the insert. The stream is
+        // read to its end: left part-read, the connection would still owe it the rest.
+        let mut results = Vec::with_capacity(2);
+        let mut stream =
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute_many(transaction.connection());
+        while let Some(result) = stream.next().await {
+            results.push(result);
+        }
+        drop(stream);
+        let mut results = results.into_iter();
+        let inserted = results
+            .next()
+            .unwrap_or_else(|| Err(sqlx::Error::Protocol("no result for the claim".into())));
+        let saved = results.next();
         match inserted {
             Ok(done) => {
                 let life = i64::try_from(done.last_insert_id())
                     .map_err(|_| StoreError::Corrupt("a life past i64".to_owned()))?;
-                sqlx::query(statements::CLAIMED_SAVEPOINT)
-                    .execute(transaction.connection())
-                    .await?;
+                saved.unwrap_or_else(|| {
+                    Err(sqlx::Error::Protocol(
+                        "no result for the claim's savepoint".into(),
+                    ))
+                })?;
                 let token = life
                     .checked_mul(FENCES_PER_LIFE)
                     .ok_or_else(|| StoreError::Corrupt(format!("life {life} past the tokens")))?;

@@ -1,0 +1,827 @@
+//! Workload 14: the engine on MariaDB (`Runner<MySqlStore>`, the checkout and one-phase
+//! workflows of workloads 1 to 3 with their local phases in MySQL's SQL) beside raw sqlx on
+//! MariaDB sending the statements a hand-written service would (the engine's own claim, advance
+//! and finish, no look-up before a new key's claim, no savepoint), on a scratch database of its
+//! own: checkout, local-only, run-replay, and through HTTP (workload 7's route and a
+//! hand-written handler), at each client count, engine and raw alternating in halves of the run.
+//!
+//! Then a storm of duplicates (each round, new keys sent by many clients at once, every copy at
+//! the same moment) through both, counting what clients were answered and InnoDB's deadlocks;
+//! and each operation's commits and round trips, counted on the wire
+//! (`idemflow_testkit::wire::mysql`).
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing;
+use idemflow::{
+    Key, LocalPhase, MySqlConnection, MySqlStore, Outcome, PhaseContext, PhaseError, Runner,
+    StoredResponse, Workflow,
+};
+use idemflow_mysql::statements::{self, FENCES_PER_LIFE};
+use serde::Serialize;
+use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlSslMode};
+use sqlx::{Connection, Executor, MySqlPool};
+
+use crate::Error;
+use crate::config::Config;
+use crate::http::{self, Server};
+use crate::report::EngineRun;
+use crate::wire_counts::{self, WireCount};
+use crate::workflows::{
+    CHECKOUT, Charge, Charged, CheckoutRequest, OrderCreated, PATH, PLACE, TENANT,
+    fingerprint_and_request, request, tenant,
+};
+
+/// What workload 14 measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MariaDb {
+    /// The server's version string.
+    pub server: String,
+    /// One row per operation and client count.
+    pub runs: Vec<EngineRun>,
+    /// The storm of duplicates, engine and raw.
+    pub storm: Vec<StormRun>,
+    /// Commits and round trips per request on the wire, engine and raw.
+    pub wire: Vec<WireCount>,
+}
+
+/// A storm of duplicates on one side.
+#[derive(Debug, Clone, Serialize)]
+pub struct StormRun {
+    /// `engine` or `raw`.
+    pub side: String,
+    pub clients: usize,
+    pub keys_per_round: usize,
+    pub rounds: usize,
+    /// Copies answered per second (every copy of every round).
+    pub per_second: f64,
+    /// How the copies were answered.
+    pub executed: u64,
+    pub replayed: u64,
+    pub in_progress: u64,
+    /// Answered with an error: a deadlock, a lock wait timeout or anything else a client would
+    /// see as a 500 or 503.
+    pub failed: u64,
+    /// Of those, the ones that were a deadlock (1213) reaching the client.
+    pub deadlocks_seen_by_clients: u64,
+    /// InnoDB's own count of deadlocks while this side ran (`Innodb_deadlocks`).
+    pub deadlocks: u64,
+}
+
+const ORDERS: &str = "CREATE TABLE IF NOT EXISTS orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
+     tenant VARBINARY(255) NOT NULL, `key` VARBINARY(255) NOT NULL, amount BIGINT NOT NULL, \
+     status VARCHAR(16) NOT NULL DEFAULT 'created', paid_by VARCHAR(64)) ENGINE = InnoDB";
+const INSERT_ORDER: &str = "INSERT INTO orders (tenant, `key`, amount) VALUES (?, ?, ?)";
+const MARK_PAID: &str = "UPDATE orders SET status = ?, paid_by = ? WHERE id = ?";
+const SELECT_RESPONSE: &str = "SELECT response_status, response_headers, response_body \
+     FROM idempotency_keys WHERE tenant = ? AND `key` = ? AND state = 'done'";
+const LEASE_MS: i64 = 60_000;
+const REPLAY_KEYS: u64 = 1_000;
+/// MySQL's error numbers the raw side answers: another claim committed first, and a deadlock.
+const DUPLICATE_KEY: u16 = 1062;
+const DEADLOCK: u16 = 1213;
+
+struct CreateOrder;
+
+#[async_trait::async_trait]
+impl LocalPhase<MySqlStore> for CreateOrder {
+    const NAME: &'static str = "create_order";
+    type Input = CheckoutRequest;
+    type Output = OrderCreated;
+
+    async fn run(
+        &self,
+        connection: &mut MySqlConnection,
+        input: CheckoutRequest,
+        context: &PhaseContext,
+    ) -> Result<OrderCreated, PhaseError> {
+        let order_id = insert_order(connection, context.key.as_str(), input.amount).await?;
+        Ok(OrderCreated {
+            order_id,
+            amount: input.amount,
+            source: input.source,
+        })
+    }
+}
+
+struct MarkPaid;
+
+#[async_trait::async_trait]
+impl LocalPhase<MySqlStore> for MarkPaid {
+    const NAME: &'static str = "mark_paid";
+    type Input = Charged;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut MySqlConnection,
+        charged: Charged,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        sqlx::query(MARK_PAID)
+            .bind("paid")
+            .bind(format!("attempt-{}", context.attempt))
+            .bind(charged.order_id)
+            .execute(connection)
+            .await?;
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({"order_id": charged.order_id, "charge_id": charged.charge_id, "status": "paid"}),
+        ))
+    }
+}
+
+struct PlaceOrder;
+
+#[async_trait::async_trait]
+impl LocalPhase<MySqlStore> for PlaceOrder {
+    const NAME: &'static str = "place_order";
+    type Input = CheckoutRequest;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut MySqlConnection,
+        input: CheckoutRequest,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let order_id = insert_order(connection, context.key.as_str(), input.amount).await?;
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({"order_id": order_id, "status": "created"}),
+        ))
+    }
+}
+
+async fn insert_order(
+    connection: &mut MySqlConnection,
+    key: &str,
+    amount: i64,
+) -> Result<i64, sqlx::Error> {
+    let done = sqlx::query(INSERT_ORDER)
+        .bind(TENANT)
+        .bind(key)
+        .bind(amount)
+        .execute(connection)
+        .await?;
+    i64::try_from(done.last_insert_id()).map_err(|error| sqlx::Error::Decode(Box::new(error)))
+}
+
+fn checkout() -> Result<Workflow<MySqlStore>, Error> {
+    Ok(
+        Workflow::<MySqlStore>::builder_on::<CheckoutRequest>(CHECKOUT)
+            .local(CreateOrder)
+            .foreign(Charge(None))
+            .local(MarkPaid)
+            .build()?,
+    )
+}
+
+fn place() -> Result<Workflow<MySqlStore>, Error> {
+    Ok(Workflow::<MySqlStore>::builder_on::<CheckoutRequest>(PLACE)
+        .local(PlaceOrder)
+        .build()?)
+}
+
+/// What the raw requests store, fixed: the engine computes these per request.
+#[derive(Debug, Clone)]
+struct Shape {
+    fingerprint: Vec<u8>,
+    request: String,
+}
+
+const HEADERS: &str = r#"[["content-type","application/json"]]"#;
+
+/// MySQL's error number of a database error.
+fn error_number(error: &sqlx::Error) -> Option<u16> {
+    match error {
+        sqlx::Error::Database(error) => error
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .map(MySqlDatabaseError::number),
+        _ => None,
+    }
+}
+
+/// The raw claim in an open transaction: the engine's insert; its token.
+async fn raw_claim(
+    connection: &mut MySqlConnection,
+    shape: &Shape,
+    workflow: &str,
+    key: &str,
+) -> Result<i64, sqlx::Error> {
+    let done = sqlx::query(statements::CLAIM)
+        .bind(TENANT)
+        .bind(key)
+        .bind(shape.fingerprint.as_slice())
+        .bind(workflow)
+        .bind(&shape.request)
+        .bind(LEASE_MS)
+        .execute(connection)
+        .await?;
+    let life = i64::try_from(done.last_insert_id()).unwrap_or(i64::MAX / FENCES_PER_LIFE);
+    Ok(life * FENCES_PER_LIFE)
+}
+
+async fn raw_finish(
+    connection: &mut MySqlConnection,
+    key: &str,
+    token: i64,
+    point: &str,
+    body: &str,
+) -> Result<(), Error> {
+    let updated = sqlx::query(statements::FINISH)
+        .bind(point)
+        .bind(201_i64)
+        .bind(HEADERS)
+        .bind(body.as_bytes())
+        .bind(false)
+        .bind(TENANT)
+        .bind(key)
+        .bind(token)
+        .execute(connection)
+        .await?
+        .rows_affected();
+    if updated != 1 {
+        return Err(format!("raw finish of {key} updated {updated} rows").into());
+    }
+    Ok(())
+}
+
+/// Raw checkout: BEGIN, claim, order, advance, COMMIT; (the charge); BEGIN, order update, finish,
+/// COMMIT. Returns the body stored.
+async fn raw_checkout(pool: &MySqlPool, shape: &Shape, key: &str) -> Result<String, Error> {
+    let mut connection = pool.acquire().await?;
+    let mut transaction = connection.begin().await?;
+    let token = raw_claim(&mut transaction, shape, CHECKOUT, key).await?;
+    let order_id = insert_order(&mut transaction, key, 100).await?;
+    let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
+    sqlx::query(statements::ADVANCE)
+        .bind("create_order")
+        .bind(output.to_string())
+        .bind(LEASE_MS)
+        .bind(TENANT)
+        .bind(key)
+        .bind(token)
+        .execute(&mut *transaction)
+        .await?;
+    transaction.commit().await?;
+
+    let mut transaction = connection.begin().await?;
+    sqlx::query(MARK_PAID)
+        .bind("paid")
+        .bind("attempt-1")
+        .bind(order_id)
+        .execute(&mut *transaction)
+        .await?;
+    let body = format!(r#"{{"charge_id":"ch_{order_id}","order_id":{order_id},"status":"paid"}}"#);
+    raw_finish(&mut transaction, key, token, "mark_paid", &body).await?;
+    transaction.commit().await?;
+    Ok(body)
+}
+
+/// What a raw one-phase request did.
+enum RawPlaced {
+    Executed,
+    /// Another claim of the key committed first.
+    Lost,
+    /// Chosen as a deadlock's victim (its transaction is rolled back).
+    Deadlocked,
+}
+
+/// Raw one-phase request: BEGIN, claim, order, finish, COMMIT.
+async fn raw_place(pool: &MySqlPool, shape: &Shape, key: &str) -> Result<RawPlaced, Error> {
+    let mut connection = pool.acquire().await?;
+    let mut transaction = connection.begin().await?;
+    let token = match raw_claim(&mut transaction, shape, PLACE, key).await {
+        Ok(token) => token,
+        Err(error) if error_number(&error) == Some(DUPLICATE_KEY) => {
+            transaction.rollback().await?;
+            return Ok(RawPlaced::Lost);
+        }
+        Err(error) if error_number(&error) == Some(DEADLOCK) => {
+            transaction.rollback().await?;
+            return Ok(RawPlaced::Deadlocked);
+        }
+        Err(error) => return Err(error.into()),
+    };
+    let order_id = insert_order(&mut transaction, key, 100).await?;
+    let body = format!(r#"{{"order_id":{order_id},"status":"created"}}"#);
+    raw_finish(&mut transaction, key, token, "place_order", &body).await?;
+    transaction.commit().await?;
+    Ok(RawPlaced::Executed)
+}
+
+type StoredRow = (i64, String, Vec<u8>);
+
+async fn raw_stored(pool: &MySqlPool, key: &str) -> Result<Option<StoredRow>, Error> {
+    Ok(sqlx::query_as(SELECT_RESPONSE)
+        .bind(TENANT)
+        .bind(key)
+        .fetch_optional(pool)
+        .await?)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Engine,
+    Raw,
+}
+
+impl Side {
+    fn name(self) -> &'static str {
+        match self {
+            Side::Engine => "engine",
+            Side::Raw => "raw",
+        }
+    }
+}
+
+/// What one measured operation needs.
+struct Bench {
+    pool: MySqlPool,
+    shape: Shape,
+    runner: Runner<MySqlStore>,
+    checkout: Arc<Workflow<MySqlStore>>,
+    place: Workflow<MySqlStore>,
+    /// Keys are `<operation>-<prefix><n>`: the prefix keeps the counted runs' keys apart.
+    prefix: String,
+    next: AtomicU64,
+    http_client: reqwest::Client,
+    engine_url: String,
+    raw_url: String,
+}
+
+impl Bench {
+    fn new(pool: MySqlPool, shape: Shape, prefix: &str) -> Result<Self, Error> {
+        Ok(Self {
+            runner: Runner::new(pool.clone()),
+            pool,
+            shape,
+            checkout: Arc::new(checkout()?),
+            place: place()?,
+            prefix: prefix.to_owned(),
+            next: AtomicU64::new(0),
+            http_client: http::client(1)?,
+            engine_url: String::new(),
+            raw_url: String::new(),
+        })
+    }
+
+    async fn one(&self, operation: &str, side: Side, client: u64, round: u64) -> Result<(), Error> {
+        let fresh = || {
+            let n = self.next.fetch_add(1, Ordering::Relaxed);
+            format!("{operation}-{}{n}", self.prefix)
+        };
+        let replay_key = || format!("replay-{}", (client * 7 + round) % REPLAY_KEYS);
+        match (operation, side) {
+            ("checkout", Side::Engine) => {
+                let key = Key::parse(&fresh())?;
+                let outcome = self
+                    .runner
+                    .run(&self.checkout, &tenant(), &key, request())
+                    .await?;
+                expect_executed(&outcome)
+            }
+            ("checkout", Side::Raw) => raw_checkout(&self.pool, &self.shape, &fresh())
+                .await
+                .map(drop),
+            ("local-only", Side::Engine) => {
+                let key = Key::parse(&fresh())?;
+                let outcome = self
+                    .runner
+                    .run(&self.place, &tenant(), &key, request())
+                    .await?;
+                expect_executed(&outcome)
+            }
+            ("local-only", Side::Raw) => {
+                match raw_place(&self.pool, &self.shape, &fresh()).await? {
+                    RawPlaced::Executed => Ok(()),
+                    _ => Err("a raw request of a fresh key lost its claim".into()),
+                }
+            }
+            ("run-replay", Side::Engine) => {
+                let key = Key::parse(&replay_key())?;
+                match self
+                    .runner
+                    .run(&self.checkout, &tenant(), &key, request())
+                    .await?
+                {
+                    Outcome::Replayed(_) => Ok(()),
+                    other => Err(format!("a replay was {other:?}").into()),
+                }
+            }
+            ("run-replay", Side::Raw) => match raw_stored(&self.pool, &replay_key()).await? {
+                Some((201, _, _)) => Ok(()),
+                other => Err(format!("raw replay: {other:?}").into()),
+            },
+            ("http-checkout", side) => {
+                let url = self.url(side);
+                http::post(&self.http_client, url, &fresh(), false).await
+            }
+            ("http-replay", side) => {
+                let url = self.url(side);
+                http::post(&self.http_client, url, &replay_key(), true).await
+            }
+            (other, _) => Err(format!("no operation {other}").into()),
+        }
+    }
+
+    fn url(&self, side: Side) -> &str {
+        match side {
+            Side::Engine => &self.engine_url,
+            Side::Raw => &self.raw_url,
+        }
+    }
+}
+
+fn expect_executed(outcome: &Outcome) -> Result<(), Error> {
+    match outcome {
+        Outcome::Executed(response) if response.status == 201 => Ok(()),
+        other => Err(format!("a new request was {other:?}").into()),
+    }
+}
+
+/// The operations measured, in order.
+pub const OPERATIONS: [&str; 5] = [
+    "checkout",
+    "local-only",
+    "run-replay",
+    "http-checkout",
+    "http-replay",
+];
+
+/// Runs workload 14 on a scratch database on `config.mariadb_url`'s server, dropped at the end
+/// whatever happens.
+pub async fn run(config: &Config) -> Result<MariaDb, Error> {
+    let name = format!("idemflow_bench_{}", std::process::id());
+    let server_url = &config.mariadb_url;
+    let mut server = sqlx::MySqlConnection::connect(server_url)
+        .await
+        .map_err(|error| {
+            format!(
+                "no MariaDB at {server_url} ({error}): workload 14 needs one (--mariadb-url or \
+                 MARIADB_URL; scripts/bench checks for it), or leave it out with --only"
+            )
+        })?;
+    let version: String = sqlx::query_scalar("SELECT VERSION()")
+        .fetch_one(&mut server)
+        .await?;
+    server
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS `{name}`"
+        )))
+        .await?;
+    server
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`")))
+        .await?;
+    let url = database_url(server_url, &name);
+    let result = measure(config, &url).await;
+    server
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS `{name}`"
+        )))
+        .await?;
+    server.close().await?;
+    let mut report = result?;
+    report.server = version;
+    Ok(report)
+}
+
+/// The server's URL with `database` in place of its own.
+fn database_url(server: &str, database: &str) -> String {
+    let (base, query) = server.split_once('?').unwrap_or((server, ""));
+    let base = base
+        .strip_prefix("mysql://")
+        .and_then(|rest| rest.split_once('/').map(|(host, _)| host))
+        .map_or_else(|| base.to_owned(), |host| format!("mysql://{host}"));
+    if query.is_empty() {
+        format!("{base}/{database}")
+    } else {
+        format!("{base}/{database}?{query}")
+    }
+}
+
+async fn measure(config: &Config, url: &str) -> Result<MariaDb, Error> {
+    let most = config.clients.iter().copied().max().unwrap_or(1);
+    let pool = idemflow_mysql::open(
+        url,
+        &idemflow_mysql::OpenOptions {
+            max_connections: u32::try_from(most.max(config.storm_clients) + 8).unwrap_or(64),
+            ..idemflow_mysql::OpenOptions::default()
+        },
+    )
+    .await?;
+    sqlx::query(ORDERS).execute(&pool).await?;
+    let (fingerprint, canonical) = fingerprint_and_request()?;
+    let shape = Shape {
+        fingerprint: fingerprint.as_bytes().to_vec(),
+        request: canonical.to_string(),
+    };
+    let mut bench = Bench::new(pool.clone(), shape.clone(), "")?;
+    // Finished checkouts for the replays (the engine's and the raw HTTP handler's alike).
+    for index in 0..REPLAY_KEYS {
+        let key = Key::parse(&format!("replay-{index}"))?;
+        let outcome = bench
+            .runner
+            .run(&bench.checkout, &tenant(), &key, request())
+            .await?;
+        expect_executed(&outcome)?;
+    }
+    let engine_server = http::serve(bench.runner.clone(), bench.checkout.clone()).await?;
+    let raw_server = serve_raw(pool.clone(), shape.clone()).await?;
+    bench.http_client = http::client(most)?;
+    bench.engine_url = engine_server.url.clone();
+    bench.raw_url = raw_server.url.clone();
+    let bench = Arc::new(bench);
+
+    let mut report = MariaDb::default();
+    for &clients in &config.clients {
+        for operation in OPERATIONS {
+            let mut counts = [0_u64; 2];
+            let half = config.duration / 2;
+            for side in [Side::Engine, Side::Raw, Side::Engine, Side::Raw] {
+                let done = timed(&bench, operation, side, clients, half / 2).await?;
+                counts[usize::from(side == Side::Raw)] += done;
+            }
+            let seconds = half.as_secs_f64();
+            report.runs.push(EngineRun {
+                operation: operation.to_owned(),
+                clients,
+                engine_per_second: counts[0] as f64 / seconds,
+                raw_per_second: counts[1] as f64 / seconds,
+            });
+        }
+    }
+    drop((engine_server, raw_server));
+
+    for side in [Side::Engine, Side::Raw] {
+        report.storm.push(storm(&bench, config, side).await?);
+    }
+    report.wire = wire(url, shape, config.wire_requests).await?;
+    pool.close().await;
+    Ok(report)
+}
+
+async fn timed(
+    bench: &Arc<Bench>,
+    operation: &'static str,
+    side: Side,
+    clients: usize,
+    duration: Duration,
+) -> Result<u64, Error> {
+    let until = Instant::now() + duration;
+    let mut tasks = tokio::task::JoinSet::new();
+    for client in 0..clients {
+        let bench = Arc::clone(bench);
+        tasks.spawn(async move {
+            let mut done = 0_u64;
+            while Instant::now() < until {
+                bench.one(operation, side, client as u64, done).await?;
+                done += 1;
+            }
+            Ok::<u64, Error>(done)
+        });
+    }
+    let mut total = 0;
+    while let Some(joined) = tasks.join_next().await {
+        total += joined??;
+    }
+    Ok(total)
+}
+
+/// How one copy in a storm was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    Executed,
+    Replayed,
+    InProgress,
+    Failed { deadlock: bool },
+}
+
+/// One copy through the engine: the one-phase workflow.
+async fn engine_copy(bench: &Bench, key: &str) -> Answer {
+    let Ok(key) = Key::parse(key) else {
+        return Answer::Failed { deadlock: false };
+    };
+    match bench
+        .runner
+        .run(&bench.place, &tenant(), &key, request())
+        .await
+    {
+        Ok(Outcome::Executed(_)) => Answer::Executed,
+        Ok(Outcome::Replayed(_)) => Answer::Replayed,
+        Ok(Outcome::InProgress { .. }) => Answer::InProgress,
+        Ok(_) => Answer::Failed { deadlock: false },
+        Err(error) => Answer::Failed {
+            deadlock: error.to_string().contains("1213") || error.to_string().contains("eadlock"),
+        },
+    }
+}
+
+/// One copy the way a hand-written service answers it: the stored response if there is one,
+/// else the claim; a claim another committed first is answered from what it stored (409 while
+/// it is not done), and a deadlock victim is tried again, up to three times, as the engine does.
+async fn raw_copy(bench: &Bench, key: &str) -> Answer {
+    let answer = async {
+        if raw_stored(&bench.pool, key).await?.is_some() {
+            return Ok::<_, Error>(Answer::Replayed);
+        }
+        for _ in 0..3 {
+            match raw_place(&bench.pool, &bench.shape, key).await? {
+                RawPlaced::Executed => return Ok(Answer::Executed),
+                RawPlaced::Lost => {
+                    return Ok(if raw_stored(&bench.pool, key).await?.is_some() {
+                        Answer::Replayed
+                    } else {
+                        Answer::InProgress
+                    });
+                }
+                RawPlaced::Deadlocked => {}
+            }
+        }
+        Ok(Answer::Failed { deadlock: true })
+    };
+    answer.await.unwrap_or_else(|error| Answer::Failed {
+        deadlock: error.to_string().contains("1213"),
+    })
+}
+
+/// InnoDB's count of deadlocks since the server started.
+async fn deadlocks(pool: &MySqlPool) -> Result<u64, Error> {
+    let (_, value): (String, String) = sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'")
+        .fetch_one(pool)
+        .await?;
+    Ok(value.parse()?)
+}
+
+/// `config.storm_rounds` rounds of `config.storm_keys` new keys, each round's copies sent by
+/// `config.storm_clients` clients released at once (copy `i` is key `i % keys`).
+async fn storm(bench: &Arc<Bench>, config: &Config, side: Side) -> Result<StormRun, Error> {
+    let (clients, keys) = (config.storm_clients, config.storm_keys.max(1));
+    let deadlocks_before = deadlocks(&bench.pool).await?;
+    let mut answers = Vec::new();
+    let mut elapsed = Duration::ZERO;
+    for round in 0..config.storm_rounds {
+        let barrier = Arc::new(tokio::sync::Barrier::new(clients));
+        let mut tasks = tokio::task::JoinSet::new();
+        for copy in 0..clients {
+            let (bench, barrier) = (Arc::clone(bench), barrier.clone());
+            let key = format!("storm-{}-{round}-{}", side.name(), copy % keys);
+            tasks.spawn(async move {
+                barrier.wait().await;
+                match side {
+                    Side::Engine => engine_copy(&bench, &key).await,
+                    Side::Raw => raw_copy(&bench, &key).await,
+                }
+            });
+        }
+        let started = Instant::now();
+        while let Some(answer) = tasks.join_next().await {
+            answers.push(answer?);
+        }
+        elapsed += started.elapsed();
+    }
+    let count = |wanted: fn(&Answer) -> bool| answers.iter().filter(|a| wanted(a)).count() as u64;
+    Ok(StormRun {
+        side: side.name().to_owned(),
+        clients,
+        keys_per_round: keys,
+        rounds: config.storm_rounds,
+        per_second: answers.len() as f64 / elapsed.as_secs_f64().max(1e-9),
+        executed: count(|answer| *answer == Answer::Executed),
+        replayed: count(|answer| *answer == Answer::Replayed),
+        in_progress: count(|answer| *answer == Answer::InProgress),
+        failed: count(|answer| matches!(answer, Answer::Failed { .. })),
+        deadlocks_seen_by_clients: count(|answer| *answer == Answer::Failed { deadlock: true }),
+        deadlocks: deadlocks(&bench.pool).await? - deadlocks_before,
+    })
+}
+
+/// Each operation's commits and round trips on the wire: a pool of one connection through the
+/// counting proxy, no ping before acquire, no TLS (the proxy reads the packets).
+async fn wire(url: &str, shape: Shape, requests: u64) -> Result<Vec<WireCount>, Error> {
+    let connect = MySqlConnectOptions::from_str(url)?;
+    let upstream = tokio::net::lookup_host((connect.get_host(), connect.get_port()))
+        .await?
+        .next()
+        .ok_or("the MariaDB host resolves to no address")?;
+    let (port, counts) = idemflow_testkit::wire::mysql::start_proxy(upstream).await;
+    let pool = idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions {
+        max_connections: 1,
+        ..idemflow_mysql::OpenOptions::default()
+    })
+    .test_before_acquire(false)
+    .connect_with(
+        connect
+            .host("127.0.0.1")
+            .port(port)
+            .ssl_mode(MySqlSslMode::Disabled),
+    )
+    .await?;
+    let bench = Bench::new(pool.clone(), shape, "wire-")?;
+    let mut wire = Vec::new();
+    for (operation, expected) in [
+        ("checkout", [Some((2, 8 + 2)), Some((2, 7 + 2))]),
+        ("local-only", [Some((1, 5 + 1)), Some((1, 4 + 1))]),
+        ("run-replay", [Some((0, 1)), Some((0, 1))]),
+    ] {
+        for (side, expected) in [Side::Engine, Side::Raw].into_iter().zip(expected) {
+            let bench = &bench;
+            wire.push(
+                wire_counts::count(
+                    &counts,
+                    operation,
+                    side.name(),
+                    3,
+                    requests,
+                    expected,
+                    |i| async move { bench.one(operation, side, 0, i).await },
+                )
+                .await?,
+            );
+        }
+    }
+    pool.close().await;
+    Ok(wire)
+}
+
+/// The HTTP baseline on MariaDB: a hand-written axum handler (the key from its header, the body
+/// parsed as JSON, the stored response by primary key, else the raw checkout).
+async fn serve_raw(pool: MySqlPool, shape: Shape) -> Result<Server, Error> {
+    let router = Router::new()
+        .route(PATH, routing::post(raw_handler))
+        .with_state(Arc::new((pool, shape)));
+    http::serve_router(router).await
+}
+
+async fn raw_handler(
+    State(state): State<Arc<(MySqlPool, Shape)>>,
+    request_headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Some(key) = request_headers
+        .get("idempotency-key")
+        .and_then(|key| key.to_str().ok())
+    else {
+        return (StatusCode::BAD_REQUEST, "no idempotency key").into_response();
+    };
+    if serde_json::from_slice::<serde_json::Value>(&body).is_err() {
+        return (StatusCode::BAD_REQUEST, "the body is not JSON").into_response();
+    }
+    let (pool, shape) = &*state;
+    let answer = async {
+        if let Some((status, _, body)) = raw_stored(pool, key).await? {
+            return Ok::<_, Error>((true, status, body));
+        }
+        let body = raw_checkout(pool, shape, key).await?;
+        Ok((false, 201, body.into_bytes()))
+    };
+    match answer.await {
+        Ok((replayed, status, body)) => {
+            let status = u16::try_from(status)
+                .ok()
+                .and_then(|status| StatusCode::from_u16(status).ok())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut response = (status, body).into_response();
+            response
+                .headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/json"));
+            if replayed {
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            response
+        }
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::database_url;
+
+    #[test]
+    fn the_scratch_database_replaces_the_urls_own() {
+        assert_eq!(
+            database_url("mysql://root@127.0.0.1:3306/test", "scratch"),
+            "mysql://root@127.0.0.1:3306/scratch"
+        );
+        assert_eq!(
+            database_url("mysql://root@127.0.0.1:3306", "scratch"),
+            "mysql://root@127.0.0.1:3306/scratch"
+        );
+        assert_eq!(
+            database_url("mysql://u:p@db/test?ssl-mode=disabled", "scratch"),
+            "mysql://u:p@db/scratch?ssl-mode=disabled"
+        );
+    }
+}
