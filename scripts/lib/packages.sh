@@ -43,6 +43,14 @@ idemflow_require_libfaketime() {
     '/usr/lib64/faketime/libfaketime.so.1'
 }
 
+# promtool: scripts/check-deploy checks the Prometheus alert rules under deploy/prometheus, runs
+# their unit tests and parses the dashboard's queries. Debian's prometheus package ships it as
+# /usr/bin/promtool, with the server (and, recommended, the node exporter) as services the check
+# never uses.
+idemflow_require_promtool() {
+  idemflow_require prometheus '/usr/bin/promtool' '/usr/local/bin/promtool'
+}
+
 # pgbouncer: tests/it/pgbouncer.rs runs the engine behind a PgBouncer in transaction pooling mode,
 # which needs PgBouncer 1.21+ (max_prepared_statements: without it sqlx's prepared statements land
 # on other clients' server connections). Debian 12 packages 1.18, so when the one found is older,

@@ -13,6 +13,7 @@ mod clock_skew;
 mod conformance;
 mod consumer;
 mod crash_processes;
+mod deploy;
 mod engines;
 mod explore_checkout;
 mod failover;

@@ -57,6 +57,34 @@ async fn quick_mode_completes_with_the_documented_counts() {
         report.sqlite
     );
 
+    // Workload 14: the runner's five operations on MariaDB at every client count, engine and raw;
+    // the storm answered every copy on both sides; the engine's wire counts as documented.
+    let mariadb = report.mariadb.as_ref().expect("workload 14 ran");
+    assert_eq!(mariadb.runs.len(), 5 * report.settings.clients.len());
+    assert!(
+        mariadb
+            .runs
+            .iter()
+            .all(|run| run.engine_per_second > 0.0 && run.raw_per_second > 0.0),
+        "{:?}",
+        mariadb.runs
+    );
+    assert_eq!(mariadb.storm.len(), 2);
+    assert!(
+        mariadb
+            .storm
+            .iter()
+            .all(|storm| storm.failed == 0 && storm.executed > 0),
+        "{:?}",
+        mariadb.storm
+    );
+    assert_eq!(mariadb.wire.len(), 6);
+    assert!(
+        mariadb.wire.iter().all(|count| count.as_documented()),
+        "{:?}",
+        mariadb.wire
+    );
+
     // The server agrees: xact_commit per request. It also counts read-only autocommit
     // statements as commits (they write no WAL and wait for no flush): the engine's look-up is
     // one, so a new request shows its durable commits + 1 there, a replay 1.

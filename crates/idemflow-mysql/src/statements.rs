@@ -340,7 +340,9 @@ mod claim_message_tests {
         let hostile = b"a'); DROP TABLE idempotency_keys; -- \\";
         let sql = claim_then_savepoint(b"t'", hostile, &[0xff; 32], "w'", "{\"x\":\"'\"}", 30_000);
         // Every quote before the clock's expressions opens or closes a hex literal.
-        let (values, _) = sql.split_once("(TIMESTAMPDIFF").unwrap();
+        let (values, _) = sql
+            .split_once("(TIMESTAMPDIFF")
+            .expect("the clock follows the values");
         let literals: Vec<&str> = values.split('\'').skip(1).step_by(2).collect();
         assert_eq!(literals.len(), 5, "{sql}");
         assert!(
