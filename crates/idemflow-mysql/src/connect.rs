@@ -15,8 +15,9 @@
 //!   that long. A local phase given up at its time limit has its connection closed, but the
 //!   server goes on with a running statement, holding its locks, until it ends: the statement
 //!   timeout ends it before the runner's record of the failed attempt, which waits for those
-//!   locks, reaches its own lock wait timeout. (MySQL's `max_execution_time` bounds `SELECT`s
-//!   only: see docs/engines.md.)
+//!   locks, reaches its own lock wait timeout. MySQL has no such setting (its
+//!   `max_execution_time` bounds `SELECT`s only), so the setting is written for MariaDB alone and
+//!   MySQL opens without it: see docs/engines.md.
 //! - **Strict SQL mode**: a value that does not fit is an error, never truncated.
 
 use std::str::FromStr;
@@ -98,9 +99,12 @@ pub fn pool_options(options: &OpenOptions) -> MySqlPoolOptions {
                 connection
                     .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                     .await?;
+                // `/*M! … */` is run by MariaDB only: MySQL reads it as a comment, and has no
+                // `max_statement_time` (docs/engines.md: what MySQL 8.4 does instead). One
+                // statement either way, so one round trip per new connection.
                 let settings = format!(
                     "SET SESSION innodb_lock_wait_timeout = {lock_wait}, \
-                     max_statement_time = {statement:.3}, \
+                     /*M! max_statement_time = {statement:.3}, */ \
                      sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')"
                 );
                 connection.execute(sqlx::AssertSqlSafe(settings)).await?;
