@@ -128,3 +128,60 @@ async fn every_metric_is_described_for_the_recorder_and_in_the_operations_guide(
         }
     }
 }
+
+/// Reads the rendered metrics until `series` shows `expected`, for up to 10 s.
+async fn until_series(
+    metrics: &metrics_exporter_prometheus::PrometheusHandle,
+    series: &str,
+    expected: f64,
+) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let rendered = metrics.render();
+        if value(&rendered, series) == Some(expected) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{series} never read {expected}:\n{rendered}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn the_unknown_workflow_gauge_falls_back_to_zero_once_its_keys_are_gone(pool: PgPool) {
+    let metrics = PrometheusBuilder::new().install_recorder().unwrap();
+    // A started key past its lease, of a workflow the resumer does not register.
+    sqlx::query(
+        "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
+         VALUES ('1', 'ghost', sha256('ghost'), 'ghost.v1', '{}', now() - interval '1 minute')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let harness = Harness::default();
+    let mut registry = idemflow::Registry::new();
+    registry.register(harness.checkout()).unwrap();
+    let config = idemflow::ResumerConfig {
+        idle_min: std::time::Duration::from_millis(10),
+        idle_max: std::time::Duration::from_millis(20),
+        report_every: std::time::Duration::from_millis(10),
+        retention: None,
+        ..idemflow::ResumerConfig::default()
+    };
+    let resumer = idemflow::Resumer::with_config(Runner::new(pool.clone()), registry, config);
+    let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let worker = tokio::spawn(resumer.run(async move { stopped.notified().await }));
+    let series = r#"idemflow_resumer_unknown_workflow_keys{workflow="ghost.v1"}"#;
+    until_series(&metrics, series, 1.0).await;
+    // The key is gone (the operator expired it): the gauge says so, without a restart.
+    sqlx::query("DELETE FROM idempotency_keys WHERE key = 'ghost'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    until_series(&metrics, series, 0.0).await;
+    stop.notify_one();
+    worker.await.unwrap();
+}

@@ -251,6 +251,8 @@ impl<E: Engine> Resumer<E> {
         let mut next_scan_at = Instant::now();
         let mut error_backoff = self.config.idle_min;
         let mut last_report: Option<Instant> = None;
+        // Due keys of workflows this resumer does not register, by workflow, as last reported.
+        let mut unknown: HashMap<String, i64> = HashMap::new();
         let mut last_retention: Option<Instant> = None;
         let mut retention_task: Option<tokio::task::JoinHandle<()>> = None;
         let concurrency = self.config.concurrency.max(1);
@@ -258,7 +260,7 @@ impl<E: Engine> Resumer<E> {
 
         loop {
             if due(last_report, self.config.report_every) {
-                self.report().await;
+                self.report(&mut unknown).await;
                 last_report = Some(Instant::now());
             }
             if let Some(retention) = self.config.retention
@@ -421,16 +423,16 @@ impl<E: Engine> Resumer<E> {
     }
 
     /// Reports the lag, and due keys no registered workflow can finish: logged and counted, and
-    /// left for a resumer that knows their workflow.
-    async fn report(&self) {
+    /// left for a resumer that knows their workflow. `unknown` holds what the last report found.
+    async fn report(&self, unknown: &mut HashMap<String, i64>) {
         // A report is worth nothing late: bounded as a whole.
         let limit = 3 * self.runner.config.database_timeout;
-        if self.report_within().within(limit).await.is_err() {
+        if self.report_within(unknown).within(limit).await.is_err() {
             tracing::warn!("the resumer's report got no answer from the database");
         }
     }
 
-    async fn report_within(&self) {
+    async fn report_within(&self, reported: &mut HashMap<String, i64>) {
         let pool = self.runner.pool();
         match E::resumer_lag(pool).await {
             Ok(lag) => metrics::gauge!("idemflow_resumer_lag_seconds").set(lag.as_secs_f64()),
@@ -438,15 +440,34 @@ impl<E: Engine> Resumer<E> {
         }
         match E::count_due_unknown(pool, &self.registry.names()).await {
             Ok(unknown) => {
-                for (workflow, count) in unknown {
-                    tracing::warn!(
-                        workflow,
-                        count,
-                        "due keys of a workflow this resumer does not know: left alone"
-                    );
-                    metrics::gauge!("idemflow_resumer_unknown_workflow_keys", "workflow" => workflow)
+                let now: HashMap<String, i64> = unknown.into_iter().collect();
+                for (workflow, &count) in &now {
+                    // Said once at WARN when such keys appear; every report after only counts
+                    // them (the gauge), so a standing condition does not fill the log.
+                    if reported.contains_key(workflow) {
+                        tracing::debug!(workflow, count, "due keys of an unregistered workflow");
+                    } else {
+                        tracing::warn!(
+                            workflow,
+                            count,
+                            "keys past their lease belong to a workflow this resumer does not \
+                             register: left for a resumer that registers it"
+                        );
+                    }
+                    metrics::gauge!("idemflow_resumer_unknown_workflow_keys", "workflow" => workflow.clone())
                         .set(count as f64);
                 }
+                // A workflow whose keys are gone (finished elsewhere, expired) reads 0 again, or
+                // its alert would stand until the process restarts.
+                for workflow in reported
+                    .keys()
+                    .filter(|workflow| !now.contains_key(*workflow))
+                {
+                    tracing::info!(workflow, "no more due keys of an unregistered workflow");
+                    metrics::gauge!("idemflow_resumer_unknown_workflow_keys", "workflow" => workflow.clone())
+                        .set(0.0);
+                }
+                *reported = now;
             }
             Err(error) => tracing::warn!(%error, "could not count keys of unknown workflows"),
         }
