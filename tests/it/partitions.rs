@@ -262,6 +262,7 @@ async fn a_claim_loses_to_a_key_committed_in_another_partition(pool: PgPool) {
     let mut b = pool.acquire().await.unwrap();
     let LookUp::Absent {
         lock_version: b_token,
+        ..
     } = store::look_up(&mut b, &tenant, &key).await.unwrap()
     else {
         panic!("a new key is absent");
@@ -270,6 +271,7 @@ async fn a_claim_loses_to_a_key_committed_in_another_partition(pool: PgPool) {
     let mut a = pool.acquire().await.unwrap();
     let LookUp::Absent {
         lock_version: a_token,
+        ..
     } = store::look_up(&mut a, &tenant, &key).await.unwrap()
     else {
         panic!("still absent");
@@ -371,7 +373,7 @@ async fn claims_racing_across_partition_boundaries_leave_one_row_per_key(pool: P
             tasks.push(tokio::spawn(async move {
                 let body = serde_json::json!({"bytes": 1});
                 let mut connection = pool.acquire().await.unwrap();
-                let LookUp::Absent { lock_version } =
+                let LookUp::Absent { lock_version, .. } =
                     store::look_up(&mut connection, &tenant, &key)
                         .await
                         .unwrap()

@@ -893,7 +893,7 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
         let workflows = [("payments.v1".to_owned(), lease)];
         let mut connection = runtime.acquire().await.unwrap();
 
-        let LookUp::Absent { lock_version } = store::look_up(&mut connection, &tenant, &key)
+        let LookUp::Absent { lock_version, .. } = store::look_up(&mut connection, &tenant, &key)
             .await
             .unwrap()
         else {

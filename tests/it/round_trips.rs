@@ -213,3 +213,28 @@ async fn a_duplicate_of_a_key_being_claimed_is_answered_in_one_round_trip(
     assert_eq!((used.round_trips, used.commits), (1, 0), "{used:?}");
     held.rollback().await.unwrap();
 }
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_new_connections_first_claim_fails_no_message(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, counts) = counted_pool(options, connect).await;
+    create_orders(&pool).await;
+    let harness = Harness::default();
+    let runner = Runner::new(pool.clone());
+    // The pool's one connection has never claimed: its first claim prepares the claim in its
+    // own message. Before, that message failed ("prepared statement does not exist", an ERROR
+    // line in the server's log for every new connection) and went again.
+    let before = counts.snapshot();
+    executed(&run(&runner, &harness.checkout(), &tenant(1), "first", &body(1)).await);
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let used = counts.snapshot() - before;
+    assert_eq!(used.errors, 0, "{used:?}");
+    assert_eq!(used.commits, 2, "{used:?}");
+    // And the next request on it finds the claim prepared.
+    let (outcome, used) = measure(&runner, &harness.checkout(), &counts, "second", "third").await;
+    executed(&outcome);
+    assert_eq!(used.errors, 0, "{used:?}");
+    assert_eq!(used.round_trips, 7 + 2, "{used:?}");
+}

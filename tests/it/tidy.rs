@@ -46,6 +46,10 @@ const ALLOWED: &[(&str, &str)] = &[
         "the raw baseline on SQLite: the stored response by primary key, as a hand-written service reads it",
     ),
     (
+        "crates/idemflow-bench/src/mariadb.rs",
+        "the raw baseline on MariaDB: the stored response by primary key, as a hand-written service reads it",
+    ),
+    (
         "crates/idemflow-bench/src/pgbench.rs",
         "pgbench's reference shape and raw select (baselines); the engine's statements come from idemflow_pg::statements",
     ),

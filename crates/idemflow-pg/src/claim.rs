@@ -11,7 +11,10 @@
 //! `idemflow_claim_v2` is a prepared statement of the connection (SQL `PREPARE`): the advisory
 //! lock and the insert in one statement, so the server parses and plans the insert once per
 //! connection rather than once per request (measured with pgbench: 8% more claims per second).
-//! It is created on first use: on a connection without it the message fails with "prepared
+//! The look-up says whether the connection holds it; where it does not, the claim's message
+//! prepares it first ([`begin_claim_knowing`]), so a new connection's first claim fails no
+//! message (each failure is an `ERROR` line in the server's log). A claim that was not told
+//! ([`begin_claim`]) finds out: on a connection without it the message fails with "prepared
 //! statement does not exist", is rolled back, and goes again after a `PREPARE`. Where it cannot
 //! stick (a pooler that hands each transaction another server connection), the claim falls back
 //! to the same statement written out in full.
@@ -92,6 +95,24 @@ pub async fn begin_claim(
     .await
 }
 
+/// [`begin_claim`] on the connection whose look-up said whether it holds the prepared claim
+/// ([`crate::LookUp::Absent`]'s `claim_prepared`): one that does not prepares it in the claim's
+/// own message, so a new connection's first claim costs no failed message (and no ERROR line in
+/// the server's log) and no round trip more.
+pub async fn begin_claim_knowing(
+    connection: PoolConnection<Postgres>,
+    claim: &ClaimRequest<'_>,
+    limits: &Limits,
+    claim_prepared: bool,
+) -> Result<Claimed, StoreError> {
+    let forms: &[Form] = if claim_prepared {
+        &[Form::Prepared, Form::Prepared, Form::Inline]
+    } else {
+        &[Form::PrepareFirst, Form::Prepared, Form::Inline]
+    };
+    begin_claim_in(connection, claim, limits, forms).await
+}
+
 /// Tries the claim's message in each form in turn, going on to the next only when the prepared
 /// statement is missing.
 async fn begin_claim_in(
@@ -113,6 +134,12 @@ async fn begin_claim_in(
             }
             Err((error, returned)) if is_claim_conflict(&error) => {
                 return Ok(Claimed::Lost(returned));
+            }
+            // Prepared after all (behind a pooler, the look-up may have asked another server
+            // connection): the message was rolled back; execute it as prepared.
+            Err((error, returned)) if form == Form::PrepareFirst && has_code(&error, "42P05") => {
+                connection = returned;
+                last_error = Some(error);
             }
             Err((error, mut returned)) if form == Form::Prepared && is_unprepared(&error) => {
                 // A new connection (or one whose statements were discarded): prepare, go again.
@@ -139,6 +166,8 @@ async fn begin_claim_in(
 enum Form {
     /// `EXECUTE idemflow_claim_v2(…)`.
     Prepared,
+    /// `PREPARE idemflow_claim_v2 … ; EXECUTE idemflow_claim_v2(…)`: on a connection without it.
+    PrepareFirst,
     /// The statement in full.
     Inline,
 }
@@ -172,7 +201,10 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
     let mut sql = limits.begin_statement();
     sql.reserve(320 + 2 * request.len());
     match form {
-        Form::Prepared => {
+        Form::Prepared | Form::PrepareFirst => {
+            if form == Form::PrepareFirst {
+                let _ = write!(sql, "; {}", statements::PREPARE_CLAIM);
+            }
             let _ = write!(sql, "; EXECUTE {}({lock}, ", statements::CLAIM_NAME);
         }
         Form::Inline => {
@@ -192,7 +224,7 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
     sql.push_str(", ");
     text_literal(&mut sql, &request);
     match form {
-        Form::Prepared => {
+        Form::Prepared | Form::PrepareFirst => {
             let _ = write!(sql, "::jsonb, {lease_ms}, {token})");
         }
         Form::Inline => {
@@ -247,7 +279,7 @@ mod tests {
             idle_timeout: Some(Duration::from_secs(2)),
             lock_timeout: None,
         };
-        for form in [Form::Prepared, Form::Inline] {
+        for form in [Form::Prepared, Form::PrepareFirst, Form::Inline] {
             let sql = claim_statement(&claim, &limits, form);
             // Every quoted span is hex digits or one of the fixed words.
             let quoted: Vec<&str> = sql.split('\'').skip(1).step_by(2).collect();

@@ -29,7 +29,7 @@ mod store;
 mod take_over;
 mod transaction;
 
-pub use claim::{ClaimRequest, Claimed, begin_claim};
+pub use claim::{ClaimRequest, Claimed, begin_claim, begin_claim_knowing};
 pub use claim_lock::wait_for_claim_lock;
 pub use transaction::{BEGIN, Limits, Transaction};
 

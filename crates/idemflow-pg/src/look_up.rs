@@ -28,6 +28,10 @@ pub enum LookUp {
         /// A fresh fencing token for its claim, drawn from the `idempotency_keys_fence` sequence
         /// in the same statement.
         lock_version: i64,
+        /// Whether this connection holds the prepared claim (`idemflow_claim_v2`): a claim on
+        /// the same connection that does not prepares it in its own message
+        /// ([`crate::begin_claim_knowing`]), so no message fails for it.
+        claim_prepared: bool,
     },
 }
 
@@ -65,6 +69,7 @@ pub async fn look_up(
         } else {
             LookUp::Absent {
                 lock_version: row.get("new_lock_version"),
+                claim_prepared: row.get("claim_prepared"),
             }
         });
     };
@@ -238,7 +243,7 @@ mod tests {
         let fingerprint = Fingerprint::from_slice(&[7; 32]).expect("fingerprint");
         let request = json!({"amount": 1});
         let mut connection = pool.acquire().await.expect("connection");
-        let LookUp::Absent { lock_version } = look_up(&mut connection, &tenant, &key)
+        let LookUp::Absent { lock_version, .. } = look_up(&mut connection, &tenant, &key)
             .await
             .expect("look-up")
         else {

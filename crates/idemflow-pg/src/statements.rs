@@ -8,18 +8,21 @@
 /// fails) and a fencing token drawn for the claim this request may make. `$1` tenant, `$2` key,
 /// `$3` the key's claim lock. The second branch runs only when the first returns no row. The
 /// first branch names the columns (`done`, `lease_left_ms`, `claiming`, `new_lock_version` and
-/// the table's own), which is how the store reads them.
+/// the table's own), which is how the store reads them. The second branch also says whether the
+/// connection holds the prepared claim ([`CLAIM_NAME`]; `claim_prepared`), so that a new
+/// connection's first claim prepares it in its own message rather than fail once for it.
 pub const LOOK_UP: &str = "(SELECT fingerprint, workflow, state = 'done' AS done, \
          ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint AS lease_left_ms, \
          lock_version, response_status, response_headers, response_body, \
          CASE WHEN response_apart THEN (extract(epoch FROM created_at) * 1000000)::bigint END \
              AS life, \
-         false AS claiming, NULL AS new_lock_version \
+         false AS claiming, NULL AS new_lock_version, NULL::boolean AS claim_prepared \
   FROM idempotency_keys WHERE tenant = $1 AND key = $2) \
  UNION ALL \
  (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
          NOT pg_try_advisory_xact_lock_shared($3), \
-         nextval('idempotency_keys_fence')) \
+         nextval('idempotency_keys_fence'), \
+         EXISTS (SELECT FROM pg_prepared_statements WHERE name = 'idemflow_claim_v2')) \
  LIMIT 1";
 
 /// The name the claim is prepared under on each connection.
@@ -136,5 +139,11 @@ mod tests {
             with_values(sql, &values),
             "SELECT a, j, b::bigint, '$' || c"
         );
+    }
+
+    #[test]
+    fn the_look_up_asks_for_the_claim_by_its_name() {
+        assert!(LOOK_UP.contains(&format!("name = '{CLAIM_NAME}'")));
+        assert!(PREPARE_CLAIM.starts_with(&format!("PREPARE {CLAIM_NAME} ")));
     }
 }

@@ -60,7 +60,7 @@ impl Store for PgStore {
         Ok(match crate::look_up(&mut connection, tenant, key).await? {
             crate::LookUp::Found(found) => LookUp::Found(found),
             crate::LookUp::Claiming => LookUp::Claiming,
-            crate::LookUp::Absent { lock_version } => LookUp::Absent(lock_version),
+            crate::LookUp::Absent { lock_version, .. } => LookUp::Absent(lock_version),
         })
     }
 

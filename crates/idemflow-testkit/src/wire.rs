@@ -25,6 +25,7 @@ pub struct WireCounts {
     commits: AtomicU64,
     pings: AtomicU64,
     executes: AtomicU64,
+    errors: AtomicU64,
 }
 
 /// A snapshot of the counts.
@@ -38,6 +39,9 @@ pub struct Counts {
     pub pings: u64,
     /// Statements executed through the extended protocol.
     pub executes: u64,
+    /// Errors the server answered with (`ErrorResponse`; not counted for MySQL): each is also an
+    /// ERROR line in the server's log, which an operator may alert on.
+    pub errors: u64,
 }
 
 impl std::ops::Sub for Counts {
@@ -48,6 +52,7 @@ impl std::ops::Sub for Counts {
             commits: self.commits - earlier.commits,
             pings: self.pings - earlier.pings,
             executes: self.executes - earlier.executes,
+            errors: self.errors - earlier.errors,
         }
     }
 }
@@ -60,6 +65,7 @@ impl WireCounts {
             commits: self.commits.load(Ordering::SeqCst),
             pings: self.pings.load(Ordering::SeqCst),
             executes: self.executes.load(Ordering::SeqCst),
+            errors: self.errors.load(Ordering::SeqCst),
         }
     }
 }
@@ -111,6 +117,33 @@ pub(crate) fn count_message(counts: &WireCounts, kind: u8, body: &[u8], since_sy
     }
 }
 
+/// The server's side: before its first message, an answer to each SSL or GSS encryption request
+/// is one byte (`N` here: an accepted one would leave nothing readable); then typed messages
+/// `type, int32 length, body`, where `E` is an error (and `N` a notice).
+async fn relay_backend(
+    server: &mut tokio::net::tcp::OwnedReadHalf,
+    client: &mut tokio::net::tcp::OwnedWriteHalf,
+    counts: &WireCounts,
+) -> std::io::Result<()> {
+    let mut started = false;
+    loop {
+        let kind = server.read_u8().await?;
+        client.write_u8(kind).await?;
+        if !started && kind == b'N' {
+            continue;
+        }
+        started = true;
+        let length = server.read_i32().await?;
+        let mut body = vec![0; usize::try_from(length - 4).unwrap_or(0)];
+        server.read_exact(&mut body).await?;
+        if kind == b'E' {
+            counts.errors.fetch_add(1, Ordering::SeqCst);
+        }
+        client.write_i32(length).await?;
+        client.write_all(&body).await?;
+    }
+}
+
 async fn relay(
     client: TcpStream,
     server: TcpStream,
@@ -120,8 +153,10 @@ async fn relay(
     server.set_nodelay(true)?;
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let downstream =
-        tokio::spawn(async move { tokio::io::copy(&mut server_read, &mut client_write).await });
+    let server_counts = counts.clone();
+    let downstream = tokio::spawn(async move {
+        relay_backend(&mut server_read, &mut client_write, &server_counts).await
+    });
     let upstream = async move {
         // Startup: length-prefixed packets without a type byte until the real startup message.
         loop {

@@ -78,7 +78,9 @@ impl Engine for PgStore {
     type Database = Postgres;
     type Transaction = Transaction;
     type Owner = Owner;
-    type Ticket = i64;
+    /// The token the look-up drew, and whether the look-up's connection (which goes on to hold
+    /// the claim) has the claim prepared.
+    type Ticket = (i64, bool);
     type TakenOver = store::TakenOver;
     const NAME: &'static str = "postgres";
 
@@ -123,11 +125,14 @@ impl Engine for PgStore {
         connection: &mut PgConnection,
         tenant: &TenantId,
         key: &Key,
-    ) -> Result<LookUp<i64>, EngineError> {
+    ) -> Result<LookUp<(i64, bool)>, EngineError> {
         Ok(match store::look_up(connection, tenant, key).await? {
             store::LookUp::Found(found) => LookUp::Found(found),
             store::LookUp::Claiming => LookUp::Claiming,
-            store::LookUp::Absent { lock_version } => LookUp::Absent(lock_version),
+            store::LookUp::Absent {
+                lock_version,
+                claim_prepared,
+            } => LookUp::Absent((lock_version, claim_prepared)),
         })
     }
 
@@ -143,12 +148,12 @@ impl Engine for PgStore {
     async fn begin_claim(
         connection: PoolConnection<Postgres>,
         claim: Claim<'_>,
-        lock_version: i64,
+        (lock_version, claim_prepared): (i64, bool),
         limits: &Limits,
     ) -> Result<Claimed<Self>, EngineError> {
         let request = request(&claim, lock_version);
         Ok(claimed(
-            store::begin_claim(connection, &request, limits).await?,
+            store::begin_claim_knowing(connection, &request, limits, claim_prepared).await?,
         ))
     }
 
@@ -158,7 +163,11 @@ impl Engine for PgStore {
         token: i64,
         limits: &Limits,
     ) -> Result<Claimed<Self>, EngineError> {
-        Self::begin_claim(connection, claim, token, limits).await
+        // No look-up said whether this connection holds the prepared claim: the claim finds out.
+        let request = request(&claim, token);
+        Ok(claimed(
+            store::begin_claim(connection, &request, limits).await?,
+        ))
     }
 
     async fn take_over(
