@@ -26,7 +26,7 @@ use crate::live_connection::{begin_live, is_connection_lost};
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::catch_panic;
-use crate::phase::PhaseErrorKind;
+use crate::phase::{PhaseError, PhaseErrorKind};
 use crate::sealing::Slot;
 
 impl<E: Engine> Drive<'_, E> {
@@ -39,7 +39,19 @@ impl<E: Engine> Drive<'_, E> {
             panicked,
             spent,
         } = failure;
-        tracing::warn!(phase, attempt = self.context.attempt, retryable = error.is_retryable(), error = %error.message, "attempt failed");
+        let attempt = self.context.attempt;
+        let retryable = error.is_retryable();
+        match failure_level(&error, panicked) {
+            tracing::Level::ERROR => {
+                tracing::error!(phase, attempt, error = %error.message, "a phase panicked");
+            }
+            tracing::Level::WARN => {
+                tracing::warn!(phase, attempt, retryable, error = %error.message, "attempt failed");
+            }
+            _ => {
+                tracing::info!(phase, attempt, outcome = %error.message, "the phase answered the request itself");
+            }
+        }
         match (self.tx.take(), &self.hold) {
             // A claim never committed: back to the savepoint its message ended with. The
             // phases' effects are undone and the claim kept, so the failure is recorded under
@@ -473,4 +485,56 @@ struct Held<E: Engine> {
 struct Recorded {
     point: String,
     output: Option<Value>,
+}
+
+/// How loud a failed attempt is logged. A phase that answers the request itself (a declined
+/// card as a 402, a handler's 404, a refusal before anything ran) chose a business outcome: the
+/// request did what it should, and an operator alerting on WARN must not be paged for it. A
+/// failure that will be retried, or ends the request with a 500, is WARN; a panic is a bug.
+pub(crate) fn failure_level(error: &PhaseError, panicked: bool) -> tracing::Level {
+    match &error.kind {
+        _ if panicked => tracing::Level::ERROR,
+        PhaseErrorKind::Terminal { response: Some(_) } | PhaseErrorKind::NotExecuted { .. } => {
+            tracing::Level::INFO
+        }
+        PhaseErrorKind::Terminal { response: None } | PhaseErrorKind::Retryable { .. } => {
+            tracing::Level::WARN
+        }
+    }
+}
+
+#[cfg(test)]
+mod level_tests {
+    use super::*;
+
+    #[test]
+    fn business_outcomes_are_not_warnings() {
+        let declined = StoredResponse::new(402, b"declined".to_vec());
+        let info = [
+            PhaseError::terminal_with(declined.clone(), "card declined"),
+            PhaseError::not_executed(declined, "no such route"),
+        ];
+        for error in &info {
+            assert_eq!(
+                failure_level(error, false),
+                tracing::Level::INFO,
+                "{error:?}"
+            );
+        }
+        let warn = [
+            PhaseError::retryable("provider timed out"),
+            PhaseError::terminal("invariant broken"),
+        ];
+        for error in &warn {
+            assert_eq!(
+                failure_level(error, false),
+                tracing::Level::WARN,
+                "{error:?}"
+            );
+        }
+        assert_eq!(
+            failure_level(&PhaseError::retryable("boom"), true),
+            tracing::Level::ERROR
+        );
+    }
 }
