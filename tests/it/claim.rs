@@ -405,3 +405,54 @@ async fn a_failure_record_never_brings_back_a_claim_that_vanished(pool: PgPool) 
     .await;
     executed(&next);
 }
+
+/// The look-up says whether its connection holds the prepared claim, and a claim told it does
+/// not prepares it in its own message. Behind a pooler the look-up may have asked another server
+/// connection: a claim told "not prepared" on a connection that has it is refused ("already
+/// exists"), rolled back, and claims as prepared, the key's row stored once.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_told_wrongly_that_its_connection_lacks_the_prepared_claim_still_claims(
+    options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = one_connection(options, connect).await;
+    let (tenant, fingerprint, request) = (
+        tenant(1),
+        Fingerprint::from_slice(&[7; 32]).unwrap(),
+        json!({"amount": 1}),
+    );
+    for name in ["first", "second"] {
+        let key = Key::parse(name).unwrap();
+        let mut connection = pool.acquire().await.unwrap();
+        let LookUp::Absent {
+            lock_version,
+            claim_prepared,
+        } = store::look_up(&mut connection, &tenant, &key)
+            .await
+            .unwrap()
+        else {
+            panic!("{name} is new");
+        };
+        // The first claim on this connection finds it unprepared; the second finds it prepared,
+        // and is told otherwise.
+        assert_eq!(claim_prepared, name == "second", "{name}");
+        let claim = ClaimRequest {
+            lock_version,
+            ..claim_of(&tenant, &key, &fingerprint, &request)
+        };
+        let Claimed::Owned(transaction, _) =
+            store::begin_claim_knowing(connection, &claim, &Default::default(), false)
+                .await
+                .unwrap()
+        else {
+            panic!("{name} is new");
+        };
+        transaction.commit().await.unwrap();
+    }
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        2
+    );
+    let mut connection = pool.acquire().await.unwrap();
+    assert!(idle(&mut connection).await);
+}
