@@ -56,15 +56,10 @@ async fn raw_handler(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|key| key.to_str().ok())
-    else {
-        return (StatusCode::BAD_REQUEST, "no idempotency key").into_response();
+    let key = match raw_key(&headers, &body) {
+        Ok(key) => key,
+        Err(why) => return bad_request(why),
     };
-    if serde_json::from_slice::<serde_json::Value>(&body).is_err() {
-        return (StatusCode::BAD_REQUEST, "the body is not JSON").into_response();
-    }
     let (pool, shape) = &*state;
     match raw::answer(pool, shape, key).await {
         Ok((replayed, status, stored_headers, body)) => {
@@ -140,4 +135,46 @@ pub async fn post(
         .into());
     }
     Ok(())
+}
+
+/// What a hand-written handler checks first: the key from its header, and a body that parses as
+/// JSON; else why it answers 400 ([`bad_request`]).
+pub(crate) fn raw_key<'a>(headers: &'a HeaderMap, body: &Bytes) -> Result<&'a str, &'static str> {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|key| key.to_str().ok())
+        .ok_or("no idempotency key")?;
+    if serde_json::from_slice::<serde_json::Value>(body).is_err() {
+        return Err("the body is not JSON");
+    }
+    Ok(key)
+}
+
+/// The 400 a hand-written handler answers with.
+pub(crate) fn bad_request(why: &'static str) -> Response {
+    (StatusCode::BAD_REQUEST, why).into_response()
+}
+
+/// A hand-written handler's answer: `(replayed, status, body)` as JSON, marked when replayed; an
+/// error as a 500.
+pub(crate) fn raw_answer(answer: Result<(bool, i64, Vec<u8>), Error>) -> Response {
+    match answer {
+        Ok((replayed, status, body)) => {
+            let status = u16::try_from(status)
+                .ok()
+                .and_then(|status| StatusCode::from_u16(status).ok())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut response = (status, body).into_response();
+            response
+                .headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/json"));
+            if replayed {
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            response
+        }
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
 }

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::HeaderMap;
+use axum::response::Response;
 use axum::routing;
 use idemflow::{
     Key, LocalPhase, MySqlConnection, MySqlStore, Outcome, PhaseContext, PhaseError, Runner,
@@ -767,15 +767,10 @@ async fn raw_handler(
     request_headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let Some(key) = request_headers
-        .get("idempotency-key")
-        .and_then(|key| key.to_str().ok())
-    else {
-        return (StatusCode::BAD_REQUEST, "no idempotency key").into_response();
+    let key = match http::raw_key(&request_headers, &body) {
+        Ok(key) => key,
+        Err(why) => return http::bad_request(why),
     };
-    if serde_json::from_slice::<serde_json::Value>(&body).is_err() {
-        return (StatusCode::BAD_REQUEST, "the body is not JSON").into_response();
-    }
     let (pool, shape) = &*state;
     let answer = async {
         if let Some((status, _, body)) = raw_stored(pool, key).await? {
@@ -784,25 +779,7 @@ async fn raw_handler(
         let body = raw_checkout(pool, shape, key).await?;
         Ok((false, 201, body.into_bytes()))
     };
-    match answer.await {
-        Ok((replayed, status, body)) => {
-            let status = u16::try_from(status)
-                .ok()
-                .and_then(|status| StatusCode::from_u16(status).ok())
-                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut response = (status, body).into_response();
-            response
-                .headers_mut()
-                .insert("content-type", HeaderValue::from_static("application/json"));
-            if replayed {
-                response
-                    .headers_mut()
-                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
-            }
-            response
-        }
-        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
-    }
+    http::raw_answer(answer.await)
 }
 
 #[cfg(test)]

@@ -721,17 +721,7 @@ impl Report {
                  run-replay (Runner<SqliteStore>) and http-checkout, http-replay (WorkflowService) \
                  vs what a hand-written service sends"
             );
-            for row in &self.sqlite {
-                let _ = writeln!(
-                    out,
-                    "  {:<13} {:>3} clients: engine {:>8.0}/s  raw {:>8.0}/s  ({:.2}×)",
-                    row.operation,
-                    row.clients,
-                    row.engine_per_second,
-                    row.raw_per_second,
-                    row.engine_per_second / row.raw_per_second
-                );
-            }
+            engine_rows(&mut out, &self.sqlite);
         }
         if let Some(mariadb) = &self.mariadb {
             mariadb_table(&mut out, mariadb);
@@ -967,17 +957,7 @@ fn mariadb_table(out: &mut String, mariadb: &crate::mariadb::MariaDb) {
          http-replay (WorkflowService) vs what a hand-written service sends",
         mariadb.server
     );
-    for row in &mariadb.runs {
-        let _ = writeln!(
-            out,
-            "  {:<13} {:>3} clients: engine {:>8.0}/s  raw {:>8.0}/s  ({:.2}×)",
-            row.operation,
-            row.clients,
-            row.engine_per_second,
-            row.raw_per_second,
-            row.engine_per_second / row.raw_per_second
-        );
-    }
+    engine_rows(out, &mariadb.runs);
     for storm in &mariadb.storm {
         let _ = writeln!(
             out,
@@ -1010,6 +990,21 @@ fn mariadb_table(out: &mut String, mariadb: &crate::mariadb::MariaDb) {
             } else {
                 " (NOT as documented)"
             }
+        );
+    }
+}
+
+/// Workloads 13 and 14's rows: one operation at one client count, engine beside raw.
+fn engine_rows(out: &mut String, rows: &[EngineRun]) {
+    for row in rows {
+        let _ = writeln!(
+            out,
+            "  {:<13} {:>3} clients: engine {:>8.0}/s  raw {:>8.0}/s  ({:.2}×)",
+            row.operation,
+            row.clients,
+            row.engine_per_second,
+            row.raw_per_second,
+            row.engine_per_second / row.raw_per_second
         );
     }
 }

@@ -73,6 +73,18 @@ impl WireCounts {
 /// Starts the proxy; returns its port and the shared counts. It runs until the tokio runtime it
 /// was started on shuts down (the end of the test).
 pub async fn start_proxy(upstream: std::net::SocketAddr) -> (u16, Arc<WireCounts>) {
+    listen(upstream, relay).await
+}
+
+/// A loopback listener that connects each client to `upstream` and hands both to `relay`, which
+/// counts into the counts every connection shares.
+pub(crate) async fn listen<F>(
+    upstream: std::net::SocketAddr,
+    relay: fn(TcpStream, TcpStream, Arc<WireCounts>) -> F,
+) -> (u16, Arc<WireCounts>)
+where
+    F: std::future::Future<Output = std::io::Result<()>> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
     let port = listener.local_addr().expect("proxy address").port();
     let counts = Arc::new(WireCounts::default());

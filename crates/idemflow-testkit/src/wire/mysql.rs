@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 use super::WireCounts;
 
@@ -30,22 +30,7 @@ const CLOSE: u8 = 0x19;
 /// Starts the proxy in front of `upstream`; returns its port and the shared counts. It runs
 /// until the tokio runtime it was started on shuts down.
 pub async fn start_proxy(upstream: std::net::SocketAddr) -> (u16, Arc<WireCounts>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-    let port = listener.local_addr().expect("proxy address").port();
-    let counts = Arc::new(WireCounts::default());
-    let shared = counts.clone();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let counts = shared.clone();
-            tokio::spawn(async move {
-                let Ok(server) = TcpStream::connect(upstream).await else {
-                    return;
-                };
-                let _ = relay(client, server, counts).await;
-            });
-        }
-    });
-    (port, counts)
+    super::listen(upstream, relay).await
 }
 
 /// Counts one client packet: `sequence` its id, `payload` its body.
