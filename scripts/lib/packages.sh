@@ -51,6 +51,19 @@ idemflow_require_promtool() {
   idemflow_require prometheus '/usr/bin/promtool' '/usr/local/bin/promtool'
 }
 
+# chromium and chromedriver: tests/it/browser.rs (and the console's tests) drive headless
+# Chromium over WebDriver with idemflow_testkit::browser. Debian's chromium package ships
+# /usr/bin/chromium, chromium-driver ships /usr/bin/chromedriver; IDEMFLOW_CHROMIUM and
+# IDEMFLOW_CHROMEDRIVER name others.
+idemflow_require_chromium() {
+  if [[ -z ${IDEMFLOW_CHROMIUM:-} ]]; then
+    idemflow_require chromium '/usr/bin/chromium' || return 1
+  fi
+  if [[ -z ${IDEMFLOW_CHROMEDRIVER:-} ]]; then
+    idemflow_require chromium-driver '/usr/bin/chromedriver' || return 1
+  fi
+}
+
 # pgbouncer: tests/it/pgbouncer.rs runs the engine behind a PgBouncer in transaction pooling mode,
 # which needs PgBouncer 1.21+ (max_prepared_statements: without it sqlx's prepared statements land
 # on other clients' server connections). Debian 12 packages 1.18, so when the one found is older,

@@ -7,6 +7,7 @@
 
 mod support;
 
+mod browser;
 mod checkout_example;
 mod claim;
 mod clock_skew;

@@ -39,6 +39,7 @@ pub use maintenance::{
 };
 
 pub use error::StoreError;
+pub use maintenance::{KeyBodies, KeyResponse, key_bodies};
 pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
 pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version, response_apart};
 pub use owner::Owner;

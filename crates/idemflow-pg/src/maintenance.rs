@@ -304,6 +304,61 @@ mod tests {
             lock_version,
             fingerprint: &fingerprint,
             workflow: "w.v1",
+pub use idemflow_store::{KeyBodies, KeyResponse};
+
+/// A key's stored request and response as stored ([`KeyBodies`]), for operators; `None` if there
+/// is none. One statement: a body stored apart is read in the same snapshot as its key's row, and
+/// only the one of the key's current life (by `created_at`, as a replay reads it). Nothing sealed
+/// is opened. Tenant and key are plain text, as for [`key_report`].
+pub async fn key_bodies(
+    connection: &mut PgConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<KeyBodies>, StoreError> {
+    let row = sqlx::query(
+        "SELECT request, response_status, response_headers, response_apart, \
+                coalesce(response_body, \
+                         (SELECT body FROM idempotency_responses AS apart \
+                          WHERE apart.tenant = keys.tenant AND apart.key = keys.key \
+                            AND apart.created_at = keys.created_at)) AS response_body, \
+                CASE WHEN state = 'done' \
+                     THEN floor(extract(epoch FROM now() - finished_at))::bigint END \
+                    AS finished_seconds_ago \
+         FROM idempotency_keys AS keys WHERE tenant = $1 AND key = $2",
+    )
+    .bind(tenant)
+    .bind(key)
+    .fetch_optional(connection)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let request: sqlx::types::Json<Value> = row.try_get("request")?;
+    let status: Option<i16> = row.try_get("response_status")?;
+    let response = match status {
+        None => None,
+        Some(status) => {
+            let headers: sqlx::types::Json<Vec<(String, idemflow_core::FieldValue)>> =
+                row.try_get("response_headers")?;
+            let body: Option<Vec<u8>> = row.try_get("response_body")?;
+            Some(KeyResponse {
+                status: u16::try_from(status)
+                    .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?,
+                headers: headers.0,
+                body: body.ok_or_else(|| {
+                    StoreError::Corrupt("a done key's body stored apart is missing".to_owned())
+                })?,
+                apart: row.try_get("response_apart")?,
+            })
+        }
+    };
+    Ok(Some(KeyBodies {
+        request: request.0,
+        response,
+        finished_seconds_ago: row.try_get("finished_seconds_ago")?,
+    }))
+}
+
             request: &request,
             lease: Duration::ZERO,
         };

@@ -271,3 +271,120 @@ pub trait Store: Send + Sync + 'static {
         batch: i64,
     ) -> Result<u64, Self::Error>;
 }
+
+/// The member of a sealed JSON value, and the one header name of a sealed response, whose value
+/// is the id of the key it was sealed under (`idemflow_runner`'s sealing, docs/operations.md
+/// "What is stored"). Read here so a tool without the keyring can say what is sealed, and under
+/// which key, without opening it.
+pub const SEALED_MARKER: &str = "idemflow:sealed";
+
+/// A key's stored request and response exactly as the database holds them, for operators
+/// (`idemflow inspect --show-request --show-response`, a console): after redaction, which
+/// happened before storage, and still sealed where the runner sealed them (nothing here opens a
+/// sealed value: [`KeyBodies::request_sealed_under`] and [`KeyResponse::sealed_under`] name the
+/// key instead). Each engine reads it with its `key_bodies`, in one statement, so the request,
+/// the response and a body stored apart come from one snapshot.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct KeyBodies {
+    /// The workflow's input as stored; sealed, `{"idemflow:sealed": "<key id>", "data": "…"}`.
+    pub request: Value,
+    /// The stored response; `None` while the key is started.
+    pub response: Option<KeyResponse>,
+    /// Whole seconds since the response was stored, by the database's clock: retention's window
+    /// starts there (a key is deleted once this passes the retention period). `None` while
+    /// started: a started key is never expired.
+    pub finished_seconds_ago: Option<i64>,
+}
+
+impl KeyBodies {
+    /// The id of the key the stored request is sealed under; `None` when it is stored in the
+    /// clear. As the runner tells: an object of exactly the marker (a string) and the data.
+    pub fn request_sealed_under(&self) -> Option<&str> {
+        let Value::Object(members) = &self.request else {
+            return None;
+        };
+        match (
+            members.len(),
+            members.get(SEALED_MARKER),
+            members.get("data"),
+        ) {
+            (2, Some(Value::String(key_id)), Some(Value::String(_))) => Some(key_id),
+            _ => None,
+        }
+    }
+}
+
+/// A done key's response as stored: what every retry replays (once opened, when sealed).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct KeyResponse {
+    /// The HTTP status; readable even when the response is sealed.
+    pub status: u16,
+    /// The headers in order; sealed, the one pair `("idemflow:sealed", "<key id>")`.
+    pub headers: Vec<(String, idemflow_core::FieldValue)>,
+    /// The body's exact bytes, read from `idempotency_responses` when stored apart; sealed, the
+    /// ciphertext of the headers and the body. Base64 in JSON.
+    #[serde(with = "idemflow_core::bytes")]
+    pub body: Vec<u8>,
+    /// Whether the body is stored apart from the key's row (`idempotency_responses`).
+    pub apart: bool,
+}
+
+impl KeyResponse {
+    /// The id of the key the response (headers and body) is sealed under; `None` when it is
+    /// stored in the clear.
+    pub fn sealed_under(&self) -> Option<&str> {
+        match self.headers.as_slice() {
+            [(name, key_id)] if name == SEALED_MARKER => key_id.to_str(),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod key_bodies_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn response(headers: Vec<(String, idemflow_core::FieldValue)>) -> KeyResponse {
+        KeyResponse {
+            status: 201,
+            headers,
+            body: b"{}".to_vec(),
+            apart: false,
+        }
+    }
+
+    #[test]
+    fn sealed_values_name_their_key_as_the_runner_marks_them() {
+        let sealed = KeyBodies {
+            request: json!({"idemflow:sealed": "2026-12", "data": "AQID"}),
+            response: None,
+            finished_seconds_ago: None,
+        };
+        assert_eq!(sealed.request_sealed_under(), Some("2026-12"));
+        // A request that merely holds the member, or more than the two, is not sealed.
+        for request in [
+            json!({"idemflow:sealed": "2026-12"}),
+            json!({"idemflow:sealed": "2026-12", "data": "AQID", "amount": 1}),
+            json!({"idemflow:sealed": 7, "data": "AQID"}),
+            json!(["idemflow:sealed", "data"]),
+        ] {
+            let clear = KeyBodies {
+                request,
+                ..sealed.clone()
+            };
+            assert_eq!(clear.request_sealed_under(), None, "{:?}", clear.request);
+        }
+
+        let marker = (SEALED_MARKER.to_owned(), "2026-12".into());
+        assert_eq!(
+            response(vec![marker.clone()]).sealed_under(),
+            Some("2026-12")
+        );
+        let plain = ("content-type".to_owned(), "application/json".into());
+        assert_eq!(response(vec![plain.clone()]).sealed_under(), None);
+        assert_eq!(response(vec![marker, plain]).sealed_under(), None);
+        assert_eq!(response(Vec::new()).sealed_under(), None);
+    }
+}

@@ -31,9 +31,12 @@
 //! ```
 //!
 //! The faults, and what a caller sees for each, are described in `docs/mock-provider.md`.
+//!
+//! [`browser`] drives a headless Chromium over WebDriver, for tests of pages served on loopback.
 
 #![deny(missing_docs)]
 
+pub mod browser;
 pub mod explorer;
 pub mod faults;
 pub mod provider;
