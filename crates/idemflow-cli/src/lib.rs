@@ -21,7 +21,8 @@ use std::fmt;
 use std::time::Duration;
 
 use idemflow_core::{CanonicalError, Fingerprint, Key, TenantId, canonicalize_exact};
-use idemflow_pg::{KeyReport, StoreError, TableStats};
+use idemflow_core::FieldValue;
+use idemflow_pg::{KeyBodies, KeyReport, StoreError, TableStats};
 use idemflow_runner::RunError;
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -193,9 +194,13 @@ impl Answer {
 }
 
 fn json(value: &impl Serialize) -> String {
-    let mut text = serde_json::to_string_pretty(value)
+/// One JSON document, safe for a terminal: serde_json escapes the C0 controls, and DEL and the
+/// C1 controls (a stored body may hold them) are escaped too, so the document is still the same
+/// JSON value and nothing in it can drive the terminal it is printed on.
+    let text = serde_json::to_string_pretty(value)
         .expect("the CLI's reports serialize: plain structs with string keys");
     text.push('\n');
+    let mut text = terminal_safe_json(&text);
     text
 }
 
@@ -252,6 +257,8 @@ pub async fn connect(url: &str) -> Result<PgPool, CliError> {
 trait Keys {
     async fn key_report(&mut self, tenant: &str, key: &str) -> Result<Option<KeyReport>, CliError>;
     async fn stuck_keys(
+    /// The key's stored request and response, and how long ago it finished.
+    async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError>;
         &mut self,
         min_attempts: i32,
         limit: i64,
@@ -272,6 +279,10 @@ impl Keys for PgConnection {
     }
 
     async fn stuck_keys(
+    async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError> {
+        Ok(idemflow_pg::key_bodies(self, tenant, key).await?)
+    }
+
         &mut self,
         min_attempts: i32,
         limit: i64,
@@ -369,7 +380,7 @@ fn age(report: &KeyReport) -> String {
     human(u64::try_from(report.age_seconds).unwrap_or(0))
 }
 
-fn inspect_text(report: &KeyReport) -> String {
+fn inspect_text(report: &KeyReport, expiry: &Expiry) -> String {
     fields(&[
         ("tenant", plain(&report.tenant)),
         ("key", plain(&report.key)),
@@ -390,28 +401,337 @@ fn inspect_text(report: &KeyReport) -> String {
         ("fingerprint", report.fingerprint_hex.clone()),
         ("age", age(report)),
     ])
+        ("expiry", expiry.text.clone()),
 }
 
 /// `idemflow inspect --tenant T --key K`: everything about one key. Exit 1 when it does not exist.
+/// What `inspect` shows beyond the key's report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InspectOptions {
+    /// Show the stored request (`--show-request`).
+    pub show_request: bool,
+    /// Show the stored response: status, headers and body (`--show-response`).
+    pub show_response: bool,
+    /// The retention period the time left before expiry is told against (`--retention`);
+    /// `None`: the runner's default ([`idemflow_runner::Retention`], 24 hours), said as such.
+    pub retention: Option<Duration>,
+}
+
+/// Bodies longer than this many bytes are cut in the text answer (JSON has them whole): a
+/// terminal is no place for megabytes.
+const SHOWN_BYTES: usize = 4096;
+
+/// Where a key stands with retention.
+struct Expiry {
+    /// Seconds until retention may delete it (zero or less: due now); `None` while started.
+    expires_in_seconds: Option<i64>,
+    text: String,
+}
+
+/// When retention deletes the key: once it finished more than `retention` ago (its window starts
+/// at the finish, not the claim). The CLI cannot know the period retention runs with, so it is
+/// given (`--retention`), or the runner's default is said to be assumed.
+fn expiry(bodies: &KeyBodies, retention: Option<Duration>) -> Expiry {
+    let (period, assumed) = match retention {
+        Some(period) => (period, ""),
+        None => (
+            idemflow_runner::Retention::default().keep_for,
+            ", the runner's default",
+        ),
+    };
+    let Some(finished) = bodies.finished_seconds_ago else {
+        return Expiry {
+            expires_in_seconds: None,
+            text: "not expired while started".to_owned(),
+        };
+    };
+    let period_seconds = i64::try_from(period.as_secs()).unwrap_or(i64::MAX);
+    let left = period_seconds.saturating_sub(finished);
+    let why = format!(
+        "finished {} ago; retention {}{assumed}",
+        human(u64::try_from(finished).unwrap_or(0)),
+        human(period.as_secs())
+    );
+    Expiry {
+        expires_in_seconds: Some(left),
+        text: if left > 0 {
+            format!("expires in ~{} ({why})", human(left.unsigned_abs()))
+        } else {
+            format!("due for expiry ({why})")
+        },
+    }
+}
+
+/// `inspect`'s JSON: the key's report, its expiry, and what was asked to be shown.
+#[derive(Serialize)]
+struct InspectReport<'a> {
+    #[serde(flatten)]
+    report: &'a KeyReport,
+    finished_seconds_ago: Option<i64>,
+    retention_seconds: u64,
+    expires_in_seconds: Option<i64>,
+    /// Present with `--show-request`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request: Option<RequestView<'a>>,
+    /// Present with `--show-response`: `null` while started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response: Option<Option<ResponseView<'a>>>,
+}
+
+#[derive(Serialize)]
+struct RequestView<'a> {
+    /// The key id it is sealed under; its JSON is then not shown (never decrypted here).
+    sealed_under: Option<&'a str>,
+    json: Option<&'a serde_json::Value>,
+}
+
+#[derive(Serialize)]
+struct ResponseView<'a> {
+    status: u16,
+    /// The key id headers and body are sealed under; they are then not shown.
+    sealed_under: Option<&'a str>,
+    headers: Option<&'a [(String, FieldValue)]>,
+    /// The body's length as stored (sealed: the ciphertext's).
+    body_bytes: usize,
+    body_apart: bool,
+    /// `utf8` (the body is the text itself) or `base64` (it is not UTF-8).
+    body_encoding: Option<&'static str>,
+    body: Option<String>,
+}
+
+fn request_view(bodies: &KeyBodies) -> RequestView<'_> {
+    match bodies.request_sealed_under() {
+        Some(key_id) => RequestView {
+            sealed_under: Some(key_id),
+            json: None,
+        },
+        None => RequestView {
+            sealed_under: None,
+            json: Some(&bodies.request),
+        },
+    }
+}
+
+fn response_view(response: &idemflow_pg::KeyResponse) -> ResponseView<'_> {
+    let sealed_under = response.sealed_under();
+    let (headers, body_encoding, body) = if sealed_under.is_some() {
+        (None, None, None)
+    } else {
+        match std::str::from_utf8(&response.body) {
+            Ok(text) => (
+                Some(response.headers.as_slice()),
+                Some("utf8"),
+                Some(text.to_owned()),
+            ),
+            Err(_) => (
+                Some(response.headers.as_slice()),
+                Some("base64"),
+                Some(base64(&response.body)),
+            ),
+        }
+    };
+    ResponseView {
+        status: response.status,
+        sealed_under,
+        headers,
+        body_bytes: response.body.len(),
+        body_apart: response.apart,
+        body_encoding,
+        body,
+    }
+}
+
+/// Standard padded base64, as the store writes bytes in JSON (`idemflow_core::bytes`).
+fn base64(bytes: &[u8]) -> String {
+    match idemflow_core::bytes::serialize(bytes, serde_json::value::Serializer) {
+        Ok(serde_json::Value::String(text)) => text,
+        _ => unreachable!("bytes serialize as one JSON string"),
+    }
+}
+
+const NOT_DECRYPTED: &str = "not decrypted: this tool holds no keyring";
+
+/// The stored request, for the text answer: its JSON, pretty, cut at [`SHOWN_BYTES`].
+fn request_text(bodies: &KeyBodies) -> String {
+    if let Some(key_id) = bodies.request_sealed_under() {
+        return format!(
+            "\nrequest\nsealed under key {} ({NOT_DECRYPTED})\n",
+            plain(key_id)
+        );
+    }
+    let pretty = serde_json::to_string_pretty(&bodies.request).expect("a JSON value serializes");
+    let mut text = "\nrequest\n".to_owned();
+    let shown = cut(&pretty, SHOWN_BYTES);
+    // serde_json escaped every C0 control; DEL and the C1 controls are escaped as JSON would.
+    text.push_str(&terminal_safe_json(shown));
+    text.push('\n');
+    if shown.len() < pretty.len() {
+        text.push_str(&format!(
+            "... truncated: {} of {} bytes shown (--json shows the whole request)\n",
+            shown.len(),
+            pretty.len()
+        ));
+    }
+    text
+}
+
+/// The stored response, for the text answer: the status and what the body is, the headers, then
+/// the body (text as it is, control characters but newlines and tabs escaped; bytes that are not
+/// UTF-8 as base64), cut at [`SHOWN_BYTES`].
+fn response_text(response: Option<&idemflow_pg::KeyResponse>) -> String {
+    let Some(response) = response else {
+        return "\nresponse\n- (started: no response is stored yet)\n".to_owned();
+    };
+    let bytes = response.body.len();
+    let apart = if response.apart { ", stored apart" } else { "" };
+    if let Some(key_id) = response.sealed_under() {
+        return format!(
+            "\nresponse {}, sealed under key {}: headers and body ({bytes} bytes{apart}), \
+             {NOT_DECRYPTED}\n",
+            response.status,
+            plain(key_id)
+        );
+    }
+    let text = std::str::from_utf8(&response.body).ok();
+    let mut out = format!(
+        "\nresponse {}, body {bytes} bytes{apart}{}\n",
+        response.status,
+        if text.is_none() {
+            ", not UTF-8: shown as base64"
+        } else {
+            ""
+        }
+    );
+    for (name, value) in &response.headers {
+        out.push_str(&format!("{}: {}\n", plain(name), header_value(value)));
+    }
+    if bytes == 0 {
+        return out;
+    }
+    out.push('\n');
+    let shown = match text {
+        Some(text) => {
+            let shown = cut(text, SHOWN_BYTES);
+            out.push_str(&body_text(shown));
+            shown.len()
+        }
+        None => {
+            let shown = &response.body[..bytes.min(SHOWN_BYTES)];
+            let encoded = base64(shown);
+            // Lines of 76 characters, as MIME writes base64.
+            for line in encoded.as_bytes().chunks(76) {
+                out.push_str(&String::from_utf8_lossy(line));
+                out.push('\n');
+            }
+            shown.len()
+        }
+    };
+    if !out.ends_with('\n') {
+        out.push('\n');
+    }
+    if shown < bytes {
+        out.push_str(&format!(
+            "... truncated: {shown} of {bytes} bytes shown (--json shows the whole body)\n"
+        ));
+    }
+    out
+}
+
+/// The longest start of `text` of at most `max` bytes that ends on a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// A body's text for a terminal: newlines and tabs kept (a body is often several lines), every
+/// other control character (an escape sequence, a carriage return) shown escaped.
+fn body_text(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' && c != '\t' {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// A header value as stored: text with control characters escaped, or its bytes escaped when it
+/// is not UTF-8 (HTTP allows bytes 0x80-0xFF in a value).
+fn header_value(value: &FieldValue) -> String {
+    match value.to_str() {
+        Some(text) => plain(text),
+        None => value.as_bytes().escape_ascii().to_string(),
+    }
+}
+
 pub async fn inspect(
     connection: &mut PgConnection,
     format: Format,
     tenant: &str,
     key: &str,
 ) -> Output {
-    emit(format, inspect_answer(connection, tenant, key).await)
+    inspect_with(connection, format, tenant, key, &InspectOptions::default()).await
 }
 
-async fn inspect_answer(keys: &mut impl Keys, tenant: &str, key: &str) -> Result<Answer, CliError> {
+/// `idemflow inspect` with its options: the stored request and response
+/// (`--show-request`, `--show-response`), and the retention period its expiry is told against.
+pub async fn inspect_with(
+    connection: &mut PgConnection,
+    format: Format,
+    tenant: &str,
+    key: &str,
+    options: &InspectOptions,
+) -> Output {
+    emit(
+        format,
+        inspect_answer(connection, tenant, key, options).await,
+    )
+}
+
+async fn inspect_answer(
+    keys: &mut impl Keys,
+    tenant: &str,
+    key: &str,
+    options: &InspectOptions,
+) -> Result<Answer, CliError> {
     validate(tenant, key)?;
-    let report = keys
-        .key_report(tenant, key)
-        .await?
-        .ok_or_else(|| CliError::NotFound {
-            tenant: tenant.to_owned(),
-            key: key.to_owned(),
-        })?;
-    Ok(Answer::new(exit::OK, inspect_text(&report), &report))
+    let not_found = || CliError::NotFound {
+        tenant: tenant.to_owned(),
+        key: key.to_owned(),
+    };
+    let report = keys.key_report(tenant, key).await?.ok_or_else(not_found)?;
+    // A second read: retention may delete the key in between, and then it is gone.
+    let bodies = keys.key_bodies(tenant, key).await?.ok_or_else(not_found)?;
+    let expiry = expiry(&bodies, options.retention);
+    let mut human = inspect_text(&report, &expiry);
+    if options.show_request {
+        human.push_str(&request_text(&bodies));
+    }
+    if options.show_response {
+        human.push_str(&response_text(bodies.response.as_ref()));
+    }
+    let document = InspectReport {
+        report: &report,
+        finished_seconds_ago: bodies.finished_seconds_ago,
+        retention_seconds: options
+            .retention
+            .unwrap_or(idemflow_runner::Retention::default().keep_for)
+            .as_secs(),
+        expires_in_seconds: expiry.expires_in_seconds,
+        request: options.show_request.then(|| request_view(&bodies)),
+        response: options
+            .show_response
+            .then(|| bodies.response.as_ref().map(response_view)),
+    };
+    Ok(Answer::new(exit::OK, human, &document))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -597,10 +917,9 @@ async fn end_lease_answer(
             EndLeaseOutcome::AlreadyDue,
             Some(report.lock_version),
             format!(
-                "nothing to end: the lease of {who} {}; it is due now, and a resumer \
-                     running workflow {:?} takes it over",
+                "nothing to end: the lease of {who} {}; it is due now: {}",
                 lease_summary(&report),
-                plain(&report.workflow),
+                who_takes_over(&report.workflow),
             ),
         ),
         Some(report) if !force => (
@@ -626,7 +945,8 @@ async fn end_lease_answer(
                     format!(
                         "ended the lease of {who} and advanced its fence (lock_version \
                          {lock_version} -> {advanced}): the owner's writes are refused from now \
-                         on; it is due, and a resumer or the next retry takes it over"
+                         on; it is due now: {}",
+                        who_takes_over(&report.workflow),
                     ),
                 )
             } else {
@@ -671,6 +991,19 @@ async fn end_lease_answer(
 }
 
 fn done(who: &str, report: &KeyReport) -> (EndLeaseOutcome, Option<i64>, String) {
+/// Who takes a due key over. Nothing in the database says which workflows the resumers run, nor
+/// whether a workflow is live-only (a plain-handler route's: no resumer may run it, as it needs
+/// the live request), so the answer names both ways, and is true whichever holds: the request's
+/// next retry always can, a resumer only for a workflow it runs.
+fn who_takes_over(workflow: &str) -> String {
+    format!(
+        "the next retry of the request takes it over, or a resumer that runs workflow {:?} \
+         (none runs a live-only workflow, such as a plain-handler route's: its keys wait for \
+         that retry)",
+        plain(workflow)
+    )
+}
+
     (
         EndLeaseOutcome::Done,
         Some(report.lock_version),
@@ -877,8 +1210,37 @@ async fn stats_answer(connection: &mut PgConnection) -> Result<Answer, CliError>
 }
 
 /// `stats`' answer, whatever the engine.
+/// `stats`' JSON: the library's [`TableStats`] with each count an object, so a script reads
+/// `workflow`, `state` and `keys` by name rather than by position in a tuple.
+#[derive(Serialize)]
+struct StatsReport<'a> {
+    counts: Vec<CountReport<'a>>,
+    oldest_started_seconds: Option<i64>,
+    resumer_lag_ms: i64,
+}
+
+#[derive(Serialize)]
+struct CountReport<'a> {
+    workflow: &'a str,
+    state: &'a str,
+    keys: i64,
+}
+
 fn stats_of(stats: &TableStats) -> Answer {
-    Answer::new(exit::OK, stats_text(stats), stats)
+    let report = StatsReport {
+        counts: stats
+            .counts
+            .iter()
+            .map(|(workflow, state, keys)| CountReport {
+                workflow,
+                state,
+                keys: *keys,
+            })
+            .collect(),
+        oldest_started_seconds: stats.oldest_started_seconds,
+        resumer_lag_ms: stats.resumer_lag_ms,
+    };
+    Answer::new(exit::OK, stats_text(stats), &report)
 }
 
 /// JSON text with DEL and the C1 controls written as `\u00XX` escapes (same JSON value).

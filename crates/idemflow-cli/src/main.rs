@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use idemflow_cli::{CliError, Format, Output, parse_duration};
+use idemflow_cli::{CliError, Format, InspectOptions, Output, parse_duration};
 use sqlx::{PgConnection, PgPool};
 
 /// Operate idemflow's idempotency keys: inspect, list, end leases and expire them.
@@ -29,12 +29,22 @@ struct Cli {
 enum Command {
     /// Apply pending schema migrations.
     Migrate,
-    /// Show everything about one key: state, lease, attempts, last error, response.
+    /// Show everything about one key: state, lease, attempts, last error, response, expiry.
     Inspect {
         #[arg(long)]
         tenant: String,
         #[arg(long)]
         key: String,
+        /// Also print the stored request (JSON), as stored: redacted, sealed values not opened.
+        #[arg(long)]
+        show_request: bool,
+        /// Also print the stored response (status, headers, body), as stored.
+        #[arg(long)]
+        show_response: bool,
+        /// The retention period finished keys are kept for, to tell when this one expires:
+        /// 24h, 7d. Default: the runner's, 24 hours.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        retention: Option<Duration>,
     },
     /// Print the canonical form (RFC 8785) and fingerprint of a JSON body read on stdin.
     Fingerprint {
@@ -151,9 +161,20 @@ async fn run(cli: Cli, format: Format) -> Output {
             older_than,
             batch_size,
         } => idemflow_cli::expire(&pool, format, older_than, batch_size).await,
-        Command::Inspect { tenant, key } => {
+        Command::Inspect {
+            tenant,
+            key,
+            show_request,
+            show_response,
+            retention,
+        } => {
+            let options = InspectOptions {
+                show_request,
+                show_response,
+                retention,
+            };
             with_connection(&pool, format, async |connection| {
-                idemflow_cli::inspect(connection, format, &tenant, &key).await
+                idemflow_cli::inspect_with(connection, format, &tenant, &key, &options).await
             })
             .await
         }
@@ -208,7 +229,20 @@ async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
             older_than,
             batch_size,
         } => sqlite::expire(url, format, older_than, batch_size).await,
-        Command::Inspect { tenant, key } => sqlite::inspect(url, format, &tenant, &key).await,
+        Command::Inspect {
+            tenant,
+            key,
+            show_request,
+            show_response,
+            retention,
+        } => {
+            let options = InspectOptions {
+                show_request,
+                show_response,
+                retention,
+            };
+            sqlite::inspect(url, format, &tenant, &key, &options).await
+        }
         Command::List {
             min_attempts,
             limit,
@@ -232,7 +266,20 @@ async fn run_on_mysql(command: Command, url: &str, format: Format) -> Output {
             older_than,
             batch_size,
         } => mysql::expire(url, format, older_than, batch_size).await,
-        Command::Inspect { tenant, key } => mysql::inspect(url, format, &tenant, &key).await,
+        Command::Inspect {
+            tenant,
+            key,
+            show_request,
+            show_response,
+            retention,
+        } => {
+            let options = InspectOptions {
+                show_request,
+                show_response,
+                retention,
+            };
+            mysql::inspect(url, format, &tenant, &key, &options).await
+        }
         Command::List {
             min_attempts,
             limit,

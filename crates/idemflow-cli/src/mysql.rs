@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use sqlx::MySqlPool;
 
-use idemflow_pg::KeyReport;
+use idemflow_pg::{KeyBodies, KeyReport};
 
 use crate::{
-    Answer, CliError, Format, Keys, Output, emit, end_lease_answer, expired, inspect_answer,
-    list_stuck_answer, migrated, stats_of,
+    Answer, CliError, Format, InspectOptions, Keys, Output, emit, end_lease_answer, expired,
+    inspect_answer, list_stuck_answer, migrated, stats_of,
 };
 
 /// Whether `url` names a MySQL or MariaDB database.
@@ -92,6 +92,13 @@ impl Keys for MySqlKeys {
             .map_err(store_error)
     }
 
+    async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError> {
+        let mut connection = self.0.acquire().await.map_err(database)?;
+        idemflow_mysql::key_bodies(&mut connection, tenant, key)
+            .await
+            .map_err(store_error)
+    }
+
     async fn stuck_keys(
         &mut self,
         min_attempts: i32,
@@ -118,12 +125,18 @@ impl Keys for MySqlKeys {
 }
 
 /// `idemflow inspect` on MySQL/MariaDB.
-pub async fn inspect(url: &str, format: Format, tenant: &str, key: &str) -> Output {
+pub async fn inspect(
+    url: &str,
+    format: Format,
+    tenant: &str,
+    key: &str,
+    options: &InspectOptions,
+) -> Output {
     emit(
         format,
         async {
             let mut keys = MySqlKeys(open(url).await?);
-            let answer = inspect_answer(&mut keys, tenant, key).await;
+            let answer = inspect_answer(&mut keys, tenant, key, options).await;
             keys.0.close().await;
             answer
         }

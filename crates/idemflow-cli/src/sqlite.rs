@@ -10,11 +10,11 @@ use std::time::Duration;
 use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteConnectOptions;
 
-use idemflow_pg::KeyReport;
+use idemflow_pg::{KeyBodies, KeyReport};
 
 use crate::{
-    Answer, CliError, Format, Keys, Output, emit, end_lease_answer, expired, inspect_answer,
-    list_stuck_answer, migrated, stats_of,
+    Answer, CliError, Format, InspectOptions, Keys, Output, emit, end_lease_answer, expired,
+    inspect_answer, list_stuck_answer, migrated, stats_of,
 };
 
 /// Whether `url` names a SQLite database.
@@ -112,6 +112,13 @@ impl Keys for SqliteKeys {
             .map_err(store_error)
     }
 
+    async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError> {
+        let mut connection = self.0.acquire().await.map_err(database)?;
+        idemflow_sqlite::key_bodies(&mut connection, tenant, key)
+            .await
+            .map_err(store_error)
+    }
+
     async fn stuck_keys(
         &mut self,
         min_attempts: i32,
@@ -139,12 +146,18 @@ impl Keys for SqliteKeys {
 }
 
 /// `idemflow inspect` on SQLite.
-pub async fn inspect(url: &str, format: Format, tenant: &str, key: &str) -> Output {
+pub async fn inspect(
+    url: &str,
+    format: Format,
+    tenant: &str,
+    key: &str,
+    options: &InspectOptions,
+) -> Output {
     emit(
         format,
         async {
             let mut keys = SqliteKeys(open(url, false).await?);
-            let answer = inspect_answer(&mut keys, tenant, key).await;
+            let answer = inspect_answer(&mut keys, tenant, key, options).await;
             keys.0.close().await;
             answer
         }

@@ -22,7 +22,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use idemflow_cli::{Format, Output};
+use idemflow_cli::{Format, InspectOptions, Output};
 use idemflow_core::Fingerprint;
 use sqlx::{PgConnection, PgPool};
 
@@ -275,7 +275,12 @@ async fn inspect_does_not_flicker_on_the_real_clock(pool: PgPool) {
         "{}",
         live.stdout
     );
-    assert!(live.stdout.ends_with("\nage             2d 0h\n"));
+    assert!(
+        live.stdout
+            .ends_with("\nage             2d 0h\nexpiry          not expired while started\n"),
+        "{}",
+        live.stdout
+    );
     let expired = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-3").await;
     assert!(
         expired
@@ -283,6 +288,353 @@ async fn inspect_does_not_flicker_on_the_real_clock(pool: PgPool) {
             .contains("\nlease           expired 1h 0m ago\n"),
         "{}",
         expired.stdout
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// inspect --show-request --show-response, and when retention deletes a key
+
+const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Both bodies, against a week's retention.
+const SHOW: InspectOptions = InspectOptions {
+    show_request: true,
+    show_response: true,
+    retention: Some(Duration::from_secs(7 * 24 * 60 * 60)),
+};
+
+/// Replaces the stored request of the seeded key `key` of tenant acme (JSON text).
+async fn store_request(connection: &mut PgConnection, key: &str, request: &str) {
+    sqlx::query(
+        "UPDATE idempotency_keys SET request = $2::text::jsonb WHERE tenant = 'acme' AND key = $1",
+    )
+    .bind(key)
+    .bind(request)
+    .execute(connection)
+    .await
+    .unwrap();
+}
+
+/// Replaces the stored response of the done key `key` of tenant acme: headers (JSON text, as the
+/// runner writes them) and body.
+async fn store_response(connection: &mut PgConnection, key: &str, headers: &str, body: &[u8]) {
+    sqlx::query(
+        "UPDATE idempotency_keys SET response_headers = $2::text::jsonb, response_body = $3 \
+         WHERE tenant = 'acme' AND key = $1",
+    )
+    .bind(key)
+    .bind(headers)
+    .bind(body)
+    .execute(connection)
+    .await
+    .unwrap();
+}
+
+/// Moves the body of the done key `key` of tenant acme out of its row, as a finish stores a body
+/// above `response_apart_above`: in `idempotency_responses`, under the key's life.
+async fn store_apart(connection: &mut PgConnection, key: &str) {
+    sqlx::query(
+        "INSERT INTO idempotency_responses (tenant, key, body, created_at) \
+         SELECT tenant, key, response_body, created_at FROM idempotency_keys \
+         WHERE tenant = 'acme' AND key = $1",
+    )
+    .bind(key)
+    .execute(&mut *connection)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE idempotency_keys SET response_body = NULL, response_apart = true \
+         WHERE tenant = 'acme' AND key = $1",
+    )
+    .bind(key)
+    .execute(connection)
+    .await
+    .unwrap();
+}
+
+fn document(output: &Output) -> serde_json::Value {
+    assert_eq!((output.code, output.stderr.as_str()), (0, ""), "{output:?}");
+    serde_json::from_str(&output.stdout).unwrap()
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_shows_the_stored_request_and_response(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed_all(&mut tx, &[DONE, LIVE]).await;
+    store_response(
+        &mut tx,
+        "order-1",
+        r#"[["content-type", "application/json"], ["x-request-id", "req-7"]]"#,
+        br#"{"order_id":41}"#,
+    )
+    .await;
+
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    assert_stdout(output, 0, "inspect_bodies.txt");
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await;
+    assert_stdout(output, 0, "inspect_bodies.json");
+
+    // Only what is asked for.
+    let request_only = InspectOptions {
+        show_response: false,
+        ..SHOW
+    };
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &request_only).await;
+    assert!(
+        output.stdout.contains("\nrequest\n{\n"),
+        "{}",
+        output.stdout
+    );
+    assert!(
+        !output.stdout.contains("\nresponse 201"),
+        "{}",
+        output.stdout
+    );
+    let json = document(
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &request_only).await,
+    );
+    assert_eq!(json["request"]["json"]["currency"], "EUR");
+    assert!(json.get("response").is_none(), "{json}");
+
+    // A body stored apart is read from there, and said to be.
+    store_apart(&mut tx, "order-1").await;
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    assert!(
+        output.stdout.ends_with(
+            "\nresponse 201, body 15 bytes, stored apart\ncontent-type: application/json\n\
+             x-request-id: req-7\n\n{\"order_id\":41}\n"
+        ),
+        "{}",
+        output.stdout
+    );
+    let json = document(
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await,
+    );
+    assert_eq!(json["response"]["body_apart"], true, "{json}");
+    assert_eq!(json["response"]["body"], r#"{"order_id":41}"#);
+    assert_eq!(json["response_bytes"], 15);
+
+    // A started key has a request and no response yet.
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-2", &SHOW).await;
+    assert_stdout(output, 0, "inspect_bodies_started.txt");
+    let json = document(
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-2", &SHOW).await,
+    );
+    assert_eq!(json["request"]["json"]["order"], "order-2");
+    assert_eq!(json["response"], serde_json::Value::Null, "{json}");
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    let large = Seed {
+        key: "order-7",
+        ..DONE
+    };
+    let hostile = Seed {
+        key: "order-8",
+        ..DONE
+    };
+    seed_all(&mut tx, &[DONE, large, hostile]).await;
+
+    // Bytes that are not UTF-8: base64, said so; JSON says which encoding it used.
+    store_response(
+        &mut tx,
+        "order-1",
+        r#"[["content-type", "application/octet-stream"]]"#,
+        &[0xde, 0xad, 0xbe, 0xef],
+    )
+    .await;
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    assert!(
+        output.stdout.ends_with(
+            "\nresponse 201, body 4 bytes, not UTF-8: shown as base64\n\
+             content-type: application/octet-stream\n\n3q2+7w==\n"
+        ),
+        "{}",
+        output.stdout
+    );
+    let json = document(
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await,
+    );
+    assert_eq!(json["response"]["body_encoding"], "base64");
+    assert_eq!(json["response"]["body"], "3q2+7w==");
+    assert_eq!(json["response"]["body_bytes"], 4);
+
+    // A large body is cut in text, with its size; JSON has it whole.
+    let body = "é".repeat(5000);
+    store_response(&mut tx, "order-7", "[]", body.as_bytes()).await;
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-7", &SHOW).await;
+    assert!(
+        output.stdout.ends_with(&format!(
+            "\nresponse 201, body 10000 bytes\n\n{}\n\
+             ... truncated: 4096 of 10000 bytes shown (--json shows the whole body)\n",
+            "é".repeat(2048)
+        )),
+        "{}",
+        output.stdout
+    );
+    let json = document(
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-7", &SHOW).await,
+    );
+    assert_eq!(json["response"]["body"], body.as_str());
+
+    // Control characters from the database reach no terminal: escaped in the request, the
+    // headers and the body (a body's newlines and tabs kept), and in JSON.
+    store_request(&mut tx, "order-8", r#"{"note": "\u001b[31mred\u009b"}"#).await;
+    store_response(
+        &mut tx,
+        "order-8",
+        r#"[["x-note", "a\u001bb"], ["x-latin-1", {"bytes": "Y2Fm6Q=="}]]"#,
+        b"line 1\n\tline 2\r\x1b[2J\xc2\x9b\x7f",
+    )
+    .await;
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-8", &SHOW).await;
+    assert!(
+        output
+            .stdout
+            .contains("\n  \"note\": \"\\u001b[31mred\\u009b\"\n"),
+        "{}",
+        output.stdout
+    );
+    assert!(
+        output.stdout.ends_with(
+            "\nresponse 201, body 22 bytes\nx-note: a\\u{1b}b\nx-latin-1: caf\\xe9\n\n\
+             line 1\n\tline 2\\r\\u{1b}[2J\\u{9b}\\u{7f}\n"
+        ),
+        "{}",
+        output.stdout
+    );
+    let json_output =
+        idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-8", &SHOW).await;
+    for output in [&output, &json_output] {
+        assert!(
+            !output.stdout.contains(['\u{1b}', '\u{9b}', '\u{7f}', '\r']),
+            "{:?}",
+            output.stdout
+        );
+    }
+    let json = document(&json_output);
+    assert_eq!(json["request"]["json"]["note"], "\u{1b}[31mred\u{9b}");
+    assert_eq!(
+        json["response"]["body"],
+        "line 1\n\tline 2\r\u{1b}[2J\u{9b}\u{7f}"
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_names_the_key_of_sealed_values_and_opens_none(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    seed(&mut tx, DONE).await;
+    // As the runner stores them sealed (crates/idemflow-runner/src/sealing.rs).
+    store_request(
+        &mut tx,
+        "order-1",
+        r#"{"idemflow:sealed": "2026-12", "data": "AQBzZWNyZXQtcmVxdWVzdA=="}"#,
+    )
+    .await;
+    store_response(
+        &mut tx,
+        "order-1",
+        r#"[["idemflow:sealed", "2026-11"]]"#,
+        b"\x02sealed-response-bytes",
+    )
+    .await;
+
+    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    assert!(
+        !output.stdout.contains("sealed-response"),
+        "{}",
+        output.stdout
+    );
+    assert!(!output.stdout.contains("AQBz"), "{}", output.stdout);
+    assert_stdout(output, 0, "inspect_sealed.txt");
+    let json = document(
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await,
+    );
+    assert_eq!(
+        json["request"],
+        serde_json::json!({"sealed_under": "2026-12", "json": null})
+    );
+    assert_eq!(
+        json["response"],
+        serde_json::json!({
+            "status": 201,
+            "sealed_under": "2026-11",
+            "headers": null,
+            "body_bytes": 22,
+            "body_apart": false,
+            "body_encoding": null,
+            "body": null,
+        })
+    );
+}
+
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn inspect_tells_when_retention_deletes_the_key(pool: PgPool) {
+    use serde_json::json;
+
+    let mut tx = pool.begin().await.unwrap();
+    let fresh = Seed {
+        key: "order-7",
+        age: "1 hour",
+        ..DONE
+    };
+    seed_all(&mut tx, &[DONE, LIVE, fresh]).await;
+    let expiry = async |tx: &mut PgConnection, key: &str, retention: Option<Duration>| {
+        let options = InspectOptions {
+            retention,
+            ..InspectOptions::default()
+        };
+        let output =
+            idemflow_cli::inspect_with(&mut *tx, Format::Human, "acme", key, &options).await;
+        let line = output
+            .stdout
+            .lines()
+            .find_map(|line| line.strip_prefix("expiry          "))
+            .map(str::to_owned);
+        let json = document(
+            &idemflow_cli::inspect_with(&mut *tx, Format::Json, "acme", key, &options).await,
+        );
+        (
+            line.unwrap_or_else(|| panic!("no expiry line: {}", output.stdout)),
+            [
+                json["finished_seconds_ago"].clone(),
+                json["retention_seconds"].clone(),
+                json["expires_in_seconds"].clone(),
+            ],
+        )
+    };
+
+    // Finished two days ago: a week's retention keeps it five days more.
+    assert_eq!(
+        expiry(&mut tx, "order-1", Some(7 * DAY)).await,
+        (
+            "expires in ~5d 0h (finished 2d 0h ago; retention 7d 0h)".to_owned(),
+            [json!(172_800), json!(604_800), json!(432_000)]
+        )
+    );
+    // A day's retention: the next run of retention deletes it.
+    assert_eq!(
+        expiry(&mut tx, "order-1", Some(DAY)).await,
+        (
+            "due for expiry (finished 2d 0h ago; retention 1d 0h)".to_owned(),
+            [json!(172_800), json!(86_400), json!(-86_400)]
+        )
+    );
+    // Not told the period, it says which one it assumed: the runner's default.
+    assert_eq!(
+        expiry(&mut tx, "order-7", None).await.0,
+        "expires in ~23h 0m (finished 1h 0m ago; retention 1d 0h, the runner's default)"
+    );
+    // A started key is never expired.
+    assert_eq!(
+        expiry(&mut tx, "order-2", Some(DAY)).await,
+        (
+            "not expired while started".to_owned(),
+            [json!(null), json!(86_400), json!(null)]
+        )
     );
 }
 
@@ -384,6 +736,50 @@ async fn end_lease_refuses_a_live_owner_unless_forced_and_forcing_advances_the_f
     assert_stdout(output, 1, "end_lease_missing.txt");
     let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-9", true).await;
     assert_stdout(output, 1, "end_lease_missing.json");
+}
+
+/// A due key may be of a workflow no resumer runs: a live-only one (a plain-handler route's),
+/// which only the request's next retry can finish. Nothing in the database says which it is, so
+/// the answer names the retry first and promises no resumer.
+#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
+async fn end_lease_says_who_takes_a_due_key_over(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    let plain_handler = Seed {
+        workflow: "orders-route",
+        ..EXPIRED
+    };
+    seed_all(&mut tx, &[plain_handler, LIVE]).await;
+    let takes_over = |workflow: &str| {
+        format!(
+            "it is due now: the next retry of the request takes it over, or a resumer that runs \
+             workflow \"{workflow}\" (none runs a live-only workflow, such as a plain-handler \
+             route's: its keys wait for that retry)\n"
+        )
+    };
+
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-3", false).await;
+    assert_eq!(
+        (output.code, output.stdout.as_str()),
+        (
+            0,
+            format!(
+                "nothing to end: the lease of key \"order-3\" of tenant \"acme\" expired 1h 0m \
+                 ago; {}",
+                takes_over("orders-route")
+            )
+            .as_str()
+        )
+    );
+    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2", true).await;
+    assert_eq!(output.code, 0, "{output:?}");
+    assert!(
+        output.stdout.ends_with(&format!(
+            "the owner's writes are refused from now on; {}",
+            takes_over("checkout.v1")
+        )),
+        "{}",
+        output.stdout
+    );
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
@@ -739,6 +1135,52 @@ async fn the_binary_reads_stdin_connects_and_exits_with_the_right_codes(pool: Pg
         stdout.contains("\n  \"response_status\": 201,\n"),
         "{stdout}"
     );
+
+    // The stored bodies and the time left before expiry, on the real clock: finished two days
+    // (and a few milliseconds) ago, so a retention of 72h 30m leaves a day and half an hour,
+    // which a few seconds more or less does not change.
+    let (code, stdout, stderr) = idemflow(
+        &[
+            "inspect",
+            "--tenant",
+            "acme",
+            "--key",
+            "order-1",
+            "--show-request",
+            "--show-response",
+            "--retention",
+            "4350m",
+        ],
+        b"",
+        Some(&url),
+    );
+    assert_eq!((code, stderr.as_str()), (0, ""));
+    assert!(
+        stdout.contains(
+            "\nexpiry          expires in ~1d 0h (finished 2d 0h ago; retention 3d 0h)\n\n\
+             request\n{\n  \"amount\": 1200,\n  \"currency\": \"EUR\"\n}\n"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.ends_with("\nresponse 201, body 15 bytes\n\n{\"order_id\":41}\n"),
+        "{stdout}"
+    );
+    let (code, stdout, stderr) = idemflow(
+        &[
+            "inspect",
+            "--tenant",
+            "acme",
+            "--key",
+            "order-1",
+            "--retention",
+            "7",
+        ],
+        b"",
+        Some(&url),
+    );
+    assert_eq!((code, stdout.as_str()), (2, ""));
+    assert!(stderr.contains("invalid duration \"7\""), "{stderr}");
 
     // A missing key: exit 1, the reason on stderr.
     assert_eq!(

@@ -174,7 +174,10 @@ async fn inspect_list_and_end_lease_work_on_a_sqlite_file() {
     let stats: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(
         stats["counts"],
-        json!([["checkout@1", "done", 1], ["checkout@1", "started", 2]]),
+        json!([
+            {"workflow": "checkout@1", "state": "done", "keys": 1},
+            {"workflow": "checkout@1", "state": "started", "keys": 2},
+        ]),
         "{stats}"
     );
     let lag = stats["resumer_lag_ms"].as_i64().unwrap();
@@ -235,4 +238,185 @@ async fn inspect_list_and_end_lease_work_on_a_sqlite_file() {
     assert_ne!(after, before, "the fence advanced");
     assert_eq!(ended["new_lock_version"], after);
     assert!(lease_left <= 0, "due now: {lease_left}");
+}
+
+/// Claims `key` with `request` and finishes it with `response`: its body in the row, or apart
+/// when longer than `apart_above` bytes.
+async fn seed_finished(
+    pool: &sqlx::SqlitePool,
+    key: &str,
+    request: &serde_json::Value,
+    response: &StoredResponse,
+    apart_above: usize,
+) {
+    let (tenant, key) = (TenantId::new("t-1").unwrap(), Key::parse(key).unwrap());
+    let fingerprint = Fingerprint::from_slice(&[1; 32]).unwrap();
+    let claim = ClaimRequest {
+        tenant: &tenant,
+        key: &key,
+        fingerprint: &fingerprint,
+        workflow: "checkout@1",
+        request,
+        lease: Duration::from_secs(30),
+    };
+    let Claimed::Owned(mut transaction, owner) = begin_claim(pool.acquire().await.unwrap(), &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("new");
+    };
+    finish(
+        transaction.connection(),
+        &owner,
+        "complete",
+        response,
+        apart_above,
+    )
+    .await
+    .unwrap();
+    transaction.commit().await.unwrap();
+}
+
+/// `inspect --show-request --show-response` shows what is stored, as on PostgreSQL: a body in the
+/// row or apart, one that is not UTF-8 as base64, sealed values by their key only (never
+/// opened); and the time left before retention deletes the key. `stats --json` counts as objects,
+/// and `end-lease` of a due key names the request's retry and a resumer both.
+#[tokio::test]
+async fn inspect_shows_the_stored_bodies_and_the_time_left_before_expiry() {
+    let path = scratch("bodies");
+    let pool = open_file(&path, &OpenOptions::default()).await.unwrap();
+    let response = StoredResponse::new(201, br#"{"order_id":41}"#.to_vec())
+        .with_header("content-type", "application/json");
+    let request = json!({"amount": 1200});
+    seed_finished(&pool, "in-row", &request, &response, 1 << 20).await;
+    seed_finished(&pool, "apart", &request, &response, 0).await;
+    let binary = StoredResponse::new(200, vec![0xde, 0xad, 0xbe, 0xef]);
+    seed_finished(&pool, "binary", &json!({}), &binary, 1 << 20).await;
+    // As the runner stores them sealed (crates/idemflow-runner/src/sealing.rs).
+    let sealed = StoredResponse {
+        status: 201,
+        headers: vec![("idemflow:sealed".to_owned(), "2026-11".into())],
+        body: b"\x02sealed-bytes".to_vec(),
+    };
+    let sealed_request = json!({"idemflow:sealed": "2026-12", "data": "AQID"});
+    seed_finished(&pool, "sealed", &sealed_request, &sealed, 1 << 20).await;
+    seed(&pool, "lapsed", false).await;
+    // Finished an hour and a half ago (away from a unit's boundary, so the text does not
+    // flicker); a lease that ended an hour ago.
+    sqlx::query(
+        "UPDATE idempotency_keys SET finished_at = finished_at - 5400000 \
+         WHERE state = 'done'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE idempotency_keys \
+         SET locked_until = CAST(unixepoch('subsec') * 1000 AS INTEGER) - 3600000 \
+         WHERE key = 'lapsed'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let show = |key: &str, json: bool| {
+        let mut arguments = vec![
+            "inspect",
+            "--tenant",
+            "t-1",
+            "--key",
+            key,
+            "--show-request",
+            "--show-response",
+            "--retention",
+            "7d",
+        ];
+        if json {
+            arguments.insert(0, "--json");
+        }
+        let (code, stdout, stderr) = idemflow(&path, &arguments);
+        assert_eq!((code, stderr.as_str()), (0, ""), "{stdout}");
+        stdout
+    };
+    let stdout = show("in-row", false);
+    assert!(
+        stdout.ends_with(
+            "\nexpiry          expires in ~6d 22h (finished 1h 30m ago; retention 7d 0h)\n\
+             \nrequest\n{\n  \"amount\": 1200\n}\n\
+             \nresponse 201, body 15 bytes\ncontent-type: application/json\n\n{\"order_id\":41}\n"
+        ),
+        "{stdout}"
+    );
+    let stdout = show("apart", false);
+    assert!(
+        stdout.ends_with(
+            "\nresponse 201, body 15 bytes, stored apart\ncontent-type: application/json\n\
+             \n{\"order_id\":41}\n"
+        ),
+        "{stdout}"
+    );
+    let apart: serde_json::Value = serde_json::from_str(&show("apart", true)).unwrap();
+    assert_eq!(apart["response"]["body_apart"], true, "{apart}");
+    assert_eq!(apart["response"]["body"], r#"{"order_id":41}"#);
+    assert_eq!(
+        apart["response"]["headers"],
+        json!([["content-type", "application/json"]])
+    );
+    assert_eq!(
+        apart["request"],
+        json!({"sealed_under": null, "json": request})
+    );
+    let finished = apart["finished_seconds_ago"].as_i64().unwrap();
+    assert!((5400..5460).contains(&finished), "{apart}");
+    assert_eq!(apart["retention_seconds"], 604_800);
+    assert_eq!(apart["expires_in_seconds"], 604_800 - finished);
+
+    let stdout = show("binary", false);
+    assert!(
+        stdout.ends_with("\nresponse 200, body 4 bytes, not UTF-8: shown as base64\n\n3q2+7w==\n"),
+        "{stdout}"
+    );
+    let stdout = show("sealed", false);
+    assert!(
+        stdout.ends_with(
+            "\nrequest\nsealed under key 2026-12 (not decrypted: this tool holds no keyring)\n\
+             \nresponse 201, sealed under key 2026-11: headers and body (13 bytes), not \
+             decrypted: this tool holds no keyring\n"
+        ),
+        "{stdout}"
+    );
+    assert!(!show("sealed", true).contains("AQID"));
+
+    let stdout = show("lapsed", false);
+    assert!(
+        stdout.contains("\nexpiry          not expired while started\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.ends_with("\nrequest\n{}\n\nresponse\n- (started: no response is stored yet)\n"),
+        "{stdout}"
+    );
+
+    let (code, stdout, stderr) = idemflow(&path, &["--json", "stats"]);
+    assert_eq!(code, 0, "{stderr}");
+    let stats: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        stats["counts"],
+        json!([
+            {"workflow": "checkout@1", "state": "done", "keys": 4},
+            {"workflow": "checkout@1", "state": "started", "keys": 1},
+        ]),
+        "{stats}"
+    );
+
+    let (code, stdout, stderr) =
+        idemflow(&path, &["end-lease", "--tenant", "t-1", "--key", "lapsed"]);
+    assert_eq!((code, stderr.as_str()), (0, ""));
+    assert_eq!(
+        stdout,
+        "nothing to end: the lease of key \"lapsed\" of tenant \"t-1\" expired 1h 0m ago; it is \
+         due now: the next retry of the request takes it over, or a resumer that runs workflow \
+         \"checkout@1\" (none runs a live-only workflow, such as a plain-handler route's: its \
+         keys wait for that retry)\n"
+    );
 }

@@ -61,6 +61,52 @@ pub async fn table_stats(connection: &mut MySqlConnection) -> Result<TableStats,
     let counts: Vec<(String, String, i64)> = sqlx::query_as(statements::COUNTS)
         .fetch_all(&mut *connection)
         .await?;
+/// A key's stored request and response as stored ([`KeyBodies`]), for operators; `None` if there
+/// is none. One statement, so a body stored apart comes from the same snapshot as its row.
+/// Nothing sealed is opened.
+pub async fn key_bodies(
+    connection: &mut MySqlConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<KeyBodies>, StoreError> {
+    let row = sqlx::query(statements::KEY_BODIES)
+        .bind(tenant)
+        .bind(key)
+        .fetch_optional(connection)
+        .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let request: String = row.try_get("request")?;
+    let request = serde_json::from_str(&request)
+        .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
+    let status: Option<i64> = row.try_get("response_status")?;
+    let response = match status {
+        None => None,
+        Some(status) => {
+            let headers: String = row.try_get("response_headers")?;
+            let body: Option<Vec<u8>> = row.try_get("response_body")?;
+            Some(KeyResponse {
+                status: u16::try_from(status)
+                    .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?,
+                headers: serde_json::from_str(&headers)
+                    .map_err(|error| StoreError::Corrupt(format!("response headers: {error}")))?,
+                body: body.ok_or_else(|| {
+                    StoreError::Corrupt("a done key's body stored apart is missing".to_owned())
+                })?,
+                apart: row.try_get("response_apart")?,
+            })
+        }
+    };
+    Ok(Some(KeyBodies {
+        request,
+        response,
+        finished_seconds_ago: row.try_get("finished_seconds_ago")?,
+    }))
+}
+
+pub use idemflow_store::{KeyBodies, KeyResponse};
+
     let oldest_started_seconds: Option<i64> = sqlx::query_scalar(statements::OLDEST_STARTED)
         .fetch_one(&mut *connection)
         .await?;
