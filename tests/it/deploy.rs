@@ -20,10 +20,11 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(&full).unwrap_or_else(|error| panic!("{path}: {error}"))
 }
 
-/// Every metric the engine and the consumer record, with its kind.
+/// Every metric the engine, the HTTP layer and the consumer record, with its kind.
 fn catalogue() -> Vec<(&'static str, &'static str)> {
     idemflow::METRICS
         .iter()
+        .chain(idemflow_http::CATALOGUE)
         .chain(idemflow::consumer::CATALOGUE)
         .map(|&(name, kind, _)| (name, kind))
         .collect()
@@ -124,8 +125,9 @@ fn the_dashboard_and_the_alert_rules_name_only_series_the_engine_exports() {
     }
     assert!(
         unknown.is_empty(),
-        "metrics the engine does not export (no catalogue in crates/idemflow-runner/src/metrics.rs \
-         or crates/idemflow-consumer/src/metrics.rs has them, under the names the exporter gives):\n\
+        "metrics the engine does not export (no catalogue in crates/idemflow-runner/src/metrics.rs, \
+         crates/idemflow-http/src/metrics.rs or crates/idemflow-consumer/src/metrics.rs has them, \
+         under the names the exporter gives):\n\
          {}\n\nwhat a scrape can show:\n{}",
         unknown.join("\n"),
         exported.keys().cloned().collect::<Vec<_>>().join("\n")

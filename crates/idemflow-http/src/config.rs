@@ -1,8 +1,29 @@
+use std::time::Duration;
+
 use axum::http::{Method, StatusCode};
 
 /// What a covered route accepts: shared by [`crate::WorkflowService`] and
 /// [`crate::IdempotencyLayer`]. The plain-handler layer's own settings are on its builder.
+///
+/// Made from [`HttpConfig::default`] (or [`HttpConfig::for_workflow`]) and its setters, so that
+/// a setting added later changes no caller:
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idemflow_http::{HttpConfig, KeyMode};
+///
+/// let config = HttpConfig::default()
+///     .max_body_bytes(64 * 1024)
+///     // Clients without keys keep working, and are counted, while they learn to send one …
+///     .key_mode(KeyMode::Observe)
+///     // … except on the route whose clients all send keys already.
+///     .route_key_mode("/v1/orders/{id}/refunds", KeyMode::Enforce)
+///     .max_wait(Duration::from_secs(5));
+/// assert_eq!(config.key_mode_of(Some("/v1/payments")), KeyMode::Observe);
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct HttpConfig {
     /// Methods that take an idempotency key; others pass through untouched. POST and PATCH by
     /// default: PUT and DELETE are idempotent by definition (RFC 9110), GET never changes state.
@@ -10,9 +31,41 @@ pub struct HttpConfig {
     pub methods: Vec<Method>,
     /// The largest body accepted (413 beyond); it is read whole to be fingerprinted.
     pub max_body_bytes: usize,
-    /// Whether a covered request without the header is refused (400) or passed through
-    /// without idempotency.
-    pub require_key: bool,
+    /// What a covered request without the header gets, on every route without a mode of its
+    /// own in [`HttpConfig::route_key_modes`]: [`KeyMode::Enforce`] by default.
+    pub key_mode: KeyMode,
+    /// Routes (as the router names them: `/v1/orders/{id}/refunds`) with a key mode other than
+    /// [`HttpConfig::key_mode`]; the first entry for a route counts.
+    pub route_key_modes: Vec<(String, KeyMode)>,
+    /// The longest a duplicate of a request still running may wait for its answer when it asks
+    /// to (`Prefer: wait=N`, RFC 7240), whatever N; zero: never wait, answer 409 at once.
+    /// Default 10 s.
+    pub max_wait: Duration,
+}
+
+/// What a covered request without an `Idempotency-Key` gets. Both modes count it, by route and
+/// mode, in `idemflow_http_keyless_requests_total`: an operator sees which clients still send
+/// none before requiring one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyMode {
+    /// Refused with 400 `idempotency_key_missing`: nothing runs, nothing is stored.
+    #[default]
+    Enforce,
+    /// Run once, unprotected: passed straight to the handler, nothing stored; a retry runs it
+    /// again. For a bounded period while clients learn to send keys. A workflow route has no
+    /// handler to pass the request to, and enforces whatever its configuration says.
+    Observe,
+}
+
+impl KeyMode {
+    /// The mode's name, as the metric labels it: `enforce` or `observe`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Observe => "observe",
+        }
+    }
 }
 
 impl Default for HttpConfig {
@@ -20,7 +73,9 @@ impl Default for HttpConfig {
         Self {
             methods: vec![Method::POST, Method::PATCH],
             max_body_bytes: 1024 * 1024,
-            require_key: true,
+            key_mode: KeyMode::Enforce,
+            route_key_modes: Vec::new(),
+            max_wait: Duration::from_secs(10),
         }
     }
 }
@@ -35,9 +90,57 @@ impl HttpConfig {
         }
     }
 
+    /// Which methods take a key ([`HttpConfig::methods`]).
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// The largest body accepted ([`HttpConfig::max_body_bytes`]).
+    pub fn max_body_bytes(mut self, limit: usize) -> Self {
+        self.max_body_bytes = limit;
+        self
+    }
+
+    /// What a covered request without a key gets on every route without a mode of its own.
+    pub fn key_mode(mut self, mode: KeyMode) -> Self {
+        self.key_mode = mode;
+        self
+    }
+
+    /// What a covered request without a key gets on one route, named as the router names it
+    /// (its `MatchedPath`: `/v1/orders/{id}/refunds`, with the prefix of a nesting router).
+    /// Set again for the same route, the later mode replaces the earlier.
+    pub fn route_key_mode(mut self, route: impl Into<String>, mode: KeyMode) -> Self {
+        let route = route.into();
+        self.route_key_modes.retain(|(known, _)| *known != route);
+        self.route_key_modes.push((route, mode));
+        self
+    }
+
+    /// The longest a duplicate may wait for the first attempt's answer ([`HttpConfig::max_wait`]);
+    /// zero turns waiting off.
+    pub fn max_wait(mut self, wait: Duration) -> Self {
+        self.max_wait = wait;
+        self
+    }
+
     /// Whether requests with `method` take a key (are in [`HttpConfig::methods`]).
     pub fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
+    }
+
+    /// The key mode of a route (`None`: a request no router matched, as under a bare tower
+    /// stack).
+    pub fn key_mode_of(&self, route: Option<&str>) -> KeyMode {
+        route
+            .and_then(|route| {
+                self.route_key_modes
+                    .iter()
+                    .find(|(known, _)| known == route)
+                    .map(|&(_, mode)| mode)
+            })
+            .unwrap_or(self.key_mode)
     }
 }
 

@@ -19,13 +19,16 @@ use axum::response::{IntoResponse, Response};
 use idemflow_runner::{BuildError, Engine, Outcome, PgStore, Rejection, Runner, Workflow};
 use tower::{Layer, Service, ServiceExt};
 
-use crate::config::{HttpConfig, Redaction, StatusRules};
+use crate::config::{HttpConfig, KeyMode, Redaction, StatusRules};
+use crate::extract::key_problem;
 use crate::handler::{Handler, HandlerSettings, LIVE, Live};
+use crate::key_header::KeyHeaderError;
 use crate::prepare::{Refusal, prepare, target};
 use crate::problem::{Problem, respond, seconds};
 use crate::recorded::{RecordedRequest, Unread};
 use crate::request_fingerprint::{FingerprintError, fingerprint};
 use crate::tenant::TenantResolver;
+use crate::wait::{Finishes, Waiting, ends_a_hold, run_or_wait};
 
 /// Gives idempotency to the handlers it wraps. `name` is the workflow name its keys are stored
 /// under (version it, like a workflow: `orders-api.v1`).
@@ -63,6 +66,7 @@ pub struct IdempotencyLayer<E: Engine = PgStore> {
     config: Arc<HttpConfig>,
     settings: HandlerSettings,
     lease: Duration,
+    finishes: Arc<Finishes>,
 }
 
 impl<E: Engine> std::fmt::Debug for IdempotencyLayer<E> {
@@ -114,7 +118,7 @@ impl<E: Engine> IdempotencyLayer<E> {
     /// use idemflow_http::{BearerTenant, HttpConfig, IdempotencyLayer};
     /// # fn example(runner: idemflow_runner::Runner) -> Result<(), idemflow_http::LayerError> {
     /// let layer = IdempotencyLayer::builder(runner, "orders-api.v1", BearerTenant)
-    ///     .http(HttpConfig { max_body_bytes: 64 * 1024, ..HttpConfig::default() })
+    ///     .http(HttpConfig::default().max_body_bytes(64 * 1024))
     ///     .handler_timeout(Duration::from_secs(10))
     ///     .lease(Duration::from_secs(30))
     ///     .build()?;
@@ -139,6 +143,7 @@ impl<E: Engine> IdempotencyLayer<E> {
                     statuses: Arc::new(StatusRules::default()),
                 },
                 lease: Duration::from_secs(60),
+                finishes: Arc::default(),
             },
             redaction: Redaction::default(),
             statuses: StatusRules::default(),
@@ -167,7 +172,8 @@ impl<E: Engine> IdempotencyLayer<E> {
 }
 
 impl<E: Engine> IdempotencyLayerBuilder<E> {
-    /// What a covered request must be (methods, body size, whether the key is required).
+    /// What a covered request must be (methods, body size, what a request without a key gets,
+    /// how long a duplicate may wait).
     pub fn http(mut self, config: HttpConfig) -> Self {
         self.layer.config = Arc::new(config);
         self
@@ -218,6 +224,7 @@ impl<E: Engine> IdempotencyLayerBuilder<E> {
             return Err(LayerError::NoResponseRoom);
         }
         layer.workflow(Unreachable)?;
+        crate::metrics::describe_once();
         Ok(layer)
     }
 }
@@ -263,6 +270,7 @@ where
             resolver: self.resolver.clone(),
             config: self.config.clone(),
             redaction: self.settings.redaction.clone(),
+            finishes: self.finishes.clone(),
         }
     }
 }
@@ -276,6 +284,7 @@ pub struct IdempotencyService<S, E: Engine = PgStore> {
     resolver: Arc<dyn TenantResolver>,
     config: Arc<HttpConfig>,
     redaction: Arc<Redaction>,
+    finishes: Arc<Finishes>,
 }
 
 impl<S, E: Engine> std::fmt::Debug for IdempotencyService<S, E> {
@@ -326,7 +335,7 @@ where
         let prepared = match prepare(request, &self.config, self.resolver.as_ref(), false).await {
             Ok(prepared) => prepared,
             Err(Refusal::Answer(problem)) => return problem.into_response(),
-            Err(Refusal::PassThrough(request)) => return self.pass_through(request).await,
+            Err(Refusal::NoKey(request)) => return self.keyless(request).await,
         };
         let parts = &prepared.parts;
         let target = target(parts);
@@ -350,22 +359,54 @@ where
             }
         };
         drop(recorded);
+        let limit = wait_limit(&prepared.parts.headers, &self.config);
         let live = Live::new(prepared.parts, prepared.body);
         let Self {
-            runner, workflow, ..
+            runner,
+            workflow,
+            finishes,
+            ..
         } = self;
-        let (tenant, key, place) = (prepared.tenant, prepared.key, prepared.place);
-        let run = LIVE.scope(live.clone(), async move {
-            let result = runner
-                .run_fingerprinted(&workflow, &tenant, &key, fingerprint, request_value)
-                .await;
-            drop(place); // the run is over, its client there or not
-            result
-        });
-        // Once claimed, the handler runs to its end whatever the client does: hyper drops this
-        // future when the client goes away, and a handler stopped halfway (after a charge,
-        // before its insert) would be run again from the start after the lease.
-        match tokio::spawn(run).await {
+        let (tenant, key) = (prepared.tenant, prepared.key);
+        // Held by every run of this request and by the request itself: released once the
+        // last run is over, its client there or not.
+        let place = prepared.place.map(Arc::new);
+        // A request that may wait can be sent again once the first attempt is over: it keeps a
+        // copy of what it would store, made only for it.
+        let spare = limit.is_some().then(|| request_value.clone());
+        let mut request_value = Some(request_value);
+        let run = || {
+            let (runner, workflow, finishes) = (runner.clone(), workflow.clone(), finishes.clone());
+            let (tenant, key, place) = (tenant.clone(), key.clone(), place.clone());
+            // Sent again only by a request that waits (run_or_wait): it has its spare.
+            let request_value = request_value
+                .take()
+                .or_else(|| spare.clone())
+                .unwrap_or_default();
+            // Once claimed, the handler runs to its end whatever the client does: hyper drops
+            // this future when the client goes away, and a handler stopped halfway (after a
+            // charge, before its insert) would be run again from the start after the lease.
+            tokio::spawn(LIVE.scope(live.clone(), async move {
+                let result = runner
+                    .run_fingerprinted(&workflow, &tenant, &key, fingerprint, request_value)
+                    .await;
+                if ends_a_hold(&result) {
+                    finishes.finished(&tenant, &key);
+                }
+                drop(place);
+                result
+            }))
+        };
+        let waiting = Waiting {
+            runner: &runner,
+            finishes: &finishes,
+            workflow: workflow.name(),
+            tenant: &tenant,
+            key: &key,
+            limit,
+        };
+        let (ran, waited) = run_or_wait(waiting, run).await;
+        let response = match ran {
             Ok(result) => answer(result, &live),
             Err(error) => {
                 // Phases' panics are caught by the runner; this is the runner's own.
@@ -377,6 +418,22 @@ where
                 )
                 .into_response()
             }
+        };
+        preference_applied(response, limit.filter(|_| waited))
+    }
+
+    /// A covered request without a key: counted, then refused or let through by its route's
+    /// key mode.
+    async fn keyless(self, request: Request<Body>) -> Response {
+        let route = request
+            .extensions()
+            .get::<MatchedPath>()
+            .map(|matched| matched.as_str().to_owned());
+        let mode = self.config.key_mode_of(route.as_deref());
+        crate::metrics::keyless(self.workflow.name(), route.as_deref(), mode);
+        match mode {
+            KeyMode::Enforce => key_problem(&KeyHeaderError::Missing).into_response(),
+            KeyMode::Observe => self.pass_through(request).await,
         }
     }
 
@@ -415,6 +472,27 @@ fn answer(result: Result<Outcome, idemflow_runner::RunError>, live: &Live) -> Re
         },
         other => respond(other),
     }
+}
+
+/// How long a duplicate of this request may wait for the first attempt's answer: what its
+/// `Prefer: wait` asks, bounded by the server's maximum; `None` if it asks for no wait, or the
+/// server allows none.
+pub(crate) fn wait_limit(headers: &axum::http::HeaderMap, config: &HttpConfig) -> Option<Duration> {
+    let asked = Duration::from_secs(crate::prefer::wait(headers)?);
+    Some(asked.min(config.max_wait)).filter(|limit| !limit.is_zero())
+}
+
+/// `Preference-Applied: wait=N` on the answer to a request that waited (`limit`: how long it
+/// could), in whole seconds as it was asked.
+pub(crate) fn preference_applied(mut response: Response, limit: Option<Duration>) -> Response {
+    if let Some(limit) = limit
+        && let Ok(applied) = HeaderValue::try_from(format!("wait={}", seconds(limit)))
+    {
+        response
+            .headers_mut()
+            .insert(crate::prefer::PREFERENCE_APPLIED, applied);
+    }
+    response
 }
 
 /// Under a router mounted with `.layer(…)`, a request no route matched reaches the layer on

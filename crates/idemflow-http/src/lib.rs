@@ -6,10 +6,13 @@
 //!   workflow's request.
 //! - [`IdempotencyLayer`]: wraps any handler; the handler's response is stored and replayed.
 //!
-//! Both answer: missing or malformed key → 400; another request under the same key → 422; in
-//! progress → 409 with `Retry-After`; finished → the stored status, headers and body with
-//! `Idempotent-Replayed: true`; body too large → 413; a JSON route given another content type →
-//! 415. Nothing is stored for a request refused before execution. See docs/http.md.
+//! Both answer: missing or malformed key → 400 (the layer can instead let a request without a
+//! key through, unprotected, while clients learn to send one: [`KeyMode`]); another request
+//! under the same key → 422; in progress → 409 with `Retry-After`, or, for a client that sent
+//! `Prefer: wait=N`, the first attempt's answer once it is stored, if that is within N seconds;
+//! finished → the stored status, headers and body with `Idempotent-Replayed: true`; body too
+//! large → 413; a JSON route given another content type → 415. Nothing is stored for a request
+//! refused before execution. See docs/http.md.
 //!
 //! [`serve`] serves a router with limits on slow and oversized clients (header and body read
 //! timeouts, header size and count), on the connections held and on the covered requests
@@ -23,7 +26,9 @@ mod extract;
 mod handler;
 mod key_header;
 mod layer;
+mod metrics;
 mod multipart;
+mod prefer;
 mod prepare;
 mod problem;
 mod recorded;
@@ -31,11 +36,13 @@ mod request_fingerprint;
 mod route;
 mod serve;
 mod tenant;
+mod wait;
 
-pub use config::{HttpConfig, Redaction, StatusRules};
+pub use config::{HttpConfig, KeyMode, Redaction, StatusRules};
 pub use extract::IdempotencyKey;
 pub use key_header::{KeyHeaderError, idempotency_key};
 pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyService, LayerError};
+pub use metrics::{CATALOGUE, describe_metrics};
 pub use problem::{Problem, REPLAYED_HEADER, RunResponse, respond, stored_response};
 pub use recorded::RecordedRequest;
 pub use route::WorkflowService;

@@ -32,8 +32,8 @@ pub(crate) struct Prepared {
 pub(crate) enum Refusal {
     /// Answer with this problem.
     Answer(Problem),
-    /// No key, and none is required: let it through without idempotency.
-    PassThrough(Request<Body>),
+    /// No key: the route's key mode says what becomes of it.
+    NoKey(Request<Body>),
 }
 
 pub(crate) async fn prepare(
@@ -44,9 +44,7 @@ pub(crate) async fn prepare(
 ) -> Result<Prepared, Refusal> {
     let key = match idempotency_key(request.headers()) {
         Ok(key) => key,
-        Err(KeyHeaderError::Missing) if !config.require_key => {
-            return Err(Refusal::PassThrough(request));
-        }
+        Err(KeyHeaderError::Missing) => return Err(Refusal::NoKey(request)),
         Err(error) => return Err(Refusal::Answer(key_problem(&error))),
     };
     let (mut parts, body) = request.into_parts();

@@ -7,14 +7,19 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
+use axum::extract::MatchedPath;
 use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use idemflow_runner::{Engine, PgStore, Request as RunRequest, Runner, Workflow};
 
-use crate::config::HttpConfig;
+use crate::config::{HttpConfig, KeyMode};
+use crate::extract::key_problem;
+use crate::key_header::KeyHeaderError;
+use crate::layer::{preference_applied, wait_limit};
 use crate::prepare::{Prepared, Refusal, prepare, target};
 use crate::problem::{Problem, respond};
 use crate::tenant::TenantResolver;
+use crate::wait::{Finishes, Waiting, ends_a_hold, run_or_wait};
 
 /// A tower service (use with `Router::route_service`) that runs `workflow` for each covered
 /// request under its `Idempotency-Key`, and answers with the outcome.
@@ -36,6 +41,7 @@ pub struct WorkflowService<E: Engine = PgStore> {
     workflow: Arc<Workflow<E>>,
     resolver: Arc<dyn TenantResolver>,
     config: Arc<HttpConfig>,
+    finishes: Arc<Finishes>,
 }
 
 impl<E: Engine> std::fmt::Debug for WorkflowService<E> {
@@ -57,20 +63,23 @@ impl<E: Engine> WorkflowService<E> {
         Self::with_config(runner, workflow, resolver, HttpConfig::for_workflow())
     }
 
-    /// A service with its own settings: which methods run the workflow (others get 405) and
-    /// the body limit. The key is required whatever `require_key` says: a workflow's run is
-    /// its key's.
+    /// A service with its own settings: which methods run the workflow (others get 405), the
+    /// body limit, how long a duplicate may wait. The key is required whatever the key mode
+    /// says: a workflow's run is its key's, and there is no handler to pass a request without
+    /// one to.
     pub fn with_config(
         runner: Runner<E>,
         workflow: impl Into<Arc<Workflow<E>>>,
         resolver: impl TenantResolver,
         config: HttpConfig,
     ) -> Self {
+        crate::metrics::describe_once();
         Self {
             runner,
             workflow: workflow.into(),
             resolver: Arc::new(resolver),
             config: Arc::new(config),
+            finishes: Arc::default(),
         }
     }
 
@@ -97,18 +106,20 @@ impl<E: Engine> WorkflowService<E> {
         let prepared = match prepare(request, &self.config, self.resolver.as_ref(), true).await {
             Ok(prepared) => prepared,
             Err(Refusal::Answer(problem)) => return problem.into_response(),
-            Err(Refusal::PassThrough(_)) => {
-                return Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "idempotency_key_missing",
-                    "the Idempotency-Key header is required for this request",
-                )
-                .into_response();
+            Err(Refusal::NoKey(request)) => {
+                let route = request.extensions().get::<MatchedPath>();
+                let route = route.map(MatchedPath::as_str);
+                crate::metrics::keyless(self.workflow.name(), route, KeyMode::Enforce);
+                return key_problem(&KeyHeaderError::Missing).into_response();
             }
         };
-        let target = target(&prepared.parts);
+        let target = Arc::<str>::from(target(&prepared.parts));
+        let limit = wait_limit(&prepared.parts.headers, &self.config);
         let Self {
-            runner, workflow, ..
+            runner,
+            workflow,
+            finishes,
+            ..
         } = self;
         let Prepared {
             parts,
@@ -117,31 +128,50 @@ impl<E: Engine> WorkflowService<E> {
             body,
             place,
         } = prepared;
-        // Once claimed, the run goes on to its end whatever the client does (hyper drops this
-        // future when the client goes away): a run stopped halfway waits out its lease.
-        let run = tokio::spawn(async move {
-            let request = RunRequest {
-                method: parts.method.as_str(),
-                path: &target,
-                body: &body,
-            };
-            let result = runner.run(&workflow, &tenant, &key, request).await;
-            drop(place); // the run is over, its client there or not
-            result
-        });
-        let result = match run.await {
-            Ok(result) => result,
+        // Held by every run of this request and by the request itself.
+        let place = place.map(Arc::new);
+        let run = || {
+            let (runner, workflow, finishes) = (runner.clone(), workflow.clone(), finishes.clone());
+            let (tenant, key, place) = (tenant.clone(), key.clone(), place.clone());
+            let (method, target, body) = (parts.method.clone(), target.clone(), body.clone());
+            // Once claimed, the run goes on to its end whatever the client does (hyper drops
+            // this future when the client goes away): a run stopped halfway waits out its lease.
+            tokio::spawn(async move {
+                let request = RunRequest {
+                    method: method.as_str(),
+                    path: &target,
+                    body: &body,
+                };
+                let result = runner.run(&workflow, &tenant, &key, request).await;
+                if ends_a_hold(&result) {
+                    finishes.finished(&tenant, &key);
+                }
+                drop(place); // the run is over, its client there or not
+                result
+            })
+        };
+        let waiting = Waiting {
+            runner: &runner,
+            finishes: &finishes,
+            workflow: workflow.name(),
+            tenant: &tenant,
+            key: &key,
+            limit,
+        };
+        let (ran, waited) = run_or_wait(waiting, run).await;
+        let response = match ran {
+            Ok(result) => respond(result),
             Err(error) => {
                 tracing::error!(%error, "the request's task failed");
-                return Problem::new(
+                Problem::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "internal_error",
                     "the request failed on an internal error; retry with the same idempotency key",
                 )
-                .into_response();
+                .into_response()
             }
         };
-        respond(result)
+        preference_applied(response, limit.filter(|_| waited))
     }
 }
 

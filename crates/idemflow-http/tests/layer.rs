@@ -913,10 +913,7 @@ async fn settings_that_cannot_work_are_refused_when_the_layer_is_built(pool: PgP
     };
     IdempotencyLayer::builder(Runner::new(pool), "api.v1", BearerTenant)
         .statuses(custom)
-        .http(HttpConfig {
-            methods: vec![axum::http::Method::POST],
-            ..HttpConfig::default()
-        })
+        .http(HttpConfig::default().methods([axum::http::Method::POST]))
         .build()
         .unwrap();
 }

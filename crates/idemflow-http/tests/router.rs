@@ -198,10 +198,7 @@ async fn a_first_request_executes_and_a_retry_replays_with_the_marker(pool: PgPo
 async fn every_refusal_is_a_problem_and_stores_nothing(pool: PgPool) {
     setup(&pool).await;
     let provider = Arc::new(Provider::default());
-    let config = HttpConfig {
-        max_body_bytes: 64,
-        ..HttpConfig::default()
-    };
+    let config = HttpConfig::default().max_body_bytes(64);
     let router = checkout_router(&pool, &provider, config);
 
     let no_key = post_request(None, r#"{"amount": 1}"#);
@@ -497,7 +494,7 @@ async fn a_plain_handler_runs_once_and_its_response_is_replayed(pool: PgPool) {
         .body(Body::empty())
         .unwrap();
     assert_eq!(raw(&router, get).await.2, b"listing");
-    // A covered request without a key is refused, unless keys are optional.
+    // A covered request without a key is refused, unless its route observes.
     assert_eq!(
         raw(&router, note(None, "text/plain", "x")).await.0,
         StatusCode::BAD_REQUEST
@@ -505,10 +502,7 @@ async fn a_plain_handler_runs_once_and_its_response_is_replayed(pool: PgPool) {
     let optional = plain_router(
         &pool,
         &calls,
-        HttpConfig {
-            require_key: false,
-            ..HttpConfig::default()
-        },
+        HttpConfig::default().key_mode(idemflow_http::KeyMode::Observe),
     );
     assert_eq!(
         raw(&optional, note(None, "text/plain", "x")).await.0,
