@@ -20,8 +20,8 @@ pub mod sqlite;
 use std::fmt;
 use std::time::Duration;
 
-use idemflow_core::{CanonicalError, Fingerprint, Key, TenantId, canonicalize_exact};
 use idemflow_core::FieldValue;
+use idemflow_core::{CanonicalError, Fingerprint, Key, TenantId, canonicalize_exact};
 use idemflow_pg::{KeyBodies, KeyReport, StoreError, TableStats};
 use idemflow_runner::RunError;
 use serde::Serialize;
@@ -193,14 +193,14 @@ impl Answer {
     }
 }
 
-fn json(value: &impl Serialize) -> String {
 /// One JSON document, safe for a terminal: serde_json escapes the C0 controls, and DEL and the
 /// C1 controls (a stored body may hold them) are escaped too, so the document is still the same
 /// JSON value and nothing in it can drive the terminal it is printed on.
+fn json(value: &impl Serialize) -> String {
     let text = serde_json::to_string_pretty(value)
         .expect("the CLI's reports serialize: plain structs with string keys");
-    text.push('\n');
     let mut text = terminal_safe_json(&text);
+    text.push('\n');
     text
 }
 
@@ -256,9 +256,9 @@ pub async fn connect(url: &str) -> Result<PgPool, CliError> {
 /// engine's database. The answers are written once, whatever the engine.
 trait Keys {
     async fn key_report(&mut self, tenant: &str, key: &str) -> Result<Option<KeyReport>, CliError>;
-    async fn stuck_keys(
     /// The key's stored request and response, and how long ago it finished.
     async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError>;
+    async fn stuck_keys(
         &mut self,
         min_attempts: i32,
         limit: i64,
@@ -278,11 +278,11 @@ impl Keys for PgConnection {
         Ok(idemflow_pg::key_report(self, tenant, key).await?)
     }
 
-    async fn stuck_keys(
     async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError> {
         Ok(idemflow_pg::key_bodies(self, tenant, key).await?)
     }
 
+    async fn stuck_keys(
         &mut self,
         min_attempts: i32,
         limit: i64,
@@ -400,11 +400,10 @@ fn inspect_text(report: &KeyReport, expiry: &Expiry) -> String {
         ("response", response_summary(report)),
         ("fingerprint", report.fingerprint_hex.clone()),
         ("age", age(report)),
-    ])
         ("expiry", expiry.text.clone()),
+    ])
 }
 
-/// `idemflow inspect --tenant T --key K`: everything about one key. Exit 1 when it does not exist.
 /// What `inspect` shows beyond the key's report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InspectOptions {
@@ -672,6 +671,7 @@ fn header_value(value: &FieldValue) -> String {
     }
 }
 
+/// `idemflow inspect --tenant T --key K`: everything about one key. Exit 1 when it does not exist.
 pub async fn inspect(
     connection: &mut PgConnection,
     format: Format,
@@ -990,7 +990,6 @@ async fn end_lease_answer(
     Ok(Answer::new(code, human, &report))
 }
 
-fn done(who: &str, report: &KeyReport) -> (EndLeaseOutcome, Option<i64>, String) {
 /// Who takes a due key over. Nothing in the database says which workflows the resumers run, nor
 /// whether a workflow is live-only (a plain-handler route's: no resumer may run it, as it needs
 /// the live request), so the answer names both ways, and is true whichever holds: the request's
@@ -1004,6 +1003,7 @@ fn who_takes_over(workflow: &str) -> String {
     )
 }
 
+fn done(who: &str, report: &KeyReport) -> (EndLeaseOutcome, Option<i64>, String) {
     (
         EndLeaseOutcome::Done,
         Some(report.lock_version),
@@ -1209,7 +1209,6 @@ async fn stats_answer(connection: &mut PgConnection) -> Result<Answer, CliError>
     Ok(stats_of(&stats))
 }
 
-/// `stats`' answer, whatever the engine.
 /// `stats`' JSON: the library's [`TableStats`] with each count an object, so a script reads
 /// `workflow`, `state` and `keys` by name rather than by position in a tuple.
 #[derive(Serialize)]
@@ -1226,6 +1225,7 @@ struct CountReport<'a> {
     keys: i64,
 }
 
+/// `stats`' answer, whatever the engine.
 fn stats_of(stats: &TableStats) -> Answer {
     let report = StatsReport {
         counts: stats

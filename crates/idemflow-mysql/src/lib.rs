@@ -31,9 +31,9 @@ pub use fenced_writes::{
 };
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
 pub use owner::Owner;
+pub use report::{KeyBodies, KeyResponse, key_bodies};
 pub use report::{key_report, stuck_keys, table_stats};
 pub use retention::expire_batch;
-pub use report::{KeyBodies, KeyResponse, key_bodies};
 pub use store::MySqlStore;
 pub use take_over::{
     TakenOver, count_due_unknown, resumer_lag, take_over, take_over_due, take_over_in,

@@ -56,11 +56,6 @@ pub async fn stuck_keys(
     rows.iter().map(report).collect()
 }
 
-/// The table at a glance: keys by workflow and state, the oldest started key, the resumer lag.
-pub async fn table_stats(connection: &mut MySqlConnection) -> Result<TableStats, StoreError> {
-    let counts: Vec<(String, String, i64)> = sqlx::query_as(statements::COUNTS)
-        .fetch_all(&mut *connection)
-        .await?;
 /// A key's stored request and response as stored ([`KeyBodies`]), for operators; `None` if there
 /// is none. One statement, so a body stored apart comes from the same snapshot as its row.
 /// Nothing sealed is opened.
@@ -107,6 +102,11 @@ pub async fn key_bodies(
 
 pub use idemflow_store::{KeyBodies, KeyResponse};
 
+/// The table at a glance: keys by workflow and state, the oldest started key, the resumer lag.
+pub async fn table_stats(connection: &mut MySqlConnection) -> Result<TableStats, StoreError> {
+    let counts: Vec<(String, String, i64)> = sqlx::query_as(statements::COUNTS)
+        .fetch_all(&mut *connection)
+        .await?;
     let oldest_started_seconds: Option<i64> = sqlx::query_scalar(statements::OLDEST_STARTED)
         .fetch_one(&mut *connection)
         .await?;

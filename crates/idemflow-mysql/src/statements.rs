@@ -320,6 +320,21 @@ pub const STUCK_KEYS: &str = concat!(
     " OR attempts >= ?) ORDER BY locked_until, tenant, `key` LIMIT ?"
 );
 
+/// One key's stored request and response, as stored (`idemflow_store::KeyBodies`): `tenant`,
+/// `key`. A body stored apart is read with its row, and only the one of the row's life.
+pub const KEY_BODIES: &str = concat!(
+    "SELECT request, response_status, response_headers, response_apart, \
+            COALESCE(response_body, \
+                     (SELECT body FROM idempotency_responses AS apart \
+                      WHERE apart.tenant = idempotency_keys.tenant \
+                        AND apart.`key` = idempotency_keys.`key` \
+                        AND apart.life = idempotency_keys.life)) AS response_body, \
+            CASE WHEN state = 'done' THEN CAST((",
+    now_ms!(),
+    " - finished_at) DIV 1000 AS SIGNED) END AS finished_seconds_ago \
+     FROM idempotency_keys WHERE tenant = ? AND `key` = ?"
+);
+
 /// Keys by workflow and state, for operators.
 pub const COUNTS: &str = "SELECT workflow, CAST(state AS CHAR), COUNT(*) FROM idempotency_keys \
      GROUP BY workflow, state ORDER BY workflow, CAST(state AS CHAR)";
@@ -356,18 +371,3 @@ mod claim_message_tests {
         assert!(sql.contains("+ 30000,"), "{sql}");
     }
 }
-/// One key's stored request and response, as stored (`idemflow_store::KeyBodies`): `tenant`,
-/// `key`. A body stored apart is read with its row, and only the one of the row's life.
-pub const KEY_BODIES: &str = concat!(
-    "SELECT request, response_status, response_headers, response_apart, \
-            COALESCE(response_body, \
-                     (SELECT body FROM idempotency_responses AS apart \
-                      WHERE apart.tenant = idempotency_keys.tenant \
-                        AND apart.`key` = idempotency_keys.`key` \
-                        AND apart.life = idempotency_keys.life)) AS response_body, \
-            CASE WHEN state = 'done' THEN CAST((",
-    now_ms!(),
-    " - finished_at) DIV 1000 AS SIGNED) END AS finished_seconds_ago \
-     FROM idempotency_keys WHERE tenant = ? AND `key` = ?"
-);
-

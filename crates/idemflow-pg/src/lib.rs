@@ -37,9 +37,9 @@ pub use maintenance::{
     DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, end_lease, expire_batch,
     key_report, notify_due, resumer_lag, stuck_keys, table_stats, take_over_due,
 };
+pub use maintenance::{KeyBodies, KeyResponse, key_bodies};
 
 pub use error::StoreError;
-pub use maintenance::{KeyBodies, KeyResponse, key_bodies};
 pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
 pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version, response_apart};
 pub use owner::Owner;

@@ -279,31 +279,6 @@ pub async fn table_stats(connection: &mut PgConnection) -> Result<TableStats, St
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use idemflow_core::Fingerprint;
-    use serde_json::json;
-
-    use super::*;
-    use crate::{
-        ClaimRequest, Claimed, Limits, advance, begin_claim, next_lock_version, postpone, take_over,
-    };
-
-    /// Every column the takeovers and the reports read by name is there under that name.
-    #[sqlx::test(migrator = "crate::MIGRATOR")]
-    async fn takeovers_and_reports_read_every_column_by_name(pool: sqlx::PgPool) {
-        let tenant = TenantId::new("t-1").expect("tenant");
-        let key = Key::parse("k").expect("key");
-        let fingerprint = Fingerprint::from_slice(&[9; 32]).expect("fingerprint");
-        let request = json!({"amount": 2});
-        let mut connection = pool.acquire().await.expect("connection");
-        let lock_version = next_lock_version(&mut connection).await.expect("token");
-        let claim = ClaimRequest {
-            tenant: &tenant,
-            key: &key,
-            lock_version,
-            fingerprint: &fingerprint,
-            workflow: "w.v1",
 pub use idemflow_store::{KeyBodies, KeyResponse};
 
 /// A key's stored request and response as stored ([`KeyBodies`]), for operators; `None` if there
@@ -359,6 +334,31 @@ pub async fn key_bodies(
     }))
 }
 
+#[cfg(test)]
+mod tests {
+    use idemflow_core::Fingerprint;
+    use serde_json::json;
+
+    use super::*;
+    use crate::{
+        ClaimRequest, Claimed, Limits, advance, begin_claim, next_lock_version, postpone, take_over,
+    };
+
+    /// Every column the takeovers and the reports read by name is there under that name.
+    #[sqlx::test(migrator = "crate::MIGRATOR")]
+    async fn takeovers_and_reports_read_every_column_by_name(pool: sqlx::PgPool) {
+        let tenant = TenantId::new("t-1").expect("tenant");
+        let key = Key::parse("k").expect("key");
+        let fingerprint = Fingerprint::from_slice(&[9; 32]).expect("fingerprint");
+        let request = json!({"amount": 2});
+        let mut connection = pool.acquire().await.expect("connection");
+        let lock_version = next_lock_version(&mut connection).await.expect("token");
+        let claim = ClaimRequest {
+            tenant: &tenant,
+            key: &key,
+            lock_version,
+            fingerprint: &fingerprint,
+            workflow: "w.v1",
             request: &request,
             lease: Duration::ZERO,
         };

@@ -220,6 +220,21 @@ pub const STUCK_KEYS: &str = concat!(
     " OR attempts >= ?1) ORDER BY locked_until, tenant, key LIMIT ?2"
 );
 
+/// One key's stored request and response, as stored (`idemflow_store::KeyBodies`): `?1` tenant,
+/// `?2` key. A body stored apart is read with its row, and only the one of the row's life.
+pub const KEY_BODIES: &str = concat!(
+    "SELECT request, response_status, response_headers, response_apart, \
+            coalesce(response_body, \
+                     (SELECT body FROM idempotency_responses AS apart \
+                      WHERE apart.tenant = idempotency_keys.tenant \
+                        AND apart.key = idempotency_keys.key \
+                        AND apart.life = idempotency_keys.life)) AS response_body, \
+            CASE WHEN state = 'done' THEN (",
+    now_ms!(),
+    " - finished_at) / 1000 END AS finished_seconds_ago \
+     FROM idempotency_keys WHERE tenant = ?1 AND key = ?2"
+);
+
 /// Keys by workflow and state, for operators.
 pub const COUNTS: &str = "SELECT workflow, state, count(*) FROM idempotency_keys \
      GROUP BY workflow, state ORDER BY workflow, state";
@@ -251,20 +266,5 @@ pub const BACK_TO_CLAIM: &str = "ROLLBACK TO idemflow_claimed";
 pub const COUNT_DUE_UNKNOWN: &str = concat!(
     "SELECT workflow, count(*) FROM idempotency_keys WHERE state = 'started' AND locked_until <= ",
     now_ms!(),
-/// One key's stored request and response, as stored (`idemflow_store::KeyBodies`): `?1` tenant,
-/// `?2` key. A body stored apart is read with its row, and only the one of the row's life.
-pub const KEY_BODIES: &str = concat!(
-    "SELECT request, response_status, response_headers, response_apart, \
-            coalesce(response_body, \
-                     (SELECT body FROM idempotency_responses AS apart \
-                      WHERE apart.tenant = idempotency_keys.tenant \
-                        AND apart.key = idempotency_keys.key \
-                        AND apart.life = idempotency_keys.life)) AS response_body, \
-            CASE WHEN state = 'done' THEN (",
-    now_ms!(),
-    " - finished_at) / 1000 END AS finished_seconds_ago \
-     FROM idempotency_keys WHERE tenant = ?1 AND key = ?2"
-);
-
     " AND workflow NOT IN (SELECT value FROM json_each(?1)) GROUP BY workflow ORDER BY workflow"
 );
