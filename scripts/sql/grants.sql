@@ -20,7 +20,7 @@ REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE ON SCHEMA public TO :"runtime_role";
 
 -- The keys table. SELECT: the look-up, the reports, and every WHERE clause of the writes.
--- INSERT: the claim (also through its prepared statement, idemflow_claim_v2). UPDATE: the fenced
+-- INSERT: the claim (also through its prepared statement, idemflow_claim_v3). UPDATE: the fenced
 -- writes (advance, finish, renew, postpone), the takeovers, end-lease, and the row locks of
 -- `FOR UPDATE SKIP LOCKED` (the resumer's scan, retention). DELETE: retention and the forget
 -- policy. Revoked first, so a re-run also takes back anything granted by hand since

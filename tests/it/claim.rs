@@ -259,7 +259,7 @@ async fn a_connection_whose_prepared_claim_was_discarded_prepares_it_again(
     let workflow = harness.local_only();
     executed(&run(&runner, &workflow, &tenant(1), "first", &body(1)).await);
     // As a `DISCARD ALL` (from a pooler, say) would, for the claim's statement.
-    sqlx::query("DEALLOCATE idemflow_claim_v2")
+    sqlx::query("DEALLOCATE idemflow_claim_v3")
         .execute(&pool)
         .await
         .unwrap();

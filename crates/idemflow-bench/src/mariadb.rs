@@ -238,6 +238,7 @@ async fn raw_finish(
     body: &str,
 ) -> Result<(), Error> {
     let updated = sqlx::query(statements::FINISH)
+        .bind(201_i64)
         .bind(point)
         .bind(201_i64)
         .bind(HEADERS)
@@ -264,6 +265,7 @@ async fn raw_checkout(pool: &MySqlPool, shape: &Shape, key: &str) -> Result<Stri
     let order_id = insert_order(&mut transaction, key, 100).await?;
     let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
     sqlx::query(statements::ADVANCE)
+        .bind("create_order")
         .bind("create_order")
         .bind(output.to_string())
         .bind(LEASE_MS)

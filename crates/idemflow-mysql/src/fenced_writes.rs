@@ -28,6 +28,7 @@ pub async fn advance(
         .map_err(|error| StoreError::Corrupt(format!("phase output: {error}")))?;
     let updated = sqlx::query(statements::ADVANCE)
         .bind(recovery_point)
+        .bind(recovery_point)
         .bind(output)
         .bind(millis(lease))
         .bind(owner.tenant().as_str())
@@ -53,6 +54,7 @@ pub async fn finish(
     let headers = serde_json::to_string(&response.headers)
         .map_err(|error| StoreError::Corrupt(format!("response headers: {error}")))?;
     let updated = sqlx::query(statements::FINISH)
+        .bind(i64::from(response.status))
         .bind(recovery_point)
         .bind(i64::from(response.status))
         .bind(headers)
@@ -126,6 +128,7 @@ pub async fn postpone_in(
     last_error: &str,
 ) -> Result<(), StoreError> {
     let updated = sqlx::query(statements::POSTPONE)
+        .bind(last_error)
         .bind(millis(retry_after))
         .bind(last_error)
         .bind(owner.tenant().as_str())

@@ -25,6 +25,11 @@ fn report(row: &MySqlRow) -> Result<KeyReport, StoreError> {
             .map(|bytes| i32::try_from(bytes).unwrap_or(i32::MAX)),
         fingerprint_hex: row.try_get("fingerprint_hex")?,
         age_seconds: row.try_get("age_seconds")?,
+        journal: idemflow_store::journal_from_json(
+            row.try_get("tenant")?,
+            row.try_get("key")?,
+            row.try_get("journal")?,
+        ),
     })
 }
 

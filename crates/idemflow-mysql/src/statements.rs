@@ -16,6 +16,37 @@ macro_rules! now_ms {
 /// [`now_ms!`] as a constant, for documentation and tests.
 pub const NOW_MS: &str = now_ms!();
 
+/// `journal = ` the key's journal with one entry appended: a JSON object of `at` (now,
+/// [`now_ms!`]) and the arguments given (the rest of a `JSON_OBJECT`'s: `'event', 'phase', …`).
+/// At most 64 entries (`idemflow_store::JOURNAL_LIMIT`): when full, the second goes, so the claim
+/// stays first. Each statement that changes a key appends its own entry: never a statement of its
+/// own. It comes first in its statement's `SET`, so whatever it reads of the row (`fence`,
+/// `attempts`, `recovery_point`) is the row before the statement, whether the server assigns
+/// from left to right (MySQL, MariaDB's default) or all at once (MariaDB's
+/// `SIMULTANEOUS_ASSIGNMENT`): a token is `life * 1048576 + fence + 1` where the statement
+/// advances the fence.
+macro_rules! journal_with {
+    ($($entry:literal),+ $(,)?) => {
+        concat!(
+            "journal = JSON_ARRAY_APPEND(IF(JSON_LENGTH(journal) >= 64, \
+                 JSON_REMOVE(journal, '$[1]'), journal), '$', JSON_OBJECT('at', ",
+            now_ms!(),
+            ", ",
+            $($entry),+,
+            ")), "
+        )
+    };
+}
+
+/// The claim's journal: its `claimed` entry. Without a token: an insert cannot read the
+/// `AUTO_INCREMENT` value (the life) it draws, so the report writes in the claim's token,
+/// life × 2²⁰, as it reads the journal ([`KEY_REPORT`]).
+macro_rules! claim_journal {
+    () => {
+        concat!("JSON_ARRAY(JSON_OBJECT('at', ", now_ms!(), ", 'event', 'claimed'))")
+    };
+}
+
 /// How many tokens one life of a key can hold: the fence is the token's low 20 bits (see the
 /// migration). A life whose fence reached the last is never taken over again.
 pub const FENCES_PER_LIFE: i64 = 1 << 20;
@@ -39,13 +70,16 @@ pub const LOOK_UP: &str = concat!(
 /// duplicate-key error (1062); an uncommitted one makes the insert wait for its transaction.
 pub const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys \
-         (tenant, `key`, fingerprint, workflow, request, locked_until, created_at, updated_at) \
+         (tenant, `key`, fingerprint, workflow, request, locked_until, created_at, updated_at, \
+          journal) \
      VALUES (?, ?, ?, ?, ?, ",
     now_ms!(),
     " + ?, ",
     now_ms!(),
     ", ",
     now_ms!(),
+    ", ",
+    claim_journal!(),
     ")"
 );
 
@@ -66,7 +100,8 @@ pub fn claim_then_savepoint(
     let mut sql = String::with_capacity(400 + 2 * (key.len() + request.len() + workflow.len()));
     sql.push_str(
         "INSERT INTO idempotency_keys \
-             (tenant, `key`, fingerprint, workflow, request, locked_until, created_at, updated_at) \
+             (tenant, `key`, fingerprint, workflow, request, locked_until, created_at, updated_at, \
+              journal) \
          VALUES (",
     );
     for (bytes, text) in [
@@ -93,7 +128,15 @@ pub fn claim_then_savepoint(
     sql.push_str(now_ms!());
     sql.push_str(" + ");
     sql.push_str(&lease_ms.to_string());
-    sql.push_str(concat!(", ", now_ms!(), ", ", now_ms!(), "); "));
+    sql.push_str(concat!(
+        ", ",
+        now_ms!(),
+        ", ",
+        now_ms!(),
+        ", ",
+        claim_journal!(),
+        "); "
+    ));
     sql.push_str(CLAIMED_SAVEPOINT);
     sql
 }
@@ -107,11 +150,13 @@ pub const CLAIMED_SAVEPOINT: &str = "SAVEPOINT idemflow_claimed";
 /// Undoes everything since [`CLAIMED_SAVEPOINT`], keeping the claim (and the savepoint).
 pub const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT idemflow_claimed";
 
-/// Records a completed phase (fenced): `recovery_point`, its output (JSON text), the lease in
-/// ms (from this statement, never shortening), `tenant`, `key`, `lock_version`.
+/// Records a completed phase (fenced), with its `phase` entry in the journal: `recovery_point`
+/// (for the journal), `recovery_point`, its output (JSON text), the lease in ms (from this
+/// statement, never shortening), `tenant`, `key`, `lock_version`.
 pub const ADVANCE: &str = concat!(
-    "UPDATE idempotency_keys \
-     SET recovery_point = ?, phase_output = ?, attempts = 1, last_error = NULL, \
+    "UPDATE idempotency_keys SET ",
+    journal_with!("'event', 'phase', 'token', lock_version, 'point', ?"),
+    "recovery_point = ?, phase_output = ?, attempts = 1, last_error = NULL, \
          locked_until = GREATEST(locked_until, ",
     now_ms!(),
     " + ?), updated_at = ",
@@ -119,11 +164,13 @@ pub const ADVANCE: &str = concat!(
     " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'"
 );
 
-/// Stores the response and marks the key done (fenced): `recovery_point`, status, headers
-/// (JSON text), body (`NULL` when stored apart), apart (bool), `tenant`, `key`, `lock_version`.
+/// Stores the response and marks the key done (fenced), with its `finished` entry in the journal:
+/// status (for the journal), `recovery_point`, status, headers (JSON text), body (`NULL` when
+/// stored apart), apart (bool), `tenant`, `key`, `lock_version`.
 pub const FINISH: &str = concat!(
-    "UPDATE idempotency_keys \
-     SET state = 'done', recovery_point = ?, phase_output = NULL, locked_until = NULL, \
+    "UPDATE idempotency_keys SET ",
+    journal_with!("'event', 'finished', 'token', lock_version, 'status', ?"),
+    "state = 'done', recovery_point = ?, phase_output = NULL, locked_until = NULL, \
          response_status = ?, response_headers = ?, response_body = ?, response_apart = ?, \
          finished_at = ",
     now_ms!(),
@@ -153,11 +200,15 @@ pub const RENEW_LEASE: &str = concat!(
 );
 
 /// Takes over a started key whose lease is over, naming the token the taker saw; the fence
-/// advances, so the taker's token is the seen one plus one: the lease in ms, `tenant`, `key`,
-/// the token seen.
+/// advances, so the taker's token is the seen one plus one; the journal gets its `taken_over`
+/// entry: who takes it (`resumer` or `retry`), the lease in ms, `tenant`, `key`, the token seen.
 pub const TAKE_OVER: &str = concat!(
-    "UPDATE idempotency_keys \
-     SET fence = fence + 1, locked_until = ",
+    "UPDATE idempotency_keys SET ",
+    journal_with!(
+        "'event', 'taken_over', 'token', life * 1048576 + fence + 1, 'by', ?, \
+         'attempt', attempts + 1"
+    ),
+    "fence = fence + 1, locked_until = ",
     now_ms!(),
     " + ?, attempts = attempts + 1, updated_at = ",
     now_ms!(),
@@ -184,10 +235,16 @@ pub const DUE_OF: &str = concat!(
      FOR UPDATE SKIP LOCKED"
 );
 
-/// Postpones a key after a failed attempt (fenced), advancing the fence: ms until the lease
-/// ends, the error, `tenant`, `key`, `lock_version`.
+/// Postpones a key after a failed attempt (fenced), advancing the fence, with a `failed` entry in
+/// the journal (the recovery point the attempt began at): the error (for the journal), ms until
+/// the lease ends, the error, `tenant`, `key`, `lock_version`.
 pub const POSTPONE: &str = concat!(
-    "UPDATE idempotency_keys SET locked_until = ",
+    "UPDATE idempotency_keys SET ",
+    journal_with!(
+        "'event', 'failed', 'token', life * 1048576 + fence + 1, 'point', recovery_point, \
+         'error', ?"
+    ),
+    "locked_until = ",
     now_ms!(),
     " + ?, fence = fence + 1, last_error = ?, updated_at = ",
     now_ms!(),
@@ -200,9 +257,12 @@ pub const POSTPONE: &str = concat!(
 pub const DELETE_OWNED: &str = "DELETE FROM idempotency_keys \
      WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'";
 
-/// Ends a started key's lease now and advances its fence: `tenant`, `key`, the token seen.
+/// Ends a started key's lease now and advances its fence, with a `lease_ended` entry in the
+/// journal: `tenant`, `key`, the token seen.
 pub const END_LEASE: &str = concat!(
-    "UPDATE idempotency_keys SET locked_until = LEAST(locked_until, ",
+    "UPDATE idempotency_keys SET ",
+    journal_with!("'event', 'lease_ended', 'token', life * 1048576 + fence + 1, 'by', 'operator'"),
+    "locked_until = LEAST(locked_until, ",
     now_ms!(),
     "), fence = fence + 1, updated_at = ",
     now_ms!(),
@@ -286,6 +346,11 @@ macro_rules! report_columns {
         concat!(
             "CONVERT(tenant USING utf8mb4) AS tenant, CONVERT(`key` USING utf8mb4) AS `key`, \
              workflow, CAST(state AS CHAR) AS state, recovery_point, \
+             CONVERT(CASE WHEN NOT JSON_VALID(journal) THEN journal \
+                          WHEN JSON_CONTAINS_PATH(journal, 'one', '$[0]') \
+                               AND NOT JSON_CONTAINS_PATH(journal, 'one', '$[0].token') \
+                          THEN JSON_SET(journal, '$[0].token', life * 1048576) \
+                          ELSE journal END USING utf8mb4) AS journal, \
              CASE WHEN state = 'started' THEN locked_until - ",
             now_ms!(),
             " END AS lease_left_ms, \

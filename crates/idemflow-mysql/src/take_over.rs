@@ -51,7 +51,8 @@ pub async fn take_over(
 }
 
 /// Takes `key` over as [`take_over`] does, inside the caller's transaction (a client retry's
-/// takeover commits with its first phase): the fenced update, then the row it locked.
+/// takeover commits with its first phase): the fenced update, then the row it locked. The
+/// journal names the taker a `retry`.
 pub async fn take_over_in(
     connection: &mut MySqlConnection,
     tenant: &TenantId,
@@ -59,8 +60,21 @@ pub async fn take_over_in(
     seen: i64,
     lease: Duration,
 ) -> Result<Option<TakenOver>, StoreError> {
+    take_over_by(connection, tenant, key, seen, lease, "retry").await
+}
+
+/// [`take_over_in`], the journal's entry naming the taker `by` (`retry` or `resumer`).
+async fn take_over_by(
+    connection: &mut MySqlConnection,
+    tenant: &TenantId,
+    key: &Key,
+    seen: i64,
+    lease: Duration,
+    by: &str,
+) -> Result<Option<TakenOver>, StoreError> {
     let lease_from = std::time::Instant::now();
     let updated = sqlx::query(statements::TAKE_OVER)
+        .bind(by)
         .bind(millis(lease))
         .bind(tenant.as_str())
         .bind(key.as_str())
@@ -98,7 +112,8 @@ pub async fn take_over_in(
 /// Takes over up to `batch` started keys whose lease is over, of the named workflows only, each
 /// with its workflow's lease, in one transaction: the scan locks the due rows, skipping any
 /// another transaction holds (another resumer's scan, an owner's write), so two resumers never
-/// wait for each other nor take the same key. Each comes with its workflow's name.
+/// wait for each other nor take the same key. Each comes with its workflow's name; the journal
+/// names the taker a `resumer`.
 pub async fn take_over_due(
     connection: PoolConnection<MySql>,
     workflows: &[(String, Duration)],
@@ -127,7 +142,7 @@ pub async fn take_over_due(
             .find(|(name, _)| *name == workflow)
             .map_or(Duration::ZERO, |(_, lease)| *lease);
         if let Some(one) =
-            take_over_in(transaction.connection(), &tenant, &key, seen, lease).await?
+            take_over_by(transaction.connection(), &tenant, &key, seen, lease, "resumer").await?
         {
             taken.push((workflow, one));
         }

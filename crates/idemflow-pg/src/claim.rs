@@ -3,12 +3,12 @@
 //!
 //! A new request's first transaction is `BEGIN`, the claim, the leading local phases, and the
 //! commit. Sent one by one, `BEGIN` costs a round trip of its own; here it shares one with the
-//! claim: the message is `BEGIN; EXECUTE idemflow_claim_v2(…)` in PostgreSQL's simple query
+//! claim: the message is `BEGIN; EXECUTE idemflow_claim_v3(…)` in PostgreSQL's simple query
 //! protocol. That protocol takes no bind parameters, so the values travel as hex literals
 //! (`decode('…', 'hex')`): only the digits 0-9a-f and integers this module formats ever enter the
 //! SQL text, whatever the key, tenant or request holds.
 //!
-//! `idemflow_claim_v2` is a prepared statement of the connection (SQL `PREPARE`): the advisory
+//! `idemflow_claim_v3` is a prepared statement of the connection (SQL `PREPARE`): the advisory
 //! lock and the insert in one statement, so the server parses and plans the insert once per
 //! connection rather than once per request (measured with pgbench: 8% more claims per second).
 //! The look-up says whether the connection holds it; where it does not, the claim's message
@@ -164,9 +164,9 @@ async fn begin_claim_in(
 /// How the claim's message carries the insert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Form {
-    /// `EXECUTE idemflow_claim_v2(…)`.
+    /// `EXECUTE idemflow_claim_v3(…)`.
     Prepared,
-    /// `PREPARE idemflow_claim_v2 … ; EXECUTE idemflow_claim_v2(…)`: on a connection without it.
+    /// `PREPARE idemflow_claim_v3 … ; EXECUTE idemflow_claim_v3(…)`: on a connection without it.
     PrepareFirst,
     /// The statement in full.
     Inline,
@@ -191,7 +191,7 @@ fn has_code(error: &sqlx::Error, code: &str) -> bool {
     matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(code))
 }
 
-/// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v2(…); SAVEPOINT idemflow_claimed` (or the insert
+/// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v3(…); SAVEPOINT idemflow_claimed` (or the insert
 /// in full), every value a hex literal or an integer formatted here.
 fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> String {
     let request = serde_json::to_string(claim.request).unwrap_or_else(|_| "null".to_owned());
@@ -210,7 +210,8 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
         Form::Inline => {
             sql.push_str(
                 "; INSERT INTO idempotency_keys \
-                 (tenant, key, fingerprint, workflow, request, locked_until, lock_version) SELECT ",
+                 (tenant, key, fingerprint, workflow, request, locked_until, lock_version, \
+                  journal) SELECT ",
             );
         }
     }
@@ -230,8 +231,11 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
         Form::Inline => {
             let _ = write!(
                 sql,
-                "::jsonb, clock_timestamp() + {lease_ms} * interval '1 millisecond', {token} \
-                 FROM (SELECT pg_advisory_xact_lock({lock})) AS locked"
+                "::jsonb, clock_timestamp() + {lease_ms} * interval '1 millisecond', {token}, \
+                 jsonb_build_array(jsonb_build_object('at', {}, 'event', 'claimed', \
+                                                      'token', {token}::bigint)) \
+                 FROM (SELECT pg_advisory_xact_lock({lock})) AS locked",
+                statements::JOURNAL_AT
             );
         }
     }
@@ -281,12 +285,13 @@ mod tests {
         };
         for form in [Form::Prepared, Form::PrepareFirst, Form::Inline] {
             let sql = claim_statement(&claim, &limits, form);
-            // Every quoted span is hex digits or one of the fixed words.
+            // Every quoted span is hex digits or one of the fixed words (the journal's among them).
             let quoted: Vec<&str> = sql.split('\'').skip(1).step_by(2).collect();
             for span in &quoted {
                 assert!(
                     span.bytes().all(|b| b.is_ascii_hexdigit())
-                        || ["hex", "UTF8", "1 millisecond"].contains(span),
+                        || ["hex", "UTF8", "1 millisecond", "at", "event", "claimed", "token"]
+                            .contains(span),
                     "unexpected literal {span:?} in {sql}"
                 );
             }
@@ -331,11 +336,18 @@ mod tests {
             begin_claim_in(connection, &claim, &limits, &[Form::Inline]).await,
             Ok(Claimed::Lost(_))
         ));
-        let stored: (Vec<u8>, serde_json::Value) =
-            sqlx::query_as("SELECT fingerprint, request FROM idempotency_keys")
+        let stored: (Vec<u8>, serde_json::Value, serde_json::Value) =
+            sqlx::query_as("SELECT fingerprint, request, journal FROM idempotency_keys")
                 .fetch_one(&pool)
                 .await
                 .expect("row");
-        assert_eq!(stored, (vec![3; 32], request));
+        assert_eq!((&stored.0, &stored.1), (&vec![3; 32], &request));
+        // The journal starts with the claim, as the prepared form's does.
+        let [claimed] = stored.2.as_array().expect("an array").as_slice() else {
+            panic!("one entry: {}", stored.2);
+        };
+        assert_eq!(claimed["event"], "claimed");
+        assert_eq!(claimed["token"], claim.lock_version);
+        assert!(claimed["at"].as_i64().is_some_and(|at| at > 1_700_000_000_000));
     }
 }

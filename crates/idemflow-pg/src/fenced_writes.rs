@@ -101,9 +101,11 @@ pub async fn renew_lease(
 
 /// Postpones a key after a failed attempt: the lease now ends after `retry_after` (zero: at
 /// once, which gives the key back), so a client retry or a resumer may take it over then, and
-/// the error is recorded. Fenced; and it advances the fence (a new token from the sequence): the
-/// owner is done with the key, and a renewal of its heartbeat still in flight (waiting on this
-/// row's lock) then matches nothing, instead of stretching the wait back to a whole lease.
+/// the error is recorded, in `last_error` and in the journal (a `failed` entry with the recovery
+/// point the attempt began at and the new token). Fenced; and it advances the fence (a new token
+/// from the sequence): the owner is done with the key, and a renewal of its heartbeat still in
+/// flight (waiting on this row's lock) then matches nothing, instead of stretching the wait back
+/// to a whole lease.
 pub async fn postpone(
     connection: &mut PgConnection,
     owner: &Owner,
@@ -113,8 +115,16 @@ pub async fn postpone(
     let result = sqlx::query(
         "UPDATE idempotency_keys \
          SET locked_until = clock_timestamp() + $4::bigint * interval '1 millisecond', \
-             lock_version = nextval('idempotency_keys_fence'), last_error = $5, \
-             updated_at = now() \
+             (lock_version, journal) = ( \
+                 SELECT fence.token, \
+                        CASE WHEN jsonb_array_length(journal) >= 64 THEN journal - 1 \
+                             ELSE journal END \
+                        || jsonb_build_object( \
+                               'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                               'event', 'failed', 'token', fence.token, \
+                               'point', recovery_point, 'error', $5::text) \
+                 FROM (SELECT nextval('idempotency_keys_fence') AS token) AS fence), \
+             last_error = $5, updated_at = now() \
          WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
     )
     .bind(owner.tenant().as_str())

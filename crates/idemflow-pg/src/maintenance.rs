@@ -27,8 +27,9 @@ pub struct DueKey {
 /// Takes over up to `batch_size` started keys whose lease expired, of the named workflows only,
 /// in one statement: the due rows are locked `FOR UPDATE SKIP LOCKED` (so concurrent resumers
 /// split the work instead of queueing on each other) and each gets a new fencing token and the
-/// lease of its own workflow (`workflows`: each name with its lease). Keys of workflows not named
-/// are left alone for a resumer that knows them.
+/// lease of its own workflow (`workflows`: each name with its lease), and a `taken_over` entry by
+/// `resumer` in its journal (the new token drawn per key, in the subquery that appends it). Keys
+/// of workflows not named are left alone for a resumer that knows them.
 pub async fn take_over_due(
     connection: &mut PgConnection,
     workflows: &[(String, Duration)],
@@ -46,7 +47,16 @@ pub async fn take_over_due(
              FOR UPDATE SKIP LOCKED \
          ) \
          UPDATE idempotency_keys AS keys \
-         SET lock_version = nextval('idempotency_keys_fence'), attempts = keys.attempts + 1, \
+         SET (lock_version, journal) = ( \
+                 SELECT fence.token, \
+                        CASE WHEN jsonb_array_length(keys.journal) >= 64 THEN keys.journal - 1 \
+                             ELSE keys.journal END \
+                        || jsonb_build_object( \
+                               'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                               'event', 'taken_over', 'token', fence.token, 'by', 'resumer', \
+                               'attempt', keys.attempts + 1) \
+                 FROM (SELECT nextval('idempotency_keys_fence') AS token) AS fence), \
+             attempts = keys.attempts + 1, \
              locked_until = clock_timestamp() \
                  + (SELECT lease.ms FROM unnest($1::text[], $3::bigint[]) AS lease (workflow, ms) \
                     WHERE lease.workflow = keys.workflow LIMIT 1) \
@@ -162,7 +172,8 @@ pub async fn expire_batch(
 /// Ends a started key's lease now, if its fencing token is still `lock_version`, so a resumer or
 /// a retry takes it over at once, and advances its fence: the key gets a new token, which it
 /// returns, so every write of the owner that held `lock_version` is refused from now on (its
-/// renewal, its advance, its finish). `None` when the key is not started or the token moved on.
+/// renewal, its advance, its finish). The journal gets a `lease_ended` entry by `operator` with
+/// the new token. `None` when the key is not started or the token moved on.
 ///
 /// Ending a lease is for an owner believed gone. One still running is stopped at its next write,
 /// but a phase it is in goes on meanwhile: a local phase's commit is refused, a foreign call goes
@@ -177,7 +188,15 @@ pub async fn end_lease(
     Ok(sqlx::query_scalar(
         "UPDATE idempotency_keys \
          SET locked_until = least(locked_until, now()), \
-             lock_version = nextval('idempotency_keys_fence'), updated_at = now() \
+             (lock_version, journal) = ( \
+                 SELECT fence.token, \
+                        CASE WHEN jsonb_array_length(journal) >= 64 THEN journal - 1 \
+                             ELSE journal END \
+                        || jsonb_build_object( \
+                               'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                               'event', 'lease_ended', 'token', fence.token, 'by', 'operator') \
+                 FROM (SELECT nextval('idempotency_keys_fence') AS token) AS fence), \
+             updated_at = now() \
          WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
          RETURNING lock_version",
     )
@@ -199,7 +218,8 @@ const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
               WHERE apart.tenant = idempotency_keys.tenant AND apart.key = idempotency_keys.key)) \
         AS response_bytes, \
     encode(fingerprint, 'hex') AS fingerprint_hex, \
-    floor(extract(epoch FROM now() - created_at))::bigint AS age_seconds";
+    floor(extract(epoch FROM now() - created_at))::bigint AS age_seconds, \
+    journal::text AS journal";
 
 fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
     KeyReport {
@@ -216,6 +236,11 @@ fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
         response_bytes: row.get("response_bytes"),
         fingerprint_hex: row.get("fingerprint_hex"),
         age_seconds: row.get("age_seconds"),
+        journal: idemflow_store::journal_from_json(
+            row.get("tenant"),
+            row.get("key"),
+            row.get("journal"),
+        ),
     }
 }
 

@@ -22,22 +22,33 @@ pub const LOOK_UP: &str = "(SELECT fingerprint, workflow, state = 'done' AS done
  (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
          NOT pg_try_advisory_xact_lock_shared($3), \
          nextval('idempotency_keys_fence'), \
-         EXISTS (SELECT FROM pg_prepared_statements WHERE name = 'idemflow_claim_v2')) \
+         EXISTS (SELECT FROM pg_prepared_statements WHERE name = 'idemflow_claim_v3')) \
  LIMIT 1";
 
 /// The name the claim is prepared under on each connection.
-pub const CLAIM_NAME: &str = "idemflow_claim_v2";
+pub const CLAIM_NAME: &str = "idemflow_claim_v3";
 
 /// The connection's prepared claim: the advisory lock and the insert in one statement. The lease
 /// is measured from the insert itself (`clock_timestamp()`), not from the transaction's start.
-/// `$1` claim lock, `$2` tenant, `$3` key, `$4` fingerprint, `$5` workflow, `$6` request, `$7`
-/// lease in ms, `$8` fencing token.
-pub const PREPARE_CLAIM: &str = "PREPARE idemflow_claim_v2 \
+/// The key's journal starts with its `claimed` entry ([`JOURNAL_AT`]). `$1` claim lock, `$2`
+/// tenant, `$3` key, `$4` fingerprint, `$5` workflow, `$6` request, `$7` lease in ms, `$8`
+/// fencing token.
+pub const PREPARE_CLAIM: &str = "PREPARE idemflow_claim_v3 \
      (bigint, text, text, bytea, text, jsonb, bigint, bigint) AS \
      INSERT INTO idempotency_keys \
-         (tenant, key, fingerprint, workflow, request, locked_until, lock_version) \
-     SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8 \
+         (tenant, key, fingerprint, workflow, request, locked_until, lock_version, journal) \
+     SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8, \
+            jsonb_build_array(jsonb_build_object( \
+                'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                'event', 'claimed', 'token', $8)) \
      FROM (SELECT pg_advisory_xact_lock($1)) AS locked";
+
+/// An entry's time in a key's journal: milliseconds since the Unix epoch by the server's clock,
+/// read when the statement writing the entry runs. Every statement that changes a key appends
+/// its entry to the key's `journal` itself (never a statement of its own), keeping at most
+/// [`idemflow_store::JOURNAL_LIMIT`] entries: when full, `journal - 1` drops the second, so the
+/// claim stays first.
+pub const JOURNAL_AT: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
 /// Ends the claim's message: the point a failed first attempt rolls back to, undoing its phases'
 /// effects and keeping the claim, so its failure is recorded under a claim that never left (a
@@ -48,21 +59,30 @@ pub const CLAIMED_SAVEPOINT: &str = "SAVEPOINT idemflow_claimed";
 /// Back to [`CLAIMED_SAVEPOINT`].
 pub const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT idemflow_claimed";
 
-/// Records a completed phase (fenced): `$1` tenant, `$2` key, `$3` lock_version, `$4` recovery
-/// point, `$5` its output, `$6` lease in ms, measured from this statement and never shortening.
+/// Records a completed phase (fenced), and its `phase` entry in the journal: `$1` tenant, `$2`
+/// key, `$3` lock_version, `$4` recovery point, `$5` its output, `$6` lease in ms, measured from
+/// this statement and never shortening.
 pub const ADVANCE: &str = "UPDATE idempotency_keys \
  SET recovery_point = $4, phase_output = $5, attempts = 1, last_error = NULL, \
      locked_until = greatest(locked_until, \
                              clock_timestamp() + $6::bigint * interval '1 millisecond'), \
+     journal = CASE WHEN jsonb_array_length(journal) >= 64 THEN journal - 1 ELSE journal END \
+         || jsonb_build_object('at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                               'event', 'phase', 'token', $3::bigint, 'point', $4::text), \
      updated_at = now() \
  WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
 
-/// Stores the response and marks the key done (fenced): `$1` tenant, `$2` key, `$3`
-/// lock_version, `$4` recovery point, `$5` status, `$6` headers, `$7` body.
+/// Stores the response and marks the key done (fenced), with its `finished` entry in the
+/// journal: `$1` tenant, `$2` key, `$3` lock_version, `$4` recovery point, `$5` status, `$6`
+/// headers, `$7` body.
 pub const FINISH: &str = "UPDATE idempotency_keys \
  SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
      response_status = $5, response_headers = $6, response_body = $7, response_apart = false, \
-     finished_at = clock_timestamp(), updated_at = now() \
+     finished_at = clock_timestamp(), \
+     journal = CASE WHEN jsonb_array_length(journal) >= 64 THEN journal - 1 ELSE journal END \
+         || jsonb_build_object('at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                               'event', 'finished', 'token', $3::bigint, 'status', $5::smallint), \
+     updated_at = now() \
  WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
 
 /// [`FINISH`] for a response stored out of the key's row: the key is marked done with its status
@@ -77,7 +97,12 @@ pub const FINISH_APART: &str = "WITH finished AS ( \
      UPDATE idempotency_keys \
      SET state = 'done', recovery_point = $4, phase_output = NULL, locked_until = NULL, \
          response_status = $5, response_headers = $6, response_body = NULL, \
-         response_apart = true, finished_at = clock_timestamp(), updated_at = now() \
+         response_apart = true, finished_at = clock_timestamp(), \
+         journal = CASE WHEN jsonb_array_length(journal) >= 64 THEN journal - 1 ELSE journal END \
+             || jsonb_build_object( \
+                    'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                    'event', 'finished', 'token', $3::bigint, 'status', $5::smallint), \
+         updated_at = now() \
      WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
      RETURNING tenant, key, created_at) \
  INSERT INTO idempotency_responses (tenant, key, created_at, body) \
@@ -139,6 +164,28 @@ mod tests {
             with_values(sql, &values),
             "SELECT a, j, b::bigint, '$' || c"
         );
+    }
+
+    #[test]
+    fn every_change_of_a_key_appends_to_its_journal_within_the_limit() {
+        for (statement, event) in [
+            (PREPARE_CLAIM, "'claimed'"),
+            (ADVANCE, "'phase'"),
+            (FINISH, "'finished'"),
+            (FINISH_APART, "'finished'"),
+        ] {
+            assert!(statement.contains(JOURNAL_AT), "{statement}");
+            assert!(statement.contains(event), "{statement}");
+        }
+        for statement in [ADVANCE, FINISH, FINISH_APART] {
+            assert!(
+                statement.contains(&format!(
+                    "jsonb_array_length(journal) >= {} THEN journal - 1",
+                    idemflow_store::JOURNAL_LIMIT
+                )),
+                "{statement}"
+            );
+        }
     }
 
     #[test]

@@ -38,7 +38,8 @@ pub struct TakenOver {
 /// Takes over a started key whose lease expired, by compare-and-set on the fencing token the
 /// caller saw: if anyone else took it over (or finished it, or renewed the lease) in between, no
 /// row matches and `None` comes back. The lease is judged by the database clock. The new owner's
-/// token is drawn from the fence sequence: it never equals a token of this key's past.
+/// token is drawn from the fence sequence: it never equals a token of this key's past. The
+/// journal gets a `taken_over` entry by `retry`, with the new token and attempt.
 ///
 /// The takeover also takes the key's claim lock (the advisory lock a claim holds) for its
 /// transaction, trying it without waiting: a second request taking the same key over while the
@@ -54,7 +55,16 @@ pub async fn take_over(
     let lease_from = std::time::Instant::now();
     let row = sqlx::query(
         "UPDATE idempotency_keys \
-         SET lock_version = nextval('idempotency_keys_fence'), attempts = attempts + 1, \
+         SET (lock_version, journal) = ( \
+                 SELECT fence.token, \
+                        CASE WHEN jsonb_array_length(journal) >= 64 THEN journal - 1 \
+                             ELSE journal END \
+                        || jsonb_build_object( \
+                               'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                               'event', 'taken_over', 'token', fence.token, 'by', 'retry', \
+                               'attempt', attempts + 1) \
+                 FROM (SELECT nextval('idempotency_keys_fence') AS token) AS fence), \
+             attempts = attempts + 1, \
              locked_until = clock_timestamp() + $4::bigint * interval '1 millisecond', \
              updated_at = now() \
          WHERE tenant = $1 AND key = $2 AND lock_version = $3 \

@@ -23,6 +23,11 @@ fn report(row: &SqliteRow) -> Result<KeyReport, StoreError> {
         response_bytes: row.try_get("response_bytes")?,
         fingerprint_hex: row.try_get("fingerprint_hex")?,
         age_seconds: row.try_get("age_seconds")?,
+        journal: idemflow_store::journal_from_json(
+            row.try_get("tenant")?,
+            row.try_get("key")?,
+            row.try_get("journal")?,
+        ),
     })
 }
 

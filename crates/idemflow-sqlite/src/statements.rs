@@ -12,6 +12,23 @@ macro_rules! now_ms {
 /// [`now_ms!`] as a constant, for documentation and tests.
 pub const NOW_MS: &str = now_ms!();
 
+/// The key's journal with one entry appended: a JSON object of `at` (now, [`now_ms!`]) and the
+/// arguments given (the rest of a `json_object`'s: `'event', 'phase', 'token', ?3, …`). At most
+/// 64 entries (`idemflow_store::JOURNAL_LIMIT`): when full, the second goes, so the claim stays
+/// first. Each statement that changes a key appends its own entry: never a statement of its own.
+macro_rules! journal_with {
+    ($($entry:literal),+ $(,)?) => {
+        concat!(
+            "journal = json_insert(CASE WHEN json_array_length(journal) >= 64 \
+                 THEN json_remove(journal, '$[1]') ELSE journal END, '$[#]', json_object('at', ",
+            now_ms!(),
+            ", ",
+            $($entry),+,
+            ")), "
+        )
+    };
+}
+
 /// The look-up, outside any transaction: the key's row, with what deciding needs. `?1` tenant,
 /// `?2` key. `life` only when the body is stored apart.
 pub const LOOK_UP: &str = concat!(
@@ -34,41 +51,47 @@ pub const EXISTS: &str = "SELECT 1 FROM idempotency_keys WHERE tenant = ?1 AND k
 pub const NEXT_FENCE: &str =
     "UPDATE idempotency_fence SET last = last + 1 WHERE id = 1 RETURNING last";
 
-/// The claim's insert: `?1` tenant, `?2` key, `?3` fingerprint, `?4` workflow, `?5` request
-/// (JSON text), `?6` lease in ms, `?7` the fencing token, which is also the row's life.
+/// The claim's insert, its journal starting with the `claimed` entry: `?1` tenant, `?2` key,
+/// `?3` fingerprint, `?4` workflow, `?5` request (JSON text), `?6` lease in ms, `?7` the fencing
+/// token, which is also the row's life.
 pub const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys \
          (tenant, key, fingerprint, workflow, request, locked_until, lock_version, life, \
-          created_at, updated_at) \
+          created_at, updated_at, journal) \
      VALUES (?1, ?2, ?3, ?4, ?5, ",
     now_ms!(),
     " + ?6, ?7, ?7, ",
     now_ms!(),
     ", ",
     now_ms!(),
-    ")"
+    ", json_array(json_object('at', ",
+    now_ms!(),
+    ", 'event', 'claimed', 'token', ?7)))"
 );
 
-/// Records a completed phase (fenced): `?1` tenant, `?2` key, `?3` lock_version, `?4` recovery
-/// point, `?5` its output (JSON text), `?6` lease in ms, from this statement and never
-/// shortening.
+/// Records a completed phase (fenced), with its `phase` entry in the journal: `?1` tenant, `?2`
+/// key, `?3` lock_version, `?4` recovery point, `?5` its output (JSON text), `?6` lease in ms,
+/// from this statement and never shortening.
 pub const ADVANCE: &str = concat!(
     "UPDATE idempotency_keys \
-     SET recovery_point = ?4, phase_output = ?5, attempts = 1, last_error = NULL, \
-         locked_until = max(locked_until, ",
+     SET recovery_point = ?4, phase_output = ?5, attempts = 1, last_error = NULL, ",
+    journal_with!("'event', 'phase', 'token', ?3, 'point', ?4"),
+    "locked_until = max(locked_until, ",
     now_ms!(),
     " + ?6), updated_at = ",
     now_ms!(),
     " WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'"
 );
 
-/// Stores the response in the row and marks the key done (fenced): `?1` tenant, `?2` key, `?3`
-/// lock_version, `?4` recovery point, `?5` status, `?6` headers (JSON text), `?7` body.
+/// Stores the response in the row and marks the key done (fenced), with its `finished` entry in
+/// the journal: `?1` tenant, `?2` key, `?3` lock_version, `?4` recovery point, `?5` status, `?6`
+/// headers (JSON text), `?7` body.
 pub const FINISH: &str = concat!(
     "UPDATE idempotency_keys \
      SET state = 'done', recovery_point = ?4, phase_output = NULL, locked_until = NULL, \
-         response_status = ?5, response_headers = ?6, response_body = ?7, response_apart = 0, \
-         finished_at = ",
+         response_status = ?5, response_headers = ?6, response_body = ?7, response_apart = 0, ",
+    journal_with!("'event', 'finished', 'token', ?3, 'status', ?5"),
+    "finished_at = ",
     now_ms!(),
     ", updated_at = ",
     now_ms!(),
@@ -81,8 +104,9 @@ pub const FINISH: &str = concat!(
 pub const FINISH_APART: &str = concat!(
     "UPDATE idempotency_keys \
      SET state = 'done', recovery_point = ?4, phase_output = NULL, locked_until = NULL, \
-         response_status = ?5, response_headers = ?6, response_body = NULL, response_apart = 1, \
-         finished_at = ",
+         response_status = ?5, response_headers = ?6, response_body = NULL, response_apart = 1, ",
+    journal_with!("'event', 'finished', 'token', ?3, 'status', ?5"),
+    "finished_at = ",
     now_ms!(),
     ", updated_at = ",
     now_ms!(),
@@ -108,11 +132,13 @@ pub const RENEW_LEASE: &str = concat!(
     " + ?4) WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'"
 );
 
-/// Takes over a started key whose lease is over, naming the token the taker saw: `?1` tenant,
-/// `?2` key, `?3` the token seen, `?4` the new token, `?5` lease in ms.
+/// Takes over a started key whose lease is over, naming the token the taker saw, with its
+/// `taken_over` entry in the journal: `?1` tenant, `?2` key, `?3` the token seen, `?4` the new
+/// token, `?5` lease in ms, `?6` who takes it (`resumer` or `retry`).
 pub const TAKE_OVER: &str = concat!(
-    "UPDATE idempotency_keys \
-     SET lock_version = ?4, locked_until = ",
+    "UPDATE idempotency_keys SET ",
+    journal_with!("'event', 'taken_over', 'token', ?4, 'by', ?6, 'attempt', attempts + 1"),
+    "lock_version = ?4, locked_until = ",
     now_ms!(),
     " + ?5, attempts = attempts + 1, updated_at = ",
     now_ms!(),
@@ -154,10 +180,13 @@ pub const DUE_OF: &str = concat!(
     " AND workflow IN (SELECT value FROM json_each(?1)) ORDER BY locked_until LIMIT ?2"
 );
 
-/// Postpones a key after a failed attempt (fenced), with a new token: `?1` tenant, `?2` key, `?3`
+/// Postpones a key after a failed attempt (fenced), with a new token and a `failed` entry in the
+/// journal (the recovery point the attempt began at, the error): `?1` tenant, `?2` key, `?3`
 /// lock_version, `?4` the new token, `?5` ms until the lease ends, `?6` the error.
 pub const POSTPONE: &str = concat!(
-    "UPDATE idempotency_keys SET locked_until = ",
+    "UPDATE idempotency_keys SET ",
+    journal_with!("'event', 'failed', 'token', ?4, 'point', recovery_point, 'error', ?6"),
+    "locked_until = ",
     now_ms!(),
     " + ?5, lock_version = ?4, last_error = ?6, updated_at = ",
     now_ms!(),
@@ -169,10 +198,12 @@ pub const POSTPONE: &str = concat!(
 pub const DELETE_OWNED: &str = "DELETE FROM idempotency_keys \
      WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'";
 
-/// Ends a started key's lease now and advances its fence: `?1` tenant, `?2` key, `?3` the token
-/// seen, `?4` the new token.
+/// Ends a started key's lease now and advances its fence, with a `lease_ended` entry in the
+/// journal: `?1` tenant, `?2` key, `?3` the token seen, `?4` the new token.
 pub const END_LEASE: &str = concat!(
-    "UPDATE idempotency_keys SET locked_until = min(locked_until, ",
+    "UPDATE idempotency_keys SET ",
+    journal_with!("'event', 'lease_ended', 'token', ?4, 'by', 'operator'"),
+    "locked_until = min(locked_until, ",
     now_ms!(),
     "), lock_version = ?4, updated_at = ",
     now_ms!(),
@@ -185,7 +216,7 @@ pub const END_LEASE: &str = concat!(
 macro_rules! report_columns {
     () => {
         concat!(
-            "tenant, key, workflow, state, recovery_point, \
+            "tenant, key, workflow, state, recovery_point, journal, \
              CASE WHEN state = 'started' THEN locked_until - ",
             now_ms!(),
             " END AS lease_left_ms, \

@@ -51,13 +51,25 @@ pub async fn take_over(
 }
 
 /// Takes `key` over as [`take_over`] does, inside the caller's write transaction (a client
-/// retry's takeover commits with its first phase).
+/// retry's takeover commits with its first phase). The journal names the taker a `retry`.
 pub async fn take_over_in(
     connection: &mut SqliteConnection,
     tenant: &TenantId,
     key: &Key,
     seen: i64,
     lease: Duration,
+) -> Result<Option<TakenOver>, StoreError> {
+    take_over_by(connection, tenant, key, seen, lease, "retry").await
+}
+
+/// [`take_over_in`], the journal's entry naming the taker `by` (`retry` or `resumer`).
+async fn take_over_by(
+    connection: &mut SqliteConnection,
+    tenant: &TenantId,
+    key: &Key,
+    seen: i64,
+    lease: Duration,
+    by: &str,
 ) -> Result<Option<TakenOver>, StoreError> {
     let lease_from = std::time::Instant::now();
     let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
@@ -69,6 +81,7 @@ pub async fn take_over_in(
         .bind(seen)
         .bind(token)
         .bind(millis(lease))
+        .bind(by)
         .fetch_optional(connection)
         .await?
     else {
@@ -123,7 +136,8 @@ pub async fn due(connection: &mut SqliteConnection, batch: i64) -> Result<Vec<Du
 
 /// Takes over up to `batch` started keys whose lease is over, of the named workflows only, each
 /// with its workflow's lease, in one write transaction (the resumer's scan: SQLite's one writer
-/// means no other resumer takes the same keys meanwhile). Each comes with its workflow's name.
+/// means no other resumer takes the same keys meanwhile). Each comes with its workflow's name;
+/// the journal names the taker a `resumer`.
 pub async fn take_over_due(
     connection: PoolConnection<Sqlite>,
     workflows: &[(String, Duration)],
@@ -154,7 +168,7 @@ pub async fn take_over_due(
             .find(|(name, _)| *name == workflow)
             .map_or(Duration::ZERO, |(_, lease)| *lease);
         if let Some(one) =
-            take_over_in(transaction.connection(), &tenant, &key, seen, lease).await?
+            take_over_by(transaction.connection(), &tenant, &key, seen, lease, "resumer").await?
         {
             taken.push((workflow, one));
         }

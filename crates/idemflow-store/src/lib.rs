@@ -128,6 +128,67 @@ pub struct KeyReport {
 }
 
 /// Counts by state and workflow, the oldest started key and the resumer lag.
+    /// The key's timeline, oldest first ([`JournalEntry`]): at most [`JOURNAL_LIMIT`] entries,
+    /// the claim always first. Empty for a key claimed before the journal existed, and when the
+    /// stored journal cannot be read (a warning is logged; the report itself never fails on it).
+    pub journal: Vec<JournalEntry>,
+}
+
+/// How many entries a key's journal keeps: when full, each new entry drops the oldest one after
+/// the claim (the second), so the claim stays first and the newest last, and a key that fails
+/// or is taken over again and again cannot grow its row without bound.
+pub const JOURNAL_LIMIT: usize = 64;
+
+/// One event in a key's journal: what changed the key, when, and the fencing token it held after
+/// the change. Each entry is written by the database, in the very statement that makes the change
+/// (the claim, an advance, a failed attempt's record, a takeover, an ended lease, the finish),
+/// with the time read off the database's clock; never in a statement of its own.
+///
+/// An entry holds no request data (the journal is not sealed): only recovery-point names, tokens,
+/// times, attempt numbers, statuses and a failed attempt's error text, which `last_error` already
+/// stores in the clear.
+///
+/// Stored as a JSON object: `{"at": <ms>, "event": "<event>", "token": <n>, ...}`, with `point`,
+/// `error`, `by`, `attempt` and `status` present only for the events that carry them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct JournalEntry {
+    /// When, in milliseconds since the Unix epoch, by the database's clock (`at`).
+    #[serde(rename = "at")]
+    pub at_ms: i64,
+    /// What happened: `claimed`, `phase` (a phase completed: a recovery point), `failed` (a
+    /// failed attempt recorded), `taken_over` (by a resumer or a client retry), `lease_ended` (by
+    /// an operator) or `finished` (the response stored).
+    pub event: String,
+    /// The key's fencing token (`lock_version`) after the change.
+    pub token: i64,
+    /// `phase`: the recovery point reached; `failed`: the recovery point the attempt began at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point: Option<String>,
+    /// `failed`: the error recorded (the text `last_error` gets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// `taken_over`: `resumer` or `retry`; `lease_ended`: `operator`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// `taken_over`: the attempt the takeover begins (the key's `attempts` after it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<i64>,
+    /// `finished`: the stored response's HTTP status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<i64>,
+}
+
+/// A key's journal from its column's JSON text, for the engines' reports. A journal that is not
+/// a JSON array of entries is logged (a warning naming the key) and read as empty, so a damaged
+/// column never makes a report fail.
+pub fn journal_from_json(tenant: &str, key: &str, json: &str) -> Vec<JournalEntry> {
+    match serde_json::from_str(json) {
+        Ok(journal) => journal,
+        Err(error) => {
+            tracing::warn!(%tenant, %key, %error, "a key's journal is unreadable; reported empty");
+            Vec::new()
+        }
+    }
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TableStats {
     /// (workflow, state, count), ordered.

@@ -1,0 +1,16 @@
+-- A key's journal: its timeline for operators (claimed, each completed phase, each failed attempt
+-- with its error, takeovers by a resumer or a client retry, an operator's ended lease, the
+-- finish), as a JSON array of small objects, oldest first. Each entry is appended by the very
+-- statement that makes the change it records (docs/ARCHITECTURE.md, "The journal"), never by a
+-- statement of its own, so it costs no round trip and no commit. At most 64 entries: when full,
+-- the second entry goes (`journal - 1`), so the claim stays first and a key that fails again and
+-- again cannot grow its row without bound.
+--
+-- It holds no request data: recovery-point names, tokens, times, attempts, statuses and the
+-- error text `last_error` already keeps.
+--
+-- A constant default: PostgreSQL adds the column without rewriting the table. On the partitioned
+-- layout this ALTER on the parent adds it to every partition, and partitions created later copy it
+-- (`CREATE TABLE … (LIKE idempotency_keys INCLUDING DEFAULTS …)`). Keys claimed before it start
+-- with an empty journal.
+ALTER TABLE idempotency_keys ADD COLUMN journal jsonb NOT NULL DEFAULT '[]';
