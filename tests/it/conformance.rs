@@ -3,8 +3,9 @@
 //! engine). A new engine is proven by adding its line here, not by tests of its own.
 //!
 //! Each engine brings a [`Bench`]: a fresh database, and the two things a case does behind the
-//! store's back, in the engine's SQL: ending every lease, and ageing every finished key. Leases
-//! are ended by rewinding them, never by sleeping.
+//! store's back, in the engine's SQL: ending every lease, ageing every finished key, and
+//! damaging every key's journal; and its operators' report of a key. Leases are ended by
+//! rewinding them, never by sleeping.
 
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
 use idemflow_mysql::MySqlStore;
 use idemflow_pg::PgStore;
 use idemflow_sqlite::SqliteStore;
-use idemflow_store::{Claim, Failure, LookUp, Store};
+use idemflow_store::{Claim, Failure, JournalEntry, KeyReport, LookUp, Store};
 use serde_json::{Value, json};
 
 /// An engine's database for one case.
@@ -23,6 +24,10 @@ trait Bench: Store {
     async fn lapse_leases(pool: &Self::Pool);
     /// Moves every finished key's finish two days back.
     async fn age_finished(pool: &Self::Pool);
+    /// Writes over every key's journal what no report can read.
+    async fn damage_journals(pool: &Self::Pool);
+    /// The operators' report of the conformance tenant's `key` (`idemflow inspect`).
+    async fn report(pool: &Self::Pool, key: &Key) -> KeyReport;
 }
 
 #[async_trait]
@@ -39,6 +44,22 @@ impl Bench for PgStore {
             .execute(pool)
             .await
             .unwrap();
+    }
+
+    async fn damage_journals(pool: &sqlx::PgPool) {
+        // jsonb holds only valid JSON: an object where a list of entries belongs.
+        sqlx::query(r#"UPDATE idempotency_keys SET journal = '{"not": "a journal"}'"#)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn report(pool: &sqlx::PgPool, key: &Key) -> KeyReport {
+        let mut connection = pool.acquire().await.unwrap();
+        idemflow_pg::key_report(&mut connection, tenant().as_str(), key.as_str())
+            .await
+            .unwrap()
+            .expect("the key is there")
     }
 }
 
@@ -57,6 +78,21 @@ impl Bench for SqliteStore {
             .await
             .unwrap();
     }
+
+    async fn damage_journals(pool: &sqlx::SqlitePool) {
+        sqlx::query("UPDATE idempotency_keys SET journal = '[{\"at\": oops'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn report(pool: &sqlx::SqlitePool, key: &Key) -> KeyReport {
+        let mut connection = pool.acquire().await.unwrap();
+        idemflow_sqlite::key_report(&mut connection, tenant().as_str(), key.as_str())
+            .await
+            .unwrap()
+            .expect("the key is there")
+    }
 }
 
 #[async_trait]
@@ -73,6 +109,21 @@ impl Bench for MySqlStore {
             .execute(pool)
             .await
             .unwrap();
+    }
+
+    async fn damage_journals(pool: &sqlx::MySqlPool) {
+        sqlx::query("UPDATE idempotency_keys SET journal = '[{\"at\": oops'")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn report(pool: &sqlx::MySqlPool, key: &Key) -> KeyReport {
+        let mut connection = pool.acquire().await.unwrap();
+        idemflow_mysql::key_report(&mut connection, tenant().as_str(), key.as_str())
+            .await
+            .unwrap()
+            .expect("the key is there")
     }
 }
 
@@ -137,6 +188,10 @@ conformance!(
     a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing,
     an_ended_lease_advances_the_fence_and_frees_the_key_at_once,
     keys_and_tenants_are_compared_byte_for_byte,
+    a_keys_journal_is_its_timeline_in_order,
+    a_full_journal_keeps_the_claim_first_and_the_newest_last,
+    the_journal_names_who_took_a_key_over_and_who_ended_its_lease,
+    a_journal_no_report_can_read_is_reported_empty,
 );
 
 fn tenant() -> TenantId {
@@ -668,3 +723,224 @@ async fn keys_and_tenants_are_compared_byte_for_byte<S: Store>(pool: S::Pool) {
         }
     }
 }
+
+/// `(event, token)` of each entry, for comparing a journal at a glance.
+fn events(journal: &[JournalEntry]) -> Vec<(&str, i64)> {
+    journal
+        .iter()
+        .map(|entry| (entry.event.as_str(), entry.token))
+        .collect()
+}
+
+/// A key claimed, a phase done, a failed attempt recorded, taken over by a client retry after its
+/// lease is rewound, another phase done, finished: the journal lists each of these, in order,
+/// each with the token the key held after it and the database's time.
+async fn a_keys_journal_is_its_timeline_in_order<S: Bench>(pool: S::Pool) {
+    let key = key("k-journal");
+    let (mut transaction, first) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+    S::advance(
+        &mut transaction,
+        &first,
+        "reserve",
+        &json!({"order": 7}),
+        LEASE,
+    )
+    .await
+    .unwrap();
+    S::commit(transaction).await.unwrap();
+    S::postpone(
+        &pool,
+        &first,
+        Duration::from_secs(60),
+        "charge: provider 503",
+    )
+    .await
+    .unwrap();
+    let failed = found::<S>(&pool, &key).await.lock_version;
+    S::lapse_leases(&pool).await;
+    let taken = S::take_over(&pool, &tenant(), &key, failed, LEASE)
+        .await
+        .unwrap()
+        .expect("a lapsed lease is taken over");
+    let second = S::token(&taken.owner);
+    let mut transaction = S::begin(&pool).await.unwrap();
+    S::advance(
+        &mut transaction,
+        &taken.owner,
+        "charge",
+        &json!({"charge": "ch_1"}),
+        LEASE,
+    )
+    .await
+    .unwrap();
+    S::finish(
+        &mut transaction,
+        &taken.owner,
+        "complete",
+        &response(b"{}"),
+        usize::MAX,
+    )
+    .await
+    .unwrap();
+    S::commit(transaction).await.unwrap();
+
+    let report = S::report(&pool, &key).await;
+    let token = S::token(&first);
+    // Each change that moved the fence names the new token (unique, not ordered: no case
+    // compares tokens by size).
+    assert!(token != failed && failed != second && second != token);
+    assert_eq!(
+        events(&report.journal),
+        [
+            ("claimed", token),
+            ("phase", token),
+            ("failed", failed),
+            ("taken_over", second),
+            ("phase", second),
+            ("finished", second),
+        ],
+        "{:#?}",
+        report.journal
+    );
+    assert_eq!(report.lock_version, second);
+    let entry = |at: usize| &report.journal[at];
+    assert_eq!(entry(1).point.as_deref(), Some("reserve"));
+    // A failed attempt names where it began and the error `last_error` got.
+    assert_eq!(
+        (entry(2).point.as_deref(), entry(2).error.as_deref()),
+        (Some("reserve"), Some("charge: provider 503"))
+    );
+    assert_eq!(
+        (entry(3).by.as_deref(), entry(3).attempt),
+        (Some("retry"), Some(2))
+    );
+    assert_eq!(entry(4).point.as_deref(), Some("charge"));
+    assert_eq!(entry(5).status, Some(201));
+    // Only the fields of each event: nothing else is stored.
+    for entry in &report.journal {
+        let fields = [
+            entry.point.is_some(),
+            entry.error.is_some(),
+            entry.by.is_some(),
+            entry.attempt.is_some(),
+            entry.status.is_some(),
+        ];
+        let expected = match entry.event.as_str() {
+            "claimed" => [false; 5],
+            "phase" => [true, false, false, false, false],
+            "failed" => [true, true, false, false, false],
+            "taken_over" => [false, false, true, true, false],
+            "finished" => [false, false, false, false, true],
+            other => panic!("no {other} event here"),
+        };
+        assert_eq!(fields, expected, "{entry:?}");
+    }
+    // Times by the database's clock, in milliseconds, in order.
+    let now_ms = i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap();
+    let times: Vec<i64> = report.journal.iter().map(|entry| entry.at_ms).collect();
+    assert!(times.is_sorted(), "{times:?}");
+    assert!(
+        times
+            .iter()
+            .all(|at| (now_ms - 600_000..=now_ms + 600_000).contains(at)),
+        "{times:?} against {now_ms}"
+    );
+}
+
+/// 70 takeovers of a key that never gets anywhere: its journal keeps 64 entries, the claim first
+/// and the newest takeover last, the oldest takeovers dropped.
+async fn a_full_journal_keeps_the_claim_first_and_the_newest_last<S: Bench>(pool: S::Pool) {
+    let key = key("k-crash-loop");
+    let (transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+    S::commit(transaction).await.unwrap();
+    let claimed = S::token(&owner);
+    let mut token = claimed;
+    for _ in 0..70 {
+        S::lapse_leases(&pool).await;
+        token = S::token(
+            &S::take_over(&pool, &tenant(), &key, token, LEASE)
+                .await
+                .unwrap()
+                .expect("a lapsed lease is taken over")
+                .owner,
+        );
+    }
+    let report = S::report(&pool, &key).await;
+    assert_eq!(report.journal.len(), idemflow_store::JOURNAL_LIMIT);
+    assert_eq!(events(&report.journal[..1]), [("claimed", claimed)]);
+    let last = report.journal.last().unwrap();
+    assert_eq!(
+        (last.event.as_str(), last.token, last.attempt),
+        ("taken_over", token, Some(71))
+    );
+    // The 63 newest takeovers, one after another: attempts 9 to 71.
+    let attempts: Vec<Option<i64>> = report.journal[1..]
+        .iter()
+        .map(|entry| entry.attempt)
+        .collect();
+    assert_eq!(attempts, (9..=71).map(Some).collect::<Vec<_>>());
+    assert_eq!(report.attempts, 71);
+}
+
+/// A resumer's takeover is marked `resumer`, an operator's ended lease `operator`, each with the
+/// token it drew.
+async fn the_journal_names_who_took_a_key_over_and_who_ended_its_lease<S: Bench>(pool: S::Pool) {
+    let (resumed, ended) = (key("k-resumed"), key("k-ended"));
+    let (transaction, first) = claim::<S>(&pool, &resumed, "checkout@1").await.unwrap();
+    S::commit(transaction).await.unwrap();
+    let (transaction, second) = claim::<S>(&pool, &ended, "refund@1").await.unwrap();
+    S::commit(transaction).await.unwrap();
+
+    let token = S::end_lease(&pool, &tenant(), &ended, S::token(&second))
+        .await
+        .unwrap()
+        .expect("a started key's lease ends");
+    let report = S::report(&pool, &ended).await;
+    assert_eq!(
+        events(&report.journal),
+        [("claimed", S::token(&second)), ("lease_ended", token)]
+    );
+    assert_eq!(
+        (report.journal[1].by.as_deref(), report.journal[1].attempt),
+        (Some("operator"), None)
+    );
+
+    S::lapse_leases(&pool).await;
+    let workflows = [("checkout@1".to_owned(), LEASE)];
+    let taken = S::take_over_due(&pool, &workflows, 10).await.unwrap();
+    let [(_, taken)] = taken.as_slice() else {
+        panic!("one checkout is due: {taken:?}");
+    };
+    let report = S::report(&pool, &resumed).await;
+    assert_eq!(
+        events(&report.journal),
+        [
+            ("claimed", S::token(&first)),
+            ("taken_over", S::token(&taken.owner))
+        ]
+    );
+    assert_eq!(
+        (report.journal[1].by.as_deref(), report.journal[1].attempt),
+        (Some("resumer"), Some(2))
+    );
+}
+
+/// A journal damaged behind the store's back is reported empty; the rest of the report stands.
+async fn a_journal_no_report_can_read_is_reported_empty<S: Bench>(pool: S::Pool) {
+    let key = key("k-damaged");
+    claim_and_finish::<S>(&pool, &key, b"{}", usize::MAX).await;
+    S::damage_journals(&pool).await;
+    let report = S::report(&pool, &key).await;
+    assert_eq!(report.journal, []);
+    assert_eq!(
+        (report.state.as_str(), report.response_status),
+        ("done", Some(201))
+    );
+}
+
