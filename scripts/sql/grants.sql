@@ -9,7 +9,9 @@
 --   psql "$OWNER_DATABASE_URL" -v ON_ERROR_STOP=1 -v runtime_role=idemflow_runtime \
 --        -f scripts/sql/grants.sql
 --
--- :"runtime_role" is psql's interpolation of that variable as a quoted identifier.
+-- :"runtime_role" is psql's interpolation of that variable as a quoted identifier. The operator
+-- console runs as this role; in read-only mode it may run as the read-only role of
+-- scripts/sql/grants-read-only.sql instead.
 
 BEGIN;
 

@@ -28,10 +28,16 @@ trait Bench: Store {
     async fn damage_journals(pool: &Self::Pool);
     /// The operators' report of the conformance tenant's `key` (`idemflow inspect`).
     async fn report(pool: &Self::Pool, key: &Key) -> KeyReport;
+    /// The console's door to the same database (its scan, overview and expiry of one key).
+    fn console(pool: &Self::Pool) -> Box<dyn idemflow_console::Backend>;
 }
 
 #[async_trait]
 impl Bench for PgStore {
+    fn console(pool: &sqlx::PgPool) -> Box<dyn idemflow_console::Backend> {
+        Box::new(idemflow_console::backend::Postgres(pool.clone()))
+    }
+
     async fn lapse_leases(pool: &sqlx::PgPool) {
         sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE state = 'started'")
             .execute(pool)
@@ -65,6 +71,10 @@ impl Bench for PgStore {
 
 #[async_trait]
 impl Bench for SqliteStore {
+    fn console(pool: &sqlx::SqlitePool) -> Box<dyn idemflow_console::Backend> {
+        Box::new(idemflow_console::backend::Sqlite(pool.clone()))
+    }
+
     async fn lapse_leases(pool: &sqlx::SqlitePool) {
         sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
             .execute(pool)
@@ -97,6 +107,10 @@ impl Bench for SqliteStore {
 
 #[async_trait]
 impl Bench for MySqlStore {
+    fn console(pool: &sqlx::MySqlPool) -> Box<dyn idemflow_console::Backend> {
+        Box::new(idemflow_console::backend::MySql(pool.clone()))
+    }
+
     async fn lapse_leases(pool: &sqlx::MySqlPool) {
         sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
             .execute(pool)
@@ -192,6 +206,9 @@ conformance!(
     a_full_journal_keeps_the_claim_first_and_the_newest_last,
     the_journal_names_who_took_a_key_over_and_who_ended_its_lease,
     a_journal_no_report_can_read_is_reported_empty,
+    the_consoles_scan_walks_the_primary_key_from_a_position,
+    the_consoles_overview_counts_started_due_and_lately_finished_keys,
+    the_console_expires_one_key_only_under_the_token_it_was_shown,
 );
 
 fn tenant() -> TenantId {
@@ -944,3 +961,131 @@ async fn a_journal_no_report_can_read_is_reported_empty<S: Bench>(pool: S::Pool)
     );
 }
 
+fn keys_of(reports: &[KeyReport]) -> Vec<&str> {
+    reports.iter().map(|report| report.key.as_str()).collect()
+}
+
+async fn the_consoles_scan_walks_the_primary_key_from_a_position<S: Bench>(pool: S::Pool) {
+    for name in ["b-1", "a-2", "a-1"] {
+        claim_and_finish::<S>(&pool, &key(name), b"{}", usize::MAX).await;
+    }
+    let console = S::console(&pool);
+    let from = |tenant: Option<&str>, after: (&str, &str), inclusive| idemflow_store::ScanFrom {
+        tenant: tenant.map(str::to_owned),
+        after: (after.0.to_owned(), after.1.to_owned()),
+        inclusive,
+    };
+    let t = tenant();
+    let t = t.as_str();
+    // From the start of the table, in key order, bounded.
+    let all = console.scan(&from(None, ("", ""), true), 10).await.unwrap();
+    assert_eq!(keys_of(&all), ["a-1", "a-2", "b-1"]);
+    assert_eq!(all[0].tenant, t);
+    let first = console.scan(&from(None, ("", ""), true), 1).await.unwrap();
+    assert_eq!(keys_of(&first), ["a-1"]);
+    // The next page starts after the last key of the previous one.
+    let next = console.scan(&from(None, (t, "a-1"), false), 10).await.unwrap();
+    assert_eq!(keys_of(&next), ["a-2", "b-1"]);
+    // Within a tenant, from a key prefix (inclusive) or after a key.
+    let prefix = console.scan(&from(Some(t), (t, "a-2"), true), 10).await.unwrap();
+    assert_eq!(keys_of(&prefix), ["a-2", "b-1"]);
+    let after = console.scan(&from(Some(t), (t, "a-2"), false), 10).await.unwrap();
+    assert_eq!(keys_of(&after), ["b-1"]);
+    // Another tenant's range is empty.
+    let other = console
+        .scan(&from(Some("t-other"), ("t-other", ""), true), 10)
+        .await
+        .unwrap();
+    assert!(other.is_empty(), "{other:?}");
+}
+
+async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: Bench>(
+    pool: S::Pool,
+) {
+    let console = S::console(&pool);
+    let empty = console.overview().await.unwrap();
+    assert!(empty.started.is_empty());
+    assert_eq!((empty.finished_last_minute, empty.resumer_lag_ms), (0, 0));
+    claim_and_finish::<S>(&pool, &key("done"), b"{}", usize::MAX).await;
+    for (name, workflow) in [("s-1", "checkout@1"), ("s-2", "checkout@1"), ("s-3", "refund@1")] {
+        let (transaction, _owner) = claim::<S>(&pool, &key(name), workflow).await.unwrap();
+        S::commit(transaction).await.unwrap();
+    }
+    let live = console.overview().await.unwrap();
+    let started: Vec<(&str, i64, i64)> = live
+        .started
+        .iter()
+        .map(|w| (w.workflow.as_str(), w.keys, w.due))
+        .collect();
+    assert_eq!(started, [("checkout@1", 2, 0), ("refund@1", 1, 0)]);
+    assert_eq!(
+        (live.finished_last_minute, live.finished_last_15_minutes),
+        (1, 1)
+    );
+    assert!(live.oldest_started_seconds.is_some());
+    S::lapse_leases(&pool).await;
+    S::age_finished(&pool).await;
+    let due = console.overview().await.unwrap();
+    let started: Vec<(&str, i64, i64)> = due
+        .started
+        .iter()
+        .map(|w| (w.workflow.as_str(), w.keys, w.due))
+        .collect();
+    assert_eq!(started, [("checkout@1", 2, 2), ("refund@1", 1, 1)]);
+    assert!(due.resumer_lag_ms > 0, "{due:?}");
+    // Finished two days ago: no longer in the last quarter hour.
+    assert_eq!(due.finished_last_15_minutes, 0);
+}
+
+async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>(
+    pool: S::Pool,
+) {
+    let console = S::console(&pool);
+    let t = tenant();
+    // A finished key whose body is stored apart, and a started one.
+    let done = key("done-apart");
+    claim_and_finish::<S>(&pool, &done, b"{\"receipt\": 1}", 0).await;
+    let started = key("started");
+    let (transaction, owner) = claim::<S>(&pool, &started, "checkout@1").await.unwrap();
+    S::commit(transaction).await.unwrap();
+    let shown = S::report(&pool, &done).await.lock_version;
+    // A token the key no longer holds (or never held) deletes nothing.
+    assert!(
+        !console
+            .expire_key(t.as_str(), done.as_str(), shown + 1)
+            .await
+            .unwrap()
+    );
+    found::<S>(&pool, &done).await;
+    assert!(
+        console
+            .expire_key(t.as_str(), done.as_str(), shown)
+            .await
+            .unwrap()
+    );
+    assert!(console.key(t.as_str(), done.as_str()).await.unwrap().is_none());
+    // Its body apart went with it: a new life of the key finished in its row reads its own body.
+    claim_and_finish::<S>(&pool, &done, b"{\"receipt\": 2}", usize::MAX).await;
+    let bodies = console
+        .bodies(t.as_str(), done.as_str())
+        .await
+        .unwrap()
+        .expect("the new life");
+    let response = bodies.response.expect("finished");
+    assert_eq!((response.body.as_slice(), response.apart), (&b"{\"receipt\": 2}"[..], false));
+    // A started key goes too, and its owner is fenced out of every write after.
+    assert!(
+        console
+            .expire_key(t.as_str(), started.as_str(), S::token(&owner))
+            .await
+            .unwrap()
+    );
+    assert!(matches!(
+        S::look_up(&pool, &t, &started).await.unwrap(),
+        LookUp::Absent(_)
+    ));
+    assert_eq!(
+        refused::<S, _>(S::renew_lease(&pool, &owner, LEASE).await),
+        Failure::Fenced
+    );
+}

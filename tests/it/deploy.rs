@@ -20,12 +20,13 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(&full).unwrap_or_else(|error| panic!("{path}: {error}"))
 }
 
-/// Every metric the engine, the HTTP layer and the consumer record, with its kind.
+/// Every metric the engine, the HTTP layer, the consumer and the console record, with its kind.
 fn catalogue() -> Vec<(&'static str, &'static str)> {
     idemflow::METRICS
         .iter()
         .chain(idemflow_http::CATALOGUE)
         .chain(idemflow::consumer::CATALOGUE)
+        .chain(idemflow_console::CATALOGUE)
         .map(|&(name, kind, _)| (name, kind))
         .collect()
 }

@@ -12,6 +12,7 @@ mod checkout_example;
 mod claim;
 mod clock_skew;
 mod conformance;
+mod console;
 mod consumer;
 mod crash_processes;
 mod deploy;

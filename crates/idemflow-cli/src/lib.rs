@@ -12,6 +12,7 @@
 
 #![deny(missing_docs)]
 
+pub mod console;
 pub mod duration;
 pub mod mysql;
 mod render;

@@ -91,6 +91,16 @@ enum Command {
     },
     /// Keys by workflow and state, the oldest started key, and the resumer lag.
     Stats,
+    /// Serve the operator console (docs/console.md) until interrupted. Beyond loopback it asks
+    /// for a basic-auth password, read from IDEMFLOW_CONSOLE_PASSWORD (never a flag).
+    Console {
+        /// The address to listen on.
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8089")]
+        bind: std::net::SocketAddr,
+        /// Refuse every action (end-lease, expire), on the server, over read-only connections.
+        #[arg(long)]
+        read_only: bool,
+    },
     /// The partitioned layout of the keys table: expiry by dropping whole partitions.
     Partitions {
         #[command(subcommand)]
@@ -145,6 +155,9 @@ async fn run(cli: Cli, format: Format) -> Output {
         Ok(url) => url,
         Err(error) => return error.output(format),
     };
+    if let Command::Console { bind, read_only } = &cli.command {
+        return idemflow_cli::console::console(&url, *bind, *read_only, format).await;
+    }
     if idemflow_cli::sqlite::is_sqlite(&url) {
         return run_on_sqlite(cli.command, &url, format).await;
     }
@@ -214,7 +227,9 @@ async fn run(cli: Cli, format: Format) -> Output {
                 .await
             }
         },
-        Command::Fingerprint { .. } => unreachable!("answered before connecting"),
+        Command::Fingerprint { .. } | Command::Console { .. } => {
+            unreachable!("answered before connecting")
+        }
     };
     pool.close().await;
     output
@@ -253,7 +268,9 @@ async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
         }
         Command::Stats => sqlite::stats(url, format).await,
         Command::Partitions { .. } => sqlite::not_yet("partitions", format),
-        Command::Fingerprint { .. } => unreachable!("answered before connecting"),
+        Command::Fingerprint { .. } | Command::Console { .. } => {
+            unreachable!("answered before connecting")
+        }
     }
 }
 
@@ -290,7 +307,9 @@ async fn run_on_mysql(command: Command, url: &str, format: Format) -> Output {
         }
         Command::Stats => mysql::stats(url, format).await,
         Command::Partitions { .. } => mysql::not_yet("partitions", format),
-        Command::Fingerprint { .. } => unreachable!("answered before connecting"),
+        Command::Fingerprint { .. } | Command::Console { .. } => {
+            unreachable!("answered before connecting")
+        }
     }
 }
 

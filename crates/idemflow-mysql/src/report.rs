@@ -8,7 +8,7 @@ use sqlx::{MySqlConnection, Row};
 use crate::error::StoreError;
 use crate::statements;
 
-fn report(row: &MySqlRow) -> Result<KeyReport, StoreError> {
+pub(crate) fn report(row: &MySqlRow) -> Result<KeyReport, StoreError> {
     Ok(KeyReport {
         tenant: row.try_get("tenant")?,
         key: row.try_get("key")?,

@@ -411,6 +411,66 @@ pub const OLDEST_STARTED: &str = concat!(
     " - MIN(created_at)) DIV 1000 AS SIGNED) FROM idempotency_keys WHERE state = 'started'"
 );
 
+/// The console's page of keys from a position, in key order: tenant, key, tenant, key (the
+/// position twice: MariaDB walks the primary key's range for this form), how many. Strictly
+/// after the position.
+pub const SCAN_AFTER: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant > ? OR (tenant = ? AND `key` > ?) \
+     ORDER BY tenant, `key` LIMIT ?"
+);
+
+/// [`SCAN_AFTER`] from the position itself.
+pub const SCAN_FROM: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant > ? OR (tenant = ? AND `key` >= ?) \
+     ORDER BY tenant, `key` LIMIT ?"
+);
+
+/// [`SCAN_AFTER`] within one tenant: tenant, key, how many.
+pub const SCAN_TENANT_AFTER: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant = ? AND `key` > ? ORDER BY `key` LIMIT ?"
+);
+
+/// [`SCAN_FROM`] within one tenant.
+pub const SCAN_TENANT_FROM: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant = ? AND `key` >= ? ORDER BY `key` LIMIT ?"
+);
+
+/// Started keys by workflow, with how many are due (the state-and-lease index).
+pub const STARTED_BY_WORKFLOW: &str = concat!(
+    "SELECT workflow, CAST(COUNT(*) AS SIGNED), CAST(COALESCE(SUM(locked_until <= ",
+    now_ms!(),
+    "), 0) AS SIGNED) FROM idempotency_keys WHERE state = 'started' \
+     GROUP BY workflow ORDER BY workflow"
+);
+
+/// Keys finished in the last minute and in the last 15 minutes (the state-and-finish index).
+pub const FINISHED_LATELY: &str = concat!(
+    "SELECT CAST(COALESCE(SUM(finished_at > ",
+    now_ms!(),
+    " - 60000), 0) AS SIGNED), CAST(COUNT(*) AS SIGNED) FROM idempotency_keys \
+     WHERE state = 'done' AND finished_at > ",
+    now_ms!(),
+    " - 900000"
+);
+
+/// InnoDB's estimate of the table's rows.
+pub const ESTIMATED_KEYS: &str = "SELECT CAST(TABLE_ROWS AS SIGNED) FROM information_schema.TABLES \
+     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'idempotency_keys'";
+
+/// Deletes one key whatever its state, with its body apart, if its token is still the one given:
+/// tenant, key, token. One statement, so both go or neither.
+pub const EXPIRE_KEY: &str = "DELETE gone, apart FROM idempotency_keys AS gone \
+     LEFT JOIN idempotency_responses AS apart ON apart.life = gone.life \
+     WHERE gone.tenant = ? AND gone.`key` = ? AND gone.lock_version = ?";
+
 #[cfg(test)]
 mod claim_message_tests {
     use super::claim_then_savepoint;

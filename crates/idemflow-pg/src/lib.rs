@@ -16,6 +16,7 @@
 
 mod claim;
 mod claim_lock;
+mod console;
 mod error;
 mod fenced_writes;
 mod look_up;
@@ -31,6 +32,7 @@ mod transaction;
 
 pub use claim::{ClaimRequest, Claimed, begin_claim, begin_claim_knowing};
 pub use claim_lock::wait_for_claim_lock;
+pub use console::{expire_key, overview, scan_keys};
 pub use transaction::{BEGIN, Limits, Transaction};
 
 pub use maintenance::{

@@ -209,7 +209,7 @@ pub async fn end_lease(
 
 pub use idemflow_store::KeyReport;
 
-const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
+pub(crate) const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
     CASE WHEN state = 'started' THEN ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint END \
         AS lease_left_ms, \
     lock_version, attempts, last_error, response_status, \
@@ -221,7 +221,7 @@ const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
     floor(extract(epoch FROM now() - created_at))::bigint AS age_seconds, \
     journal::text AS journal";
 
-fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
+pub(crate) fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
     KeyReport {
         tenant: row.get("tenant"),
         key: row.get("key"),

@@ -250,6 +250,15 @@ impl<E: Engine> Workflow<E> {
         self.steps.iter().map(|step| step.name().as_str()).collect()
     }
 
+    /// The phases in order, each with whether it is foreign (it calls another system with its
+    /// derived key) or local: what an operator's tools show of a workflow they do not run.
+    pub fn phase_kinds(&self) -> Vec<(&'static str, bool)> {
+        self.steps
+            .iter()
+            .map(|step| (step.name().as_str(), matches!(step, Step::Foreign(_))))
+            .collect()
+    }
+
     /// A local phase's time limit when it sets none: half the lease.
     pub fn default_local_timeout(&self) -> Duration {
         self.lease / 2

@@ -10,6 +10,7 @@
 
 mod claim;
 mod connect;
+mod console;
 mod error;
 mod fenced_writes;
 mod look_up;
@@ -24,6 +25,7 @@ mod transaction;
 
 pub use claim::{ClaimRequest, Claimed, begin_claim};
 pub use connect::{OpenOptions, open, open_file};
+pub use console::{expire_key, overview, scan_keys};
 pub use error::StoreError;
 pub use fenced_writes::{
     advance, delete_owned, end_lease, finish, postpone, postpone_in, renew_lease,

@@ -8,7 +8,7 @@ use sqlx::{Row, SqliteConnection};
 use crate::error::StoreError;
 use crate::statements;
 
-fn report(row: &SqliteRow) -> Result<KeyReport, StoreError> {
+pub(crate) fn report(row: &SqliteRow) -> Result<KeyReport, StoreError> {
     Ok(KeyReport {
         tenant: row.try_get("tenant")?,
         key: row.try_get("key")?,

@@ -299,3 +299,53 @@ pub const COUNT_DUE_UNKNOWN: &str = concat!(
     now_ms!(),
     " AND workflow NOT IN (SELECT value FROM json_each(?1)) GROUP BY workflow ORDER BY workflow"
 );
+
+/// The console's page of keys from a position, in key order: `?1` tenant, `?2` key, `?3` how many.
+/// Strictly after the position.
+pub const SCAN_AFTER: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE (tenant, key) > (?1, ?2) ORDER BY tenant, key LIMIT ?3"
+);
+
+/// [`SCAN_AFTER`] from the position itself.
+pub const SCAN_FROM: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE (tenant, key) >= (?1, ?2) ORDER BY tenant, key LIMIT ?3"
+);
+
+/// [`SCAN_AFTER`] within one tenant: `?1` tenant, `?2` key, `?3` how many.
+pub const SCAN_TENANT_AFTER: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant = ?1 AND key > ?2 ORDER BY key LIMIT ?3"
+);
+
+/// [`SCAN_FROM`] within one tenant.
+pub const SCAN_TENANT_FROM: &str = concat!(
+    "SELECT ",
+    report_columns!(),
+    " FROM idempotency_keys WHERE tenant = ?1 AND key >= ?2 ORDER BY key LIMIT ?3"
+);
+
+/// Started keys by workflow, with how many are due.
+pub const STARTED_BY_WORKFLOW: &str = concat!(
+    "SELECT workflow, count(*), coalesce(sum(locked_until <= ",
+    now_ms!(),
+    "), 0) FROM idempotency_keys WHERE state = 'started' GROUP BY workflow ORDER BY workflow"
+);
+
+/// Keys finished in the last minute and in the last 15 minutes (the finished index).
+pub const FINISHED_LATELY: &str = concat!(
+    "SELECT coalesce(sum(finished_at > ",
+    now_ms!(),
+    " - 60000), 0), count(*) FROM idempotency_keys WHERE state = 'done' AND finished_at > ",
+    now_ms!(),
+    " - 900000"
+);
+
+/// Deletes one key whatever its state if its token is still `?3`: `?1` tenant, `?2` key. Its
+/// life names the body apart to delete with it ([`DELETE_APART`]).
+pub const EXPIRE_KEY: &str = "DELETE FROM idempotency_keys \
+     WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 RETURNING life";

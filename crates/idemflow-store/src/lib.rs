@@ -16,6 +16,9 @@ use async_trait::async_trait;
 use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
 use serde_json::Value;
 
+mod console;
+pub use console::{Overview, ScanFrom, StartedKeys};
+
 /// What a failed store call means to the protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {
@@ -125,9 +128,6 @@ pub struct KeyReport {
     pub fingerprint_hex: String,
     /// Age in whole seconds.
     pub age_seconds: i64,
-}
-
-/// Counts by state and workflow, the oldest started key and the resumer lag.
     /// The key's timeline, oldest first ([`JournalEntry`]): at most [`JOURNAL_LIMIT`] entries,
     /// the claim always first. Empty for a key claimed before the journal existed, and when the
     /// stored journal cannot be read (a warning is logged; the report itself never fails on it).
@@ -189,6 +189,9 @@ pub fn journal_from_json(tenant: &str, key: &str, json: &str) -> Vec<JournalEntr
             Vec::new()
         }
     }
+}
+
+/// Counts by state and workflow, the oldest started key and the resumer lag.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TableStats {
     /// (workflow, state, count), ordered.

@@ -1,0 +1,321 @@
+//! The operator console: an axum [`Router`] over one engine's keys, for an application to mount
+//! under a prefix of its choice (behind its own authentication layers), or to run alone with
+//! `idemflow console`.
+//!
+//! ```no_run
+//! # async fn mount(pool: sqlx::PgPool, app: axum::Router) {
+//! let console = idemflow_console::Console::postgres(pool).read_only(true);
+//! let app = app.nest("/ops/idemflow", console.router());
+//! # }
+//! ```
+//!
+//! Views: an overview of the table from its indexes, a search paged over the primary key, a key's
+//! page (its timeline from the key's journal, fencing token and lease, derived keys, stored
+//! request and response), the stuck list. Actions: end a lease and expire a key, each confirmed,
+//! refused for a live owner unless forced, fenced by the token the operator was shown, and
+//! recorded (a tracing event and the `idemflow_console_actions_total` counter, naming the
+//! [`Principal`] when the application's layers set one). Read-only mode is enforced by the server:
+//! the actions' routes answer 403 whatever the page shows. Its assets are compiled in; pages work
+//! without JavaScript (which only adds the confirmation dialog). docs/console.md has the rest.
+
+#![deny(missing_docs)]
+
+mod actions;
+pub mod backend;
+mod html;
+mod pages;
+mod search;
+mod serve;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{OriginalUri, Query, State};
+use axum::http::{HeaderValue, Request, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use sqlx::{MySqlPool, PgPool, SqlitePool};
+
+pub use backend::{Backend, BackendError};
+pub use search::{PAGE, SCAN, SearchForm};
+pub use serve::{PASSWORD_ENV, ServeError, ServeOptions, serve};
+
+use html::Frame;
+
+/// The metrics the console exports: (name, type, help).
+pub const CATALOGUE: &[(&str, &str, &str)] = &[(
+    "idemflow_console_actions_total",
+    "counter",
+    "Actions asked of the console, by action (end_lease, expire), outcome and principal",
+)];
+
+/// Who is signed in, as the application's authentication layer says: insert it as a request
+/// extension and the console names it in every action it records and in its header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal(pub String);
+
+/// The console over one engine's database.
+#[derive(Clone)]
+pub struct Console {
+    backend: Arc<dyn Backend>,
+    read_only: bool,
+    workflows: Arc<HashMap<String, Vec<(String, bool)>>>,
+}
+
+impl std::fmt::Debug for Console {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Console")
+            .field("engine", &self.backend.engine())
+            .field("read_only", &self.read_only)
+            .finish()
+    }
+}
+
+impl Console {
+    /// A console over any [`Backend`].
+    pub fn new(backend: impl Backend) -> Self {
+        Self {
+            backend: Arc::new(backend),
+            read_only: false,
+            workflows: Arc::default(),
+        }
+    }
+
+    /// A console over a PostgreSQL database of idemflow's keys.
+    pub fn postgres(pool: PgPool) -> Self {
+        Self::new(backend::Postgres(pool))
+    }
+
+    /// A console over a SQLite database of idemflow's keys.
+    pub fn sqlite(pool: SqlitePool) -> Self {
+        Self::new(backend::Sqlite(pool))
+    }
+
+    /// A console over a MariaDB (or MySQL) database of idemflow's keys.
+    pub fn mysql(pool: MySqlPool) -> Self {
+        Self::new(backend::MySql(pool))
+    }
+
+    /// Read-only: every action is refused by the server (403), and no action is offered.
+    #[must_use]
+    pub fn read_only(mut self, read_only: bool) -> Self {
+        self.read_only = read_only;
+        self
+    }
+
+    /// Names a workflow's phases, local and foreign, so a key's page lists them with where the
+    /// key stands and the derived key each foreign phase sends. Without it (the standalone
+    /// console) a page shows what the key's row and journal hold only.
+    #[must_use]
+    pub fn workflow<E: idemflow_runner::Engine>(
+        mut self,
+        workflow: &idemflow_runner::Workflow<E>,
+    ) -> Self {
+        let phases = workflow
+            .phase_kinds()
+            .into_iter()
+            .map(|(name, foreign)| (name.to_owned(), foreign))
+            .collect();
+        Arc::make_mut(&mut self.workflows).insert(workflow.name().to_owned(), phases);
+        self
+    }
+
+    /// The console's routes, to serve alone or to `nest` under a prefix.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/", get(overview))
+            .route("/keys", get(search_page))
+            .route("/key", get(actions::key_page))
+            .route("/stuck", get(stuck))
+            .route("/key/end-lease", post(actions::end_lease))
+            .route("/key/expire", post(actions::expire))
+            .route("/assets/console.css", get(css))
+            .route("/assets/console.js", get(js))
+            .layer(middleware::from_fn(secure_headers))
+            .with_state(self)
+    }
+
+    fn frame<'a>(&'a self, base: &'a str, principal: Option<&'a Principal>) -> Frame<'a> {
+        Frame {
+            base,
+            engine: self.backend.engine(),
+            read_only: self.read_only,
+            principal: principal.map(|p| p.0.as_str()),
+        }
+    }
+}
+
+/// The path the console is mounted under: what a nested router stripped from the request's path
+/// (`""` when it serves at the root). Links are written from it, so the console works under any
+/// prefix.
+fn base(original: &OriginalUri, uri: &Uri) -> String {
+    let original = original.path();
+    match original.strip_suffix(uri.path()) {
+        Some(base) => base.to_owned(),
+        // `/ops` nested: the inner path is `/`, which `/ops` does not end with.
+        None if uri.path() == "/" => original.trim_end_matches('/').to_owned(),
+        None => String::new(),
+    }
+}
+
+/// What a page can say went wrong: a page with its status.
+fn failure(
+    console: &Console,
+    base: &str,
+    principal: Option<&Principal>,
+    status: StatusCode,
+    text: &str,
+) -> Response {
+    let title = if status.is_server_error() {
+        "The database failed"
+    } else {
+        "Not possible"
+    };
+    (
+        status,
+        Html(pages::message(
+            &console.frame(base, principal),
+            title,
+            "error",
+            text,
+            None,
+        )),
+    )
+        .into_response()
+}
+
+async fn overview(
+    State(console): State<Console>,
+    original: OriginalUri,
+    uri: Uri,
+    principal: Option<axum::Extension<Principal>>,
+) -> Response {
+    let base = base(&original, &uri);
+    let principal = principal.map(|axum::Extension(p)| p);
+    match console.backend.overview().await {
+        Ok(overview) => Html(pages::overview(
+            &console.frame(&base, principal.as_ref()),
+            &overview,
+        ))
+        .into_response(),
+        Err(error) => failure(
+            &console,
+            &base,
+            principal.as_ref(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            &error.to_string(),
+        ),
+    }
+}
+
+async fn search_page(
+    State(console): State<Console>,
+    original: OriginalUri,
+    uri: Uri,
+    principal: Option<axum::Extension<Principal>>,
+    Query(form): Query<SearchForm>,
+) -> Response {
+    let base = base(&original, &uri);
+    let principal = principal.map(|axum::Extension(p)| p);
+    let frame = console.frame(&base, principal.as_ref());
+    // A bare visit shows the form; any field runs the search.
+    let asked = uri.query().is_some_and(|query| !query.is_empty());
+    if !asked {
+        return Html(pages::search(&frame, &form, None)).into_response();
+    }
+    let parsed = match search::Search::parse(&form) {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Html(pages::message(
+                    &frame,
+                    "Search",
+                    "error",
+                    &error.to_string(),
+                    None,
+                )),
+            )
+                .into_response();
+        }
+    };
+    match search::run(console.backend.as_ref(), &parsed).await {
+        Ok(found) => Html(pages::search(&frame, &form, Some(&found))).into_response(),
+        Err(error) => failure(
+            &console,
+            &base,
+            principal.as_ref(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            &error.to_string(),
+        ),
+    }
+}
+
+/// How many attempts at one recovery point make a key stuck, as `idemflow list --stuck` counts.
+const STUCK_ATTEMPTS: i32 = 5;
+
+async fn stuck(
+    State(console): State<Console>,
+    original: OriginalUri,
+    uri: Uri,
+    principal: Option<axum::Extension<Principal>>,
+) -> Response {
+    let base = base(&original, &uri);
+    let principal = principal.map(|axum::Extension(p)| p);
+    match console.backend.stuck(STUCK_ATTEMPTS, 100).await {
+        Ok(keys) => Html(pages::stuck(
+            &console.frame(&base, principal.as_ref()),
+            &keys,
+            STUCK_ATTEMPTS,
+        ))
+        .into_response(),
+        Err(error) => failure(
+            &console,
+            &base,
+            principal.as_ref(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            &error.to_string(),
+        ),
+    }
+}
+
+async fn css() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        include_str!("../assets/console.css"),
+    )
+}
+
+async fn js() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        include_str!("../assets/console.js"),
+    )
+}
+
+/// The pages show what the database holds (error texts, stored requests), so a browser is told to
+/// run no script and load nothing but the console's own assets, and to frame it nowhere.
+async fn secure_headers(request: Request<axum::body::Body>, next: Next) -> Response {
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+             form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}

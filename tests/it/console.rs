@@ -1,0 +1,706 @@
+//! The operator console against a real PostgreSQL, mounted under a prefix as an application
+//! mounts it: over HTTP (search, a key's page, the actions and every refusal, read-only mode, the
+//! standalone server's password) and in a real browser (headless Chromium through
+//! `idemflow_testkit::browser`), which also makes the screenshots in docs/console.md. What each
+//! engine must answer the console with is proven by the conformance suite's console cases.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use idemflow::{Keyring, Outcome, Registry, Resumer, Runner, RunnerConfig};
+use idemflow_console::{Console, ServeOptions};
+use idemflow_testkit::browser::Browser;
+use reqwest::StatusCode;
+use serde_json::json;
+use sqlx::PgPool;
+
+use crate::support::*;
+
+/// Serves `console` nested under `/ops` (with a page of the application's own beside it) on
+/// loopback: the console's root URL.
+async fn serve(console: Console) -> String {
+    let app = Router::new()
+        .route("/", axum::routing::get(|| async { "the application" }))
+        .nest("/ops", console.router());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{address}/ops")
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+}
+
+async fn page(url: &str) -> (StatusCode, String) {
+    let response = client().get(url).send().await.unwrap();
+    (response.status(), response.text().await.unwrap())
+}
+
+async fn post(url: &str, form: &[(&str, &str)]) -> (StatusCode, String) {
+    let response = client().post(url).form(form).send().await.unwrap();
+    (response.status(), response.text().await.unwrap())
+}
+
+/// The keys the tests look at, made by the runner and the resumer as a service makes them.
+struct Seeded {
+    harness: Harness,
+}
+
+const TENANT: &str = "1";
+const CRASHED: &str = "order-crashed";
+const LIVE: &str = "order-live";
+const SEALED: &str = "order-sealed";
+
+/// Two finished checkouts; one whose owner vanished during the charge and that a resumer
+/// finished; one whose owner is still on its charge (its lease live); one stored sealed.
+async fn seed(pool: &PgPool) -> Seeded {
+    create_orders(pool).await;
+    let harness = Harness::default();
+    let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
+    let one = tenant(1);
+    for key in ["order-1", "order-2"] {
+        assert!(matches!(
+            run(&runner, &workflow, &one, key, &body(10)).await,
+            Outcome::Executed(_)
+        ));
+    }
+    // The owner vanishes during the charge (the task is dropped there, as a killed process).
+    let twenty = body(20);
+    for key in [CRASHED, LIVE] {
+        harness
+            .provider
+            .script
+            .hang_next
+            .store(true, Ordering::SeqCst);
+        let crashed = tokio::time::timeout(
+            Duration::from_millis(300),
+            run(&runner, &workflow, &one, key, &twenty),
+        );
+        assert!(crashed.await.is_err());
+    }
+    // The crashed key's lease ends (rewound, as if a minute had passed) and a resumer finishes it.
+    expire_lease(pool, CRASHED).await;
+    let mut registry = Registry::new();
+    registry.register(harness.checkout()).unwrap();
+    let report = Resumer::new(runner, registry).drain().await.unwrap();
+    assert_eq!(report.finished, 1, "{report:?}");
+    // A key whose request and response are sealed at rest.
+    let sealing = Runner::with_config(
+        pool.clone(),
+        RunnerConfig {
+            keyring: Some(Keyring::new("2026-12", [7; 32]).unwrap()),
+            ..RunnerConfig::default()
+        },
+    );
+    let secret = br#"{"amount": 30, "source": "tok_secret_card"}"#;
+    assert!(matches!(
+        run(&sealing, &workflow, &one, SEALED, secret).await,
+        Outcome::Executed(_)
+    ));
+    Seeded { harness }
+}
+
+fn key_url(root: &str, key: &str) -> String {
+    format!("{root}/key?tenant={TENANT}&key={key}")
+}
+
+async fn token(pool: &PgPool, key: &str) -> i64 {
+    key_row(pool, key).await.unwrap().2
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_keys_page_shows_its_timeline_derived_keys_and_what_is_stored(pool: PgPool) {
+    let seeded = seed(&pool).await;
+    let root = serve(Console::postgres(pool.clone()).workflow(&seeded.harness.checkout())).await;
+    let (status, html) = page(&key_url(&root, CRASHED)).await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    // The timeline: the claim, the first phase, the takeover by the resumer, the rest, the finish.
+    let events: Vec<&str> = html
+        .match_indices("data-event=\"")
+        .map(|(at, _)| {
+            let rest = &html[at + 12..];
+            &rest[..rest.find('"').unwrap()]
+        })
+        .collect();
+    // The charge's result is recorded with the last phase, in the finish's transaction.
+    assert_eq!(
+        events,
+        ["claimed", "phase", "taken_over", "finished"],
+        "{html}"
+    );
+    assert!(html.contains("taken over by resumer (attempt 2)"), "{html}");
+    // The workflow's phases, all completed, and the derived key its charge used, as the provider
+    // saw it.
+    assert_eq!(html.matches("<td>completed</td>").count(), 3, "{html}");
+    assert!(
+        html.contains(&format!(
+            "<td>foreign</td><td>completed</td><td><code>{TENANT}:{CRASHED}:charge</code>"
+        )),
+        "{html}"
+    );
+    assert!(
+        seeded
+            .harness
+            .provider
+            .keys()
+            .contains(&format!("{TENANT}:{CRASHED}:charge"))
+    );
+    assert!(
+        html.contains("tok_visa"),
+        "the stored request, in the clear here"
+    );
+    assert!(html.contains(r#"id="response-status">201<"#), "{html}");
+    // Links are written under the prefix the application chose.
+    assert!(html.contains(r#"href="/ops/keys""#));
+    // A key sealed at rest: never opened, never shown.
+    let (status, html) = page(&key_url(&root, SEALED)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(!html.contains("tok_secret_card"), "{html}");
+    assert!(html.contains("sealed under key 2026-12"), "{html}");
+    assert!(html.contains(r#"id="request-sealed""#) && html.contains(r#"id="response-sealed""#));
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn the_search_finds_keys_by_tenant_prefix_and_state_and_pages_through_them(pool: PgPool) {
+    let harness = Harness::default();
+    let (runner, workflow) = (Runner::new(pool.clone()), harness.local_only());
+    create_orders(&pool).await;
+    for n in 0..55 {
+        run(
+            &runner,
+            &workflow,
+            &tenant(1),
+            &format!("batch-{n:03}"),
+            &body(n),
+        )
+        .await;
+    }
+    run(&runner, &workflow, &tenant(2), "batch-000", &body(1)).await;
+    let root = serve(Console::postgres(pool.clone())).await;
+    // A tenant's prefix: the first page of 50, then the rest.
+    let (status, html) = page(&format!("{root}/keys?tenant=1&key=batch-&prefix=on")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(html.matches(r#"class="key""#).count(), 50);
+    let next = html
+        .split(r#"id="next" href=""#)
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("a next page")
+        .replace("&amp;", "&");
+    assert!(next.starts_with("/ops/keys?"), "{next}");
+    let (_, rest) = page(&format!("{}{next}", root.trim_end_matches("/ops"))).await;
+    assert_eq!(rest.matches(r#"class="key""#).count(), 5, "{rest}");
+    assert!(rest.contains("batch-054") && !rest.contains(r#"id="next""#));
+    // The exact key of another tenant, and a filter that matches nothing.
+    let (_, other) = page(&format!("{root}/keys?tenant=2&key=batch-000")).await;
+    assert_eq!(other.matches(r#"class="key""#).count(), 1);
+    let (_, none) = page(&format!("{root}/keys?tenant=1&state=started")).await;
+    assert!(none.contains(r#"id="no-match""#), "{none}");
+    // Bad input: a clear error, 400.
+    let (status, html) = page(&format!("{root}/keys?state=running")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(html.contains("state: started or done"), "{html}");
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn actions_are_confirmed_fenced_and_refused_for_a_live_owner_unless_forced(pool: PgPool) {
+    let _seeded = seed(&pool).await;
+    let root = serve(Console::postgres(pool.clone())).await;
+    let live = token(&pool, LIVE).await;
+    let shown = live.to_string();
+    let end = format!("{root}/key/end-lease");
+    let fields = |confirmed: &'static str, force: &'static str, token: &str| {
+        vec![
+            ("tenant", TENANT.to_owned()),
+            ("key", LIVE.to_owned()),
+            ("lock_version", token.to_owned()),
+            ("force", force.to_owned()),
+            ("confirmed", confirmed.to_owned()),
+        ]
+    };
+    let send = |form: Vec<(&'static str, String)>| {
+        let end = end.clone();
+        async move {
+            let response = client().post(&end).form(&form).send().await.unwrap();
+            (response.status(), response.text().await.unwrap())
+        }
+    };
+    // Unconfirmed: a page that asks, and nothing done.
+    let (status, html) = send(fields("", "on", &shown)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(html.contains(r#"id="confirm""#), "{html}");
+    assert_eq!(token(&pool, LIVE).await, live);
+    // A live owner without force: refused.
+    let (status, html) = send(fields("yes", "", &shown)).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{html}");
+    assert!(html.contains("is live"));
+    assert_eq!(token(&pool, LIVE).await, live);
+    // A token the key no longer holds: refused, nothing done.
+    let (status, _) = send(fields("yes", "on", &(live - 1).to_string())).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(token(&pool, LIVE).await, live);
+    // Confirmed and forced: the fence advances and the lease is over.
+    let (status, html) = send(fields("yes", "on", &shown)).await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    assert!(html.contains("ended the lease"), "{html}");
+    let (state, _, ended, _) = key_row(&pool, LIVE).await.unwrap();
+    assert_eq!(state, "started");
+    assert!(ended > live);
+    // Expire: a done key goes, and the next request with it runs as a new one.
+    let done = token(&pool, "order-1").await.to_string();
+    let (status, html) = post(
+        &format!("{root}/key/expire"),
+        &[
+            ("tenant", TENANT),
+            ("key", "order-1"),
+            ("lock_version", &done),
+            ("confirmed", "yes"),
+        ],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    assert!(key_row(&pool, "order-1").await.is_none());
+    // Bad input: 400 and nothing written.
+    let (status, _) = post(
+        &format!("{root}/key/expire"),
+        &[
+            ("tenant", TENANT),
+            ("key", "order-2"),
+            ("lock_version", "x"),
+            ("confirmed", "yes"),
+        ],
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(key_row(&pool, "order-2").await.is_some());
+    // A form posted from another site (a browser says so): refused.
+    let token2 = token(&pool, "order-2").await.to_string();
+    let response = client()
+        .post(format!("{root}/key/expire"))
+        .header("sec-fetch-site", "cross-site")
+        .form(&[
+            ("tenant", TENANT),
+            ("key", "order-2"),
+            ("lock_version", token2.as_str()),
+            ("confirmed", "yes"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::FORBIDDEN);
+    assert!(key_row(&pool, "order-2").await.is_some());
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_read_only_console_refuses_every_action_on_the_server(pool: PgPool) {
+    let _seeded = seed(&pool).await;
+    let root = serve(Console::postgres(pool.clone()).read_only(true)).await;
+    let (_, html) = page(&key_url(&root, LIVE)).await;
+    assert!(html.contains(r#"id="actions-off""#) && !html.contains("<form method=\"post\""));
+    let live = token(&pool, LIVE).await.to_string();
+    let done = token(&pool, "order-1").await.to_string();
+    for (action, key, shown) in [("end-lease", LIVE, &live), ("expire", "order-1", &done)] {
+        let (status, html) = post(
+            &format!("{root}/key/{action}"),
+            &[
+                ("tenant", TENANT),
+                ("key", key),
+                ("lock_version", shown),
+                ("force", "on"),
+                ("confirmed", "yes"),
+            ],
+        )
+        .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{action}: {html}");
+        assert!(html.contains("read-only"));
+        assert_eq!(token(&pool, key).await.to_string(), *shown, "{action}");
+    }
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn the_standalone_console_asks_for_its_password_and_never_binds_beyond_loopback_without_one(
+    pool: PgPool,
+) {
+    let anywhere: SocketAddr = "0.0.0.0:0".parse().unwrap();
+    let refused = idemflow_console::serve(
+        Console::postgres(pool.clone()),
+        ServeOptions::new(anywhere),
+        |_| {},
+    )
+    .await;
+    assert!(
+        matches!(refused, Err(idemflow_console::ServeError::NoPassword(_))),
+        "{refused:?}"
+    );
+    let (sender, bound) = tokio::sync::oneshot::channel();
+    let console = Console::postgres(pool.clone());
+    tokio::spawn(async move {
+        idemflow_console::serve(
+            console,
+            ServeOptions::new(anywhere).password(Some("s3cret".to_owned())),
+            move |local| {
+                let _ = sender.send(local);
+            },
+        )
+        .await
+        .unwrap();
+    });
+    let port = bound.await.unwrap().port();
+    let url = format!("http://127.0.0.1:{port}/");
+    let asked = client().get(&url).send().await.unwrap();
+    assert_eq!(asked.status(), StatusCode::UNAUTHORIZED);
+    assert!(asked.headers().contains_key("www-authenticate"));
+    let wrong = client()
+        .get(&url)
+        .basic_auth("ana", Some("guess"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    let right = client()
+        .get(&url)
+        .basic_auth("ana", Some("s3cret"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(right.status(), StatusCode::OK);
+    // The principal is named in the page (and in every action recorded).
+    assert!(
+        right
+            .text()
+            .await
+            .unwrap()
+            .contains(r#"<span class="who">ana</span>"#)
+    );
+}
+
+/// Where the browser test saves its screenshots: `IDEMFLOW_SCREENSHOTS` (docs/console/ to remake
+/// the documentation's), else a temporary directory.
+fn screenshots() -> std::path::PathBuf {
+    let directory = std::env::var_os("IDEMFLOW_SCREENSHOTS").map_or_else(
+        || std::env::temp_dir().join("idemflow-console-screenshots"),
+        std::path::PathBuf::from,
+    );
+    std::fs::create_dir_all(&directory).unwrap();
+    directory
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn in_a_browser_an_operator_finds_a_crashed_key_reads_its_timeline_and_ends_a_lease(
+    pool: PgPool,
+) {
+    let seeded = seed(&pool).await;
+    // Another key's owner on its charge, so the stuck list and the overview have a due key.
+    expire_lease(&pool, LIVE).await;
+    seeded
+        .harness
+        .provider
+        .script
+        .hang_next
+        .store(false, Ordering::SeqCst);
+    let shots = screenshots();
+    let root = serve(Console::postgres(pool.clone()).workflow(&seeded.harness.checkout())).await;
+    let read_only = serve(Console::postgres(pool.clone()).read_only(true)).await;
+    let browser = Browser::start().await.unwrap();
+    let wait = Duration::from_secs(10);
+
+    // The overview.
+    browser.goto(&root).await.unwrap();
+    let due = browser.wait_for("#due .value", wait).await.unwrap();
+    assert_eq!(due.text().await.unwrap(), "1");
+    browser
+        .screenshot_png(shots.join("overview.png"))
+        .await
+        .unwrap();
+
+    // The search finds the crashed key by its prefix.
+    browser.goto(&format!("{root}/keys")).await.unwrap();
+    browser
+        .find("input[name=tenant]")
+        .await
+        .unwrap()
+        .send_keys(TENANT)
+        .await
+        .unwrap();
+    browser
+        .find("input[name=key]")
+        .await
+        .unwrap()
+        .send_keys("order-cr")
+        .await
+        .unwrap();
+    browser
+        .find("input[name=prefix]")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    browser
+        .find("#search button")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let found = browser.wait_for("a.key", wait).await.unwrap();
+    assert_eq!(browser.find_all("a.key").await.unwrap().len(), 1);
+    assert_eq!(found.text().await.unwrap(), CRASHED);
+    browser
+        .screenshot_png(shots.join("search.png"))
+        .await
+        .unwrap();
+
+    // Its page: the timeline of a key that crashed and was resumed.
+    found.click().await.unwrap();
+    browser.wait_for("#timeline", wait).await.unwrap();
+    let takeover = browser.find("li[data-event=taken_over]").await.unwrap();
+    assert!(
+        takeover
+            .text()
+            .await
+            .unwrap()
+            .contains("taken over by resumer (attempt 2)")
+    );
+    assert_eq!(browser.find_all("#timeline li").await.unwrap().len(), 4);
+    assert_eq!(
+        browser
+            .find_all("#phases tr[data-phase]")
+            .await
+            .unwrap()
+            .len(),
+        3
+    );
+    browser.screenshot_png(shots.join("key.png")).await.unwrap();
+
+    // The stuck list holds the key whose owner is gone; its page ends its lease after a dialog.
+    browser.goto(&format!("{root}/stuck")).await.unwrap();
+    browser
+        .screenshot_png(shots.join("stuck.png"))
+        .await
+        .unwrap();
+    let stuck = browser.find("a.key").await.unwrap();
+    assert_eq!(stuck.text().await.unwrap(), LIVE);
+    stuck.click().await.unwrap();
+    let before = token(&pool, LIVE).await;
+    browser
+        .wait_for("#end-lease button", wait)
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    assert!(
+        browser
+            .alert_text()
+            .await
+            .unwrap()
+            .contains("End the lease of key order-live")
+    );
+    // Dismissed: nothing is done.
+    browser.dismiss_alert().await.unwrap();
+    assert_eq!(token(&pool, LIVE).await, before);
+    browser
+        .find("#end-lease button")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    browser.accept_alert().await.unwrap();
+    let message = browser.wait_for("#message", wait).await.unwrap();
+    // Its lease was over already: nothing to end, said so.
+    assert!(
+        message.text().await.unwrap().contains("nothing to end"),
+        "{}",
+        message.text().await.unwrap()
+    );
+
+    // Expire a finished key, confirmed in the dialog.
+    browser.goto(&key_url(&root, "order-2")).await.unwrap();
+    browser
+        .wait_for("#expire button", wait)
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    browser.accept_alert().await.unwrap();
+    let message = browser.wait_for("#message", wait).await.unwrap();
+    assert!(message.text().await.unwrap().starts_with("expired key"));
+    assert!(key_row(&pool, "order-2").await.is_none());
+
+    // The read-only console offers no action, and the server refuses one posted all the same.
+    browser.goto(&key_url(&read_only, LIVE)).await.unwrap();
+    browser.wait_for("#actions-off", wait).await.unwrap();
+    assert!(
+        browser
+            .find_all("form[method=post]")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // A form made in the page (the console's policy lets a page post only to itself, and run
+    // no script but its own: a crafted form is what is left) is refused by the server.
+    let token_now = token(&pool, LIVE).await;
+    browser
+        .execute(
+            "const form = document.createElement('form'); \
+             form.method = 'post'; form.action = '/ops/key/end-lease'; \
+             for (const [name, value] of Object.entries(arguments[0])) { \
+                 const input = document.createElement('input'); \
+                 input.type = 'hidden'; input.name = name; input.value = value; \
+                 form.appendChild(input); \
+             } \
+             document.body.appendChild(form); form.submit();",
+            &[json!({"tenant": TENANT, "key": LIVE, "lock_version": token_now.to_string(), "force": "on", "confirmed": "yes"})],
+        )
+        .await
+        .unwrap();
+    let refused = browser.wait_for("#message", wait).await.unwrap();
+    assert!(refused.text().await.unwrap().contains("read-only"));
+    assert_eq!(token(&pool, LIVE).await, token_now);
+    browser
+        .screenshot_png(shots.join("read-only.png"))
+        .await
+        .unwrap();
+
+    // A sealed key's page never shows its plaintext.
+    browser.goto(&key_url(&root, SEALED)).await.unwrap();
+    browser.wait_for("#request-sealed", wait).await.unwrap();
+    assert!(
+        !browser
+            .page_source()
+            .await
+            .unwrap()
+            .contains("tok_secret_card")
+    );
+    browser
+        .screenshot_png(shots.join("sealed.png"))
+        .await
+        .unwrap();
+    browser.quit().await.unwrap();
+}
+
+/// The read-only grants file with its psql variable replaced, as `psql -v readonly_role=NAME`
+/// replaces it.
+fn read_only_grants_for(role: &str) -> String {
+    let file = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/sql/grants-read-only.sql"),
+    )
+    .unwrap();
+    let grants = file.replace(":\"readonly_role\"", &format!("\"{role}\""));
+    assert!(!grants.contains(":\"") && !grants.contains(":'"));
+    grants
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_console_runs_as_the_runtime_role_and_read_only_as_the_read_only_role(
+    _: sqlx::postgres::PgPoolOptions,
+    connect: sqlx::postgres::PgConnectOptions,
+) {
+    crate::roles::deployed(connect.clone(), |deployment| async move {
+        let (admin, runtime) = (deployment.admin.clone(), deployment.runtime.clone());
+        // Keys made by the runtime role, as a service makes them.
+        create_orders(&deployment.owner).await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "GRANT SELECT, INSERT, UPDATE ON orders TO \"{0}\"; \
+             GRANT USAGE ON SEQUENCE orders_id_seq TO \"{0}\"",
+            deployment.roles.runtime.name
+        )))
+        .execute(&deployment.owner)
+        .await
+        .unwrap();
+        let harness = Harness::default();
+        let workflow = harness.checkout();
+        let runner = Runner::new(runtime.clone());
+        run(&runner, &workflow, &tenant(1), "order-1", &body(5)).await;
+        let (forty, one) = (body(40), tenant(1));
+        harness
+            .provider
+            .script
+            .hang_next
+            .store(true, Ordering::SeqCst);
+        let gone = tokio::time::timeout(
+            Duration::from_millis(300),
+            run(&runner, &workflow, &one, LIVE, &forty),
+        );
+        assert!(gone.await.is_err());
+        // The full console as the runtime role: it reads, and its actions write.
+        let root = serve(Console::postgres(runtime.clone())).await;
+        assert_eq!(page(&root).await.0, StatusCode::OK);
+        assert_eq!(page(&key_url(&root, "order-1")).await.0, StatusCode::OK);
+        let shown: i64 =
+            sqlx::query_scalar("SELECT lock_version FROM idempotency_keys WHERE key = $1")
+                .bind(LIVE)
+                .fetch_one(&admin)
+                .await
+                .unwrap();
+        let (status, html) = post(
+            &format!("{root}/key/end-lease"),
+            &[
+                ("tenant", TENANT),
+                ("key", LIVE),
+                ("lock_version", &shown.to_string()),
+                ("force", "on"),
+                ("confirmed", "yes"),
+            ],
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        // The read-only role: every view works, and the database refuses it any write.
+        let name = format!("{}_read", deployment.roles.runtime.name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE ROLE \"{name}\" LOGIN PASSWORD 'read'"
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(read_only_grants_for(&name)))
+            .execute(&deployment.owner)
+            .await
+            .unwrap();
+        let reader = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(connect.clone().username(&name).password("read"))
+            .await
+            .unwrap();
+        let root = serve(Console::postgres(reader.clone()).read_only(true)).await;
+        for url in [
+            root.clone(),
+            format!("{root}/keys?tenant=1"),
+            format!("{root}/stuck"),
+            key_url(&root, "order-1"),
+        ] {
+            let (status, html) = page(&url).await;
+            assert_eq!(status, StatusCode::OK, "{url}: {html}");
+        }
+        assert!(
+            page(&key_url(&root, "order-1"))
+                .await
+                .1
+                .contains(r#"id="response-status">201<"#)
+        );
+        let refused = sqlx::query("UPDATE idempotency_keys SET attempts = attempts")
+            .execute(&reader)
+            .await
+            .unwrap_err();
+        assert_eq!(crate::roles::sqlstate(&refused), "42501", "{refused}");
+        reader.close().await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{name}'; \
+             DROP OWNED BY \"{name}\"; DROP ROLE \"{name}\""
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    })
+    .await;
+}
