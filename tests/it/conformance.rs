@@ -984,12 +984,21 @@ async fn the_consoles_scan_walks_the_primary_key_from_a_position<S: Bench>(pool:
     let first = console.scan(&from(None, ("", ""), true), 1).await.unwrap();
     assert_eq!(keys_of(&first), ["a-1"]);
     // The next page starts after the last key of the previous one.
-    let next = console.scan(&from(None, (t, "a-1"), false), 10).await.unwrap();
+    let next = console
+        .scan(&from(None, (t, "a-1"), false), 10)
+        .await
+        .unwrap();
     assert_eq!(keys_of(&next), ["a-2", "b-1"]);
     // Within a tenant, from a key prefix (inclusive) or after a key.
-    let prefix = console.scan(&from(Some(t), (t, "a-2"), true), 10).await.unwrap();
+    let prefix = console
+        .scan(&from(Some(t), (t, "a-2"), true), 10)
+        .await
+        .unwrap();
     assert_eq!(keys_of(&prefix), ["a-2", "b-1"]);
-    let after = console.scan(&from(Some(t), (t, "a-2"), false), 10).await.unwrap();
+    let after = console
+        .scan(&from(Some(t), (t, "a-2"), false), 10)
+        .await
+        .unwrap();
     assert_eq!(keys_of(&after), ["b-1"]);
     // Another tenant's range is empty.
     let other = console
@@ -1007,7 +1016,11 @@ async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: Be
     assert!(empty.started.is_empty());
     assert_eq!((empty.finished_last_minute, empty.resumer_lag_ms), (0, 0));
     claim_and_finish::<S>(&pool, &key("done"), b"{}", usize::MAX).await;
-    for (name, workflow) in [("s-1", "checkout@1"), ("s-2", "checkout@1"), ("s-3", "refund@1")] {
+    for (name, workflow) in [
+        ("s-1", "checkout@1"),
+        ("s-2", "checkout@1"),
+        ("s-3", "refund@1"),
+    ] {
         let (transaction, _owner) = claim::<S>(&pool, &key(name), workflow).await.unwrap();
         S::commit(transaction).await.unwrap();
     }
@@ -1037,9 +1050,7 @@ async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: Be
     assert_eq!(due.finished_last_15_minutes, 0);
 }
 
-async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>(
-    pool: S::Pool,
-) {
+async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>(pool: S::Pool) {
     let console = S::console(&pool);
     let t = tenant();
     // A finished key whose body is stored apart, and a started one.
@@ -1063,7 +1074,13 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>
             .await
             .unwrap()
     );
-    assert!(console.key(t.as_str(), done.as_str()).await.unwrap().is_none());
+    assert!(
+        console
+            .key(t.as_str(), done.as_str())
+            .await
+            .unwrap()
+            .is_none()
+    );
     // Its body apart went with it: a new life of the key finished in its row reads its own body.
     claim_and_finish::<S>(&pool, &done, b"{\"receipt\": 2}", usize::MAX).await;
     let bodies = console
@@ -1072,7 +1089,10 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>
         .unwrap()
         .expect("the new life");
     let response = bodies.response.expect("finished");
-    assert_eq!((response.body.as_slice(), response.apart), (&b"{\"receipt\": 2}"[..], false));
+    assert_eq!(
+        (response.body.as_slice(), response.apart),
+        (&b"{\"receipt\": 2}"[..], false)
+    );
     // A started key goes too, and its owner is fenced out of every write after.
     assert!(
         console

@@ -43,7 +43,11 @@ macro_rules! journal_with {
 /// life × 2²⁰, as it reads the journal ([`KEY_REPORT`]).
 macro_rules! claim_journal {
     () => {
-        concat!("JSON_ARRAY(JSON_OBJECT('at', ", now_ms!(), ", 'event', 'claimed'))")
+        concat!(
+            "JSON_ARRAY(JSON_OBJECT('at', ",
+            now_ms!(),
+            ", 'event', 'claimed'))"
+        )
     };
 }
 

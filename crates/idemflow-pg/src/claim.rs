@@ -290,8 +290,16 @@ mod tests {
             for span in &quoted {
                 assert!(
                     span.bytes().all(|b| b.is_ascii_hexdigit())
-                        || ["hex", "UTF8", "1 millisecond", "at", "event", "claimed", "token"]
-                            .contains(span),
+                        || [
+                            "hex",
+                            "UTF8",
+                            "1 millisecond",
+                            "at",
+                            "event",
+                            "claimed",
+                            "token"
+                        ]
+                        .contains(span),
                     "unexpected literal {span:?} in {sql}"
                 );
             }
@@ -348,6 +356,10 @@ mod tests {
         };
         assert_eq!(claimed["event"], "claimed");
         assert_eq!(claimed["token"], claim.lock_version);
-        assert!(claimed["at"].as_i64().is_some_and(|at| at > 1_700_000_000_000));
+        assert!(
+            claimed["at"]
+                .as_i64()
+                .is_some_and(|at| at > 1_700_000_000_000)
+        );
     }
 }

@@ -167,8 +167,15 @@ pub async fn take_over_due(
             .iter()
             .find(|(name, _)| *name == workflow)
             .map_or(Duration::ZERO, |(_, lease)| *lease);
-        if let Some(one) =
-            take_over_by(transaction.connection(), &tenant, &key, seen, lease, "resumer").await?
+        if let Some(one) = take_over_by(
+            transaction.connection(),
+            &tenant,
+            &key,
+            seen,
+            lease,
+            "resumer",
+        )
+        .await?
         {
             taken.push((workflow, one));
         }
