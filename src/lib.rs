@@ -53,6 +53,8 @@ mod documents {
     mod cli {}
     #[doc = include_str!("../docs/client.md")]
     mod client {}
+    #[doc = include_str!("../docs/console.md")]
+    mod console {}
     #[doc = include_str!("../docs/consumer.md")]
     mod consumer {}
     #[doc = include_str!("../docs/engines.md")]

@@ -1060,20 +1060,21 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>
     let (transaction, owner) = claim::<S>(&pool, &started, "checkout@1").await.unwrap();
     S::commit(transaction).await.unwrap();
     let shown = S::report(&pool, &done).await.lock_version;
-    // A token the key no longer holds (or never held) deletes nothing.
-    assert!(
-        !console
-            .expire_key(t.as_str(), done.as_str(), shown + 1)
-            .await
-            .unwrap()
-    );
+    let expire = |key: &Key, token: i64, state: &'static str| {
+        let (console, tenant, key) = (&console, t.as_str().to_owned(), key.as_str().to_owned());
+        async move {
+            console
+                .expire_key(&tenant, &key, token, state)
+                .await
+                .unwrap()
+        }
+    };
+    // A token the key no longer holds (or never held) deletes nothing; nor does the state it
+    // no longer has.
+    assert_eq!(expire(&done, shown + 1, "done").await, None);
+    assert_eq!(expire(&done, shown, "started").await, None);
     found::<S>(&pool, &done).await;
-    assert!(
-        console
-            .expire_key(t.as_str(), done.as_str(), shown)
-            .await
-            .unwrap()
-    );
+    assert_eq!(expire(&done, shown, "done").await.as_deref(), Some("done"));
     assert!(
         console
             .key(t.as_str(), done.as_str())
@@ -1088,17 +1089,17 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>
         .await
         .unwrap()
         .expect("the new life");
-    let response = bodies.response.expect("finished");
+    let stored = bodies.response.expect("finished");
     assert_eq!(
-        (response.body.as_slice(), response.apart),
+        (stored.body.as_slice(), stored.apart),
         (&b"{\"receipt\": 2}"[..], false)
     );
     // A started key goes too, and its owner is fenced out of every write after.
-    assert!(
-        console
-            .expire_key(t.as_str(), started.as_str(), S::token(&owner))
+    assert_eq!(
+        expire(&started, S::token(&owner), "started")
             .await
-            .unwrap()
+            .as_deref(),
+        Some("started")
     );
     assert!(matches!(
         S::look_up(&pool, &t, &started).await.unwrap(),
@@ -1108,4 +1109,20 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Bench>
         refused::<S, _>(S::renew_lease(&pool, &owner, LEASE).await),
         Failure::Fenced
     );
+    // A key shown started that finished since keeps its token: named started, it is kept, and
+    // with it the response a retry is owed.
+    let finishing = key("finishing");
+    let (mut transaction, owner) = claim::<S>(&pool, &finishing, "checkout@1").await.unwrap();
+    S::finish(
+        &mut transaction,
+        &owner,
+        "complete",
+        &response(b"{}"),
+        usize::MAX,
+    )
+    .await
+    .unwrap();
+    S::commit(transaction).await.unwrap();
+    assert_eq!(expire(&finishing, S::token(&owner), "started").await, None);
+    assert!(found::<S>(&pool, &finishing).await.done);
 }

@@ -221,6 +221,7 @@ async fn actions_are_confirmed_fenced_and_refused_for_a_live_owner_unless_forced
             ("tenant", TENANT.to_owned()),
             ("key", LIVE.to_owned()),
             ("lock_version", token.to_owned()),
+            ("state", "started".to_owned()),
             ("force", force.to_owned()),
             ("confirmed", confirmed.to_owned()),
         ]
@@ -261,6 +262,21 @@ async fn actions_are_confirmed_fenced_and_refused_for_a_live_owner_unless_forced
             ("tenant", TENANT),
             ("key", "order-1"),
             ("lock_version", &done),
+            ("state", "started"),
+            ("confirmed", "yes"),
+        ],
+    )
+    .await;
+    // Shown started, done now (a finish keeps the token): refused, its response kept.
+    assert_eq!(status, StatusCode::CONFLICT, "{html}");
+    assert!(key_row(&pool, "order-1").await.is_some());
+    let (status, html) = post(
+        &format!("{root}/key/expire"),
+        &[
+            ("tenant", TENANT),
+            ("key", "order-1"),
+            ("lock_version", &done),
+            ("state", "done"),
             ("confirmed", "yes"),
         ],
     )
@@ -289,6 +305,7 @@ async fn actions_are_confirmed_fenced_and_refused_for_a_live_owner_unless_forced
             ("tenant", TENANT),
             ("key", "order-2"),
             ("lock_version", token2.as_str()),
+            ("state", "done"),
             ("confirmed", "yes"),
         ])
         .send()
@@ -306,13 +323,17 @@ async fn a_read_only_console_refuses_every_action_on_the_server(pool: PgPool) {
     assert!(html.contains(r#"id="actions-off""#) && !html.contains("<form method=\"post\""));
     let live = token(&pool, LIVE).await.to_string();
     let done = token(&pool, "order-1").await.to_string();
-    for (action, key, shown) in [("end-lease", LIVE, &live), ("expire", "order-1", &done)] {
+    for (action, key, shown, state) in [
+        ("end-lease", LIVE, &live, "started"),
+        ("expire", "order-1", &done, "done"),
+    ] {
         let (status, html) = post(
             &format!("{root}/key/{action}"),
             &[
                 ("tenant", TENANT),
                 ("key", key),
                 ("lock_version", shown),
+                ("state", state),
                 ("force", "on"),
                 ("confirmed", "yes"),
             ],
@@ -560,7 +581,7 @@ async fn in_a_browser_an_operator_finds_a_crashed_key_reads_its_timeline_and_end
                  form.appendChild(input); \
              } \
              document.body.appendChild(form); form.submit();",
-            &[json!({"tenant": TENANT, "key": LIVE, "lock_version": token_now.to_string(), "force": "on", "confirmed": "yes"})],
+            &[json!({"tenant": TENANT, "key": LIVE, "lock_version": token_now.to_string(), "state": "started", "force": "on", "confirmed": "yes"})],
         )
         .await
         .unwrap();
@@ -649,6 +670,7 @@ async fn the_console_runs_as_the_runtime_role_and_read_only_as_the_read_only_rol
                 ("tenant", TENANT),
                 ("key", LIVE),
                 ("lock_version", &shown.to_string()),
+                ("state", "started"),
                 ("force", "on"),
                 ("confirmed", "yes"),
             ],

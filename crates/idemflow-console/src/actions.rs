@@ -113,6 +113,10 @@ pub struct ActionForm {
     key: String,
     #[serde(default)]
     lock_version: String,
+    /// The state the page showed: a finish keeps the token, so the token alone cannot tell a key
+    /// shown started from the same key finished since.
+    #[serde(default)]
+    state: String,
     #[serde(default)]
     force: String,
     #[serde(default)]
@@ -268,6 +272,7 @@ async fn act(
             ("tenant", form.tenant.clone()),
             ("key", form.key.clone()),
             ("lock_version", form.lock_version.clone()),
+            ("state", form.state.clone()),
             ("force", form.force.clone()),
         ];
         return Html(pages::confirm(&frame, action.path(), &text, &fields)).into_response();
@@ -319,13 +324,19 @@ async fn decide(
         Ok(None) => return (Some(Outcome::NotFound), format!("no {who}: it was deleted")),
         Err(error) => return (Some(Outcome::Failed), error.to_string()),
     };
-    if report.lock_version != seen {
+    if form.state != "started" && form.state != "done" {
+        return (
+            Some(Outcome::Invalid),
+            "state: the state shown on the key's page, started or done".to_owned(),
+        );
+    }
+    if report.lock_version != seen || report.state != form.state {
         return (
             Some(Outcome::MovedOn),
             format!(
-                "refused: {who} moved on since its page was read (token {seen}, now {}); look \
-                 at it again",
-                report.lock_version
+                "refused: {who} moved on since its page was read (token {seen}, {}; now {}, {}); \
+                 look at it again",
+                form.state, report.lock_version, report.state
             ),
         );
     }
@@ -435,16 +446,24 @@ async fn expire_of(
     }
     match console
         .backend
-        .expire_key(&report.tenant, &report.key, report.lock_version)
+        .expire_key(
+            &report.tenant,
+            &report.key,
+            report.lock_version,
+            &report.state,
+        )
         .await
     {
-        Ok(true) => (
+        Ok(Some(_)) => (
             Some(Outcome::Done),
             format!("expired {who}: the next request with this key runs as a new one"),
         ),
-        Ok(false) => (
+        Ok(None) => (
             Some(Outcome::MovedOn),
-            format!("refused: {who} moved on meanwhile; look at it again"),
+            format!(
+                "refused: {who} moved on meanwhile, or an owner is writing it right now; look at \
+                 it again"
+            ),
         ),
         Err(error) => (Some(Outcome::Failed), error.to_string()),
     }

@@ -37,13 +37,15 @@ pub trait Backend: Send + Sync + 'static {
         key: &str,
         lock_version: i64,
     ) -> Result<Option<i64>, BackendError>;
-    /// Deletes a key if its token is still `lock_version`.
+    /// Deletes a key if its token is still `lock_version` and its state `state` (as shown): the
+    /// state of the key it deleted, `None` when it moved on.
     async fn expire_key(
         &self,
         tenant: &str,
         key: &str,
         lock_version: i64,
-    ) -> Result<bool, BackendError>;
+        state: &str,
+    ) -> Result<Option<String>, BackendError>;
 }
 
 /// PostgreSQL.
@@ -113,9 +115,10 @@ impl Backend for Postgres {
         tenant: &str,
         key: &str,
         lock_version: i64,
-    ) -> Result<bool, BackendError> {
+        state: &str,
+    ) -> Result<Option<String>, BackendError> {
         let mut connection = self.0.acquire().await.map_err(failed)?;
-        idemflow_pg::expire_key(&mut connection, tenant, key, lock_version)
+        idemflow_pg::expire_key(&mut connection, tenant, key, lock_version, state)
             .await
             .map_err(failed)
     }
@@ -185,10 +188,11 @@ impl Backend for Sqlite {
         tenant: &str,
         key: &str,
         lock_version: i64,
-    ) -> Result<bool, BackendError> {
+        state: &str,
+    ) -> Result<Option<String>, BackendError> {
         let connection = self.0.acquire().await.map_err(failed)?;
         let (deleted, _connection) =
-            idemflow_sqlite::expire_key(connection, tenant, key, lock_version)
+            idemflow_sqlite::expire_key(connection, tenant, key, lock_version, state)
                 .await
                 .map_err(failed)?;
         Ok(deleted)
@@ -257,10 +261,13 @@ impl Backend for MySql {
         tenant: &str,
         key: &str,
         lock_version: i64,
-    ) -> Result<bool, BackendError> {
-        let mut connection = self.0.acquire().await.map_err(failed)?;
-        idemflow_mysql::expire_key(&mut connection, tenant, key, lock_version)
-            .await
-            .map_err(failed)
+        state: &str,
+    ) -> Result<Option<String>, BackendError> {
+        let connection = self.0.acquire().await.map_err(failed)?;
+        let (deleted, _connection) =
+            idemflow_mysql::expire_key(connection, tenant, key, lock_version, state)
+                .await
+                .map_err(failed)?;
+        Ok(deleted)
     }
 }

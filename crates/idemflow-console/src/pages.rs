@@ -301,10 +301,11 @@ pub fn actions(frame: &Frame<'_>, report: &KeyReport) -> String {
     }
     let live = report.lease_left_ms.is_some_and(|ms| ms > 0);
     let hidden = format!(
-        r#"<input type="hidden" name="tenant" value="{}"><input type="hidden" name="key" value="{}"><input type="hidden" name="lock_version" value="{}"><input type="hidden" name="confirmed" value="">"#,
+        r#"<input type="hidden" name="tenant" value="{}"><input type="hidden" name="key" value="{}"><input type="hidden" name="lock_version" value="{}"><input type="hidden" name="state" value="{}"><input type="hidden" name="confirmed" value="">"#,
         attr(&report.tenant),
         attr(&report.key),
-        report.lock_version
+        report.lock_version,
+        attr(&report.state)
     );
     let force = if live {
         r#"<label class="check"><input type="checkbox" name="force" value="on"> the owner is gone (force: its lease is live)</label>"#

@@ -3,13 +3,15 @@
 //! expiry of one key now ([`expire_key`]).
 
 use idemflow_store::{KeyReport, Overview, ScanFrom, StartedKeys};
-use sqlx::MySqlConnection;
+use sqlx::pool::PoolConnection;
+use sqlx::{MySql, MySqlConnection};
 
 use crate::claim::millis;
 use crate::error::StoreError;
 use crate::report::report;
 use crate::statements;
 use crate::take_over::resumer_lag;
+use crate::transaction::Transaction;
 
 /// Up to `limit` keys from `from`, in `(tenant, key)` order: a range scan of the primary key.
 pub async fn scan_keys(
@@ -85,21 +87,32 @@ pub async fn overview(connection: &mut MySqlConnection) -> Result<Overview, Stor
     })
 }
 
-/// Deletes one key now, whatever its state, with its body stored apart, if its fencing token is
-/// still `lock_version` (the one the operator was shown): `false` when the key is gone or moved
-/// on. The next request with the key runs as a new one.
+/// Deletes one key now, with its body stored apart, if it is still as the operator was shown it
+/// (its fencing token `lock_version` and its `state`: a finish keeps the token), in one
+/// transaction holding the key's row lock. Returns the state of the key it deleted, `None` when
+/// the key is gone, moved on, or being written right now (an owner's transaction holds its row). The next request with the key runs as a new one.
 pub async fn expire_key(
-    connection: &mut MySqlConnection,
+    connection: PoolConnection<MySql>,
     tenant: &str,
     key: &str,
     lock_version: i64,
-) -> Result<bool, StoreError> {
-    let deleted = sqlx::query(statements::EXPIRE_KEY)
+    state: &str,
+) -> Result<(Option<String>, PoolConnection<MySql>), StoreError> {
+    let mut transaction = Transaction::begin(connection).await?;
+    let found: Option<(i64, String)> = sqlx::query_as(statements::EXPIRE_KEY)
         .bind(tenant.as_bytes())
         .bind(key.as_bytes())
         .bind(lock_version)
-        .execute(connection)
-        .await?
-        .rows_affected();
-    Ok(deleted > 0)
+        .bind(state)
+        .fetch_optional(transaction.connection())
+        .await?;
+    if let Some((life, _)) = &found {
+        for statement in [statements::DELETE_LIFE, statements::DELETE_APART_LIFE] {
+            sqlx::query(statement)
+                .bind(life)
+                .execute(transaction.connection())
+                .await?;
+        }
+    }
+    Ok((found.map(|(_, state)| state), transaction.commit().await?))
 }

@@ -469,11 +469,17 @@ pub const FINISHED_LATELY: &str = concat!(
 pub const ESTIMATED_KEYS: &str = "SELECT CAST(TABLE_ROWS AS SIGNED) FROM information_schema.TABLES \
      WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'idempotency_keys'";
 
-/// Deletes one key whatever its state, with its body apart, if its token is still the one given:
-/// tenant, key, token. One statement, so both go or neither.
-pub const EXPIRE_KEY: &str = "DELETE gone, apart FROM idempotency_keys AS gone \
-     LEFT JOIN idempotency_responses AS apart ON apart.life = gone.life \
-     WHERE gone.tenant = ? AND gone.`key` = ? AND gone.lock_version = ?";
+/// The key an operator expires, locked, if it is still as shown and no owner's transaction holds
+/// it (an operator's action never waits behind one): tenant, key, token, state. Its life names
+/// what to delete ([`DELETE_LIFE`], [`DELETE_APART_LIFE`]).
+pub const EXPIRE_KEY: &str = "SELECT life, CAST(state AS CHAR) FROM idempotency_keys \
+     WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = ? FOR UPDATE SKIP LOCKED";
+
+/// Deletes the key of one life.
+pub const DELETE_LIFE: &str = "DELETE FROM idempotency_keys WHERE life = ?";
+
+/// Deletes the body apart of one life.
+pub const DELETE_APART_LIFE: &str = "DELETE FROM idempotency_responses WHERE life = ?";
 
 #[cfg(test)]
 mod claim_message_tests {

@@ -98,30 +98,40 @@ pub async fn overview(connection: &mut PgConnection) -> Result<Overview, StoreEr
     })
 }
 
-/// Deletes one key now, whatever its state, with its body stored apart, if its fencing token is
-/// still `lock_version` (the one the operator was shown): `false` when the key is gone or moved
-/// on. The next request with the key runs as a new one.
+/// Deletes one key now, with its body stored apart, if it is still as the operator was shown it:
+/// its fencing token `lock_version` and its `state` (a finish keeps the token, so a key shown
+/// started that finished since is not deleted: its stored response would be lost to a retry that
+/// already counts on it). Returns the state of the key it deleted (the one named), `None` when the
+/// key is gone, moved on, or being written right now (its row locked by an owner's transaction:
+/// an operator's action never waits behind one). The next request with the key runs as a new one.
 pub async fn expire_key(
     connection: &mut PgConnection,
     tenant: &str,
     key: &str,
     lock_version: i64,
-) -> Result<bool, StoreError> {
-    let deleted: i64 = sqlx::query_scalar(
-        "WITH gone AS ( \
-             DELETE FROM idempotency_keys \
-             WHERE tenant = $1 AND key = $2 AND lock_version = $3 \
-             RETURNING tenant, key, response_apart \
+    state: &str,
+) -> Result<Option<String>, StoreError> {
+    let deleted: Option<String> = sqlx::query_scalar(
+        "WITH target AS ( \
+             SELECT tenant, key FROM idempotency_keys \
+             WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = $4 \
+             FOR UPDATE SKIP LOCKED \
+         ), gone AS ( \
+             DELETE FROM idempotency_keys AS keys USING target \
+             WHERE keys.tenant = target.tenant AND keys.key = target.key \
+               AND keys.lock_version = $3 AND keys.state = $4 \
+             RETURNING keys.tenant, keys.key, keys.response_apart, keys.state \
          ), bodies AS ( \
              DELETE FROM idempotency_responses AS apart USING gone \
              WHERE gone.response_apart AND apart.tenant = gone.tenant AND apart.key = gone.key \
          ) \
-         SELECT count(*) FROM gone",
+         SELECT state FROM gone",
     )
     .bind(tenant)
     .bind(key)
     .bind(lock_version)
-    .fetch_one(connection)
+    .bind(state)
+    .fetch_optional(connection)
     .await?;
-    Ok(deleted > 0)
+    Ok(deleted)
 }

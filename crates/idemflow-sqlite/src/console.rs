@@ -68,23 +68,26 @@ pub async fn overview(connection: &mut SqliteConnection) -> Result<Overview, Sto
     })
 }
 
-/// Deletes one key now, whatever its state, with its body stored apart, if its fencing token is
-/// still `lock_version` (the one the operator was shown), in one write transaction: `false` when
-/// the key is gone or moved on. The next request with the key runs as a new one.
+/// Deletes one key now, with its body stored apart, if it is still as the operator was shown it
+/// (its fencing token `lock_version` and its `state`: a finish keeps the token), in one write
+/// transaction. Returns the state of the key it deleted, `None` when the key is gone or moved on.
+/// The next request with the key runs as a new one.
 pub async fn expire_key(
     connection: PoolConnection<Sqlite>,
     tenant: &str,
     key: &str,
     lock_version: i64,
-) -> Result<(bool, PoolConnection<Sqlite>), StoreError> {
+    state: &str,
+) -> Result<(Option<String>, PoolConnection<Sqlite>), StoreError> {
     let mut transaction = Transaction::begin(connection).await?;
-    let life: Option<i64> = sqlx::query_scalar(statements::EXPIRE_KEY)
+    let deleted: Option<(i64, String)> = sqlx::query_as(statements::EXPIRE_KEY)
         .bind(tenant)
         .bind(key)
         .bind(lock_version)
+        .bind(state)
         .fetch_optional(transaction.connection())
         .await?;
-    if let Some(life) = life {
+    if let Some((life, _)) = &deleted {
         sqlx::query(statements::DELETE_APART)
             .bind(tenant)
             .bind(key)
@@ -92,5 +95,5 @@ pub async fn expire_key(
             .execute(transaction.connection())
             .await?;
     }
-    Ok((life.is_some(), transaction.commit().await?))
+    Ok((deleted.map(|(_, state)| state), transaction.commit().await?))
 }

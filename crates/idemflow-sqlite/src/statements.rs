@@ -345,7 +345,7 @@ pub const FINISHED_LATELY: &str = concat!(
     " - 900000"
 );
 
-/// Deletes one key whatever its state if its token is still `?3`: `?1` tenant, `?2` key. Its
-/// life names the body apart to delete with it ([`DELETE_APART`]).
+/// Deletes one key if its token is still `?3` and its state `?4`: `?1` tenant, `?2` key. Its life
+/// names the body apart to delete with it ([`DELETE_APART`]).
 pub const EXPIRE_KEY: &str = "DELETE FROM idempotency_keys \
-     WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 RETURNING life";
+     WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = ?4 RETURNING life, state";

@@ -5,7 +5,8 @@
 //! reserve → price → charge at the mock provider → complete, with a failure path) and these
 //! actors: clients sending first attempts and retries (and, after a key was forgotten, the next
 //! request under it), 1 to 4 resumers draining due keys with their own batch sizes and
-//! concurrency, an operator ending leases (`end-lease`) and retention, and chaos: leases expired by rewinding
+//! concurrency, an operator ending leases (`end-lease`), expiring one key from the console (as it
+//! was shown: its token and state) and running retention, and chaos: leases expired by rewinding
 //! them in SQL, a clock jump of a day for retention, connections of the engine killed by the
 //! server, a stored phase output corrupted as a deploy would. Phases are told by the schedule what
 //! to do on each run: succeed, be slow, fail (retryable or terminal), panic, hang past their time

@@ -161,6 +161,8 @@ pub struct Counts {
     pub lease_expiries: u64,
     /// Leases an operator ended (`idemflow end-lease`).
     pub leases_ended: u64,
+    /// Keys an operator expired from the console, one at a time.
+    pub keys_expired: u64,
     /// Retention runs by the operator.
     pub expiries: u64,
     /// Clock jumps (25 hours, past the retention window).
@@ -539,6 +541,8 @@ enum Action {
     ExpireAll,
     Stall,
     EndLease,
+    /// An operator expires one key from the console, as it was shown (token and state).
+    ExpireKey,
     Retention,
     TimeJump,
     Kill,
@@ -838,6 +842,7 @@ impl<E: SimEngine> World<E> {
             (2, Action::ExpireAll),
             (u32::from(waiting > 0), Action::Stall),
             (1, Action::EndLease),
+            (1, Action::ExpireKey),
             (1 + 5 * held, Action::Retention),
             (
                 u32::from(self.setup.terminal == TerminalPolicy::Store) * (1 + 5 * held),
@@ -865,6 +870,7 @@ impl<E: SimEngine> World<E> {
                 }
             }
             Action::EndLease => self.end_lease().await,
+            Action::ExpireKey => self.expire_key().await,
             Action::Retention => self.retention().await,
             Action::TimeJump => self.time_jump().await,
             Action::Kill => self.kill().await,
@@ -1343,6 +1349,60 @@ impl<E: SimEngine> World<E> {
             self.shared.log().counts.leases_ended += 1;
             self.shared
                 .event(ActorId(0), format!("operator ended the lease of {key}"));
+        }
+    }
+
+    /// An operator expires a key from the console: one it was shown done, or started with its
+    /// lease over (the console refuses a live lease unless forced), from a sample that may be
+    /// stale by now. The engine deletes it only as shown: a key shown started that finished
+    /// since keeps its token, and deleting it would lose the response its client is owed.
+    async fn expire_key(&mut self) {
+        let candidates: Vec<(usize, RowSeen)> = self
+            .keys
+            .iter()
+            .enumerate()
+            .filter(|(_, seen)| seen.settled && !seen.retired)
+            .filter_map(|(index, seen)| Some((index, seen.row.clone()?)))
+            .filter(|(index, row)| {
+                row.state == "done"
+                    || (row.due && !self.shared.scheduler.is_exposed(&key_name(*index)))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let (index, row) = candidates[self.rng.below(candidates.len() as u64) as usize].clone();
+        let key = key_name(index);
+        let deleted = self
+            .shared
+            .observer
+            .expire_key(&self.shared.tenant, &key, row.lock_version, &row.state)
+            .await;
+        match deleted {
+            None => self.shared.event(
+                ActorId(0),
+                format!(
+                    "operator's expiry of {key} refused: it moved on, or an owner holds its row"
+                ),
+            ),
+            Some(state) if state != row.state => self.shared.violation(format!(
+                "the console expired key {key} shown {} under token {}, but it was {state} by \
+                 then",
+                row.state, row.lock_version
+            )),
+            Some(_) => {
+                // Gone as retention would take it: a request of its life still in flight (or the
+                // client coming back) runs it again, rightly.
+                self.keys[index].retired = true;
+                let mut log = self.shared.log();
+                log.expired.insert(key.clone());
+                log.counts.keys_expired += 1;
+                drop(log);
+                self.shared.event(
+                    ActorId(0),
+                    format!("operator expired {key} ({}) from the console", row.state),
+                );
+            }
         }
     }
 

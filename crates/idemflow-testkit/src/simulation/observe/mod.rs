@@ -100,6 +100,16 @@ pub(crate) trait Observe: Send + Sync {
     /// An operator's `end-lease` on a key whose lease end is still as sampled; whether it did.
     async fn end_lease(&self, tenant: &TenantId, key: &str, locked_until: Option<&str>) -> bool;
 
+    /// An operator's expiry of one key from the console, under the token and state it was shown
+    /// (the engine's own `expire_key`): the state of the key it deleted, `None` when none.
+    async fn expire_key(
+        &self,
+        tenant: &TenantId,
+        key: &str,
+        lock_version: i64,
+        state: &str,
+    ) -> Option<String>;
+
     /// Finished keys still within `window` (with a minute's margin): retention must keep them.
     async fn done_within(&self, tenant: &TenantId, window: Duration) -> Vec<String>;
 

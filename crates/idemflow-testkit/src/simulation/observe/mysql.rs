@@ -215,6 +215,20 @@ impl Observe for MySqlObserver {
         .await
     }
 
+    async fn expire_key(
+        &self,
+        tenant: &TenantId,
+        key: &str,
+        lock_version: i64,
+        state: &str,
+    ) -> Option<String> {
+        let connection = self.0.acquire().await.ok()?;
+        idemflow_mysql::expire_key(connection, tenant.as_str(), key, lock_version, state)
+            .await
+            .ok()
+            .and_then(|(deleted, _connection)| deleted)
+    }
+
     async fn end_lease(&self, tenant: &TenantId, key: &str, locked_until: Option<&str>) -> bool {
         // What `idemflow end-lease` runs (the store's statement), with the look inside the same
         // transaction, on the row it locked, so no owner's write lands between the look and the

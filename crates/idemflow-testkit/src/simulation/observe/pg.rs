@@ -150,6 +150,20 @@ impl Observe for PgObserver {
         matches!(&result, Ok(done) if done.rows_affected() == 1)
     }
 
+    async fn expire_key(
+        &self,
+        tenant: &TenantId,
+        key: &str,
+        lock_version: i64,
+        state: &str,
+    ) -> Option<String> {
+        let mut connection = self.0.acquire().await.ok()?;
+        idemflow_pg::expire_key(&mut connection, tenant.as_str(), key, lock_version, state)
+            .await
+            .ok()
+            .flatten()
+    }
+
     async fn end_lease(&self, tenant: &TenantId, key: &str, locked_until: Option<&str>) -> bool {
         let Ok(mut tx) = self.0.begin().await else {
             return false;
