@@ -420,3 +420,80 @@ async fn inspect_shows_the_stored_bodies_and_the_time_left_before_expiry() {
          keys wait for that retry)\n"
     );
 }
+
+/// One HTTP/1.1 exchange on a fresh connection: the status and the body.
+async fn http(address: &str, request: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    let status = answer[9..12].parse().unwrap();
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned());
+    (status, body.unwrap_or_default())
+}
+
+/// `idemflow console --read-only` on a SQLite file: the overview and a key's page from a
+/// read-only open, an action refused by the server; and no console beyond loopback without a
+/// password.
+#[tokio::test]
+async fn the_console_serves_a_sqlite_file_read_only_and_only_on_loopback_without_a_password() {
+    use tokio::io::AsyncBufReadExt;
+    let path = scratch("console");
+    assert_eq!(idemflow(&path, &["migrate"]).0, 0);
+    let pool = open_file(&path, &OpenOptions::default()).await.unwrap();
+    seed(&pool, "k-1", true).await;
+    pool.close().await;
+
+    let (code, _, stderr) = idemflow(&path, &["console", "--bind", "0.0.0.0:0"]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("IDEMFLOW_CONSOLE_PASSWORD"), "{stderr}");
+
+    let mut console = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .arg("--database-url")
+        .arg(format!("sqlite://{}", path.display()))
+        .args(["console", "--bind", "127.0.0.1:0", "--read-only"])
+        .env_remove("DATABASE_URL")
+        .env_remove("IDEMFLOW_CONSOLE_PASSWORD")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(console.stderr.take().unwrap()).lines();
+    let banner = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let address = banner
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.strip_suffix('/'))
+        .unwrap_or_else(|| panic!("{banner}"))
+        .to_owned();
+    assert!(banner.contains("(read-only)"), "{banner}");
+    let get =
+        |path: &str| format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    let (status, overview) = http(&address, &get("/")).await;
+    assert_eq!(status, 200, "{overview}");
+    assert!(overview.contains("SQLite") && overview.contains("read-only"));
+    let (status, page) = http(&address, &get("/key?tenant=t-1&key=k-1")).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains(r#"id="actions-off""#) && page.contains("k-1"));
+    let form = "tenant=t-1&key=k-1&lock_version=1&state=done&confirmed=yes";
+    let post = format!(
+        "POST /key/expire HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{form}",
+        form.len()
+    );
+    assert_eq!(http(&address, &post).await.0, 403);
+    console.kill().await.unwrap();
+    let pool = open_file(&path, &OpenOptions::default()).await.unwrap();
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, 1);
+}
