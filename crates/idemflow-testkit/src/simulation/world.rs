@@ -562,6 +562,9 @@ pub(crate) struct World<E: SimEngine> {
     step: usize,
     /// Keys whose lease the schedule expired lately: a client is likelier to retry them now.
     lapsed: Vec<usize>,
+    /// The key page an operator has open in the console, as it was when read: an action on it
+    /// comes later, when the key may have moved on.
+    page: Option<(usize, RowSeen)>,
     shared: Arc<Shared>,
     rng: Rng,
     setup: Setup,
@@ -671,6 +674,7 @@ where
         lives: HashMap::new(),
         step: 0,
         lapsed: Vec::new(),
+        page: None,
         shared,
         rng,
         keys: vec![
@@ -829,6 +833,9 @@ impl<E: SimEngine> World<E> {
         // where the key can end its window, be deleted and live again: while one is held, the
         // clock, retention and new requests are likelier.
         let held = u32::from(self.replay_held());
+        // An operator's open page that the key has moved on from (the world saw it; the page did
+        // not) is the page whose action must be refused: the operator acts on it likelier.
+        let stale = u32::from(self.page_is_stale());
         let actions = [
             (
                 if waiting > 0 { 12 + 2 * waiting } else { 0 },
@@ -842,7 +849,7 @@ impl<E: SimEngine> World<E> {
             (2, Action::ExpireAll),
             (u32::from(waiting > 0), Action::Stall),
             (1, Action::EndLease),
-            (1, Action::ExpireKey),
+            (2 + 8 * stale, Action::ExpireKey),
             (1 + 5 * held, Action::Retention),
             (
                 u32::from(self.setup.terminal == TerminalPolicy::Store) * (1 + 5 * held),
@@ -1352,27 +1359,22 @@ impl<E: SimEngine> World<E> {
         }
     }
 
-    /// An operator expires a key from the console: one it was shown done, or started with its
-    /// lease over (the console refuses a live lease unless forced), from a sample that may be
-    /// stale by now. The engine deletes it only as shown: a key shown started that finished
-    /// since keeps its token, and deleting it would lose the response its client is owed.
+    /// An operator works in the console: opens a key's page, and later expires the key from that
+    /// page (forced, when its lease is live), under the token and state it showed, which may be
+    /// stale by then: the owner may have finished meanwhile (a finish keeps the token), or a
+    /// resumer taken the key over. The engine must delete a key only as it was shown.
     async fn expire_key(&mut self) {
-        let candidates: Vec<(usize, RowSeen)> = self
-            .keys
-            .iter()
-            .enumerate()
-            .filter(|(_, seen)| seen.settled && !seen.retired)
-            .filter_map(|(index, seen)| Some((index, seen.row.clone()?)))
-            .filter(|(index, row)| {
-                row.state == "done"
-                    || (row.due && !self.shared.scheduler.is_exposed(&key_name(*index)))
-            })
-            .collect();
-        if candidates.is_empty() {
+        let act = self.page_is_stale() || self.rng.chance(0.6);
+        let Some((index, row)) = self.page.take().filter(|_| act) else {
+            self.open_page();
+            return;
+        };
+        let key = key_name(index);
+        // The operator acts only on a key whose owner it believes gone: one no actor is between
+        // its check and its call on now (the schedule's model of "gone", as for end-lease).
+        if self.keys[index].retired || self.shared.scheduler.is_exposed(&key) {
             return;
         }
-        let (index, row) = candidates[self.rng.below(candidates.len() as u64) as usize].clone();
-        let key = key_name(index);
         let deleted = self
             .shared
             .observer
@@ -1404,6 +1406,53 @@ impl<E: SimEngine> World<E> {
                 );
             }
         }
+    }
+
+    /// Whether the operator's open page shows its key as it no longer is (by the world's last
+    /// sample), while no actor relies on the key's lease: acting on it now is the stale action
+    /// the engine must refuse.
+    fn page_is_stale(&self) -> bool {
+        let Some((index, shown)) = &self.page else {
+            return false;
+        };
+        let seen = &self.keys[*index];
+        !seen.retired
+            && seen.row.as_ref().is_some_and(|now| {
+                now.lock_version != shown.lock_version || now.state != shown.state
+            })
+            && !self.shared.scheduler.is_exposed(&key_name(*index))
+    }
+
+    /// The operator opens a key's page, any key's: what it shows is the key's last sample. (Reading
+    /// is harmless; whether the operator may act is decided when it does.)
+    fn open_page(&mut self) {
+        let candidates: Vec<(usize, RowSeen)> = self
+            .keys
+            .iter()
+            .enumerate()
+            .filter(|(_, seen)| !seen.retired)
+            .filter_map(|(index, seen)| Some((index, seen.row.clone()?)))
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        // Most often a started key whose owner is still at work: the page the operator acts on
+        // later is then the likeliest to be stale (finished, or taken over, since).
+        let weights: Vec<(u32, usize)> = candidates
+            .iter()
+            .enumerate()
+            .map(|(pick, (_, row))| match (row.state.as_str(), row.due) {
+                ("started", false) => (4, pick),
+                ("started", true) => (2, pick),
+                _ => (1, pick),
+            })
+            .collect();
+        let picked = candidates[self.rng.weighted(&weights)].clone();
+        self.shared.event(
+            ActorId(0),
+            format!("operator opened the console page of {}", key_name(picked.0)),
+        );
+        self.page = Some(picked);
     }
 
     /// An operator runs retention. Keys within their window must all be there afterwards.
