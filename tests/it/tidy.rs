@@ -502,7 +502,7 @@ fn every_request_path_statement_filters_by_tenant() {
 }
 
 /// A response stored apart is deleted by the statement that deletes its key, so no body outlives
-/// its key (there is no foreign key to cascade: see migrations/20261201000200_responses_apart.sql).
+/// its key (there is no foreign key to cascade: see migrations/postgres/20261201000200_responses_apart.sql).
 /// Every statement of the store that deletes keys either deletes only started keys (which have no
 /// response) or deletes their bodies apart in the same statement.
 #[test]
@@ -531,5 +531,64 @@ fn every_delete_of_a_finished_key_deletes_its_body_apart() {
     assert!(
         deletes >= 2,
         "only {deletes} deletes found: the scan is broken"
+    );
+}
+
+/// A `major.minor[.patch]` version as numbers, for comparing rust-versions.
+fn version_numbers(version: &str) -> Vec<u64> {
+    let mut numbers: Vec<u64> = version
+        .split('.')
+        .map(|part| part.parse().expect("a numeric rust-version"))
+        .collect();
+    // 1.94 is 1.94.0.
+    numbers.resize(3, 0);
+    numbers
+}
+
+/// The stated MSRV (the workspace's `rust-version`) holds only if no dependency needs a newer
+/// compiler: every package in the resolved graph that states its own `rust-version` states one
+/// no newer than ours. (The std APIs our own code calls are held to it by clippy's
+/// `incompatible_msrv`, which reads the same field, with warnings denied.)
+#[test]
+fn no_dependency_needs_a_newer_compiler_than_the_stated_msrv() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let output = std::process::Command::new(cargo)
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--locked",
+            "--offline",
+            "--filter-platform",
+            "x86_64-unknown-linux-gnu",
+        ])
+        .current_dir(root)
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        output.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).expect("metadata");
+    let packages = metadata["packages"].as_array().expect("packages");
+    let ours = packages
+        .iter()
+        .find(|package| package["name"] == "idemflow")
+        .and_then(|package| package["rust_version"].as_str())
+        .expect("the facade states a rust-version");
+    let msrv = version_numbers(ours);
+    let newer: Vec<String> = packages
+        .iter()
+        .filter_map(|package| {
+            let needs = package["rust_version"].as_str()?;
+            (version_numbers(needs) > msrv)
+                .then(|| format!("{} {} needs {needs}", package["name"], package["version"]))
+        })
+        .collect();
+    assert!(
+        newer.is_empty(),
+        "the stated MSRV {ours} is too old for: {newer:#?} (raise rust-version, or pin older)"
     );
 }

@@ -42,5 +42,5 @@ pub use take_over::{
 };
 pub use transaction::Transaction;
 
-/// The MySQL/MariaDB engine's migrations (`migrations/mysql/`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/mysql");
+/// The MySQL/MariaDB engine's migrations, embedded from this crate's `migrations/` folder.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

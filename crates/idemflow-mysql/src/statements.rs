@@ -13,7 +13,8 @@ macro_rules! now_ms {
     };
 }
 
-/// [`now_ms!`] as a constant, for documentation and tests.
+/// The statements' clock (the `now_ms!` macro of this module) as a constant, for documentation
+/// and tests.
 pub const NOW_MS: &str = now_ms!();
 
 /// `journal = ` the key's journal with one entry appended: a JSON object of `at` (now,

@@ -49,8 +49,9 @@ pub use pool::PoolSettings;
 pub use store::PgStore;
 pub use take_over::{TakenOver, take_over};
 
-/// The schema migrations, embedded at build time from the workspace's `migrations/` folder.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+/// The schema migrations, embedded at build time from this crate's `migrations/` folder (the
+/// workspace's `migrations/postgres` links to it).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// Applies every pending migration. Safe to call from many processes at once: sqlx serializes
 /// migrators with an advisory lock.

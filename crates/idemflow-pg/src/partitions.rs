@@ -542,7 +542,7 @@ const ADOPT_DROP_OLD: &str = "DROP TABLE idempotency_keys_unpartitioned";
 /// The trigger and its claim-lock function: one definition, the migration's, which also redefines
 /// them on tables adopted before it (a fixed search path, READ COMMITTED only; the file says why).
 const ONE_ROW_PER_KEY: &str =
-    include_str!("../../../migrations/20261202000200_one_row_per_key_fixed_path.sql");
+    include_str!("../migrations/20261202000200_one_row_per_key_fixed_path.sql");
 
 #[cfg(test)]
 mod tests {
@@ -613,7 +613,7 @@ mod tests {
             .expect("as before");
         assert!(!claim_lock_is_inlined(&pool).await);
         sqlx::raw_sql(include_str!(
-            "../../../migrations/20261202000100_claim_lock_inlined.sql"
+            "../migrations/20261202000100_claim_lock_inlined.sql"
         ))
         .execute(&pool)
         .await

@@ -41,5 +41,5 @@ pub use take_over::{
 };
 pub use transaction::Transaction;
 
-/// The SQLite engine's migrations (`migrations/sqlite/`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/sqlite");
+/// The SQLite engine's migrations, embedded from this crate's `migrations/` folder.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
