@@ -12,7 +12,7 @@ fn checkout_body(amount: &str) -> Vec<u8> {
     format!(r#"{{"amount": {amount}, "source": "tok_visa"}}"#).into_bytes()
 }
 
-#[sqlx::test]
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn an_amount_a_double_cannot_hold_is_refused_and_nothing_is_stored(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
@@ -44,7 +44,7 @@ async fn an_amount_a_double_cannot_hold_is_refused_and_nothing_is_stored(pool: P
 }
 
 /// Every accepted amount reaches the order table as sent; every refused one leaves nothing.
-#[sqlx::test]
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn every_accepted_amount_is_the_amount_sent(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
