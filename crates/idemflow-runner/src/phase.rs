@@ -297,8 +297,8 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-/// Says what a failure means, on any `Result` whose error is a `std::error::Error`: see
-/// [`PhaseError`].
+/// Says what a failure means, on any `Result` whose error is a `std::error::Error`, or text
+/// (`&str`, `String`): whatever converts into a boxed error. See [`PhaseError`].
 pub trait PhaseResultExt<T> {
     /// A failure retrying cannot fix: the request ends, answered with a 500 problem.
     fn terminal(self) -> Result<T, PhaseError>;
@@ -310,21 +310,24 @@ pub trait PhaseResultExt<T> {
     fn retry_after(self, wait: std::time::Duration) -> Result<T, PhaseError>;
 }
 
-impl<T, E: std::error::Error + Send + Sync + 'static> PhaseResultExt<T> for Result<T, E> {
+impl<T, E> PhaseResultExt<T> for Result<T, E>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+{
     fn terminal(self) -> Result<T, PhaseError> {
-        self.map_err(|error| PhaseError::terminal(describe(&error)))
+        self.map_err(|error| PhaseError::terminal(describe(&*error.into())))
     }
 
     fn terminal_with(self, response: StoredResponse) -> Result<T, PhaseError> {
-        self.map_err(|error| PhaseError::terminal_with(response, describe(&error)))
+        self.map_err(|error| PhaseError::terminal_with(response, describe(&*error.into())))
     }
 
     fn retryable(self) -> Result<T, PhaseError> {
-        self.map_err(|error| PhaseError::retryable(describe(&error)))
+        self.map_err(|error| PhaseError::retryable(describe(&*error.into())))
     }
 
     fn retry_after(self, wait: std::time::Duration) -> Result<T, PhaseError> {
-        self.map_err(|error| PhaseError::retry_after(describe(&error), wait))
+        self.map_err(|error| PhaseError::retry_after(describe(&*error.into()), wait))
     }
 }
 
@@ -365,6 +368,28 @@ mod tests {
             database.message.starts_with("database error: "),
             "{database}"
         );
+    }
+
+    /// A phase's own refusals are often text: `Err("card declined")`, `Err(format!(…))`. Saying
+    /// what they mean must work on them as on any error (it did not compile before).
+    #[test]
+    fn a_text_error_says_what_its_failure_means() {
+        let declined: Result<(), &str> = Err("card declined");
+        let response = StoredResponse::new(402, "declined");
+        let error = declined.terminal_with(response.clone()).expect_err("fails");
+        assert_eq!(
+            error.kind,
+            PhaseErrorKind::Terminal {
+                response: Some(response)
+            }
+        );
+        assert_eq!(error.message, "card declined");
+        let later: Result<(), String> = Err(format!("provider busy ({} in queue)", 3));
+        let error = later
+            .retry_after(std::time::Duration::from_secs(2))
+            .expect_err("fails");
+        assert!(error.is_retryable());
+        assert_eq!(error.message, "provider busy (3 in queue)");
     }
 
     #[test]
