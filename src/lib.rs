@@ -1,4 +1,5 @@
-//! idemflow: durable multi-phase requests made safe by idempotency keys, on PostgreSQL or SQLite.
+//! idemflow: durable multi-phase requests made safe by idempotency keys, on PostgreSQL, SQLite or
+//! MySQL/MariaDB.
 //!
 //! A client sends an idempotency key with a request. The first attempt runs the request as an
 //! ordered chain of typed phases; every retry with the same key gets the first result back; the
@@ -8,7 +9,9 @@
 //! This crate gathers the parts:
 //! - [`core`]: keys, tenants, canonical JSON fingerprints and the claim decision (pure, no IO);
 //! - [`store`]: every SQL statement, and the migrations ([`migrate`]);
+//! - [`sqlite`] and [`mysql`]: opening those engines' databases (PostgreSQL's pool is sqlx's own);
 //! - the runner, workflows and phases, re-exported at the top level;
+//! - `http` (the `http` feature, on by default): the Idempotency-Key layer for axum/tower;
 //! - [`consumer`]: the idempotent consumer, a message applied at most once per subscriber.
 
 #![deny(missing_docs)]
@@ -16,6 +19,22 @@
 pub use idemflow_consumer as consumer;
 pub use idemflow_core as core;
 pub use idemflow_pg as store;
+
+/// The Idempotency-Key layer for axum/tower: a workflow as a route ([`http::WorkflowService`]),
+/// or any handler behind [`http::IdempotencyLayer`]; problem+json errors. The `http` feature (on
+/// by default).
+#[cfg(feature = "http")]
+pub use idemflow_http as http;
+
+/// Opening a SQLite database for the engine: WAL, a busy timeout, the migrations run.
+pub mod sqlite {
+    pub use idemflow_sqlite::{MIGRATOR, OpenOptions, open, open_file};
+}
+
+/// Opening a MySQL or MariaDB database for the engine: its session settings, the migrations run.
+pub mod mysql {
+    pub use idemflow_mysql::{MIGRATOR, OpenOptions, open};
+}
 
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
@@ -57,6 +76,8 @@ mod documents {
     mod console {}
     #[doc = include_str!("../docs/consumer.md")]
     mod consumer {}
+    #[doc = include_str!("../docs/development.md")]
+    mod development {}
     #[doc = include_str!("../docs/engines.md")]
     mod engines {}
     #[doc = include_str!("../docs/http.md")]
@@ -67,6 +88,8 @@ mod documents {
     mod operations {}
     #[doc = include_str!("../docs/protocol.md")]
     mod protocol {}
+    #[doc = include_str!("../docs/runner.md")]
+    mod runner {}
     #[doc = include_str!("../docs/simulation.md")]
     mod simulation {}
     #[doc = include_str!("../docs/testing-your-workflows.md")]

@@ -5,9 +5,9 @@
 //! then the curl line it prints, twice: the second answer is the first, replayed.
 use std::sync::Arc;
 
+use idemflow::http::{BearerTenant, WorkflowService};
 use idemflow::{DerivedKey, ForeignPhase, LocalPhase, PhaseContext, PhaseError, Registry, Resumer};
 use idemflow::{Runner, SqliteConnection, SqliteStore, StoredResponse, Workflow};
-use idemflow_http::{BearerTenant, WorkflowService};
 use idemflow_testkit::provider::MockProvider;
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 use serde::{Deserialize, Serialize};
@@ -85,7 +85,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let bind = args.next().unwrap_or_else(|| "127.0.0.1:3000".to_owned());
     let file = args.next().unwrap_or_else(|| "hello.db".to_owned());
-    let pool = idemflow_sqlite::open_file(file.as_ref(), &Default::default()).await?; // migrated
+    let pool = idemflow::sqlite::open_file(file.as_ref(), &Default::default()).await?; // migrated
     idemflow::sqlx::query(
         "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, amount INTEGER)",
     )
