@@ -34,15 +34,20 @@ async fn the_hello_example_charges_once_and_replays_the_first_answer() {
         .unwrap();
     let stdout = child.stdout.take().unwrap();
     let _running = Running(child);
-    let base = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|line| line.strip_prefix("hello: listening on ").map(str::to_owned))
-            .expect("the example prints the address it listens on")
-    })
-    .await
-    .unwrap();
+    // Read to the end, not only to the address: the example prints more after it, and a closed
+    // pipe would make its next print fail (and the example with it).
+    let (address, found) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(base) = line.strip_prefix("hello: listening on ") {
+                let _ = address.send(base.to_owned());
+            }
+        }
+    });
+    let base = tokio::task::spawn_blocking(move || found.recv())
+        .await
+        .unwrap()
+        .expect("the example prints the address it listens on");
 
     let client = reqwest::Client::new();
     let pay = |amount: u64| {
