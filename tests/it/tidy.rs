@@ -592,3 +592,87 @@ fn no_dependency_needs_a_newer_compiler_than_the_stated_msrv() {
         "the stated MSRV {ours} is too old for: {newer:#?} (raise rust-version, or pin older)"
     );
 }
+
+/// The string literal right after `marker` in `source`, each time it appears.
+fn literals_after<'a>(source: &'a str, marker: &str) -> Vec<&'a str> {
+    source
+        .match_indices(marker)
+        .filter_map(|(at, _)| {
+            let rest = &source[at + marker.len()..];
+            let start = rest.find('"')?;
+            // Only a literal that opens the call (whitespace before it), not a later argument.
+            if !rest[..start].trim().is_empty() {
+                return None;
+            }
+            let end = rest[start + 1..].find('"')?;
+            Some(&rest[start + 1..start + 1 + end])
+        })
+        .collect()
+}
+
+/// A published crate is built from its package alone: every file its code reads at compile time
+/// (`include_str!`, `include_bytes!`, `sqlx::migrate!`, a build script's `rerun-if-changed`)
+/// must lie inside the crate's own directory. (`cargo package` without its verification build,
+/// which the test command runs, would not notice one outside: the package would not compile.)
+#[test]
+fn published_crates_reach_no_file_outside_themselves() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .canonicalize()
+        .unwrap();
+    let mut crates: Vec<PathBuf> = std::fs::read_dir(root.join("crates"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| !path.ends_with("idemflow-bench"))
+        .collect();
+    crates.push(root.clone());
+    let mut outside = Vec::new();
+    let mut seen = 0;
+    for krate in &crates {
+        let krate = krate.canonicalize().unwrap();
+        let mut files = Vec::new();
+        let source = krate.join("src");
+        if source.is_dir() {
+            rust_files(&source, &mut files);
+        }
+        if krate.join("build.rs").is_file() {
+            files.push(krate.join("build.rs"));
+        }
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            let relative_to_file = ["include_str!(", "include_bytes!("]
+                .iter()
+                .flat_map(|marker| literals_after(&text, marker))
+                .map(|path| file.parent().unwrap().join(path));
+            let relative_to_crate = ["migrate!(", "rerun-if-changed="]
+                .iter()
+                .flat_map(|marker| literals_after(&text, marker))
+                .chain(
+                    text.match_indices("rerun-if-changed=")
+                        .filter_map(|(at, _)| {
+                            let rest = &text[at + "rerun-if-changed=".len()..];
+                            rest.split(['"', '\n']).next()
+                        })
+                        .filter(|path| !path.is_empty()),
+                )
+                .map(|path| krate.join(path));
+            for path in relative_to_file.chain(relative_to_crate) {
+                seen += 1;
+                match path.canonicalize() {
+                    Ok(real) if real.starts_with(&krate) => {}
+                    Ok(real) => outside.push(format!("{}: {}", file.display(), real.display())),
+                    Err(error) => {
+                        outside.push(format!("{}: {} ({error})", file.display(), path.display()))
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        seen > 5,
+        "the check found only {seen} paths: is it still reading the sources?"
+    );
+    assert!(
+        outside.is_empty(),
+        "files a published crate reads at compile time, outside it: {outside:#?}"
+    );
+}
