@@ -493,6 +493,16 @@ impl CrashHook for Hook {
         let name = point.to_string();
         shared.event(actor, format!("waits at {name} of {key}"));
         let verdict = shared.scheduler.park(actor, key, Point::Engine(name)).await;
+        if matches!(point, CrashPoint::BeforeCommit { .. }) && verdict != Verdict::Crash {
+            // Let go to commit, the owner relies on its lease from here: the commit writes the
+            // lease it goes on with, and the after-commit hook (where it is read back and where
+            // exposure began before) comes only once the commit has returned. A lease the world
+            // expired between the two, when a slow commit let a step run there, was read back as
+            // the commit's own (a false "lease short of a whole one") and left the owner calling
+            // under a lease its clock says is fresh. Held at before-commit, the owner is still
+            // fair game: the world expires leases of owners parked there.
+            shared.scheduler.expose(actor, key);
+        }
         verdict == Verdict::Crash
     }
 }
