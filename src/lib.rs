@@ -43,7 +43,7 @@ pub use idemflow_runner::{
     Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, METRICS, MySqlStore,
     Outcome, PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf,
     RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy,
-    RunError, Runner, RunnerConfig, SealError, SqliteStore, TerminalPolicy, Workflow,
+    RunError, Runner, RunnerConfig, SealError, SqlEngine, SqliteStore, TerminalPolicy, Workflow,
     WorkflowBuilder, describe_metrics, expire, expire_paced, shutdown_signal,
 };
 /// The sqlx this engine is built with: a local phase gets its `PgConnection` (or, on SQLite, its

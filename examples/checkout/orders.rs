@@ -3,7 +3,7 @@
 //! phases in the engine's transaction and read by `GET /v1/checkouts/{order_id}`. Everything else
 //! (claims, leases, recovery points, responses) is idemflow's.
 
-use idemflow::{ConnectionOf, Engine, MySqlStore, PgStore, PoolOf, SqliteStore, sqlx};
+use idemflow::{ConnectionOf, MySqlStore, PgStore, PoolOf, SqlEngine, SqliteStore, sqlx};
 
 /// An order as `GET /v1/checkouts/{order_id}` shows it.
 #[derive(Debug, sqlx::FromRow, serde::Serialize)]
@@ -17,7 +17,7 @@ pub struct OrderRow {
 
 /// The example's statements on one engine.
 #[idemflow::async_trait]
-pub trait Shop: Engine {
+pub trait Shop: SqlEngine {
     /// Creates the orders table if it is not there (every process at start-up, at once).
     async fn create_orders(pool: &PoolOf<Self>) -> Result<(), sqlx::Error>;
     /// Inserts an order; its id.

@@ -13,9 +13,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
 use idemflow_runner::{
-    ConnectionOf, CrashHook, CrashPoint, Engine, ForeignPhase, LocalPhase, MySqlStore, Outcome,
-    PgStore, PhaseContext, PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError,
-    Runner, RunnerConfig, SqliteStore, Workflow,
+    ConnectionOf, CrashHook, CrashPoint, ForeignPhase, LocalPhase, MySqlStore, Outcome, PgStore,
+    PhaseContext, PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError, Runner,
+    RunnerConfig, SqliteStore, Workflow,
 };
 use idemflow_testkit::provider::{Fault, MockProvider};
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
@@ -24,7 +24,8 @@ use serde::{Deserialize, Serialize};
 /// What a case does on an engine's database behind the runner's back, in the engine's SQL.
 #[async_trait]
 trait Lab:
-    Engine<Database: idemflow_runner::EngineOf<Engine = Self>> + idemflow_consumer::ConsumerStore
+    idemflow_runner::SqlEngine<Database: idemflow_runner::EngineOf<Engine = Self>>
+    + idemflow_consumer::ConsumerStore
 {
     /// Creates the table the checkout's local phases write.
     async fn create_orders(pool: &PoolOf<Self>);

@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_pg::Limits;
-use idemflow_runner::{Engine, EngineError, MySqlStore, PgStore, PoolOf, SqliteStore};
+use idemflow_runner::{EngineError, MySqlStore, PgStore, PoolOf, SqlEngine, SqliteStore};
 
 use crate::consumer::ConsumerError;
 
 /// An engine the consumer runs on: [`PgStore`] (the default), [`SqliteStore`] or [`MySqlStore`].
 #[async_trait]
-pub trait ConsumerStore: Engine {
+pub trait ConsumerStore: SqlEngine {
     /// Begins a delivery's write transaction; `wait_limit` bounds lock waits where the engine
     /// can (PostgreSQL's `lock_timeout`; SQLite waits up to its busy timeout).
     async fn begin_delivery(

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use idemflow_core::{Key, TenantId};
-use idemflow_runner::{Engine, Outcome, RunError, Runner};
+use idemflow_runner::{ConnectionPool, Engine, Outcome, RunError, Runner};
 use idemflow_store::LookUp;
 use tokio::sync::Notify;
 use tokio::task::JoinError;

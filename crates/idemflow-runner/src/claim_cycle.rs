@@ -11,13 +11,12 @@ use std::time::{Duration, Instant};
 
 use idemflow_core::{Decision, KeyState, StoredKey, StoredResponse, TenantId, decide};
 use idemflow_store::{Claim as ClaimRequest, FoundKey, LookUp};
-use sqlx::pool::PoolConnection;
 
 use crate::admission::{Accepted, decode_and_validate};
 use crate::crash::CrashPoint;
 use crate::deadline::Within;
 use crate::drive::{Hold, Start};
-use crate::engine::{Claimed, Engine, EngineError, KeyOwner};
+use crate::engine::{Claimed, ConnectionPool, Engine, EngineError, KeyOwner, PooledOf};
 use crate::erased::Carry;
 use crate::error::RunError;
 use crate::live_connection::is_connection_lost;
@@ -34,7 +33,7 @@ const CLAIM_ROUNDS: usize = 3;
 /// yet, and the claim's first transaction is usually over in milliseconds.
 const CLAIMING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-type Connection<E> = PoolConnection<<E as Engine>::Database>;
+type Connection<E> = PooledOf<E>;
 
 /// What a claim of an absent key came to.
 enum Claim<E: Engine> {
@@ -182,7 +181,7 @@ impl<E: Engine> Runner<E> {
             let looked = E::look_up(&mut connection, tenant, &accepted.key)
                 .within(wait)
                 .await
-                .inspect_err(|_| connection.close_on_drop())?;
+                .inspect_err(|_| E::Pool::close_on_drop(&mut connection))?;
             match looked {
                 Ok(looked) => return Ok((connection, looked)),
                 Err(EngineError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
@@ -190,7 +189,7 @@ impl<E: Engine> Runner<E> {
                     tracing::info!(%error, "a pooled connection was lost; looking up on another");
                     // Closed rather than handed back: the pool would ping it, fail, and close it
                     // anyway.
-                    connection.close_on_drop();
+                    E::Pool::close_on_drop(&mut connection);
                 }
                 Err(error) => return Err(error.into()),
             }

@@ -13,7 +13,9 @@ use async_trait::async_trait;
 use idemflow_core::{DerivedKey, PhaseName, StoredResponse};
 use serde_json::Value;
 
-use crate::engine::{ConnectionOf, Engine};
+use crate::engine::{ConnectionOf, Engine, EngineError, SqlEngine};
+use crate::heartbeat::overrun_grace;
+use crate::panic::catch_panic;
 
 use crate::phase::{
     Failure, FailurePhase, ForeignPhase, LocalPhase, PhaseContext, PhaseError, PhaseValue,
@@ -54,7 +56,10 @@ pub(crate) enum Step<E: Engine> {
 }
 
 impl<E: Engine> Step<E> {
-    pub(crate) fn local<P: LocalPhase<E>>(phase: P) -> Self {
+    pub(crate) fn local<P: LocalPhase<E>>(phase: P) -> Self
+    where
+        E: SqlEngine,
+    {
         Self::Local(Box::new(LocalStep {
             name: <P as LocalPhase<E>>::NAME,
             phase,
@@ -145,7 +150,7 @@ impl<P> std::fmt::Debug for LocalStep<P> {
 }
 
 #[async_trait]
-impl<E: Engine, P: LocalPhase<E>> ErasedLocal<E> for LocalStep<P> {
+impl<E: SqlEngine, P: LocalPhase<E>> ErasedLocal<E> for LocalStep<P> {
     fn name(&self) -> &'static str {
         self.name
     }
@@ -236,12 +241,16 @@ pub(crate) struct GiveUp {
 
 #[async_trait]
 pub(crate) trait ErasedFailure<E: Engine>: Send + Sync {
-    async fn run(
+    /// Runs the failure path in a savepoint of `tx`, within `limit` (and its grace): the
+    /// savepoint is kept when the path answers, and rolled back (with why, to log) when it fails,
+    /// panics or overruns.
+    async fn run_in_savepoint(
         &self,
-        connection: &mut ConnectionOf<E>,
+        tx: &mut E::Transaction,
         give_up: GiveUp,
         context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError>;
+        limit: Duration,
+    ) -> Result<Result<StoredResponse, String>, EngineError>;
 }
 
 impl<E: Engine> std::fmt::Debug for dyn ErasedFailure<E> {
@@ -254,14 +263,16 @@ struct FailureStep<F> {
     failure: F,
 }
 
-#[async_trait]
-impl<E: Engine, F: FailurePhase<E>> ErasedFailure<E> for FailureStep<F> {
-    async fn run(
+impl<F> FailureStep<F> {
+    async fn run<E: SqlEngine>(
         &self,
         connection: &mut ConnectionOf<E>,
         give_up: GiveUp,
         context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
+    ) -> Result<StoredResponse, PhaseError>
+    where
+        F: FailurePhase<E>,
+    {
         let request = serde_json::from_value::<<F as FailurePhase<E>>::Request>(give_up.request)
             .map_err(|error| {
                 PhaseError::terminal(format!("the stored request does not decode: {error}"))
@@ -278,7 +289,44 @@ impl<E: Engine, F: FailurePhase<E>> ErasedFailure<E> for FailureStep<F> {
     }
 }
 
+#[async_trait]
+impl<E: SqlEngine, F: FailurePhase<E>> ErasedFailure<E> for FailureStep<F> {
+    async fn run_in_savepoint(
+        &self,
+        tx: &mut E::Transaction,
+        give_up: GiveUp,
+        context: &PhaseContext,
+        limit: Duration,
+    ) -> Result<Result<StoredResponse, String>, EngineError> {
+        let mut savepoint = sqlx::Connection::begin(E::connection(tx)).await?;
+        let ran = tokio::time::timeout(
+            limit + overrun_grace(limit),
+            catch_panic(self.run::<E>(&mut savepoint, give_up, context)),
+        )
+        .await;
+        match ran {
+            Ok(Ok(Ok(response))) => {
+                savepoint.commit().await?;
+                Ok(Ok(response))
+            }
+            failed => {
+                let why = match failed {
+                    Ok(Ok(Err(error))) => error.message,
+                    Ok(Err(panic)) => format!("panicked: {panic}"),
+                    _ => format!("timed out after {limit:?}"),
+                };
+                // A savepoint rollback needs the connection in a known state: after an overrun
+                // it is not, and the whole record fails (the key stays due and is retried).
+                savepoint.rollback().await?;
+                Ok(Err(why))
+            }
+        }
+    }
+}
+
 /// A failure path, its request type erased.
-pub(crate) fn failure_step<E: Engine, F: FailurePhase<E>>(failure: F) -> Box<dyn ErasedFailure<E>> {
+pub(crate) fn failure_step<E: SqlEngine, F: FailurePhase<E>>(
+    failure: F,
+) -> Box<dyn ErasedFailure<E>> {
     Box::new(FailureStep { failure })
 }

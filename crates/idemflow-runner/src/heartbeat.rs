@@ -10,7 +10,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::deadline::Within;
-use crate::engine::{Engine, EngineError, PoolOf};
+use crate::engine::{ConnectionPool, Engine, EngineError, PoolOf};
 use crate::error::RunError;
 use crate::runner::Runner;
 
@@ -54,10 +54,8 @@ async fn heartbeat<E: Engine>(
     loop {
         tokio::time::sleep(interval).await;
         let renewal = async {
-            match pool.acquire().await {
-                Ok(mut connection) => E::renew_lease(&mut connection, owner, lease).await,
-                Err(error) => Err(EngineError::Database(error)),
-            }
+            let mut connection = pool.acquire().await?;
+            E::renew_lease(&mut connection, owner, lease).await
         };
         // A renewal the database does not answer is a failed one: the next tries again.
         let renewed = match renewal.within(wait.min(interval)).await {

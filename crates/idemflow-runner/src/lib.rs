@@ -10,8 +10,8 @@ mod deadline;
 mod drive;
 mod engine;
 pub use engine::{
-    Claimed, ConnectionOf, Engine, EngineError, EngineOf, KeyOwner, MySqlStore, PgStore, PoolOf,
-    SqliteStore, Taken,
+    Claimed, ConnectionOf, ConnectionPool, Engine, EngineError, EngineOf, KeyOwner, MySqlStore,
+    PgStore, PoolOf, PooledOf, SqlEngine, SqliteStore, Taken,
 };
 mod erased;
 mod error;

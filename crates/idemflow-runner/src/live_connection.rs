@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use idemflow_pg::Limits;
 
-use crate::engine::{Engine, EngineError};
+use crate::engine::{ConnectionPool, Engine, EngineError};
 use crate::warm::Warm;
 
 /// Whether the connection died under the statement (the socket closed, or the server or a pooler
@@ -35,7 +35,7 @@ pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
 /// each time the `BEGIN` finds its connection dead: at most once per connection the pool may
 /// hold, and once more.
 pub(crate) async fn begin_live<E: Engine>(
-    warm: &Arc<Warm<E::Database>>,
+    warm: &Arc<Warm<E::Pool>>,
     limits: &Limits,
 ) -> Result<E::Transaction, EngineError> {
     let mut tries = warm.pool().size() as usize + 1;

@@ -5,7 +5,7 @@ use idemflow_core::{DerivedKey, Key, StoredResponse, TenantId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::engine::{ConnectionOf, Engine, PgStore};
+use crate::engine::{ConnectionOf, PgStore, SqlEngine};
 
 use crate::retry::RetryPolicy;
 
@@ -30,7 +30,8 @@ pub struct PhaseContext {
 }
 
 /// A phase whose effects are statements in this database: the engine `E`'s (PostgreSQL unless
-/// named), whose connection `run` receives.
+/// named), whose connection `run` receives. Only a [`SqlEngine`] has local phases: on an engine
+/// without transactions to share, the effects could not commit with the recovery point.
 ///
 /// `run` receives the runner's open transaction. The statements it issues, the advance of the
 /// key's recovery point past this phase and this phase's serialized output commit together, in
@@ -38,7 +39,7 @@ pub struct PhaseContext {
 /// outside that connection that it could not do twice (no calls to other systems: those are
 /// [`ForeignPhase`]s), and it may run again after a crash only if its transaction did not commit.
 #[async_trait]
-pub trait LocalPhase<E: Engine = PgStore>: Send + Sync + 'static {
+pub trait LocalPhase<E: SqlEngine = PgStore>: Send + Sync + 'static {
     /// The durable name of this phase, stored as the recovery point. Never rename it while keys
     /// may be left at it.
     const NAME: &'static str;
@@ -136,7 +137,7 @@ pub struct Failure<Request> {
 /// order failed, say). Its statements and the response it returns commit together with the key's
 /// finish, so no key stays started forever. If it fails itself, a generic 500 problem is stored.
 #[async_trait]
-pub trait FailurePhase<E: Engine = PgStore>: Send + Sync + 'static {
+pub trait FailurePhase<E: SqlEngine = PgStore>: Send + Sync + 'static {
     /// The workflow's request type.
     type Request: PhaseValue;
 

@@ -35,7 +35,7 @@ pub struct Request<'a> {
 pub struct Runner<E: Engine = PgStore> {
     pub(crate) pool: PoolOf<E>,
     /// Connections kept between requests (see [`crate::warm`]).
-    pub(crate) warm: Arc<Warm<E::Database>>,
+    pub(crate) warm: Arc<Warm<E::Pool>>,
     pub(crate) config: RunnerConfig,
     pub(crate) crash_points: CrashPoints,
 }

@@ -39,9 +39,9 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use sqlx::pool::PoolConnection;
-use sqlx::{Database, Pool};
 use tokio::sync::oneshot;
+
+use crate::engine::{ConnectionPool, EngineError};
 
 /// One release in this many goes back through the pool rather than to the next request.
 pub(crate) const THROUGH_POOL_EVERY: u64 = 16;
@@ -55,27 +55,27 @@ pub(crate) const HAND_OVER_AFTER: Duration = Duration::from_millis(1);
 pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(250);
 
 /// The connections a runner keeps warm, shared by its clones.
-pub(crate) struct Warm<D: Database> {
-    pool: Pool<D>,
+pub(crate) struct Warm<P: ConnectionPool> {
+    pool: P,
     /// At most this many kept idle: the pool's size, which they cannot exceed anyway; 0 when
     /// keeping is off ([`crate::RunnerConfig::warm_connections`]).
     capacity: usize,
-    state: Mutex<State<D>>,
+    state: Mutex<State<P>>,
 }
 
-struct State<D: Database> {
+struct State<P: ConnectionPool> {
     /// Idle connections, the most recently kept last (taken first: its socket and its server
     /// process are the likeliest to be in cache).
-    idle: Vec<(PoolConnection<D>, Instant)>,
+    idle: Vec<(P::Pooled, Instant)>,
     /// Requests waiting for a connection, the longest-waiting first, with when they began.
-    waiting: VecDeque<(Instant, oneshot::Sender<PoolConnection<D>>)>,
+    waiting: VecDeque<(Instant, oneshot::Sender<P::Pooled>)>,
     /// Releases so far, for [`THROUGH_POOL_EVERY`].
     released: u64,
     /// Whether the task returning idle connections to the pool runs.
     reaping: bool,
 }
 
-impl<D: Database> Default for State<D> {
+impl<P: ConnectionPool> Default for State<P> {
     fn default() -> Self {
         Self {
             idle: Vec::new(),
@@ -86,7 +86,7 @@ impl<D: Database> Default for State<D> {
     }
 }
 
-impl<D: Database> fmt::Debug for Warm<D> {
+impl<P: ConnectionPool> fmt::Debug for Warm<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = self.state();
         f.debug_struct("Warm")
@@ -96,13 +96,9 @@ impl<D: Database> fmt::Debug for Warm<D> {
     }
 }
 
-impl<D: Database> Warm<D> {
-    pub(crate) fn new(pool: Pool<D>, keeping: bool) -> Self {
-        let capacity = if keeping {
-            pool.options().get_max_connections() as usize
-        } else {
-            0
-        };
+impl<P: ConnectionPool> Warm<P> {
+    pub(crate) fn new(pool: P, keeping: bool) -> Self {
+        let capacity = if keeping { pool.max_size() as usize } else { 0 };
         Self {
             pool,
             capacity,
@@ -112,7 +108,7 @@ impl<D: Database> Warm<D> {
 
     /// A connection: a kept one, an idle one of the pool, a new one the pool opens, else the
     /// first of one handed over by a request that ends and one that comes back to the pool.
-    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<PoolConnection<D>, sqlx::Error> {
+    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<P::Pooled, EngineError> {
         if self.capacity == 0 {
             // Keeping is off: every connection comes from the pool, through its hooks.
             return self.pool.acquire().await;
@@ -120,7 +116,7 @@ impl<D: Database> Warm<D> {
         if let Some(connection) = self.take() {
             return Ok(connection);
         }
-        let max = self.pool.options().get_max_connections();
+        let max = self.pool.max_size();
         if self.pool.size() < max {
             // The pool opens one: awaited to the end, never raced against a hand-over (a
             // connection half-opened and abandoned would be closed, and opened again).
@@ -158,7 +154,7 @@ impl<D: Database> Warm<D> {
     }
 
     /// The connection kept last, else one idle in the pool; without waiting.
-    fn take(&self) -> Option<PoolConnection<D>> {
+    fn take(&self) -> Option<P::Pooled> {
         let mut state = self.state();
         if let Some((connection, _)) = state.idle.pop() {
             return Some(connection);
@@ -171,16 +167,13 @@ impl<D: Database> Warm<D> {
     /// it: hands it to the request that has waited longest if that one has waited
     /// [`HAND_OVER_AFTER`], else keeps it for the next request; or hands it back to the pool
     /// (see the module's notes).
-    pub(crate) fn keep(self: &Arc<Self>, connection: PoolConnection<D>) {
+    pub(crate) fn keep(self: &Arc<Self>, connection: P::Pooled) {
         let spare = self.keep_or_spare(connection);
-        // Dropped outside the lock: sqlx spawns the return to the pool.
+        // Dropped outside the lock: the pool may do work to take it back (sqlx spawns a task).
         drop(spare);
     }
 
-    fn keep_or_spare(
-        self: &Arc<Self>,
-        mut connection: PoolConnection<D>,
-    ) -> Option<PoolConnection<D>> {
+    fn keep_or_spare(self: &Arc<Self>, mut connection: P::Pooled) -> Option<P::Pooled> {
         if self.pool.is_closed() || self.capacity == 0 {
             return Some(connection);
         }
@@ -221,7 +214,7 @@ impl<D: Database> Warm<D> {
     /// Gives back to the pool every connection kept idle since before `since` (all of them
     /// for `None`).
     fn give_back(&self, since: Option<Instant>) {
-        let stale: Vec<(PoolConnection<D>, Instant)> = {
+        let stale: Vec<(P::Pooled, Instant)> = {
             let mut state = self.state();
             match since {
                 None => std::mem::take(&mut state.idle),
@@ -236,11 +229,11 @@ impl<D: Database> Warm<D> {
     }
 
     /// The pool the connections belong to.
-    pub(crate) fn pool(&self) -> &Pool<D> {
+    pub(crate) fn pool(&self) -> &P {
         &self.pool
     }
 
-    fn state(&self) -> MutexGuard<'_, State<D>> {
+    fn state(&self) -> MutexGuard<'_, State<P>> {
         // Nothing panics while holding it; a poisoned lock still holds consistent state.
         self.state
             .lock()
@@ -250,8 +243,8 @@ impl<D: Database> Warm<D> {
 
 /// Returns connections kept idle too long to the pool, and all of them once the pool closes
 /// (its `close` waits for every connection to come back). Ends with the runner.
-async fn reap<D: Database>(warm: Weak<Warm<D>>, pool: Pool<D>) {
-    let closed = pool.close_event();
+async fn reap<P: ConnectionPool>(warm: Weak<Warm<P>>, pool: P) {
+    let closed = pool.closed();
     tokio::pin!(closed);
     loop {
         let closing = tokio::select! {

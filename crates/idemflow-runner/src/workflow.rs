@@ -10,7 +10,7 @@ use idemflow_core::{PhaseName, PhaseNameError, StoredResponse};
 use idemflow_pg::Limits;
 use serde_json::Value;
 
-use crate::engine::{Engine, PgStore};
+use crate::engine::{Engine, PgStore, SqlEngine};
 use crate::erased::{Carry, ErasedFailure, ErasedLocal, Step, decode, failure_step};
 use crate::heartbeat::overrun_grace;
 use crate::panic::{Panic, catch_panic_now};
@@ -432,7 +432,10 @@ impl<Request, Chain: PhaseValue, E: Engine> WorkflowBuilder<Request, Chain, E> {
     pub fn local<P: LocalPhase<E, Input = Chain>>(
         mut self,
         phase: P,
-    ) -> WorkflowBuilder<Request, <P as LocalPhase<E>>::Output, E> {
+    ) -> WorkflowBuilder<Request, <P as LocalPhase<E>>::Output, E>
+    where
+        E: SqlEngine,
+    {
         self.steps.push(Step::local(phase));
         self.retype()
     }
@@ -458,6 +461,7 @@ impl<Request, Chain: PhaseValue, E: Engine> WorkflowBuilder<Request, Chain, E> {
     pub fn on_failure<F: FailurePhase<E, Request = Request>>(mut self, failure: F) -> Self
     where
         Request: PhaseValue,
+        E: SqlEngine,
     {
         self.failure = Some(failure_step(failure));
         self

@@ -18,14 +18,12 @@ use super::{
 };
 use crate::config::TerminalPolicy;
 use crate::deadline::Within;
-use crate::engine::{Claimed, Engine, EngineError, KeyOwner};
+use crate::engine::{Claimed, ConnectionPool, Engine, EngineError, KeyOwner};
 use crate::erased::GiveUp;
 use crate::error::RunError;
-use crate::heartbeat::overrun_grace;
 use crate::live_connection::{begin_live, is_connection_lost};
 use crate::metrics;
 use crate::outcome::Outcome;
-use crate::panic::catch_panic;
 use crate::phase::{PhaseError, PhaseErrorKind};
 use crate::sealing::Slot;
 
@@ -433,26 +431,12 @@ impl<E: Engine> Drive<'_, E> {
             return Ok(problem(500, "retries_exhausted", &detail));
         };
         let limit = self.workflow.default_local_timeout();
-        let mut savepoint = sqlx::Connection::begin(E::connection(tx)).await?;
-        let ran = tokio::time::timeout(
-            limit + overrun_grace(limit),
-            catch_panic(failure.run(&mut savepoint, give_up, &self.context)),
-        )
-        .await;
-        match ran {
-            Ok(Ok(Ok(response))) => {
-                savepoint.commit().await?;
-                Ok(response)
-            }
-            failed => {
-                let why = match failed {
-                    Ok(Ok(Err(error))) => error.message,
-                    Ok(Err(panic)) => format!("panicked: {panic}"),
-                    _ => format!("timed out after {limit:?}"),
-                };
-                // A savepoint rollback needs the connection in a known state: after an overrun
-                // it is not, and the whole record fails (the key stays due and is retried).
-                savepoint.rollback().await?;
+        match failure
+            .run_in_savepoint(tx, give_up, &self.context, limit)
+            .await?
+        {
+            Ok(response) => Ok(response),
+            Err(why) => {
                 tracing::error!(error = %why, "the failure path failed; storing a generic response");
                 Ok(problem(500, "retries_exhausted", &detail))
             }

@@ -11,7 +11,7 @@ use tracing::Instrument;
 use super::{Drive, FailedAttempt, Hold, Stop, Tx, database_error, opened, store_stop};
 use crate::crash::CrashPoint;
 use crate::deadline::Within;
-use crate::engine::{Engine, EngineError, KeyOwner};
+use crate::engine::{ConnectionPool, Engine, EngineError, KeyOwner};
 use crate::erased::{Carry, ErasedForeign, ErasedLocal, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -214,7 +214,7 @@ impl<E: Engine> Drive<'_, E> {
                 Err(EngineError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
                     tries -= 1;
                     tracing::info!(%error, "a pooled connection was lost; renewing on another");
-                    connection.close_on_drop();
+                    E::Pool::close_on_drop(&mut connection);
                 }
                 renewed => {
                     renewed.map_err(|error| store_stop(error, "confirming the fence", failure))?;

@@ -12,6 +12,7 @@
 
 mod mysql;
 mod pg;
+mod pool;
 mod sqlite;
 
 use std::fmt::Debug;
@@ -26,8 +27,9 @@ pub use idemflow_pg::PgStore;
 pub use idemflow_sqlite::SqliteStore;
 use idemflow_store::{Claim, LookUp};
 use serde_json::Value;
-use sqlx::pool::PoolConnection;
 use tokio::sync::Notify;
+
+pub use pool::ConnectionPool;
 
 use crate::error::RunError;
 
@@ -90,14 +92,18 @@ pub enum Claimed<E: Engine> {
     /// The key is ours, in an open transaction holding the uncommitted claim.
     Owned(E::Transaction, E::Owner),
     /// Another claim committed first; nothing was written. The connection, idle.
-    Lost(PoolConnection<E::Database>),
+    Lost(PooledOf<E>),
 }
 
-/// The connection a local phase of engine `E` writes its effects through.
-pub type ConnectionOf<E> = <<E as Engine>::Database as sqlx::Database>::Connection;
+/// The connection engine `E`'s statements run on; a local phase of a [`SqlEngine`] writes its
+/// effects through it.
+pub type ConnectionOf<E> = <<E as Engine>::Pool as ConnectionPool>::Connection;
+
+/// A connection of engine `E` taken from its pool.
+pub type PooledOf<E> = <<E as Engine>::Pool as ConnectionPool>::Pooled;
 
 /// The pool of engine `E`.
-pub type PoolOf<E> = sqlx::Pool<<E as Engine>::Database>;
+pub type PoolOf<E> = <E as Engine>::Pool;
 
 mod sealed {
     pub trait Sealed {}
@@ -110,8 +116,8 @@ mod sealed {
 /// [`SqliteStore`] and [`MySqlStore`]; sealed (a new engine is added here, and proven by the conformance suite).
 #[async_trait]
 pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static {
-    /// The sqlx database the engine runs on.
-    type Database: sqlx::Database;
+    /// The engine's pool of connections.
+    type Pool: ConnectionPool;
     /// A write transaction on a pooled connection.
     type Transaction: Send + Sync + Debug;
     /// The holder of a key's lease.
@@ -132,13 +138,11 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
 
     /// Begins a write transaction under `limits` on `connection`.
     async fn begin(
-        connection: PoolConnection<Self::Database>,
+        connection: PooledOf<Self>,
         limits: &Limits,
     ) -> Result<Self::Transaction, EngineError>;
     /// Commits, handing the connection back idle.
-    async fn commit_keeping(
-        transaction: Self::Transaction,
-    ) -> Result<PoolConnection<Self::Database>, EngineError>;
+    async fn commit_keeping(transaction: Self::Transaction) -> Result<PooledOf<Self>, EngineError>;
     /// Rolls back.
     async fn rollback(transaction: Self::Transaction) -> Result<(), EngineError>;
     /// Gives the transaction's connection up (closed, not pooled): a statement may still run.
@@ -161,7 +165,7 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
     ) -> Result<Option<Vec<u8>>, EngineError>;
     /// Begins a transaction holding the claim of an absent key.
     async fn begin_claim(
-        connection: PoolConnection<Self::Database>,
+        connection: PooledOf<Self>,
         claim: Claim<'_>,
         ticket: Self::Ticket,
         limits: &Limits,
@@ -169,7 +173,7 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
     /// Claims again, with the token the lost claim held (nobody else ever saw it), after the
     /// claim's first commit was refused.
     async fn claim_again(
-        connection: PoolConnection<Self::Database>,
+        connection: PooledOf<Self>,
         claim: Claim<'_>,
         token: i64,
         limits: &Limits,
@@ -261,11 +265,32 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
     async fn listen_for_due(pool: PoolOf<Self>, wake: Arc<Notify>);
 }
 
+/// An engine on a SQL database through sqlx: one whose transactions a local phase shares, so its
+/// effects commit with the recovery point. Only a workflow on such an engine can have local
+/// phases or a failure path ([`crate::LocalPhase`], [`crate::FailurePhase`]); on any other, adding
+/// one does not compile. Sealed, like [`Engine`].
+pub trait SqlEngine: Engine<Pool = sqlx::Pool<<Self as SqlEngine>::Database>> {
+    /// The sqlx database the engine runs on.
+    type Database: sqlx::Database;
+}
+
+impl SqlEngine for PgStore {
+    type Database = sqlx::Postgres;
+}
+
+impl SqlEngine for SqliteStore {
+    type Database = sqlx::Sqlite;
+}
+
+impl SqlEngine for MySqlStore {
+    type Database = sqlx::MySql;
+}
+
 /// The engine a database's pool runs by default: what lets `Runner::new(pool)` and retention's
 /// functions take any engine's pool and infer the engine.
 pub trait EngineOf: sqlx::Database {
     /// The engine.
-    type Engine: Engine<Database = Self>;
+    type Engine: SqlEngine<Database = Self>;
 }
 
 impl EngineOf for sqlx::Postgres {

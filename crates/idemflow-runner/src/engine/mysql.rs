@@ -60,7 +60,7 @@ fn taken(taken: store::TakenOver) -> Taken<Owner> {
 
 #[async_trait]
 impl Engine for MySqlStore {
-    type Database = MySql;
+    type Pool = sqlx::Pool<MySql>;
     type Transaction = Transaction;
     type Owner = Owner;
     type Ticket = ();

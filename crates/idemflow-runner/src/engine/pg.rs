@@ -75,7 +75,7 @@ fn request<'a>(claim: &Claim<'a>, lock_version: i64) -> store::ClaimRequest<'a> 
 
 #[async_trait]
 impl Engine for PgStore {
-    type Database = Postgres;
+    type Pool = sqlx::Pool<Postgres>;
     type Transaction = Transaction;
     type Owner = Owner;
     /// The token the look-up drew, and whether the look-up's connection (which goes on to hold

@@ -60,7 +60,7 @@ fn taken(taken: store::TakenOver) -> Taken<Owner> {
 
 #[async_trait]
 impl Engine for SqliteStore {
-    type Database = Sqlite;
+    type Pool = sqlx::Pool<Sqlite>;
     type Transaction = Transaction;
     type Owner = Owner;
     type Ticket = ();
