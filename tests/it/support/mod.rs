@@ -4,6 +4,7 @@
 
 pub mod example;
 pub mod mariadb;
+pub mod redis;
 pub mod report;
 
 // The wire-counting proxy lives in the testkit (the benchmark uses it too); only some tests count.

@@ -1,0 +1,208 @@
+//! Every script the store runs in Redis. Each is one atomic step: Redis runs a script to its end
+//! before any other command, so a script that reads the fence and then writes is a fenced write,
+//! with no window between the check and the write.
+//!
+//! Times are the Redis server's clock (`TIME`), in milliseconds since the Unix epoch, read inside
+//! the script, so leases are measured by one clock whatever the clients' clocks say. (Redis 7
+//! replicates a script by its effects, so reading the clock in one is allowed.)
+//!
+//! A key's row is a hash (`t` tenant, `k` key, `fp` fingerprint, `wf` workflow, `req` request,
+//! `st` `started` or `done`, `rp` recovery point, `out` its output, `lv` fencing token, `lu` lease
+//! end, `att` attempts, `err` last error, `life` the claim's token, `ca` created, `rs` `rh` `rb`
+//! the response, `apart` the life a body stored apart belongs to, `fa` finished). A started key
+//! is also in its workflow's sorted set of lease ends, which the resumer reads instead of
+//! scanning the keyspace; a finished key is in the sorted set of finishes, which retention reads.
+
+/// The server's clock in milliseconds, as every script reads it.
+const NOW: &str = "local clock = redis.call('TIME') \
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) ";
+
+/// `true` when the row is started and holds token `ARGV[1]`: the fence of every owner write.
+const FENCE: &str = "local held = redis.call('HMGET', KEYS[1], 'lv', 'st') \
+if held[1] ~= ARGV[1] or held[2] ~= 'started' then return 0 end ";
+
+fn script(parts: &[&str]) -> redis::Script {
+    redis::Script::new(&parts.concat())
+}
+
+/// KEYS: row. Returns `{now, {fp, wf, st, lu, lv, rs, rh, rb, apart}}`.
+pub(crate) fn look_up() -> redis::Script {
+    script(&[
+        NOW,
+        "return {now, redis.call('HMGET', KEYS[1], 'fp', 'wf', 'st', 'lu', 'lv', 'rs', 'rh', \
+         'rb', 'apart')}",
+    ])
+}
+
+/// KEYS: row, fence, leases. ARGV: tenant, key, fingerprint, workflow, request, lease ms.
+/// Returns the claim's token, or 0 when the key is there (nothing written).
+pub(crate) fn claim() -> redis::Script {
+    script(&[
+        "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end ",
+        NOW,
+        "local token = redis.call('INCR', KEYS[2]) \
+         local ends = now + tonumber(ARGV[6]) \
+         redis.call('HSET', KEYS[1], 't', ARGV[1], 'k', ARGV[2], 'fp', ARGV[3], 'wf', ARGV[4], \
+             'req', ARGV[5], 'st', 'started', 'rp', 'start', 'lv', token, 'lu', ends, 'att', 1, \
+             'life', token, 'ca', now) \
+         redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
+         return token",
+    ])
+}
+
+/// KEYS: row, leases. ARGV: token, recovery point, output, lease ms. 1, or 0 when fenced.
+/// The lease never shortens.
+pub(crate) fn advance() -> redis::Script {
+    script(&[
+        FENCE,
+        NOW,
+        "local ends = math.max(tonumber(redis.call('HGET', KEYS[1], 'lu')), now + tonumber(ARGV[4])) \
+         redis.call('HSET', KEYS[1], 'rp', ARGV[2], 'out', ARGV[3], 'att', 1, 'lu', ends) \
+         redis.call('HDEL', KEYS[1], 'err') \
+         redis.call('ZADD', KEYS[2], ends, KEYS[1]) \
+         return 1",
+    ])
+}
+
+/// KEYS: row, leases, finishes. ARGV: token, recovery point, status, headers, body, `1` to
+/// store the body apart (under `<row>:body:<life>`). 1, or 0 when fenced.
+pub(crate) fn finish() -> redis::Script {
+    script(&[
+        FENCE,
+        NOW,
+        "redis.call('HSET', KEYS[1], 'st', 'done', 'rp', ARGV[2], 'rs', ARGV[3], 'rh', ARGV[4], \
+             'fa', now) \
+         redis.call('HDEL', KEYS[1], 'out', 'lu') \
+         if ARGV[6] == '1' then \
+             local life = redis.call('HGET', KEYS[1], 'life') \
+             redis.call('SET', KEYS[1] .. ':body:' .. life, ARGV[5]) \
+             redis.call('HSET', KEYS[1], 'rb', '', 'apart', life) \
+         else \
+             redis.call('HSET', KEYS[1], 'rb', ARGV[5]) \
+         end \
+         redis.call('ZREM', KEYS[2], KEYS[1]) \
+         redis.call('ZADD', KEYS[3], now, KEYS[1]) \
+         return 1",
+    ])
+}
+
+/// KEYS: row, leases. ARGV: token, lease ms. 1, or 0 when fenced. Never shortens the lease.
+pub(crate) fn renew_lease() -> redis::Script {
+    script(&[
+        FENCE,
+        NOW,
+        "local ends = math.max(tonumber(redis.call('HGET', KEYS[1], 'lu')), now + tonumber(ARGV[2])) \
+         redis.call('HSET', KEYS[1], 'lu', ends) \
+         redis.call('ZADD', KEYS[2], ends, KEYS[1]) \
+         return 1",
+    ])
+}
+
+/// KEYS: row, fence, leases. ARGV: token, retry-after ms, last error. 1, or 0 when fenced. The
+/// fence advances: the postponing owner is done with the key.
+pub(crate) fn postpone() -> redis::Script {
+    script(&[
+        FENCE,
+        NOW,
+        "local ends = now + tonumber(ARGV[2]) \
+         redis.call('HSET', KEYS[1], 'lv', redis.call('INCR', KEYS[2]), 'lu', ends, 'err', ARGV[3]) \
+         redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
+         return 1",
+    ])
+}
+
+/// KEYS: row, leases. ARGV: token. 1, or 0 when fenced. Deletes the started key.
+pub(crate) fn delete_owned() -> redis::Script {
+    script(&[
+        FENCE,
+        "redis.call('DEL', KEYS[1]) \
+         redis.call('ZREM', KEYS[2], KEYS[1]) \
+         return 1",
+    ])
+}
+
+/// KEYS: row, fence, leases. ARGV: the token seen. The new token, or 0 when the key is not
+/// started or its token moved on. The lease ends now.
+pub(crate) fn end_lease() -> redis::Script {
+    script(&[
+        FENCE,
+        NOW,
+        "local token = redis.call('INCR', KEYS[2]) \
+         redis.call('HSET', KEYS[1], 'lv', token, 'lu', now) \
+         redis.call('ZADD', KEYS[3], now, KEYS[1]) \
+         return token",
+    ])
+}
+
+/// The body of a takeover, shared by [`take_over`] and [`take_over_due`]: `row` started, held by
+/// `seen` (or any token when `seen` is false), its lease over: a new token, one attempt more, a
+/// lease of `lease` ms. Returns the taken key's fields, or false.
+const TAKE: &str = "local function take(row, fence, leases, seen, lease, now) \
+    local held = redis.call('HMGET', row, 'lv', 'st', 'lu') \
+    if held[2] ~= 'started' then return false end \
+    if seen and held[1] ~= seen then return false end \
+    if tonumber(held[3]) > now then return false end \
+    local token = redis.call('INCR', fence) \
+    local attempts = redis.call('HINCRBY', row, 'att', 1) \
+    local ends = now + lease \
+    redis.call('HSET', row, 'lv', token, 'lu', ends) \
+    redis.call('ZADD', leases, ends, row) \
+    local fields = redis.call('HMGET', row, 't', 'k', 'rp', 'out', 'req', 'err') \
+    return {token, attempts, fields[1], fields[2], fields[3], fields[4], fields[5], fields[6]} \
+end ";
+
+/// KEYS: row, fence, leases. ARGV: the token seen, lease ms. `{token, attempts, tenant, key,
+/// recovery point, output, request, last error}`, or nil when the key moved on or its lease lives.
+pub(crate) fn take_over() -> redis::Script {
+    script(&[
+        TAKE,
+        NOW,
+        "return take(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now)",
+    ])
+}
+
+/// KEYS: fence, then each workflow's leases. ARGV: batch, then each workflow's lease ms. A list of
+/// `{workflow index (1-based), token, attempts, tenant, key, recovery point, output, request, last
+/// error}`. Rows gone from under their lease end (deleted) are dropped from the set.
+pub(crate) fn take_over_due() -> redis::Script {
+    script(&[
+        TAKE,
+        NOW,
+        "local left = tonumber(ARGV[1]) \
+         local taken = {} \
+         for index = 2, #KEYS do \
+             if left <= 0 then break end \
+             local due = redis.call('ZRANGEBYSCORE', KEYS[index], '-inf', now, 'LIMIT', 0, left) \
+             for _, row in ipairs(due) do \
+                 if redis.call('EXISTS', row) == 0 then \
+                     redis.call('ZREM', KEYS[index], row) \
+                 else \
+                     local one = take(row, KEYS[1], KEYS[index], false, tonumber(ARGV[index]), now) \
+                     if one then \
+                         table.insert(one, 1, index - 1) \
+                         table.insert(taken, one) \
+                         left = left - 1 \
+                     end \
+                 end \
+             end \
+         end \
+         return taken",
+    ])
+}
+
+/// KEYS: finishes. ARGV: keep for ms, batch. Deletes up to `batch` keys finished longer ago, with
+/// their bodies apart; how many.
+pub(crate) fn expire_batch() -> redis::Script {
+    script(&[
+        NOW,
+        "local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), \
+             'LIMIT', 0, tonumber(ARGV[2])) \
+         for _, row in ipairs(old) do \
+             local life = redis.call('HGET', row, 'apart') \
+             if life then redis.call('DEL', row .. ':body:' .. life) end \
+             redis.call('DEL', row) \
+             redis.call('ZREM', KEYS[1], row) \
+         end \
+         return #old",
+    ])
+}

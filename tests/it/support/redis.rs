@@ -1,0 +1,66 @@
+//! A Redis of its own per test: the server at `REDIS_URL` (default `redis://127.0.0.1:6379`),
+//! every Redis key under a prefix named for the test, deleted at its start (left behind at its
+//! end, to look at). No Redis is a failure, never a skip.
+
+use idemflow_redis::RedisPool;
+
+/// The server the tests use.
+pub fn url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// Every Redis key under `pool`'s prefix.
+async fn keys(pool: &RedisPool) -> Vec<String> {
+    let mut connection = pool.connection();
+    let mut found = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{}:*", pool.prefix()))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut connection)
+            .await
+            .expect("SCAN");
+        found.extend(batch);
+        if next == 0 {
+            return found;
+        }
+        cursor = next;
+    }
+}
+
+/// Every key row under `pool`'s prefix.
+pub async fn rows(pool: &RedisPool) -> Vec<String> {
+    let rows = format!("{}:key:", pool.prefix());
+    keys(pool)
+        .await
+        .into_iter()
+        .filter(|name| name.starts_with(&rows) && !name.contains(":body:"))
+        .collect()
+}
+
+/// A store for `test` under a prefix of its own, emptied first.
+pub async fn fresh(test: &str) -> RedisPool {
+    let prefix = format!("idemflow-test:{test}");
+    let pool = RedisPool::connect_with_prefix(&url(), &prefix)
+        .await
+        .unwrap_or_else(|error| {
+            panic!(
+                "no Redis at {} ({error}): the Redis tests need one (Debian: apt-get install \
+                 redis-server), or REDIS_URL set to a server",
+                url()
+            )
+        });
+    let stale = keys(&pool).await;
+    if !stale.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(&stale)
+            .query_async(&mut pool.connection())
+            .await
+            .expect("DEL");
+    }
+    pool
+}
