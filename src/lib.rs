@@ -12,6 +12,7 @@
 //! - [`sqlite`] and [`mysql`]: opening those engines' databases (PostgreSQL's pool is sqlx's own);
 //! - the runner, workflows and phases, re-exported at the top level;
 //! - `http` (the `http` feature, on by default): the Idempotency-Key layer for axum/tower;
+//! - `redis` (the `redis` feature): keys in Redis, for workflows whose phases are all foreign;
 //! - [`consumer`]: the idempotent consumer, a message applied at most once per subscriber.
 
 #![deny(missing_docs)]
@@ -36,15 +37,26 @@ pub mod mysql {
     pub use idemflow_mysql::{MIGRATOR, OpenOptions, open};
 }
 
+/// Keys in Redis (the `redis` feature): [`redis::RedisPool::connect`], then a runner on it runs
+/// workflows whose phases are all foreign (`Workflow::<redis::RedisStore>`). A local phase does not
+/// compile on it. Redis can lose acknowledged writes (a restart, a failover), and a lost key's
+/// retry runs again: docs/engines.md says when that is acceptable.
+#[cfg(feature = "redis")]
+pub mod redis {
+    pub use idemflow_redis::{DEFAULT_PREFIX, RedisPool, StoreError};
+    pub use idemflow_runner::RedisStore;
+}
+
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
 pub use idemflow_runner::{
     BuildError, ConnectionOf, CrashHook, CrashPoint, DrainReport, Engine, EngineError, EngineOf,
     Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, METRICS, MySqlStore,
-    Outcome, PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf,
-    RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy,
-    RunError, Runner, RunnerConfig, SealError, SqlEngine, SqliteStore, TerminalPolicy, Workflow,
-    WorkflowBuilder, describe_metrics, expire, expire_paced, shutdown_signal,
+    Outcome, PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue,
+    PoolEngine, PoolOf, RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig,
+    Retention, RetryPolicy, RunError, Runner, RunnerConfig, SealError, SqlEngine, SqliteStore,
+    TerminalPolicy, Workflow, WorkflowBuilder, describe_metrics, expire, expire_paced,
+    shutdown_signal,
 };
 /// The sqlx this engine is built with: a local phase gets its `PgConnection` (or, on SQLite, its
 /// `SqliteConnection`; on MySQL/MariaDB, its `MySqlConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.

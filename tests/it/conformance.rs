@@ -157,63 +157,15 @@ impl Inspect for MySqlStore {
     }
 }
 
-/// Redis, behind the script's back: rewrites a started row's lease end or a finished row's finish
-/// time, and its sorted set with it. The rows are found with `SCAN` over the case's prefix, which
-/// only a test does.
+/// Redis, behind the scripts' back (`support::redis`).
 #[async_trait]
 impl Bench for RedisStore {
     async fn lapse_leases(pool: &RedisPool) {
-        for row in crate::support::redis::rows(pool).await {
-            let mut connection = pool.connection();
-            let (state, workflow, ends): (String, String, i64) = ::redis::cmd("HMGET")
-                .arg(&row)
-                .arg(&["st", "wf", "lu"])
-                .query_async(&mut connection)
-                .await
-                .unwrap_or_default();
-            if state == "started" {
-                let ended = ends - 86_400_000;
-                let _: () = ::redis::pipe()
-                    .cmd("HSET")
-                    .arg(&row)
-                    .arg("lu")
-                    .arg(ended)
-                    .cmd("ZADD")
-                    .arg(pool.leases(&workflow))
-                    .arg(ended)
-                    .arg(&row)
-                    .query_async(&mut connection)
-                    .await
-                    .unwrap();
-            }
-        }
+        crate::support::redis::lapse_leases(pool).await;
     }
 
     async fn age_finished(pool: &RedisPool) {
-        for row in crate::support::redis::rows(pool).await {
-            let mut connection = pool.connection();
-            let (state, finished): (Option<String>, Option<i64>) = ::redis::cmd("HMGET")
-                .arg(&row)
-                .arg(&["st", "fa"])
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            if let (Some("done"), Some(finished)) = (state.as_deref(), finished) {
-                let aged = finished - 2 * 86_400_000;
-                let _: () = ::redis::pipe()
-                    .cmd("HSET")
-                    .arg(&row)
-                    .arg("fa")
-                    .arg(aged)
-                    .cmd("ZADD")
-                    .arg(pool.finishes())
-                    .arg(aged)
-                    .arg(&row)
-                    .query_async(&mut connection)
-                    .await
-                    .unwrap();
-            }
-        }
+        crate::support::redis::age_finished(pool).await;
     }
 }
 

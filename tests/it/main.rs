@@ -22,6 +22,7 @@ mod failover;
 mod failures;
 mod faults;
 mod fences;
+mod foreign_only;
 mod hello_example;
 mod isolation;
 mod large_responses;

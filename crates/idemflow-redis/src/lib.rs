@@ -25,7 +25,11 @@
 
 mod scripts;
 
+/// The Redis client this store is built with.
+pub use redis;
+
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -51,10 +55,13 @@ pub enum StoreError {
 
 /// Where the keys live: one Redis, through one multiplexed connection (commands from every task
 /// share it, pipelined), under a prefix.
+///
+/// It is also the store's connection: a multiplexed connection is shared, not taken, so the pool
+/// and the connection a statement runs on are one thing (cloned cheaply).
 #[derive(Clone)]
 pub struct RedisPool {
     connection: MultiplexedConnection,
-    prefix: String,
+    prefix: Arc<str>,
 }
 
 impl fmt::Debug for RedisPool {
@@ -81,7 +88,7 @@ impl RedisPool {
         let connection = client.get_multiplexed_async_connection().await?;
         Ok(Self {
             connection,
-            prefix: prefix.to_owned(),
+            prefix: Arc::from(prefix),
         })
     }
 
@@ -119,6 +126,16 @@ impl RedisPool {
         format!("{}:finishes", self.prefix)
     }
 
+    /// The set of workflows (in hex) that have claimed keys.
+    fn workflows(&self) -> String {
+        format!("{}:workflows", self.prefix)
+    }
+
+    /// What every sorted set of lease ends is named by, before its workflow in hex.
+    fn leases_prefix(&self) -> String {
+        format!("{}:leases:", self.prefix)
+    }
+
     fn fence(&self) -> String {
         format!("{}:fence", self.prefix)
     }
@@ -131,20 +148,20 @@ pub struct RedisStore;
 /// A key's owner: tenant, key, the workflow (whose sorted set holds its lease) and the token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner {
-    tenant: String,
-    key: String,
+    tenant: TenantId,
+    key: Key,
     workflow: String,
     lock_version: i64,
 }
 
 impl Owner {
     /// The tenant the key belongs to.
-    pub fn tenant(&self) -> &str {
+    pub fn tenant(&self) -> &TenantId {
         &self.tenant
     }
 
     /// The key.
-    pub fn key(&self) -> &str {
+    pub fn key(&self) -> &Key {
         &self.key
     }
 
@@ -159,7 +176,18 @@ impl Owner {
 #[derive(Debug)]
 pub struct Transaction {
     pool: RedisPool,
-    connection: MultiplexedConnection,
+}
+
+impl Transaction {
+    /// A transaction on `pool`'s connection.
+    pub fn on(pool: RedisPool) -> Self {
+        Self { pool }
+    }
+
+    /// The connection, back.
+    pub fn into_pool(self) -> RedisPool {
+        self.pool
+    }
 }
 
 fn millis(duration: Duration) -> i64 {
@@ -199,6 +227,10 @@ type TakenFields = (
 
 fn taken(fields: TakenFields, workflow: &str) -> Result<TakenOver<Owner>, StoreError> {
     let (token, attempts, tenant, key, recovery_point, output, request, last_error) = fields;
+    let tenant = TenantId::new(&tenant)
+        .map_err(|error| StoreError::Corrupt(format!("stored tenant: {error}")))?;
+    let key =
+        Key::parse(&key).map_err(|error| StoreError::Corrupt(format!("stored key: {error}")))?;
     let json = |text: &str| {
         serde_json::from_str::<Value>(text)
             .map_err(|error| StoreError::Corrupt(format!("stored JSON: {error}")))
@@ -279,7 +311,7 @@ fn found(looked: LookedUp) -> Result<Option<FoundKey>, StoreError> {
 impl Store for RedisStore {
     type Pool = RedisPool;
     type Transaction = Transaction;
-    type Connection = MultiplexedConnection;
+    type Connection = RedisPool;
     type Owner = Owner;
     type Ticket = ();
     type Error = StoreError;
@@ -295,8 +327,8 @@ impl Store for RedisStore {
         owner.lock_version
     }
 
-    fn connection(transaction: &mut Transaction) -> &mut MultiplexedConnection {
-        &mut transaction.connection
+    fn connection(transaction: &mut Transaction) -> &mut RedisPool {
+        &mut transaction.pool
     }
 
     async fn look_up(
@@ -326,37 +358,30 @@ impl Store for RedisStore {
             .key(pool.row(claim.tenant.as_str(), claim.key.as_str()))
             .key(pool.fence())
             .key(pool.leases(claim.workflow))
+            .key(pool.workflows())
             .arg(claim.tenant.as_str())
             .arg(claim.key.as_str())
             .arg(claim.fingerprint.as_bytes())
             .arg(claim.workflow)
             .arg(request)
             .arg(millis(claim.lease))
+            .arg(idemflow_core::hex::encode(claim.workflow.as_bytes()))
             .invoke_async(&mut connection)
             .await?;
         if token == 0 {
             return Ok(None);
         }
         let owner = Owner {
-            tenant: claim.tenant.as_str().to_owned(),
-            key: claim.key.as_str().to_owned(),
+            tenant: claim.tenant.clone(),
+            key: claim.key.clone(),
             workflow: claim.workflow.to_owned(),
             lock_version: token,
         };
-        Ok(Some((
-            Transaction {
-                pool: pool.clone(),
-                connection,
-            },
-            owner,
-        )))
+        Ok(Some((Transaction::on(pool.clone()), owner)))
     }
 
     async fn begin(pool: &RedisPool) -> Result<Transaction, StoreError> {
-        Ok(Transaction {
-            pool: pool.clone(),
-            connection: pool.connection(),
-        })
+        Ok(Transaction::on(pool.clone()))
     }
 
     async fn commit(_transaction: Transaction) -> Result<(), StoreError> {
@@ -378,13 +403,13 @@ impl Store for RedisStore {
         let output = serde_json::to_string(output)
             .map_err(|error| StoreError::Corrupt(format!("phase output: {error}")))?;
         let changed: i64 = scripts::advance()
-            .key(pool.row(&owner.tenant, &owner.key))
+            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
             .key(pool.leases(&owner.workflow))
             .arg(owner.lock_version)
             .arg(recovery_point)
             .arg(output)
             .arg(millis(lease))
-            .invoke_async(&mut transaction.connection)
+            .invoke_async(&mut pool.connection())
             .await?;
         fenced(changed)
     }
@@ -405,7 +430,7 @@ impl Store for RedisStore {
             "0"
         };
         let changed: i64 = scripts::finish()
-            .key(pool.row(&owner.tenant, &owner.key))
+            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
             .key(pool.leases(&owner.workflow))
             .key(pool.finishes())
             .arg(owner.lock_version)
@@ -414,7 +439,7 @@ impl Store for RedisStore {
             .arg(headers)
             .arg(response.body.as_slice())
             .arg(apart)
-            .invoke_async(&mut transaction.connection)
+            .invoke_async(&mut pool.connection())
             .await?;
         fenced(changed)
     }
@@ -425,7 +450,7 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<(), StoreError> {
         let changed: i64 = scripts::renew_lease()
-            .key(pool.row(&owner.tenant, &owner.key))
+            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
             .key(pool.leases(&owner.workflow))
             .arg(owner.lock_version)
             .arg(millis(lease))
@@ -441,7 +466,7 @@ impl Store for RedisStore {
         last_error: &str,
     ) -> Result<(), StoreError> {
         let changed: i64 = scripts::postpone()
-            .key(pool.row(&owner.tenant, &owner.key))
+            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
             .key(pool.fence())
             .key(pool.leases(&owner.workflow))
             .arg(owner.lock_version)
@@ -455,10 +480,10 @@ impl Store for RedisStore {
     async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), StoreError> {
         let pool = &transaction.pool;
         let changed: i64 = scripts::delete_owned()
-            .key(pool.row(&owner.tenant, &owner.key))
+            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
             .key(pool.leases(&owner.workflow))
             .arg(owner.lock_version)
-            .invoke_async(&mut transaction.connection)
+            .invoke_async(&mut pool.connection())
             .await?;
         fenced(changed)
     }
@@ -576,4 +601,39 @@ impl Store for RedisStore {
             .await?;
         Ok(deleted)
     }
+}
+
+/// How long the oldest lapsed lease of a started key has been over (zero when none has): the
+/// resumer's lag.
+pub async fn resumer_lag(pool: &RedisPool) -> Result<Duration, StoreError> {
+    let lag: i64 = scripts::resumer_lag()
+        .key(pool.workflows())
+        .arg(pool.leases_prefix())
+        .invoke_async(&mut pool.connection())
+        .await?;
+    Ok(Duration::from_millis(u64::try_from(lag).unwrap_or(0)))
+}
+
+/// Due keys of workflows not in `known`, by workflow: keys no worker of these workflows resumes.
+pub async fn count_due_unknown(
+    pool: &RedisPool,
+    known: &[String],
+) -> Result<Vec<(String, i64)>, StoreError> {
+    let script = scripts::count_due_unknown();
+    let mut invocation = script.key(pool.workflows());
+    invocation.arg(pool.leases_prefix());
+    for workflow in known {
+        invocation.arg(idemflow_core::hex::encode(workflow.as_bytes()));
+    }
+    let counts: Vec<(String, i64)> = invocation.invoke_async(&mut pool.connection()).await?;
+    counts
+        .into_iter()
+        .map(|(hex, due)| {
+            let bytes = idemflow_core::hex::decode(&hex)
+                .ok_or_else(|| StoreError::Corrupt(format!("workflow {hex}")))?;
+            let workflow = String::from_utf8(bytes)
+                .map_err(|_| StoreError::Corrupt(format!("workflow {hex}")))?;
+            Ok((workflow, due))
+        })
+        .collect()
 }

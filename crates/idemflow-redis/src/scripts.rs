@@ -34,8 +34,10 @@ pub(crate) fn look_up() -> redis::Script {
     ])
 }
 
-/// KEYS: row, fence, leases. ARGV: tenant, key, fingerprint, workflow, request, lease ms.
-/// Returns the claim's token, or 0 when the key is there (nothing written).
+/// KEYS: row, fence, leases, workflows. ARGV: tenant, key, fingerprint, workflow, request, lease
+/// ms, the workflow in hex. Returns the claim's token, or 0 when the key is there (nothing written). The workflow joins
+/// the set of workflows with keys, which the resumer's lag and its count of keys no worker knows
+/// read.
 pub(crate) fn claim() -> redis::Script {
     script(&[
         "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end ",
@@ -46,6 +48,7 @@ pub(crate) fn claim() -> redis::Script {
              'req', ARGV[5], 'st', 'started', 'rp', 'start', 'lv', token, 'lu', ends, 'att', 1, \
              'life', token, 'ca', now) \
          redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
+         redis.call('SADD', KEYS[4], ARGV[7]) \
          return token",
     ])
 }
@@ -187,6 +190,38 @@ pub(crate) fn take_over_due() -> redis::Script {
              end \
          end \
          return taken",
+    ])
+}
+
+/// KEYS: workflows. ARGV: the prefix of the sorted sets of lease ends. How long the oldest lapsed
+/// lease of a started key has been over, in ms (0 when none has).
+pub(crate) fn resumer_lag() -> redis::Script {
+    script(&[
+        NOW,
+        "local lag = 0 \
+         for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[1])) do \
+             local oldest = redis.call('ZRANGE', ARGV[1] .. workflow, 0, 0, 'WITHSCORES') \
+             if oldest[2] then lag = math.max(lag, now - tonumber(oldest[2])) end \
+         end \
+         return lag",
+    ])
+}
+
+/// KEYS: workflows. ARGV: the prefix of the sorted sets of lease ends, then the (hex) workflows
+/// known. `{workflow, due keys}` for each other workflow with due keys.
+pub(crate) fn count_due_unknown() -> redis::Script {
+    script(&[
+        NOW,
+        "local known = {} \
+         for index = 2, #ARGV do known[ARGV[index]] = true end \
+         local counts = {} \
+         for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[1])) do \
+             if not known[workflow] then \
+                 local due = redis.call('ZCOUNT', ARGV[1] .. workflow, '-inf', now) \
+                 if due > 0 then table.insert(counts, {workflow, due}) end \
+             end \
+         end \
+         return counts",
     ])
 }
 

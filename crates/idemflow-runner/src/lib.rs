@@ -9,9 +9,11 @@ mod crash;
 mod deadline;
 mod drive;
 mod engine;
+#[cfg(feature = "redis")]
+pub use engine::RedisStore;
 pub use engine::{
     Claimed, ConnectionOf, ConnectionPool, Engine, EngineError, EngineOf, KeyOwner, MySqlStore,
-    PgStore, PoolOf, PooledOf, SqlEngine, SqliteStore, Taken,
+    PgStore, PoolEngine, PoolOf, PooledOf, SqlEngine, SqliteStore, Taken,
 };
 mod erased;
 mod error;

@@ -1,8 +1,6 @@
 use std::time::{Duration, Instant};
 
-use sqlx::Pool;
-
-use crate::engine::{Engine, EngineOf, PoolOf};
+use crate::engine::{Engine, PoolEngine, PoolOf};
 
 use crate::error::RunError;
 
@@ -67,8 +65,8 @@ impl Retention {
     /// creates those due ahead of the clock and drops those whose every key is past `keep_for`
     /// (no row is deleted one by one), and returns the keys dropped with them. That needs the
     /// rights of the table's owner (docs/operations.md, "Partitioned expiry").
-    pub async fn expire<D: EngineOf>(&self, pool: &Pool<D>) -> Result<u64, RunError> {
-        self.expire_on::<D::Engine>(pool).await
+    pub async fn expire<P: PoolEngine>(&self, pool: &P) -> Result<u64, RunError> {
+        self.expire_on::<P::Engine>(pool).await
     }
 
     /// [`Retention::expire`] on engine `E`.
@@ -89,8 +87,8 @@ impl Retention {
 /// Deletes every key finished more than `older_than` ago, `batch_size` rows per
 /// transaction, back to back until none is left; returns how many. Started keys are never
 /// deleted. For a one-off clean-up (the CLI's `expire`); a worker paces it ([`Retention`]).
-pub async fn expire<D: EngineOf>(
-    pool: &Pool<D>,
+pub async fn expire<P: PoolEngine>(
+    pool: &P,
     older_than: Duration,
     batch_size: i64,
 ) -> Result<u64, RunError> {
@@ -98,13 +96,13 @@ pub async fn expire<D: EngineOf>(
 }
 
 /// As [`expire`], with batches spaced so that at most `max_rows_per_second` rows go per second.
-pub async fn expire_paced<D: EngineOf>(
-    pool: &Pool<D>,
+pub async fn expire_paced<P: PoolEngine>(
+    pool: &P,
     older_than: Duration,
     batch_size: i64,
     max_rows_per_second: Option<u32>,
 ) -> Result<u64, RunError> {
-    paced::<D::Engine>(pool, older_than, batch_size, max_rows_per_second).await
+    paced::<P::Engine>(pool, older_than, batch_size, max_rows_per_second).await
 }
 
 async fn paced<E: Engine>(

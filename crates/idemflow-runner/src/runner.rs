@@ -8,7 +8,7 @@ use crate::admission::{accept, canonical_request};
 use crate::config::RunnerConfig;
 use crate::crash::{CrashHook, CrashPoints};
 use crate::drive::{Hold, Start};
-use crate::engine::{Engine, EngineOf, KeyOwner, PgStore, PoolOf};
+use crate::engine::{Engine, KeyOwner, PgStore, PoolEngine, PoolOf};
 use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
@@ -52,18 +52,15 @@ impl<E: Engine> Clone for Runner<E> {
 }
 
 impl Runner {
-    /// A runner on `pool` (a `PgPool` or a `SqlitePool`: the engine follows from it), with the
-    /// default [`RunnerConfig`] (terminal errors are stored). The first runner of a process
-    /// describes the engine's metrics to the installed recorder.
-    pub fn new<D: EngineOf>(pool: sqlx::Pool<D>) -> Runner<D::Engine> {
+    /// A runner on `pool` (a `PgPool`, a `SqlitePool`, a `MySqlPool`: the engine follows from
+    /// it), with the default [`RunnerConfig`] (terminal errors are stored). The first runner of a
+    /// process describes the engine's metrics to the installed recorder.
+    pub fn new<P: PoolEngine>(pool: P) -> Runner<P::Engine> {
         Runner::on(pool, RunnerConfig::default())
     }
 
     /// As [`Runner::new`], with `config`.
-    pub fn with_config<D: EngineOf>(
-        pool: sqlx::Pool<D>,
-        config: RunnerConfig,
-    ) -> Runner<D::Engine> {
+    pub fn with_config<P: PoolEngine>(pool: P, config: RunnerConfig) -> Runner<P::Engine> {
         Runner::on(pool, config)
     }
 }

@@ -64,3 +64,60 @@ pub async fn fresh(test: &str) -> RedisPool {
     }
     pool
 }
+
+/// Ends every started key's lease: rewinds its end a day, in its row and its sorted set.
+pub async fn lapse_leases(pool: &RedisPool) {
+    for row in rows(pool).await {
+        let mut connection = pool.connection();
+        let (state, workflow, ends): (Option<String>, Option<String>, Option<i64>) =
+            redis::cmd("HMGET")
+                .arg(&row)
+                .arg(&["st", "wf", "lu"])
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+        if let (Some("started"), Some(workflow), Some(ends)) = (state.as_deref(), workflow, ends) {
+            let ended = ends - 86_400_000;
+            let _: () = redis::pipe()
+                .cmd("HSET")
+                .arg(&row)
+                .arg("lu")
+                .arg(ended)
+                .cmd("ZADD")
+                .arg(pool.leases(&workflow))
+                .arg(ended)
+                .arg(&row)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// Moves every finished key's finish two days back, in its row and the sorted set of finishes.
+pub async fn age_finished(pool: &RedisPool) {
+    for row in rows(pool).await {
+        let mut connection = pool.connection();
+        let (state, finished): (Option<String>, Option<i64>) = redis::cmd("HMGET")
+            .arg(&row)
+            .arg(&["st", "fa"])
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        if let (Some("done"), Some(finished)) = (state.as_deref(), finished) {
+            let aged = finished - 2 * 86_400_000;
+            let _: () = redis::pipe()
+                .cmd("HSET")
+                .arg(&row)
+                .arg("fa")
+                .arg(aged)
+                .cmd("ZADD")
+                .arg(pool.finishes())
+                .arg(aged)
+                .arg(&row)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+        }
+    }
+}

@@ -13,6 +13,8 @@
 mod mysql;
 mod pg;
 mod pool;
+#[cfg(feature = "redis")]
+mod redis;
 mod sqlite;
 
 use std::fmt::Debug;
@@ -24,6 +26,8 @@ use idemflow_core::{Key, StoredResponse, TenantId};
 pub use idemflow_mysql::MySqlStore;
 use idemflow_pg::Limits;
 pub use idemflow_pg::PgStore;
+#[cfg(feature = "redis")]
+pub use idemflow_redis::RedisStore;
 pub use idemflow_sqlite::SqliteStore;
 use idemflow_store::{Claim, LookUp};
 use serde_json::Value;
@@ -110,6 +114,8 @@ mod sealed {
     impl Sealed for idemflow_pg::PgStore {}
     impl Sealed for idemflow_sqlite::SqliteStore {}
     impl Sealed for idemflow_mysql::MySqlStore {}
+    #[cfg(feature = "redis")]
+    impl Sealed for idemflow_redis::RedisStore {}
 }
 
 /// An engine the runner can drive: see the module's documentation. Implemented by [`PgStore`],
@@ -303,4 +309,21 @@ impl EngineOf for sqlx::Sqlite {
 
 impl EngineOf for sqlx::MySql {
     type Engine = MySqlStore;
+}
+
+/// The engine a pool belongs to: what lets `Runner::new(pool)` and retention's functions take any
+/// engine's pool (a `PgPool`, a `SqlitePool`, a `MySqlPool`, a Redis store's pool) and infer the
+/// engine.
+pub trait PoolEngine: ConnectionPool {
+    /// The engine.
+    type Engine: Engine<Pool = Self>;
+}
+
+impl<D: EngineOf> PoolEngine for sqlx::Pool<D> {
+    type Engine = D::Engine;
+}
+
+#[cfg(feature = "redis")]
+impl PoolEngine for idemflow_redis::RedisPool {
+    type Engine = RedisStore;
 }
