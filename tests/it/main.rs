@@ -33,6 +33,7 @@ mod partitions;
 mod pgbouncer;
 mod precision;
 mod protocol;
+mod redis_loss;
 mod resumer;
 mod retention;
 mod roles;

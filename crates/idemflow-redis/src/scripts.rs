@@ -13,9 +13,26 @@
 //! is also in its workflow's sorted set of lease ends, which the resumer reads instead of
 //! scanning the keyspace; a finished key is in the sorted set of finishes, which retention reads.
 
-/// The server's clock in milliseconds, as every script reads it.
+/// The server's clock in milliseconds, as every script reads it, and `next_token`: the fence's
+/// next token, never below the clock in microseconds.
+///
+/// Why the floor: the counter is lost with Redis's data (a restart without persistence, a failover
+/// to a replica that missed the last writes), and counting again from where the surviving copy
+/// was would hand out tokens that owners still at work hold: such an owner's fenced write would
+/// land on a key claimed after the loss. Starting again at the clock puts every new token above
+/// every token handed out before the loss, as long as the tokens did not outrun the clock (a
+/// million claims a second) and the clock did not step back past the loss.
 const NOW: &str = "local clock = redis.call('TIME') \
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) ";
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) \
+local function next_token(fence) \
+    local token = redis.call('INCR', fence) \
+    local floor = tonumber(clock[1]) * 1000000 + tonumber(clock[2]) \
+    if token < floor then \
+        redis.call('SET', fence, string.format('%d', floor)) \
+        return floor \
+    end \
+    return token \
+end ";
 
 /// `true` when the row is started and holds token `ARGV[1]`: the fence of every owner write.
 const FENCE: &str = "local held = redis.call('HMGET', KEYS[1], 'lv', 'st') \
@@ -42,7 +59,7 @@ pub(crate) fn claim() -> redis::Script {
     script(&[
         "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end ",
         NOW,
-        "local token = redis.call('INCR', KEYS[2]) \
+        "local token = next_token(KEYS[2]) \
          local ends = now + tonumber(ARGV[6]) \
          redis.call('HSET', KEYS[1], 't', ARGV[1], 'k', ARGV[2], 'fp', ARGV[3], 'wf', ARGV[4], \
              'req', ARGV[5], 'st', 'started', 'rp', 'start', 'lv', token, 'lu', ends, 'att', 1, \
@@ -108,7 +125,7 @@ pub(crate) fn postpone() -> redis::Script {
         FENCE,
         NOW,
         "local ends = now + tonumber(ARGV[2]) \
-         redis.call('HSET', KEYS[1], 'lv', redis.call('INCR', KEYS[2]), 'lu', ends, 'err', ARGV[3]) \
+         redis.call('HSET', KEYS[1], 'lv', next_token(KEYS[2]), 'lu', ends, 'err', ARGV[3]) \
          redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
          return 1",
     ])
@@ -130,14 +147,15 @@ pub(crate) fn end_lease() -> redis::Script {
     script(&[
         FENCE,
         NOW,
-        "local token = redis.call('INCR', KEYS[2]) \
+        "local token = next_token(KEYS[2]) \
          redis.call('HSET', KEYS[1], 'lv', token, 'lu', now) \
          redis.call('ZADD', KEYS[3], now, KEYS[1]) \
          return token",
     ])
 }
 
-/// The body of a takeover, shared by [`take_over`] and [`take_over_due`]: `row` started, held by
+/// The body of a takeover, shared by [`take_over`] and [`take_over_due`] (after [`NOW`], whose
+/// `next_token` it calls): `row` started, held by
 /// `seen` (or any token when `seen` is false), its lease over: a new token, one attempt more, a
 /// lease of `lease` ms. Returns the taken key's fields, or false.
 const TAKE: &str = "local function take(row, fence, leases, seen, lease, now) \
@@ -145,7 +163,7 @@ const TAKE: &str = "local function take(row, fence, leases, seen, lease, now) \
     if held[2] ~= 'started' then return false end \
     if seen and held[1] ~= seen then return false end \
     if tonumber(held[3]) > now then return false end \
-    local token = redis.call('INCR', fence) \
+    local token = next_token(fence) \
     local attempts = redis.call('HINCRBY', row, 'att', 1) \
     local ends = now + lease \
     redis.call('HSET', row, 'lv', token, 'lu', ends) \
@@ -158,8 +176,8 @@ end ";
 /// recovery point, output, request, last error}`, or nil when the key moved on or its lease lives.
 pub(crate) fn take_over() -> redis::Script {
     script(&[
-        TAKE,
         NOW,
+        TAKE,
         "return take(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now)",
     ])
 }
@@ -169,8 +187,8 @@ pub(crate) fn take_over() -> redis::Script {
 /// error}`. Rows gone from under their lease end (deleted) are dropped from the set.
 pub(crate) fn take_over_due() -> redis::Script {
     script(&[
-        TAKE,
         NOW,
+        TAKE,
         "local left = tonumber(ARGV[1]) \
          local taken = {} \
          for index = 2, #KEYS do \

@@ -121,3 +121,17 @@ pub async fn age_finished(pool: &RedisPool) {
         }
     }
 }
+
+/// What a Redis restart without persistence (or a failover to a replica that missed the last
+/// writes) does to the store: every key under `pool`'s prefix is gone, the fence's counter too.
+/// Only this prefix: other tests share the server.
+pub async fn lose_everything(pool: &RedisPool) {
+    let all = keys(pool).await;
+    if !all.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(&all)
+            .query_async(&mut pool.connection())
+            .await
+            .expect("DEL");
+    }
+}

@@ -1,0 +1,280 @@
+//! What the Redis lever costs, shown: Redis loses its data (here: every key under the test's
+//! prefix deleted at once, the fence's counter with them, as a restart without persistence or a
+//! failover to a replica that missed the last writes would) while requests run, and every client
+//! retries. The figures are printed (`--nocapture`), and what must hold is asserted: a lost key
+//! runs again, its call goes out again under the same derived key, and the provider's idempotency
+//! keeps the charge single; an owner from before the loss writes nothing after it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
+use idemflow_redis::RedisStore as Store;
+use idemflow_runner::{
+    ForeignPhase, Outcome, PhaseContext, PhaseError, Request, RunError, Runner, RunnerConfig,
+    Workflow,
+};
+use idemflow_store::{Claim, Failure, LookUp, Store as _};
+use idemflow_testkit::provider::{Fault, MockProvider};
+use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::support::redis::{fresh, lose_everything};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Payment {
+    amount: u64,
+}
+
+struct Pay {
+    provider: ProviderClient,
+}
+
+#[async_trait]
+impl ForeignPhase for Pay {
+    const NAME: &'static str = "pay";
+    type Input = Payment;
+    type Output = StoredResponse;
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(10)
+    }
+
+    async fn call(
+        &self,
+        key: &DerivedKey,
+        payment: Payment,
+        _: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        match self
+            .provider
+            .charge(key.as_str(), payment.amount, "usd", "tok_visa")
+            .await
+            .map_err(|error| PhaseError::retryable(error.to_string()))?
+        {
+            ChargeResult::Succeeded { charge_id } => Ok(StoredResponse::new(
+                201,
+                format!(r#"{{"charge":"{charge_id}"}}"#),
+            )),
+            declined => Err(PhaseError::terminal(format!("{declined:?}"))),
+        }
+    }
+}
+
+fn tenant() -> TenantId {
+    TenantId::new("t-loss").unwrap()
+}
+
+fn pay_key(key: &Key) -> String {
+    DerivedKey::new(&tenant(), key, PhaseName::new("pay").unwrap()).to_string()
+}
+
+const BODY: &[u8] = br#"{"amount": 1200}"#;
+
+fn request() -> Request<'static> {
+    Request {
+        method: "POST",
+        path: "/v1/payments",
+        body: BODY,
+    }
+}
+
+/// A key claimed before the loss is claimed again after it: the new owner's token is above the
+/// old one, so the old owner (still at work, say in a long call) is fenced out of every write.
+/// Counting again from 1 after the loss would hand the new owner the old owner's token.
+#[tokio::test]
+async fn after_redis_loses_its_data_no_token_repeats_and_an_old_owner_writes_nothing() {
+    let pool = fresh("loss-tokens").await;
+    let key = Key::parse("pay-lost").unwrap();
+    let (tenant, fingerprint) = (
+        tenant(),
+        idemflow_core::Fingerprint::from_slice(&[7; 32]).unwrap(),
+    );
+    let request = json!({"amount": 1200});
+    let claim = Claim {
+        tenant: &tenant,
+        key: &key,
+        fingerprint: &fingerprint,
+        workflow: "payment.v1",
+        request: &request,
+        lease: Duration::from_secs(30),
+    };
+    let LookUp::Absent(()) = Store::look_up(&pool, &tenant, &key).await.unwrap() else {
+        panic!("new");
+    };
+    let (mut old_transaction, old) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+
+    lose_everything(&pool).await;
+    let (_transaction, new) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+    assert!(
+        Store::token(&new) > Store::token(&old),
+        "the token after the loss ({}) is not above the one before ({})",
+        Store::token(&new),
+        Store::token(&old)
+    );
+    let advanced = Store::advance(
+        &mut old_transaction,
+        &old,
+        "pay",
+        &json!({"charge": "ch_old"}),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(
+        matches!(&advanced, Err(error) if Store::failure(error) == Failure::Fenced),
+        "the owner from before the loss wrote over the new owner's key: {advanced:?}"
+    );
+    let finished = Store::finish(
+        &mut old_transaction,
+        &old,
+        "pay",
+        &StoredResponse::new(201, "old"),
+        usize::MAX,
+    )
+    .await;
+    assert!(
+        matches!(&finished, Err(error) if Store::failure(error) == Failure::Fenced),
+        "{finished:?}"
+    );
+}
+
+/// What a client saw, by kind.
+fn kind(outcome: &Result<Outcome, RunError>) -> &'static str {
+    match outcome {
+        Ok(Outcome::Executed(_)) => "executed",
+        Ok(Outcome::Replayed(_)) => "replayed",
+        Ok(Outcome::InProgress { .. }) => "in progress (409)",
+        Ok(Outcome::Interrupted { .. }) => "interrupted",
+        Ok(_) => "other answer",
+        Err(RunError::Fenced) => "fenced (409)",
+        Err(_) => "error",
+    }
+}
+
+/// 120 payments, 16 at a time. The first 8 calls take 2 s at the provider, the others 10 ms: once
+/// 40 payments are answered (the 8 slow ones still in their call), Redis loses everything. Then
+/// every client sends its request once more.
+#[tokio::test]
+async fn redis_losing_its_data_mid_run_reruns_the_lost_keys_and_the_provider_charges_each_once() {
+    const KEYS: usize = 120;
+    const AT_ONCE: usize = 16;
+    const SLOW: usize = 8;
+    const BEFORE_LOSS: usize = 40;
+    let pool = fresh("loss-mid-run").await;
+    let provider = MockProvider::start().await;
+    let keys: Vec<Key> = (0..KEYS)
+        .map(|index| Key::parse(&format!("pay-{index}")).unwrap())
+        .collect();
+    for (index, key) in keys.iter().enumerate() {
+        let delay = if index < SLOW { 2000 } else { 10 };
+        provider.push_fault_for(pay_key(key), Fault::Delay(Duration::from_millis(delay)));
+    }
+    let workflow = Arc::new(
+        Workflow::<idemflow_runner::RedisStore>::builder_on::<Payment>("payment.v1")
+            .foreign(Pay {
+                provider: provider.client(),
+            })
+            .lease(Duration::from_secs(30))
+            .build()
+            .unwrap(),
+    );
+    let runner = Runner::on(pool.clone(), RunnerConfig::default());
+
+    let answered = Arc::new(tokio::sync::Semaphore::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(AT_ONCE));
+    let mut first = tokio::task::JoinSet::new();
+    for key in keys.clone() {
+        let (runner, workflow, gate, answered) = (
+            runner.clone(),
+            Arc::clone(&workflow),
+            Arc::clone(&gate),
+            Arc::clone(&answered),
+        );
+        // Spawned in order, so the slow keys take the first slots.
+        let slot = gate.acquire_owned().await.unwrap();
+        first.spawn(async move {
+            let outcome = runner.run(&workflow, &tenant(), &key, request()).await;
+            drop(slot);
+            answered.add_permits(1);
+            (key, outcome)
+        });
+        if first.len() == AT_ONCE {
+            break;
+        }
+    }
+    for key in keys.iter().skip(AT_ONCE).cloned() {
+        let (runner, workflow, gate, answered) = (
+            runner.clone(),
+            Arc::clone(&workflow),
+            Arc::clone(&gate),
+            Arc::clone(&answered),
+        );
+        first.spawn(async move {
+            let _slot = gate.acquire_owned().await.unwrap();
+            let outcome = runner.run(&workflow, &tenant(), &key, request()).await;
+            answered.add_permits(1);
+            (key, outcome)
+        });
+    }
+    answered
+        .acquire_many(BEFORE_LOSS as u32)
+        .await
+        .unwrap()
+        .forget();
+    for key in &keys[..SLOW] {
+        assert!(
+            provider.is_in_flight(&pay_key(key)),
+            "the slow calls outlast the first {BEFORE_LOSS} answers"
+        );
+    }
+    lose_everything(&pool).await;
+
+    let mut before: HashMap<&'static str, usize> = HashMap::new();
+    let mut slow_answers = Vec::new();
+    while let Some(joined) = first.join_next().await {
+        let (key, outcome) = joined.unwrap();
+        if keys[..SLOW].contains(&key) {
+            slow_answers.push(kind(&outcome));
+        }
+        *before.entry(kind(&outcome)).or_default() += 1;
+    }
+    // Every client sends its request once more (a retry after a lost response, or a check).
+    let mut again: HashMap<&'static str, usize> = HashMap::new();
+    for key in &keys {
+        let outcome = runner.run(&workflow, &tenant(), key, request()).await;
+        *again.entry(kind(&outcome)).or_default() += 1;
+    }
+    let called_twice = keys
+        .iter()
+        .filter(|key| provider.calls_for(&pay_key(key)) >= 2)
+        .count();
+    let charges = provider.charges().len();
+    eprintln!(
+        "redis loss: {KEYS} keys, {AT_ONCE} at once; loss after {BEFORE_LOSS} answers with \
+         {SLOW} calls in flight; first answers {before:?}; answers to the retry {again:?}; keys \
+         whose call went out twice {called_twice}; charges executed {charges}"
+    );
+
+    // A key whose finish came after the loss found no key to finish: its client was told 409
+    // (the request is not answered from a store that no longer holds it), never a payment.
+    assert_eq!(slow_answers, ["fenced (409)"; SLOW], "{before:?}");
+    // Each key was charged once: the second call carried the same derived key.
+    assert_eq!(charges, KEYS);
+    // Every retry got the payment, replayed or run again: no key was left stuck by the loss.
+    assert_eq!(
+        again.get("executed").copied().unwrap_or(0) + again.get("replayed").copied().unwrap_or(0),
+        KEYS,
+        "{again:?}"
+    );
+    // What ran again is what the loss took: the keys answered before it and those in flight when
+    // it came (at most AT_ONCE), none claimed after it.
+    let ran_again = again.get("executed").copied().unwrap_or(0);
+    assert_eq!(called_twice, ran_again, "{again:?}");
+    assert!(
+        (BEFORE_LOSS + SLOW..=BEFORE_LOSS + AT_ONCE).contains(&ran_again),
+        "{ran_again} keys ran again"
+    );
+}
