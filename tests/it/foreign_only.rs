@@ -3,6 +3,9 @@
 //! run on every engine: PostgreSQL, SQLite, MariaDB and Redis, the one engine that runs only such
 //! workflows. `engines.rs` runs the checkout (local phases too) on the SQL engines.
 //!
+//! The HTTP layer's plain handler (itself a one-phase foreign workflow) is one of the cases, over a
+//! real axum server and reqwest.
+//!
 //! Each engine brings [`Keys`]: what a case does behind the runner's back (ending every lease,
 //! ageing every finished key, counting keys). Leases are ended by rewinding them, never by
 //! sleeping.
@@ -182,6 +185,7 @@ every_engine!(
     a_crash_at_any_point_is_finished_by_the_resumer_and_charges_once,
     a_failed_call_is_postponed_and_the_resumer_finishes_it,
     retention_frees_a_finished_key_for_a_new_request,
+    the_http_layer_runs_a_handler_once_and_replays_it_byte_for_byte,
 );
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -489,4 +493,70 @@ async fn retention_frees_a_finished_key_for_a_new_request<E: Keys>(pool: PoolOf<
         .unwrap();
     assert!(matches!(anew, Outcome::Executed(_)), "{anew:?}");
     assert_eq!(provider.charges().len(), 1);
+}
+
+/// The plain-handler layer on a real server: the handler runs once; a retry gets its answer byte
+/// for byte (marked replayed); the key with another body is 422; a duplicate while the handler
+/// runs is 409.
+async fn the_http_layer_runs_a_handler_once_and_replays_it_byte_for_byte<E: Keys>(pool: PoolOf<E>) {
+    use axum::routing::post;
+
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |body: axum::body::Bytes| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                if body.as_ref() == b"slow" {
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                }
+                (
+                    axum::http::StatusCode::CREATED,
+                    format!("run {run} of {}", String::from_utf8_lossy(&body)),
+                )
+            }
+        }
+    };
+    let layer = idemflow_http::IdempotencyLayer::new(
+        Runner::<E>::on(pool.clone(), RunnerConfig::default()),
+        "api.v1",
+        idemflow_http::BearerTenant,
+    )
+    .unwrap();
+    let router = axum::Router::new()
+        .route("/v1/payments", post(handler))
+        .route_layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+    let post = |key: &str, body: &'static str| {
+        client
+            .post(format!("http://{address}/v1/payments"))
+            .header("authorization", "Bearer acme")
+            .header("idempotency-key", format!("\"{key}\""))
+            .body(body)
+            .send()
+    };
+
+    let first = post("pay-http", "paid").await.unwrap();
+    assert_eq!(first.status(), 201);
+    let first_body = first.bytes().await.unwrap();
+    let again = post("pay-http", "paid").await.unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.bytes().await.unwrap(), first_body);
+    let other = post("pay-http", "other").await.unwrap();
+    assert_eq!(other.status(), 422);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let slow = tokio::spawn(post("pay-slow", "slow"));
+    while runs.load(Ordering::SeqCst) < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let duplicate = post("pay-slow", "slow").await.unwrap();
+    assert_eq!(duplicate.status(), 409);
+    assert_eq!(slow.await.unwrap().unwrap().status(), 201);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
