@@ -7,6 +7,8 @@ pub struct Config {
     pub database_url: String,
     /// The MariaDB (or MySQL) server of workload 14: `MARIADB_URL`, else root at 127.0.0.1:3306.
     pub mariadb_url: String,
+    /// The Redis server workload 15 runs on (under a prefix of its own).
+    pub redis_url: String,
     /// Tiny counts for CI (a smoke test): only the counts are meant to be read.
     pub quick: bool,
     /// Concurrent clients for workloads 1, 2, 3 and 7 (and pgbench).
@@ -76,6 +78,7 @@ pub const SECTIONS: &[(&str, &str)] = &[
     ("12", "partitioned-expiry"),
     ("13", "sqlite"),
     ("14", "mariadb"),
+    ("15", "redis"),
 ];
 
 impl Config {
@@ -85,6 +88,8 @@ impl Config {
             database_url: database_url.into(),
             mariadb_url: std::env::var("MARIADB_URL")
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned()),
+            redis_url: std::env::var("REDIS_URL")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
             quick: false,
             clients: vec![1, 8, 32, 64],
             duration: Duration::from_secs(5),
@@ -224,7 +229,9 @@ mod tests {
             Some(&["provider-storm", "mass-crash", "wire"][..])
         );
         assert!(config.runs("provider-storm") && !config.runs("checkout"));
-        assert!(config.select(&["15".to_owned()]).is_err());
+        assert!(config.select(&["16".to_owned()]).is_err());
+        assert_eq!(config.select(&["15".to_owned()]), Ok(()));
+        assert!(config.runs("redis") && !config.runs("mariadb"));
         assert_eq!(config.select(&["14".to_owned()]), Ok(()));
         assert!(config.runs("mariadb") && !config.runs("sqlite"));
         assert_eq!(config.select(&["13".to_owned()]), Ok(()));

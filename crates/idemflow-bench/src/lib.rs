@@ -18,6 +18,7 @@ mod partitioned;
 mod pgbench;
 mod provider_storm;
 mod raw;
+pub mod redis;
 pub mod report;
 mod sqlite;
 mod sqlite_runner;

@@ -33,7 +33,7 @@ struct Args {
     no_pgbench: bool,
     /// Run only these, comma-separated: workload numbers or names (1 checkout, 2 local-only,
     /// 3 replay, 4 storm, 5 drain, 6 retention, 7 http, 8 provider-storm, 9 mass-crash,
-    /// 10 large-responses, 11 fleet, 12 partitioned-expiry, 13 sqlite, 14 mariadb), wire, pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
+    /// 10 large-responses, 11 fleet, 12 partitioned-expiry, 13 sqlite, 14 mariadb, 15 redis), wire, pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
     #[arg(long, value_delimiter = ',', value_name = "WORKLOADS")]
     only: Option<Vec<String>>,
     /// The server (a scratch database is created on it); default $DATABASE_URL
@@ -43,6 +43,10 @@ struct Args {
     /// default $MARIADB_URL, else mysql://root@127.0.0.1:3306/test
     #[arg(long)]
     mariadb_url: Option<String>,
+    /// The Redis server of workload 15 (keys under a prefix of its own, deleted after);
+    /// default $REDIS_URL, else redis://127.0.0.1:6379
+    #[arg(long)]
+    redis_url: Option<String>,
 }
 
 #[tokio::main]
@@ -80,6 +84,9 @@ async fn main() -> ExitCode {
     }
     if let Some(url) = args.mariadb_url {
         config.mariadb_url = url;
+    }
+    if let Some(url) = args.redis_url {
+        config.redis_url = url;
     }
     if let Some(seconds) = args.duration_secs {
         config.duration = Duration::from_secs_f64(seconds);

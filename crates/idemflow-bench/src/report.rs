@@ -65,6 +65,8 @@ pub struct Report {
     pub sqlite: Vec<EngineRun>,
     /// Workload 14: the MariaDB engine beside raw sqlx on MariaDB.
     pub mariadb: Option<crate::mariadb::MariaDb>,
+    /// Workload 15: the Redis engine beside PostgreSQL.
+    pub redis: Option<crate::redis::RedisBeside>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -726,6 +728,9 @@ impl Report {
         if let Some(mariadb) = &self.mariadb {
             mariadb_table(&mut out, mariadb);
         }
+        if let Some(redis) = &self.redis {
+            redis_table(&mut out, redis);
+        }
         if !self.mass_crash.is_empty() {
             let _ = writeln!(
                 out,
@@ -949,6 +954,55 @@ fn met(met: Option<bool>) -> &'static str {
 }
 
 /// Workload 14's tables: engine vs raw per operation, the storm, the wire counts.
+fn redis_table(out: &mut String, redis: &crate::redis::RedisBeside) {
+    let _ = writeln!(
+        out,
+        "\nredis (15): Redis {} beside PostgreSQL, the same foreign-only workflow (one phase that \
+         answers at once) and plain-handler layer; per second",
+        redis.server
+    );
+    let _ = writeln!(
+        out,
+        "  {:<10} {:>7} {:>12} {:>12} {:>8}",
+        "operation", "clients", "redis", "postgres", "ratio"
+    );
+    for run in &redis.runs {
+        let _ = writeln!(
+            out,
+            "  {:<10} {:>7} {:>12.0} {:>12.0} {:>8}",
+            run.operation,
+            run.clients,
+            run.redis_per_second,
+            run.postgres_per_second,
+            run.ratio()
+                .map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
+        );
+    }
+    for storm in &redis.storm {
+        let _ = writeln!(
+            out,
+            "  storm on {:<8} {} clients, {} keys a round, {} rounds: {:.0} copies/s; executed {}, \
+             replayed {}, in progress {}, failed {}",
+            storm.engine,
+            storm.clients,
+            storm.keys_per_round,
+            storm.rounds,
+            storm.per_second,
+            storm.executed,
+            storm.replayed,
+            storm.in_progress,
+            storm.failed
+        );
+    }
+    for ((operation, round_trips), (_, commands)) in redis.round_trips.iter().zip(&redis.commands) {
+        let _ = writeln!(
+            out,
+            "  per {operation} request: {round_trips:.2} round trips to Redis, {commands:.2} \
+             commands run there (inside the scripts included)"
+        );
+    }
+}
+
 fn mariadb_table(out: &mut String, mariadb: &crate::mariadb::MariaDb) {
     let _ = writeln!(
         out,

@@ -247,6 +247,14 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         None
     };
 
+    let redis = if config.runs("redis") {
+        trace("redis");
+        eprintln!("idemflow-bench: redis: the Redis engine beside PostgreSQL");
+        Some(crate::redis::run(config, scratch).await?)
+    } else {
+        None
+    };
+
     let fleet = if config.runs("fleet") {
         trace("fleet");
         eprintln!(
@@ -322,6 +330,7 @@ pub async fn all(config: &Config, scratch: &Scratch) -> Result<Report, Error> {
         partitioned_expiry,
         sqlite,
         mariadb,
+        redis,
         targets: Vec::new(),
         load_trace,
         notes,
@@ -1298,6 +1307,37 @@ fn sqlite_targets(runs: &[report::EngineRun], targets: &mut Vec<Target>) {
 /// Workload 14: engine ÷ raw ≥ 0.9× for each operation on MariaDB at the largest client count
 /// it ran, and in the storm of duplicates; no deadlock ever reaches a client; the engine's wire
 /// counts are the documented ones.
+/// Workload 15's targets: Redis faster than PostgreSQL for each operation and the storm at the
+/// largest client count, and no copy in either storm answered with a failure.
+fn redis_targets(redis: &crate::redis::RedisBeside, targets: &mut Vec<Target>) {
+    let most = redis.runs.iter().map(|run| run.clients).max().unwrap_or(0);
+    for run in redis.runs.iter().filter(|run| run.clients == most) {
+        targets.push(ratio_target(
+            format!(
+                "15 redis {} @{}: redis ÷ postgres",
+                run.operation, run.clients
+            ),
+            run.ratio(),
+            1.0,
+        ));
+    }
+    let storm = |engine: &str| redis.storm.iter().find(|run| run.engine == engine);
+    if let (Some(on_redis), Some(on_postgres)) = (storm("redis"), storm("postgres")) {
+        targets.push(ratio_target(
+            format!("15 redis storm @{}: redis ÷ postgres", on_redis.clients),
+            (on_postgres.per_second > 0.0).then(|| on_redis.per_second / on_postgres.per_second),
+            1.0,
+        ));
+    }
+    let failed: u64 = redis.storm.iter().map(|run| run.failed).sum();
+    targets.push(Target {
+        name: "15 redis storm: failures clients saw".to_owned(),
+        measured: failed.to_string(),
+        target: "0".to_owned(),
+        met: Some(failed == 0),
+    });
+}
+
 fn mariadb_targets(mariadb: &mariadb::MariaDb, targets: &mut Vec<Target>) {
     for operation in mariadb::OPERATIONS {
         let judged = mariadb
@@ -1546,6 +1586,9 @@ fn targets(config: &Config, report: &Report) -> Vec<Target> {
     sqlite_targets(&report.sqlite, &mut targets);
     if let Some(mariadb) = &report.mariadb {
         mariadb_targets(mariadb, &mut targets);
+    }
+    if let Some(redis) = &report.redis {
+        redis_targets(redis, &mut targets);
     }
     // End to end, the difference drowns in the run-to-run noise (shown as the larger half-to-half
     // spread of the two variants); the direct estimate is calls × cost per call over the

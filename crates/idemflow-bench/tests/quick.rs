@@ -85,6 +85,39 @@ async fn quick_mode_completes_with_the_documented_counts() {
         mariadb.wire
     );
 
+    // Workload 15: the three operations on Redis and PostgreSQL at every client count; the storm
+    // answered every copy on both; round trips to Redis per request as docs/engines.md documents:
+    // a new key is its look-up, its claim and its finish, a replay its look-up alone.
+    let redis = report.redis.as_ref().expect("workload 15 ran");
+    assert_eq!(redis.runs.len(), 3 * report.settings.clients.len());
+    assert!(
+        redis
+            .runs
+            .iter()
+            .all(|run| run.redis_per_second > 0.0 && run.postgres_per_second > 0.0),
+        "{:?}",
+        redis.runs
+    );
+    assert_eq!(redis.storm.len(), 2);
+    assert!(
+        redis
+            .storm
+            .iter()
+            .all(|storm| storm.failed == 0 && storm.executed > 0),
+        "{:?}",
+        redis.storm
+    );
+    let round_trips: Vec<(&str, f64)> = redis
+        .round_trips
+        .iter()
+        .map(|(operation, round_trips)| (operation.as_str(), *round_trips))
+        .collect();
+    assert_eq!(
+        round_trips,
+        [("new", 3.0), ("replay", 1.0), ("http-new", 3.0)],
+        "round trips to Redis per request"
+    );
+
     // The server agrees: xact_commit per request. It also counts read-only autocommit
     // statements as commits (they write no WAL and wait for no flush): the engine's look-up is
     // one, so a new request shows its durable commits + 1 there, a replay 1.
