@@ -246,6 +246,7 @@ conformance_redis!(
     a_body_apart_is_read_for_its_own_life_only,
     retention_deletes_finished_keys_past_their_window_in_batches_only,
     the_resumers_scan_takes_lapsed_keys_of_its_workflows_only,
+    the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows,
     a_postponed_key_waits_its_retry_after_under_a_new_token,
     a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing,
     an_ended_lease_advances_the_fence_and_frees_the_key_at_once,
@@ -260,6 +261,7 @@ conformance!(
     a_body_apart_is_read_for_its_own_life_only,
     retention_deletes_finished_keys_past_their_window_in_batches_only,
     the_resumers_scan_takes_lapsed_keys_of_its_workflows_only,
+    the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows,
     a_postponed_key_waits_its_retry_after_under_a_new_token,
     a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing,
     an_ended_lease_advances_the_fence_and_frees_the_key_at_once,
@@ -617,6 +619,43 @@ async fn retention_deletes_finished_keys_past_their_window_in_batches_only<S: Be
                 .unwrap(),
             LookUp::Absent(_)
         ));
+    }
+}
+
+/// The scan takes the keys whose leases lapsed longest ago first, whatever their workflow and
+/// whatever order the resumer lists its workflows in: a workflow with a steady stream of due keys
+/// must not starve another.
+async fn the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows<S: Bench>(
+    pool: S::Pool,
+) {
+    for (name, workflow) in [
+        ("k-first", "checkout@1"),
+        ("k-second", "checkout@1"),
+        ("k-third", "refund@1"),
+    ] {
+        let (transaction, owner) = claim::<S>(&pool, &key(name), workflow).await.unwrap();
+        S::commit(transaction).await.unwrap();
+        // Due now, in this order: lease ends apart on every engine's clock (SQLite and MariaDB
+        // count milliseconds).
+        S::postpone(&pool, &owner, Duration::ZERO, "provider: 503")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The workflow with the newest due key is listed first.
+    let workflows = [
+        ("refund@1".to_owned(), Duration::from_secs(30)),
+        ("checkout@1".to_owned(), Duration::from_secs(30)),
+    ];
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        let taken = S::take_over_due(&pool, &workflows, 1).await.unwrap();
+        assert_eq!(taken.len(), 1, "one key a scan");
+        order.push(taken[0].0.clone());
+    }
+    assert_eq!(order, ["checkout@1", "checkout@1", "refund@1"]);
+    for name in ["k-first", "k-second", "k-third"] {
+        assert!(found::<S>(&pool, &key(name)).await.lease_left > Duration::from_secs(25));
     }
 }
 

@@ -184,26 +184,34 @@ pub(crate) fn take_over() -> redis::Script {
 
 /// KEYS: fence, then each workflow's leases. ARGV: batch, then each workflow's lease ms. A list of
 /// `{workflow index (1-based), token, attempts, tenant, key, recovery point, output, request, last
-/// error}`. Rows gone from under their lease end (deleted) are dropped from the set.
+/// error}`, the longest-lapsed keys first whatever their workflow (so a workflow with a steady
+/// stream of due keys starves no other). Rows gone from under their lease end (deleted) are
+/// dropped from the set.
 pub(crate) fn take_over_due() -> redis::Script {
     script(&[
         NOW,
         TAKE,
         "local left = tonumber(ARGV[1]) \
-         local taken = {} \
+         local due = {} \
          for index = 2, #KEYS do \
-             if left <= 0 then break end \
-             local due = redis.call('ZRANGEBYSCORE', KEYS[index], '-inf', now, 'LIMIT', 0, left) \
-             for _, row in ipairs(due) do \
-                 if redis.call('EXISTS', row) == 0 then \
-                     redis.call('ZREM', KEYS[index], row) \
-                 else \
-                     local one = take(row, KEYS[1], KEYS[index], false, tonumber(ARGV[index]), now) \
-                     if one then \
-                         table.insert(one, 1, index - 1) \
-                         table.insert(taken, one) \
-                         left = left - 1 \
-                     end \
+             local ends = redis.call('ZRANGEBYSCORE', KEYS[index], '-inf', now, 'WITHSCORES', \
+                 'LIMIT', 0, left) \
+             for at = 1, #ends, 2 do \
+                 table.insert(due, {tonumber(ends[at + 1]), index, ends[at]}) \
+             end \
+         end \
+         table.sort(due, function(a, b) return a[1] < b[1] end) \
+         local taken = {} \
+         for _, one in ipairs(due) do \
+             if #taken >= left then break end \
+             local index, row = one[2], one[3] \
+             if redis.call('EXISTS', row) == 0 then \
+                 redis.call('ZREM', KEYS[index], row) \
+             else \
+                 local fields = take(row, KEYS[1], KEYS[index], false, tonumber(ARGV[index]), now) \
+                 if fields then \
+                     table.insert(fields, 1, index - 1) \
+                     table.insert(taken, fields) \
                  end \
              end \
          end \
