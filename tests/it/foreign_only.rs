@@ -189,13 +189,13 @@ every_engine!(
 );
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Payment {
-    amount: u64,
+pub(crate) struct Payment {
+    pub(crate) amount: u64,
 }
 
 /// Charges the mock provider with the derived key, and answers with the charge.
-struct Pay {
-    provider: ProviderClient,
+pub(crate) struct Pay {
+    pub(crate) provider: ProviderClient,
 }
 
 #[async_trait]
@@ -239,11 +239,11 @@ fn payment<E: Engine>(provider: &MockProvider) -> Workflow<E> {
         .unwrap()
 }
 
-fn tenant() -> TenantId {
+pub(crate) fn tenant() -> TenantId {
     TenantId::new("t-foreign").unwrap()
 }
 
-fn request(body: &[u8]) -> Request<'_> {
+pub(crate) fn request(body: &[u8]) -> Request<'_> {
     Request {
         method: "POST",
         path: "/v1/payments",
@@ -251,7 +251,7 @@ fn request(body: &[u8]) -> Request<'_> {
     }
 }
 
-fn pay_key(key: &Key) -> String {
+pub(crate) fn pay_key(key: &Key) -> String {
     DerivedKey::new(&tenant(), key, PhaseName::new("pay").unwrap()).to_string()
 }
 
@@ -263,7 +263,7 @@ fn charges_for(provider: &MockProvider, key: &Key) -> usize {
         .count()
 }
 
-const BODY: &[u8] = br#"{"amount": 1200}"#;
+pub(crate) const BODY: &[u8] = br#"{"amount": 1200}"#;
 
 async fn a_payment_runs_once_and_every_retry_replays_it<E: Keys>(pool: PoolOf<E>) {
     let provider = MockProvider::start().await;

@@ -9,77 +9,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
+use idemflow_core::{Key, StoredResponse};
 use idemflow_redis::RedisStore as Store;
-use idemflow_runner::{
-    ForeignPhase, Outcome, PhaseContext, PhaseError, Request, RunError, Runner, RunnerConfig,
-    Workflow,
-};
+use idemflow_runner::{Outcome, Request, RunError, Runner, RunnerConfig, Workflow};
 use idemflow_store::{Claim, Failure, LookUp, Store as _};
 use idemflow_testkit::provider::{Fault, MockProvider};
-use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use crate::foreign_only::{BODY, Pay, Payment, pay_key, tenant};
 use crate::support::redis::{fresh, lose_everything};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Payment {
-    amount: u64,
-}
-
-struct Pay {
-    provider: ProviderClient,
-}
-
-#[async_trait]
-impl ForeignPhase for Pay {
-    const NAME: &'static str = "pay";
-    type Input = Payment;
-    type Output = StoredResponse;
-
-    fn timeout(&self) -> Duration {
-        Duration::from_secs(10)
-    }
-
-    async fn call(
-        &self,
-        key: &DerivedKey,
-        payment: Payment,
-        _: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        match self
-            .provider
-            .charge(key.as_str(), payment.amount, "usd", "tok_visa")
-            .await
-            .map_err(|error| PhaseError::retryable(error.to_string()))?
-        {
-            ChargeResult::Succeeded { charge_id } => Ok(StoredResponse::new(
-                201,
-                format!(r#"{{"charge":"{charge_id}"}}"#),
-            )),
-            declined => Err(PhaseError::terminal(format!("{declined:?}"))),
-        }
-    }
-}
-
-fn tenant() -> TenantId {
-    TenantId::new("t-loss").unwrap()
-}
-
-fn pay_key(key: &Key) -> String {
-    DerivedKey::new(&tenant(), key, PhaseName::new("pay").unwrap()).to_string()
-}
-
-const BODY: &[u8] = br#"{"amount": 1200}"#;
-
 fn request() -> Request<'static> {
-    Request {
-        method: "POST",
-        path: "/v1/payments",
-        body: BODY,
-    }
+    crate::foreign_only::request(BODY)
 }
 
 /// A key claimed before the loss is claimed again after it: the new owner's token is above the
