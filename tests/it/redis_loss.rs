@@ -219,3 +219,60 @@ async fn redis_losing_its_data_mid_run_reruns_the_lost_keys_and_the_provider_cha
         "{ran_again} keys ran again"
     );
 }
+
+/// A Redis restart closes every client connection (here: the server kills the store's one
+/// connection, as `CLIENT KILL` does and as a restart or a failover's switch does). The request that
+/// meets the closed connection fails as the database being unavailable; the requests after it must
+/// reach Redis again on a new connection, not fail for ever on the dead one.
+#[tokio::test]
+async fn after_redis_closes_the_connection_the_store_reconnects_and_requests_succeed_again() {
+    let pool = fresh("loss-connection").await;
+    let provider = MockProvider::start().await;
+    let workflow = Workflow::<idemflow_runner::RedisStore>::builder_on::<Payment>("payment.v1")
+        .foreign(Pay {
+            provider: provider.client(),
+        })
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let runner = Runner::on(pool.clone(), RunnerConfig::default());
+    let key = Key::parse("pay-before-kill").unwrap();
+    let first = runner.run(&workflow, &tenant(), &key, request()).await;
+    assert_eq!(kind(&first), "executed");
+
+    // Kill every connection of this test's client name from a connection of its own.
+    let client = redis::Client::open(crate::support::redis::url()).unwrap();
+    let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+    let id: i64 = redis::cmd("CLIENT")
+        .arg("ID")
+        .query_async(&mut pool.connection())
+        .await
+        .unwrap();
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(id)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1, "the store's connection was killed");
+
+    let mut answers = Vec::new();
+    for attempt in 0..5 {
+        let key = Key::parse(&format!("pay-after-kill-{attempt}")).unwrap();
+        let outcome = runner.run(&workflow, &tenant(), &key, request()).await;
+        answers.push(kind(&outcome));
+        if kind(&outcome) == "executed" {
+            break;
+        }
+        // The store reconnects in the background; a client's retry comes later too.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        answers.last(),
+        Some(&"executed"),
+        "after its connection was closed the store never reached Redis again: {answers:?}"
+    );
+    let replay = runner.run(&workflow, &tenant(), &key, request()).await;
+    assert_eq!(kind(&replay), "replayed");
+}

@@ -35,7 +35,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
 use idemflow_store::{Claim, Failure, FoundKey, LookUp, Store, TakenOver};
-use redis::aio::MultiplexedConnection;
+use redis::aio::ConnectionManager;
 use serde_json::Value;
 
 /// The store's errors.
@@ -54,13 +54,15 @@ pub enum StoreError {
 }
 
 /// Where the keys live: one Redis, through one multiplexed connection (commands from every task
-/// share it, pipelined), under a prefix.
+/// share it, pipelined), under a prefix. A connection the server closes (a restart, a failover's
+/// switch, `CLIENT KILL`) is replaced in the background: the commands in flight then fail, as the
+/// database being unavailable, and the ones after reach Redis again.
 ///
 /// It is also the store's connection: a multiplexed connection is shared, not taken, so the pool
 /// and the connection a statement runs on are one thing (cloned cheaply).
 #[derive(Clone)]
 pub struct RedisPool {
-    connection: MultiplexedConnection,
+    connection: ConnectionManager,
     prefix: Arc<str>,
 }
 
@@ -85,7 +87,9 @@ impl RedisPool {
     /// Connects, keys under `prefix` (two services, or two test cases, on one Redis).
     pub async fn connect_with_prefix(url: &str, prefix: &str) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
-        let connection = client.get_multiplexed_async_connection().await?;
+        // A connection manager, not a bare multiplexed connection: a bare one stays broken once
+        // the server closes it, and every request after a Redis restart would fail for ever.
+        let connection = ConnectionManager::new(client).await?;
         Ok(Self {
             connection,
             prefix: Arc::from(prefix),
@@ -93,7 +97,7 @@ impl RedisPool {
     }
 
     /// The connection every command goes through.
-    pub fn connection(&self) -> MultiplexedConnection {
+    pub fn connection(&self) -> ConnectionManager {
         self.connection.clone()
     }
 
@@ -204,7 +208,7 @@ fn fenced(changed: i64) -> Result<(), StoreError> {
 
 /// The workflow a started row belongs to, read where a write needs its sorted set.
 async fn workflow_of(
-    connection: &mut MultiplexedConnection,
+    connection: &mut ConnectionManager,
     row: &str,
 ) -> Result<Option<String>, StoreError> {
     Ok(redis::cmd("HGET")
