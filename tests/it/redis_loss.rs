@@ -276,3 +276,53 @@ async fn after_redis_closes_the_connection_the_store_reconnects_and_requests_suc
     let replay = runner.run(&workflow, &tenant(), &key, request()).await;
     assert_eq!(kind(&replay), "replayed");
 }
+
+/// A finished key's row lost alone (an eviction under a `maxmemory` policy that evicts keys, or a
+/// stray `DEL`) leaves its entry in the set of finishes. When the key is claimed again and runs,
+/// retention must not take that stale entry for the new claim: deleting a running key's row fences
+/// its owner out and lets the next retry run the request a second time.
+#[tokio::test]
+async fn retention_never_deletes_a_key_claimed_again_after_its_finished_row_was_lost() {
+    let pool = fresh("loss-stale-finish").await;
+    let key = Key::parse("pay-evicted").unwrap();
+    let (tenant, fingerprint) = (
+        tenant(),
+        idemflow_core::Fingerprint::from_slice(&[9; 32]).unwrap(),
+    );
+    let request = json!({"amount": 1200});
+    let claim = Claim {
+        tenant: &tenant,
+        key: &key,
+        fingerprint: &fingerprint,
+        workflow: "payment.v1",
+        request: &request,
+        lease: Duration::from_secs(30),
+    };
+    let (mut transaction, owner) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+    Store::finish(
+        &mut transaction,
+        &owner,
+        "pay",
+        &StoredResponse::new(201, "first"),
+        usize::MAX,
+    )
+    .await
+    .unwrap();
+    crate::support::redis::age_finished(&pool).await;
+    // The row alone goes, as an eviction takes it.
+    let _: () = redis::cmd("DEL")
+        .arg(pool.row(tenant.as_str(), key.as_str()))
+        .query_async(&mut pool.connection())
+        .await
+        .unwrap();
+
+    let (_running, again) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+    let expired = idemflow_runner::expire(&pool, Duration::from_secs(24 * 60 * 60), 100)
+        .await
+        .unwrap();
+    assert_eq!(expired, 0, "retention deleted a key that runs");
+    let LookUp::Found(found) = Store::look_up(&pool, &tenant, &key).await.unwrap() else {
+        panic!("the running key's row is gone");
+    };
+    assert_eq!(found.lock_version, Store::token(&again));
+}

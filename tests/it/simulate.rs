@@ -3,7 +3,8 @@
 //! settings it draws (layout, isolation, bodies apart, sealing, a consumer on the engine's pool).
 //! One source, every engine: the suite runs seeds 0 to 149 on PostgreSQL (in three parts, side
 //! by side, about 45 s each), seeds 0 to 99 on SQLite (two parts) and seeds 0 to 149 on
-//! MariaDB (three parts): the same schedules every time.
+//! MariaDB (three parts): the same schedules every time. The foreign-only world (a payment whose
+//! phases are all foreign) runs seeds 0 to 99 on Redis (two parts) and 0 to 49 on PostgreSQL.
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
@@ -127,5 +128,44 @@ mod mariadb {
     #[tokio::test]
     async fn schedules_100_to_149() {
         explore(&simulation("100_to_149").await, seeds_from_env(100..150)).await;
+    }
+}
+
+/// The foreign-only world (`simulation::foreign`: a payment whose phases are all foreign, two
+/// tenants sharing key names, impostors, lost rows, closed connections) on Redis, the engine
+/// that runs only such workflows: seeds 0 to 99, in two parts. Each schedule's keys live under a
+/// prefix of its own.
+mod redis {
+    use super::{explore, seeds_from_env};
+    use idemflow_testkit::simulation::Simulation;
+
+    async fn simulation() -> Simulation {
+        let url = crate::support::redis::url();
+        Simulation::on_redis(&url).await.unwrap_or_else(|error| {
+            panic!("the Redis schedules need a Redis at {url} (REDIS_URL): {error}")
+        })
+    }
+
+    #[tokio::test]
+    async fn schedules_0_to_49() {
+        explore(&simulation().await, seeds_from_env(0..50)).await;
+    }
+
+    #[tokio::test]
+    async fn schedules_50_to_99() {
+        explore(&simulation().await, seeds_from_env(50..100)).await;
+    }
+}
+
+/// The foreign-only world on PostgreSQL, the reference its Redis schedules are read against:
+/// seeds 0 to 49.
+mod postgres_foreign {
+    use super::{explore, seeds_from_env};
+    use idemflow_testkit::simulation::Simulation;
+
+    #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+    async fn schedules_0_to_49(pool: sqlx::PgPool) {
+        let simulation = Simulation::foreign_on_postgres(&pool).await.unwrap();
+        explore(&simulation, seeds_from_env(0..50)).await;
     }
 }

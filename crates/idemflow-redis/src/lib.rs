@@ -363,6 +363,7 @@ impl Store for RedisStore {
             .key(pool.fence())
             .key(pool.leases(claim.workflow))
             .key(pool.workflows())
+            .key(pool.finishes())
             .arg(claim.tenant.as_str())
             .arg(claim.key.as_str())
             .arg(claim.fingerprint.as_bytes())

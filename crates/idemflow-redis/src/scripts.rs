@@ -51,10 +51,12 @@ pub(crate) fn look_up() -> redis::Script {
     ])
 }
 
-/// KEYS: row, fence, leases, workflows. ARGV: tenant, key, fingerprint, workflow, request, lease
-/// ms, the workflow in hex. Returns the claim's token, or 0 when the key is there (nothing written). The workflow joins
-/// the set of workflows with keys, which the resumer's lag and its count of keys no worker knows
-/// read.
+/// KEYS: row, fence, leases, workflows, finishes. ARGV: tenant, key, fingerprint, workflow,
+/// request, lease ms, the workflow in hex. Returns the claim's token, or 0 when the key is there
+/// (nothing written). The workflow joins the set of workflows with keys, which the resumer's lag
+/// and its count of keys no worker knows read. A finish left in the set of finishes by an earlier
+/// row of the key that was lost alone (evicted, deleted by hand) goes: retention would otherwise
+/// take it for this claim and delete a running key.
 pub(crate) fn claim() -> redis::Script {
     script(&[
         "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end ",
@@ -66,6 +68,7 @@ pub(crate) fn claim() -> redis::Script {
              'life', token, 'ca', now) \
          redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
          redis.call('SADD', KEYS[4], ARGV[7]) \
+         redis.call('ZREM', KEYS[5], KEYS[1]) \
          return token",
     ])
 }
@@ -252,18 +255,29 @@ pub(crate) fn count_due_unknown() -> redis::Script {
 }
 
 /// KEYS: finishes. ARGV: keep for ms, batch. Deletes up to `batch` keys finished longer ago, with
-/// their bodies apart; how many.
+/// their bodies apart; how many. A row is deleted only when it is finished, by its own finish
+/// time: an entry whose row was lost, or is started again, is dropped from the set and nothing
+/// else, and one behind its row's finish is moved to it (the set is not the truth; the row is).
 pub(crate) fn expire_batch() -> redis::Script {
     script(&[
         NOW,
-        "local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), \
+        "local cutoff = now - tonumber(ARGV[1]) \
+         local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, \
              'LIMIT', 0, tonumber(ARGV[2])) \
+         local deleted = 0 \
          for _, row in ipairs(old) do \
-             local life = redis.call('HGET', row, 'apart') \
-             if life then redis.call('DEL', row .. ':body:' .. life) end \
-             redis.call('DEL', row) \
-             redis.call('ZREM', KEYS[1], row) \
+             local held = redis.call('HMGET', row, 'st', 'fa', 'apart') \
+             if held[1] == 'done' and tonumber(held[2]) <= cutoff then \
+                 if held[3] then redis.call('DEL', row .. ':body:' .. held[3]) end \
+                 redis.call('DEL', row) \
+                 deleted = deleted + 1 \
+                 redis.call('ZREM', KEYS[1], row) \
+             elseif held[1] == 'done' then \
+                 redis.call('ZADD', KEYS[1], tonumber(held[2]), row) \
+             else \
+                 redis.call('ZREM', KEYS[1], row) \
+             end \
          end \
-         return #old",
+         return deleted",
     ])
 }

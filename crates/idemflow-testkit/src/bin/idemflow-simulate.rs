@@ -3,14 +3,18 @@
 //! invariant with the command that replays each.
 //!
 //! ```text
-//! idemflow-simulate [--engine postgres|sqlite|mysql] [--schedules N] [--seed S] [--verbose]
+//! idemflow-simulate [--engine postgres|sqlite|mysql|postgres-foreign|redis] [--schedules N] [--seed S] [--verbose]
 //! ```
 //!
 //! On PostgreSQL (the default) it needs `DATABASE_URL` (a server it may create a database on);
 //! `scripts/simulate` finds one the way the test suite does. On SQLite it needs nothing: a scratch
 //! file in the temporary directory, removed at the end. On MySQL/MariaDB it needs `MARIADB_URL`
-//! (default `mysql://root@127.0.0.1:3306/test`), and makes a scratch database there. Exit 0 when every schedule passed, 1 when one broke, 2 on bad usage or
-//! when the database cannot be reached.
+//! (default `mysql://root@127.0.0.1:3306/test`), and makes a scratch database there.
+//! `postgres-foreign` and `redis` run the foreign-only world (`simulation::foreign`): the first on
+//! a scratch PostgreSQL database, the second on the Redis at `REDIS_URL` (default
+//! `redis://127.0.0.1:6379`; built with the `redis` feature), each schedule under a prefix of its
+//! own. Exit 0 when every schedule passed, 1 when one broke, 2 on bad usage or when the database
+//! cannot be reached.
 
 use std::process::ExitCode;
 use std::str::FromStr;
@@ -23,7 +27,8 @@ use sqlx::{ConnectOptions, Connection, Executor};
 const USAGE: &str =
     "usage: idemflow-simulate [--engine E] [--schedules N] [--seed S] [--verbose] [--history]
 
-  --engine E      postgres (default), sqlite or mysql (MySQL/MariaDB)
+  --engine E      postgres (default), sqlite, mysql (MySQL/MariaDB): the checkout world;
+                  postgres-foreign or redis: the foreign-only world
   --schedules N   how many schedules to run (default 50)
   --seed S        the first seed (default: one drawn from the clock); schedule i runs seed S+i
   --verbose       print each schedule's line as it ends, and a failing one's whole history
@@ -32,7 +37,9 @@ const USAGE: &str =
 On postgres, needs DATABASE_URL; creates a scratch database there and drops it at the end.
 On sqlite, runs on a scratch file in the temporary directory, removed at the end.
 On mysql, needs MARIADB_URL (default mysql://root@127.0.0.1:3306/test); creates a scratch
-database there and drops it at the end.";
+database there and drops it at the end.
+On redis, needs REDIS_URL (default redis://127.0.0.1:6379); each schedule's keys live under
+the prefix idemflow-sim:<seed>.";
 
 /// The engine the schedules run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +47,8 @@ enum EngineName {
     Postgres,
     Sqlite,
     MySql,
+    PostgresForeign,
+    Redis,
 }
 
 #[derive(Debug)]
@@ -73,7 +82,13 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String>
                 Some("postgres") => parsed.engine = EngineName::Postgres,
                 Some("sqlite") => parsed.engine = EngineName::Sqlite,
                 Some("mysql" | "mariadb") => parsed.engine = EngineName::MySql,
-                other => return Err(format!("--engine {other:?}: postgres, sqlite or mysql")),
+                Some("postgres-foreign") => parsed.engine = EngineName::PostgresForeign,
+                Some("redis") => parsed.engine = EngineName::Redis,
+                other => {
+                    return Err(format!(
+                        "--engine {other:?}: postgres, sqlite, mysql, postgres-foreign or redis"
+                    ));
+                }
             },
             "--seed" => parsed.seed = Some(number("--seed")?),
             "--verbose" => parsed.verbose = true,
@@ -129,7 +144,8 @@ async fn run(args: Args) -> Result<bool, String> {
     match args.engine {
         EngineName::Sqlite => return run_on_sqlite(args).await,
         EngineName::MySql => return run_on_mysql(args).await,
-        EngineName::Postgres => {}
+        EngineName::Redis => return run_on_redis(args).await,
+        EngineName::Postgres | EngineName::PostgresForeign => {}
     }
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set".to_owned())?;
     let server =
@@ -233,10 +249,28 @@ async fn explore_postgres(options: &PgConnectOptions, args: &Args) -> Result<boo
     idemflow_pg::migrate(&pool)
         .await
         .map_err(|error| format!("migrating: {error}"))?;
-    let simulation = Simulation::new(&pool)
+    let simulation = if args.engine == EngineName::PostgresForeign {
+        Simulation::foreign_on_postgres(&pool).await
+    } else {
+        Simulation::new(&pool).await
+    }
+    .map_err(|error| format!("preparing the schedules: {error}"))?;
+    explore(&simulation, args).await
+}
+
+/// Runs the foreign-only world's schedules on the Redis at `REDIS_URL`.
+#[cfg(feature = "redis")]
+async fn run_on_redis(args: Args) -> Result<bool, String> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    let simulation = Simulation::on_redis(&url)
         .await
         .map_err(|error| format!("preparing the schedules: {error}"))?;
-    explore(&simulation, args).await
+    explore(&simulation, &args).await
+}
+
+#[cfg(not(feature = "redis"))]
+async fn run_on_redis(_: Args) -> Result<bool, String> {
+    Err("this idemflow-simulate was built without the redis feature".to_owned())
 }
 
 async fn explore(simulation: &Simulation, args: &Args) -> Result<bool, String> {

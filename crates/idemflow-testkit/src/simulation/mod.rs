@@ -33,6 +33,7 @@
 
 mod check;
 mod engine;
+pub mod foreign;
 mod observe;
 mod rng;
 mod scheduler;
@@ -101,6 +102,14 @@ enum Backend {
         /// The schedule's own connections.
         observer: MySqlPool,
     },
+    /// The foreign-only world (`foreign`) on PostgreSQL.
+    PostgresForeign {
+        options: Box<PgConnectOptions>,
+        observer: PgPool,
+    },
+    /// The foreign-only world on Redis: each schedule's keys under a prefix of its own.
+    #[cfg(feature = "redis")]
+    Redis { url: String },
 }
 
 impl fmt::Debug for Simulation {
@@ -238,12 +247,57 @@ impl Simulation {
         })
     }
 
-    /// The engine this simulation runs on (`postgres`, `sqlite` or `mysql`).
+    /// Prepares schedules of the foreign-only world (`foreign`: a payment whose phases are all
+    /// foreign, the workflow every engine runs) on the PostgreSQL database `pool` reaches
+    /// (migrated): the reference its Redis schedules are read against.
+    pub async fn foreign_on_postgres(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        let options = pool.connect_options().as_ref().clone();
+        // An owner parked before its commit holds its row's lock: the schedule's writes give
+        // up on such a row at once rather than wait for a grant only the schedule can give.
+        let observer = PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(
+                options
+                    .clone()
+                    .options([("lock_timeout", "100ms")])
+                    .application_name(OBSERVER_APPLICATION),
+            )
+            .await?;
+        Ok(Self {
+            backend: Backend::PostgresForeign {
+                options: Box::new(options),
+                observer,
+            },
+            provider: Arc::new(MockProvider::start_for_simulation().await?),
+        })
+    }
+
+    /// Prepares schedules of the foreign-only world on the Redis at `url`: each schedule's keys
+    /// live under the prefix `idemflow-sim:<seed>`, emptied at its start.
+    #[cfg(feature = "redis")]
+    pub async fn on_redis(url: &str) -> Result<Self, sqlx::Error> {
+        // Reached once here, so a missing server fails at once rather than per schedule.
+        idemflow_redis::RedisPool::connect(url)
+            .await
+            .map_err(|error| sqlx::Error::Protocol(format!("no Redis at {url}: {error}")))?;
+        Ok(Self {
+            backend: Backend::Redis {
+                url: url.to_owned(),
+            },
+            provider: Arc::new(MockProvider::start_for_simulation().await?),
+        })
+    }
+
+    /// The engine this simulation runs on (`postgres`, `sqlite`, `mysql`, `postgres-foreign` or
+    /// `redis`).
     pub fn engine(&self) -> &'static str {
         match self.backend {
             Backend::Postgres { .. } => "postgres",
             Backend::Sqlite { .. } => "sqlite",
             Backend::MySql { .. } => "mysql",
+            Backend::PostgresForeign { .. } => "postgres-foreign",
+            #[cfg(feature = "redis")]
+            Backend::Redis { .. } => "redis",
         }
     }
 
@@ -272,7 +326,75 @@ impl Simulation {
                 })
                 .await
             }
+            Backend::PostgresForeign { options, observer } => {
+                let engine = match PgPoolOptions::new()
+                    .max_connections(20)
+                    .connect_with(
+                        options
+                            .as_ref()
+                            .clone()
+                            .application_name(ENGINE_APPLICATION),
+                    )
+                    .await
+                {
+                    Ok(engine) => engine,
+                    Err(error) => return unreachable_engine(seed, "postgres-foreign", &error),
+                };
+                // A schedule run before under this seed left its keys.
+                if let Err(error) = sqlx::query("DELETE FROM idempotency_keys WHERE tenant LIKE $1")
+                    .bind(format!("fsim-{seed}-%"))
+                    .execute(observer)
+                    .await
+                {
+                    return unreachable_engine(seed, "postgres-foreign", &error);
+                }
+                let report =
+                    foreign::run::<PgStore>(&self.provider, seed, engine.clone(), observer.clone())
+                        .await;
+                engine.close().await;
+                report
+            }
+            #[cfg(feature = "redis")]
+            Backend::Redis { url } => {
+                let prefix = format!("idemflow-sim:{seed}");
+                let opened = async {
+                    let engine =
+                        idemflow_redis::RedisPool::connect_with_prefix(url, &prefix).await?;
+                    let observer =
+                        idemflow_redis::RedisPool::connect_with_prefix(url, &prefix).await?;
+                    foreign::forget_prefix(&observer).await?;
+                    Ok::<_, idemflow_redis::StoreError>((engine, observer))
+                }
+                .await;
+                match opened {
+                    Ok((engine, observer)) => {
+                        foreign::run::<idemflow_runner::RedisStore>(
+                            &self.provider,
+                            seed,
+                            engine,
+                            observer,
+                        )
+                        .await
+                    }
+                    Err(error) => unreachable_engine(seed, "redis", &error),
+                }
+            }
         }
+    }
+}
+
+/// The report of a schedule whose engine could not be reached.
+fn unreachable_engine(
+    seed: u64,
+    engine: &'static str,
+    error: &dyn std::fmt::Display,
+) -> ScheduleReport {
+    ScheduleReport {
+        seed,
+        engine,
+        violations: vec![format!("the engine could not be reached: {error}")],
+        history: Vec::new(),
+        counts: Counts::default(),
     }
 }
 

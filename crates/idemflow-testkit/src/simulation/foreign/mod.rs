@@ -1,0 +1,978 @@
+//! The schedule explorer's foreign-only world: a payment whose phases are all foreign (charge the
+//! card, then send the receipt, each a call to the mock provider with its derived key), the kind
+//! of workflow every engine runs, Redis included. Its schedules are drawn by a seed as the
+//! checkout world's are (`world.rs`), over the same scheduler: actors wait at the engine's crash
+//! points and at the start of each phase until the schedule grants them a step.
+//!
+//! A schedule has two tenants sharing 2 to 3 key names (so a key's row must never answer another
+//! tenant), and these actors: clients sending first attempts, retries and bursts of copies, an
+//! impostor sending another body under a key that holds a request (it must get 422), 1 to 3
+//! resumers with their own batch sizes, and an operator running retention. Chaos: leases ended by
+//! rewinding them (only where the row is as it was one sample ago and no owner relies on it),
+//! finishes aged past the retention window, a finished key's row lost alone (a Redis eviction, a
+//! stray delete), the engine's connections closed by the server, and provider faults (503, a
+//! timeout, a reset, a charge whose response is lost, a delay). Phases are told to succeed, be
+//! slow, fail retryably or panic; any engine point may crash its run.
+//!
+//! After the schedule every actor is let go, faults heal, and client retries (with the resumers
+//! and leases ended for them) must bring every key to a response. Then the checks:
+//! - a foreign call starts only by the key's owner, on a live lease, at the recovery point
+//!   before its phase; never two calls with one derived key at once;
+//! - a key is finished at most once per life: once, plus once for each time it was deleted
+//!   (retention after its window, or lost) — an execution beyond that ran a request twice;
+//! - every 2xx a client got is for its own tenant, key and amount; distinct responses for a key
+//!   are at most its lives; an impostor gets 422, never a response;
+//! - the store's own bookkeeping is whole (`ForeignSimEngine::audit`: Redis's sorted sets).
+
+mod engines;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use idemflow_core::{DerivedKey, Key, StoredResponse, TenantId};
+use idemflow_runner::{
+    CrashHook, CrashPoint, ForeignPhase, Keyring, Outcome, PhaseContext, PhaseError, PoolOf,
+    Registry, Request, Resumer, ResumerConfig, RetryPolicy, RunError, Runner, RunnerConfig,
+    Workflow,
+};
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinSet;
+
+pub use engines::{ForeignSimEngine, RowSample};
+
+#[cfg(feature = "redis")]
+pub(crate) use engines::redis_store::forget_prefix;
+
+use super::rng::Rng;
+use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict};
+use super::{Counts, ScheduleReport};
+use crate::provider::{Fault, MockProvider};
+use crate::provider_client::{ChargeResult, ProviderClient};
+
+/// The workflow's name.
+const WORKFLOW: &str = "sim.pay.v1";
+
+/// Long: leases end only when the schedule says so.
+const LEASE: Duration = Duration::from_secs(30);
+
+/// The operator's retention window (finishes are aged two days back).
+const RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+const QUIET: Duration = Duration::from_millis(8);
+const LONGEST_SETTLE: Duration = Duration::from_millis(250);
+const WIND_DOWN: Duration = Duration::from_secs(30);
+
+/// Rounds of client retries (each after ending every lease and draining) that must end every key.
+const END_ROUNDS: usize = 8;
+
+/// What a phase does, as its grant says.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Act {
+    Succeed,
+    Slow(Duration),
+    Retryable,
+    Panic,
+}
+
+/// The request: what to charge, for whom (echoed in the response, so a response shows whose it
+/// is).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Payment {
+    tenant: String,
+    key: String,
+    amount: u64,
+}
+
+/// The charge's output, the receipt's input.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Charged {
+    payment: Payment,
+    charge: String,
+}
+
+/// One tenant's key.
+#[derive(Debug, Clone)]
+struct Slot {
+    tenant: TenantId,
+    key: String,
+    amount: u64,
+    /// Last two samples of its row, newest first.
+    seen: [Option<RowSample>; 2],
+    /// Finished and aged past the window since it was last seen claimed.
+    aged: bool,
+}
+
+impl Slot {
+    fn name(&self) -> String {
+        format!("{}/{}", self.tenant.as_str(), self.key)
+    }
+
+    fn body(&self, amount: u64) -> Vec<u8> {
+        serde_json::to_vec(&Payment {
+            tenant: self.tenant.as_str().to_owned(),
+            key: self.key.clone(),
+            amount,
+        })
+        .unwrap_or_default()
+    }
+}
+
+/// What a schedule saw, for the checks.
+#[derive(Default)]
+struct Log {
+    history: Vec<String>,
+    violations: Vec<String>,
+    /// Stores of a response (the engine's after-finish point), by slot name.
+    finishes: HashMap<String, u32>,
+    /// Deletions of a slot's row: retention after its window, or a loss.
+    deletions: HashMap<String, u32>,
+    /// Distinct 2xx bodies clients got, by slot name.
+    responses: HashMap<String, Vec<Vec<u8>>>,
+    counts: Counts,
+}
+
+/// What the actors and the hook share with the schedule.
+struct Shared<E: ForeignSimEngine> {
+    scheduler: Scheduler,
+    observer: PoolOf<E>,
+    provider: Arc<MockProvider>,
+    client: ProviderClient,
+    log: Mutex<Log>,
+    /// Foreign calls in flight: (derived key, actor, id).
+    calls: Mutex<Vec<(String, ActorId, u64)>>,
+    next_call: AtomicU64,
+    began: Instant,
+}
+
+impl<E: ForeignSimEngine> Shared<E> {
+    fn log(&self) -> MutexGuard<'_, Log> {
+        self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn event(&self, actor: ActorId, what: impl std::fmt::Display) {
+        let line = format!(
+            "+{:>6} ms {actor:>4} {what}",
+            self.began.elapsed().as_millis()
+        );
+        if std::env::var_os("IDEMFLOW_SIM_TRACE").is_some() {
+            eprintln!("{line}");
+        }
+        self.log().history.push(line);
+    }
+
+    fn violation(&self, what: String) {
+        let line = format!("+{} ms: {what}", self.began.elapsed().as_millis());
+        let mut log = self.log();
+        log.history.push(format!("VIOLATION {what}"));
+        log.violations.push(line);
+    }
+
+    /// Waits for the schedule at the start of `phase`; what this run does.
+    async fn act(&self, phase: &'static str, context: &PhaseContext) -> Act {
+        let actor = self.scheduler.current();
+        let name = format!("{}/{}", context.tenant.as_str(), context.key.as_str());
+        match self.scheduler.park(actor, &name, Point::Phase(phase)).await {
+            Verdict::Act(super::workflow::Act::Retryable) => Act::Retryable,
+            Verdict::Act(super::workflow::Act::Panic) => Act::Panic,
+            Verdict::Act(super::workflow::Act::Slow(wait)) => Act::Slow(wait),
+            _ => Act::Succeed,
+        }
+    }
+
+    /// A foreign call may start only by the key's owner, on a live lease, at the recovery point
+    /// before its phase; and never while another call with its derived key is in flight.
+    async fn begin_call(
+        &self,
+        phase: &'static str,
+        before: &str,
+        context: &PhaseContext,
+        derived: &str,
+    ) -> CallGuard<'_, E> {
+        let actor = self.scheduler.current();
+        self.log().counts.calls += 1;
+        let row = E::sample(&self.observer, &context.tenant, context.key.as_str()).await;
+        let problem = match row {
+            Err(error) => Some(format!("reading the key failed: {error}")),
+            Ok(None) => Some("the key does not exist".to_owned()),
+            Ok(Some(row)) if row.state != "started" => Some(format!("the key is {}", row.state)),
+            Ok(Some(row)) if row.token != context.lock_version => Some(format!(
+                "the caller holds token {} but the key's is {}",
+                context.lock_version, row.token
+            )),
+            Ok(Some(row)) if !row.live => Some("the caller's lease has expired".to_owned()),
+            Ok(Some(row)) if row.point != before => {
+                Some(format!("the key is at {}, not at {before}", row.point))
+            }
+            Ok(Some(_)) => None,
+        };
+        if let Some(problem) = problem {
+            self.violation(format!(
+                "{actor} called {phase} for {}/{} as a stale owner: {problem}",
+                context.tenant.as_str(),
+                context.key.as_str()
+            ));
+        }
+        let id = self.next_call.fetch_add(1, Ordering::SeqCst);
+        let overlapping: Vec<ActorId> = {
+            let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+            let overlapping = calls
+                .iter()
+                .filter(|(key, other, _)| key == derived && *other != actor)
+                .map(|(_, other, _)| *other)
+                .collect();
+            calls.push((derived.to_owned(), actor, id));
+            overlapping
+        };
+        self.event(actor, format!("calls {derived}"));
+        for other in overlapping {
+            self.violation(format!(
+                "{actor} called {derived} while {other}'s call with it was in flight"
+            ));
+        }
+        CallGuard {
+            shared: self,
+            actor,
+            id,
+        }
+    }
+}
+
+/// Ends a call's registration however the call ends; its caller no longer relies on its lease.
+struct CallGuard<'s, E: ForeignSimEngine> {
+    shared: &'s Shared<E>,
+    actor: ActorId,
+    id: u64,
+}
+
+impl<E: ForeignSimEngine> Drop for CallGuard<'_, E> {
+    fn drop(&mut self) {
+        self.shared
+            .calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(_, _, id)| *id != self.id);
+        self.shared.scheduler.conceal(self.actor);
+    }
+}
+
+/// Quick retries and no give-up: the schedule's faults are transient, and every key must end.
+fn policy() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 1000,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(1),
+        multiplier: 1.0,
+        jitter: 0.0,
+    }
+}
+
+async fn charge_at<E: ForeignSimEngine>(
+    shared: &Shared<E>,
+    act: Act,
+    derived: &str,
+    amount: u64,
+) -> Result<String, PhaseError> {
+    match act {
+        Act::Retryable => return Err(PhaseError::retryable("scripted failure")),
+        Act::Panic => panic!("scripted panic"),
+        Act::Slow(wait) => tokio::time::sleep(wait).await,
+        Act::Succeed => {}
+    }
+    match shared
+        .client
+        .charge(derived, amount, "usd", "tok_visa")
+        .await
+    {
+        Ok(ChargeResult::Succeeded { charge_id }) => Ok(charge_id),
+        Ok(other) => Err(PhaseError::retryable(format!("{other:?}"))),
+        Err(error) => Err(PhaseError::retryable(error.to_string())),
+    }
+}
+
+struct Charge<E: ForeignSimEngine>(Arc<Shared<E>>);
+
+#[async_trait]
+impl<E: ForeignSimEngine> ForeignPhase for Charge<E> {
+    const NAME: &'static str = "charge";
+    type Input = Payment;
+    type Output = Charged;
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        policy()
+    }
+
+    async fn call(
+        &self,
+        key: &DerivedKey,
+        payment: Payment,
+        context: &PhaseContext,
+    ) -> Result<Charged, PhaseError> {
+        let act = self.0.act(Self::NAME, context).await;
+        let _call = self
+            .0
+            .begin_call(Self::NAME, "start", context, key.as_str())
+            .await;
+        let charge = charge_at(&self.0, act, key.as_str(), payment.amount).await?;
+        Ok(Charged { payment, charge })
+    }
+}
+
+struct Receipt<E: ForeignSimEngine>(Arc<Shared<E>>);
+
+#[async_trait]
+impl<E: ForeignSimEngine> ForeignPhase for Receipt<E> {
+    const NAME: &'static str = "receipt";
+    type Input = Charged;
+    type Output = StoredResponse;
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        policy()
+    }
+
+    async fn call(
+        &self,
+        key: &DerivedKey,
+        charged: Charged,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let act = self.0.act(Self::NAME, context).await;
+        let _call = self
+            .0
+            .begin_call(Self::NAME, "charge", context, key.as_str())
+            .await;
+        let receipt = charge_at(&self.0, act, key.as_str(), 1).await?;
+        // The token makes each execution's response its own: a second execution of one life
+        // shows as a second response.
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({
+                "tenant": charged.payment.tenant,
+                "key": charged.payment.key,
+                "amount": charged.payment.amount,
+                "charge": charged.charge,
+                "receipt": receipt,
+                "token": context.lock_version,
+            }),
+        ))
+    }
+}
+
+/// The engine's crash points, as the schedule's yield points.
+struct Hook<E: ForeignSimEngine>(Arc<Shared<E>>);
+
+impl<E: ForeignSimEngine> std::fmt::Debug for Hook<E> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("Hook")
+    }
+}
+
+#[async_trait]
+impl<E: ForeignSimEngine> CrashHook for Hook<E> {
+    async fn crash_at(&self, point: &CrashPoint, tenant: &TenantId, key: &Key) -> bool {
+        let shared = &self.0;
+        let actor = shared.scheduler.current();
+        let name = format!("{}/{}", tenant.as_str(), key.as_str());
+        match point {
+            // From the write that confirmed its lease to the end of its call, the owner relies
+            // on that lease: the schedule does not end it there.
+            CrashPoint::AfterCommit { .. } | CrashPoint::BeforeCall { .. } => {
+                shared.scheduler.expose(actor, &name);
+            }
+            CrashPoint::AfterCall { .. } => shared.scheduler.conceal(actor),
+            // Where writes are made at once, the write "before its commit" is made already: the
+            // owner relies on the lease it wrote from here (on a SQL engine, from the commit).
+            CrashPoint::BeforeCommit { .. } if E::WRITES_AT_ONCE => {
+                shared.scheduler.expose(actor, &name);
+            }
+            CrashPoint::AfterFinish => {
+                *shared.log().finishes.entry(name.clone()).or_default() += 1;
+            }
+            _ => {}
+        }
+        let point_name = point.to_string();
+        shared.event(actor, format!("waits at {point_name} of {name}"));
+        let verdict = shared
+            .scheduler
+            .park(actor, &name, Point::Engine(point_name))
+            .await;
+        if matches!(point, CrashPoint::BeforeCommit { .. }) && verdict != Verdict::Crash {
+            shared.scheduler.expose(actor, &name);
+        }
+        verdict == Verdict::Crash
+    }
+}
+
+/// What the seed chose.
+#[derive(Debug)]
+struct Setup {
+    keys: usize,
+    steps: usize,
+    resumers: Vec<i64>,
+    apart: bool,
+    sealed: bool,
+}
+
+impl Setup {
+    fn draw(rng: &mut Rng) -> Self {
+        Self {
+            keys: rng.between(2, 4) as usize,
+            steps: rng.between(40, 90) as usize,
+            resumers: (0..rng.between(1, 4))
+                .map(|_| rng.between(1, 4) as i64)
+                .collect(),
+            apart: rng.chance(0.4),
+            sealed: rng.chance(0.3),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Action {
+    Grant,
+    Send,
+    Burst,
+    Impostor,
+    Drain,
+    Lapse,
+    Fault,
+    Age,
+    Retention,
+    Lose,
+    Kill,
+}
+
+struct World<E: ForeignSimEngine> {
+    shared: Arc<Shared<E>>,
+    engine: PoolOf<E>,
+    rng: Rng,
+    slots: Vec<Slot>,
+    runner: Runner<E>,
+    workflow: Arc<Workflow<E>>,
+    resumers: Vec<(Arc<Resumer<E>>, Arc<AtomicBool>)>,
+    actors: JoinSet<()>,
+}
+
+/// Runs the foreign-only schedule `seed` on `engine` (a pool of its own, closed by nobody here),
+/// with `observer` for the schedule's own reads and chaos; keys under tenants named for the seed.
+pub(crate) async fn run<E: ForeignSimEngine>(
+    provider: &Arc<MockProvider>,
+    seed: u64,
+    engine: PoolOf<E>,
+    observer: PoolOf<E>,
+) -> ScheduleReport {
+    let mut rng = Rng::new(seed);
+    let setup = Setup::draw(&mut rng);
+    let shared = Arc::new(Shared::<E> {
+        scheduler: Scheduler::default(),
+        observer,
+        provider: provider.clone(),
+        client: ProviderClient::builder(provider.url())
+            .timeout(Duration::from_millis(400))
+            .build(),
+        log: Mutex::new(Log::default()),
+        calls: Mutex::new(Vec::new()),
+        next_call: AtomicU64::new(0),
+        began: Instant::now(),
+    });
+    let keyring = setup
+        .sealed
+        .then(|| Keyring::new("sim", [7; 32]).unwrap_or_else(|_| unreachable!("a valid key id")));
+    let config = RunnerConfig {
+        keyring,
+        response_apart_above: if setup.apart {
+            0
+        } else {
+            RunnerConfig::DEFAULT_RESPONSE_APART_ABOVE
+        },
+        ..RunnerConfig::default()
+    };
+    let runner =
+        Runner::<E>::on(engine.clone(), config).with_crash_hook(Arc::new(Hook(shared.clone())));
+    let workflow = Arc::new(
+        Workflow::<E>::builder_on::<Payment>(WORKFLOW)
+            .foreign(Charge(shared.clone()))
+            .foreign(Receipt(shared.clone()))
+            .lease(LEASE)
+            .build()
+            .unwrap_or_else(|error| unreachable!("the sim workflow is valid: {error}")),
+    );
+    let resumers = setup
+        .resumers
+        .iter()
+        .map(|&batch_size| {
+            let mut registry = Registry::<E>::new();
+            registry
+                .register(workflow.clone())
+                .unwrap_or_else(|_| unreachable!("one workflow"));
+            let config = ResumerConfig {
+                batch_size,
+                concurrency: 1,
+                retention: None,
+                ..ResumerConfig::default()
+            };
+            (
+                Arc::new(Resumer::with_config(runner.clone(), registry, config)),
+                Arc::new(AtomicBool::new(false)),
+            )
+        })
+        .collect();
+    let tenants = ["a", "b"].map(|name| {
+        TenantId::new(format!("fsim-{seed}-{name}"))
+            .unwrap_or_else(|error| unreachable!("a valid tenant: {error}"))
+    });
+    let slots = (0..setup.keys)
+        .flat_map(|index| {
+            tenants.iter().enumerate().map(move |(which, tenant)| Slot {
+                tenant: tenant.clone(),
+                key: format!("k{index}"),
+                amount: 1000 + 10 * index as u64 + which as u64,
+                seen: [None, None],
+                aged: false,
+            })
+        })
+        .collect();
+    shared.event(
+        ActorId(0),
+        format!("seed {seed} on {}: {setup:?}", E::SIM_NAME),
+    );
+    let mut world = World {
+        shared: shared.clone(),
+        engine,
+        rng,
+        slots,
+        runner,
+        workflow,
+        resumers,
+        actors: JoinSet::new(),
+    };
+    for _ in 0..setup.steps {
+        world.step().await;
+        shared.scheduler.settle(QUIET, LONGEST_SETTLE).await;
+        world.sample().await;
+    }
+    world.end().await;
+    let log = std::mem::take(&mut *shared.log());
+    ScheduleReport {
+        seed,
+        engine: E::SIM_NAME,
+        violations: log.violations,
+        history: log.history,
+        counts: log.counts,
+    }
+}
+
+impl<E: ForeignSimEngine> World<E> {
+    async fn sample(&mut self) {
+        for slot in &mut self.slots {
+            let Ok(now) = E::sample(&self.shared.observer, &slot.tenant, &slot.key).await else {
+                continue;
+            };
+            if now.as_ref().is_some_and(|row| row.state == "started") {
+                slot.aged = false;
+            }
+            slot.seen = [now, slot.seen[0].take()];
+        }
+    }
+
+    fn pick(&mut self) -> usize {
+        self.rng.below(self.slots.len() as u64) as usize
+    }
+
+    async fn step(&mut self) {
+        let waiting = self.shared.scheduler.waiting();
+        let mut choices = vec![
+            (3, Action::Send),
+            (1, Action::Burst),
+            (1, Action::Impostor),
+            (2, Action::Drain),
+            (2, Action::Lapse),
+            (1, Action::Fault),
+            (1, Action::Age),
+            (1, Action::Retention),
+            (1, Action::Lose),
+            (1, Action::Kill),
+        ];
+        if !waiting.is_empty() {
+            choices.push((14, Action::Grant));
+        }
+        match self.rng.weighted(&choices) {
+            Action::Grant => {
+                let parked = &waiting[self.rng.below(waiting.len() as u64) as usize];
+                let verdict = match parked.point {
+                    Point::Engine(_) if self.rng.chance(0.12) => Verdict::Crash,
+                    Point::Engine(_) => Verdict::Go,
+                    Point::Phase(_) => {
+                        let slow = Duration::from_millis(self.rng.between(20, 200));
+                        Verdict::Act(self.rng.weighted(&[
+                            (16, super::workflow::Act::Succeed),
+                            (2, super::workflow::Act::Retryable),
+                            (1, super::workflow::Act::Slow(slow)),
+                            (1, super::workflow::Act::Panic),
+                        ]))
+                    }
+                };
+                let mut log = self.shared.log();
+                log.counts.grants += 1;
+                if verdict == Verdict::Crash {
+                    log.counts.crashes += 1;
+                }
+                drop(log);
+                self.shared.event(
+                    parked.actor,
+                    format!("granted {verdict:?} at {} of {}", parked.point, parked.key),
+                );
+                self.shared.scheduler.grant(parked.actor, verdict);
+            }
+            Action::Send => {
+                let index = self.pick();
+                self.send(index, None);
+            }
+            Action::Burst => {
+                let index = self.pick();
+                for _ in 0..self.rng.between(2, 4) {
+                    self.send(index, None);
+                }
+            }
+            Action::Impostor => self.impostor(),
+            Action::Drain => self.drain(),
+            Action::Lapse => self.lapse().await,
+            Action::Fault => self.fault(),
+            Action::Age => self.age().await,
+            Action::Retention => self.retention().await,
+            Action::Lose => self.lose().await,
+            Action::Kill => {
+                let killed = E::kill(&self.engine, &self.shared.observer).await;
+                self.shared.log().counts.kills += 1;
+                self.shared.event(
+                    ActorId(0),
+                    format!("closes the engine's connections: {killed:?}"),
+                );
+            }
+        }
+    }
+
+    /// A client sends the slot's request (or, as an impostor, another amount under its key).
+    fn send(&mut self, index: usize, impostor: Option<u64>) {
+        let slot = self.slots[index].clone();
+        let amount = impostor.unwrap_or(slot.amount);
+        let actor = self.shared.scheduler.new_actor();
+        let (runner, workflow, shared) = (
+            self.runner.clone(),
+            self.workflow.clone(),
+            self.shared.clone(),
+        );
+        shared.log().counts.requests += 1;
+        shared.event(actor, format!("sends {} (amount {amount})", slot.name()));
+        self.actors.spawn(ACTOR.scope(actor, async move {
+            let result = client_request(&runner, &workflow, &slot, amount).await;
+            record(&shared, actor, &slot, amount, impostor.is_some(), &result);
+            shared.scheduler.ended(actor);
+        }));
+    }
+
+    /// Another body under a key that holds its request (claimed, not aged, so retention cannot
+    /// take it away before the impostor's look-up).
+    fn impostor(&mut self) {
+        let index = self.pick();
+        let slot = &self.slots[index];
+        if slot.seen[0].is_none() || slot.aged {
+            return;
+        }
+        self.send(index, Some(slot.amount + 500));
+    }
+
+    fn drain(&mut self) {
+        let index = self.rng.below(self.resumers.len() as u64) as usize;
+        let (resumer, busy) = &self.resumers[index];
+        if busy.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (resumer, busy, shared) = (resumer.clone(), busy.clone(), self.shared.clone());
+        let actor = shared.scheduler.new_actor();
+        shared.log().counts.drains += 1;
+        shared.event(actor, format!("resumer {index} drains"));
+        self.actors.spawn(ACTOR.scope(actor, async move {
+            let report = resumer.drain().await;
+            shared.event(actor, format!("resumer {index} drained: {report:?}"));
+            busy.store(false, Ordering::SeqCst);
+            shared.scheduler.ended(actor);
+        }));
+    }
+
+    /// Ends the lease of a started key no owner relies on, whose row was the same in the last two
+    /// samples (an owner that wrote its lease a moment ago may be on its way to its call).
+    async fn lapse(&mut self) {
+        let candidates: Vec<usize> = (0..self.slots.len())
+            .filter(|&index| {
+                let slot = &self.slots[index];
+                matches!(&slot.seen, [Some(now), Some(before)]
+                    if now.state == "started" && now == before)
+                    && !self.shared.scheduler.is_exposed(&slot.name())
+            })
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let index = candidates[self.rng.below(candidates.len() as u64) as usize];
+        let slot = &self.slots[index];
+        let Some(seen) = slot.seen[0].clone() else {
+            return;
+        };
+        let lapsed = E::lapse(&self.shared.observer, &slot.tenant, &slot.key, &seen).await;
+        self.shared.log().counts.lease_expiries += 1;
+        self.shared.event(
+            ActorId(0),
+            format!(
+                "ends the lease of {} (token {}): {lapsed:?}",
+                slot.name(),
+                seen.token
+            ),
+        );
+    }
+
+    fn fault(&mut self) {
+        let index = self.pick();
+        let slot = &self.slots[index];
+        let phase = if self.rng.chance(0.6) {
+            "charge"
+        } else {
+            "receipt"
+        };
+        let fault = match self.rng.weighted(&[(2, 0), (1, 1), (1, 2), (2, 3), (1, 4)]) {
+            0 => Fault::ServerError(503),
+            1 => Fault::Timeout,
+            2 => Fault::ConnectionReset,
+            3 => Fault::ExecuteThenDrop,
+            _ => Fault::Delay(Duration::from_millis(150)),
+        };
+        let derived = format!("{}:{}:{phase}", slot.tenant.as_str(), slot.key);
+        self.shared.event(
+            ActorId(0),
+            format!("provider fault {fault:?} for {derived}"),
+        );
+        self.shared.provider.push_fault_for(derived, fault);
+    }
+
+    async fn age(&mut self) {
+        let index = self.pick();
+        let slot = &mut self.slots[index];
+        if let Ok(true) = E::age(&self.shared.observer, &slot.tenant, &slot.key).await {
+            slot.aged = true;
+            self.shared.log().counts.time_jumps += 1;
+            self.shared
+                .event(ActorId(0), format!("ages the finish of {}", slot.name()));
+        }
+    }
+
+    /// Retention over the window: the keys it deleted count as deletions, and it may delete only
+    /// keys whose finish was aged past the window.
+    async fn retention(&mut self) {
+        let before: Vec<bool> = self
+            .slots
+            .iter()
+            .map(|slot| slot.seen[0].is_some())
+            .collect();
+        let expired = idemflow_runner::expire(&self.engine, RETENTION, 100).await;
+        self.shared.log().counts.expiries += 1;
+        self.shared
+            .event(ActorId(0), format!("retention: {expired:?}"));
+        for (index, was) in before.into_iter().enumerate() {
+            let slot = &self.slots[index];
+            if !was {
+                continue;
+            }
+            if let Ok(None) = E::sample(&self.shared.observer, &slot.tenant, &slot.key).await {
+                if slot.aged {
+                    *self.shared.log().deletions.entry(slot.name()).or_default() += 1;
+                } else {
+                    self.shared.violation(format!(
+                        "retention deleted {}, which was not finished past its window",
+                        slot.name()
+                    ));
+                }
+                self.slots[index].aged = false;
+                self.slots[index].seen[0] = None;
+            }
+        }
+    }
+
+    /// Loses a finished key's row alone; one aged past the window by preference (its stale
+    /// finish is the one retention could mistake for a later claim's).
+    async fn lose(&mut self) {
+        let aged: Vec<usize> = (0..self.slots.len())
+            .filter(|&index| self.slots[index].aged)
+            .collect();
+        let index = if !aged.is_empty() && self.rng.chance(0.7) {
+            aged[self.rng.below(aged.len() as u64) as usize]
+        } else {
+            self.pick()
+        };
+        let slot = &self.slots[index];
+        if let Ok(true) = E::lose(&self.shared.observer, &slot.tenant, &slot.key).await {
+            *self.shared.log().deletions.entry(slot.name()).or_default() += 1;
+            self.shared
+                .event(ActorId(0), format!("loses the row of {}", slot.name()));
+            self.slots[index].seen[0] = None;
+            self.slots[index].aged = false;
+        }
+    }
+
+    /// Lets everyone go, heals, brings every key to a response by client retries, and checks.
+    async fn end(mut self) {
+        self.shared.scheduler.run_free();
+        let wind_down = tokio::time::timeout(WIND_DOWN, async {
+            while self.actors.join_next().await.is_some() {}
+        })
+        .await;
+        if wind_down.is_err() {
+            self.shared.violation(format!(
+                "actors still running {WIND_DOWN:?} after the schedule"
+            ));
+            self.actors.abort_all();
+        }
+        let mut ended = vec![false; self.slots.len()];
+        for round in 0..END_ROUNDS {
+            for (slot, ended) in self.slots.iter().zip(ended.iter_mut()) {
+                if *ended {
+                    continue;
+                }
+                let actor = self.shared.scheduler.new_actor();
+                let result = client_request(&self.runner, &self.workflow, slot, slot.amount).await;
+                record(&self.shared, actor, slot, slot.amount, false, &result);
+                *ended = matches!(
+                    &result,
+                    Ok(Outcome::Executed(response) | Outcome::Replayed(response))
+                        if response.status == 201
+                );
+            }
+            if ended.iter().all(|ended| *ended) {
+                break;
+            }
+            // What keeps a key from its end now is a lease no one holds (a crashed run) or a
+            // postponed retry: end them, and let a resumer finish them.
+            self.sample().await;
+            for slot in &self.slots {
+                if let Some(seen) = slot.seen[0].as_ref().filter(|row| row.state == "started") {
+                    let _ = E::lapse(&self.shared.observer, &slot.tenant, &slot.key, seen).await;
+                }
+            }
+            if let Some((resumer, _)) = self.resumers.first() {
+                let report = resumer.drain().await;
+                self.shared.event(
+                    ActorId(0),
+                    format!("round {round}: resumer drained {report:?}"),
+                );
+            }
+        }
+        for (slot, ended) in self.slots.iter().zip(&ended) {
+            if !ended {
+                self.shared.violation(format!(
+                    "{} has no response after {END_ROUNDS} rounds of client retries",
+                    slot.name()
+                ));
+            }
+        }
+        self.check();
+        for problem in E::audit(&self.shared.observer).await {
+            self.shared.violation(problem);
+        }
+    }
+
+    fn check(&self) {
+        let log = self.shared.log();
+        let mut found = Vec::new();
+        for slot in &self.slots {
+            let name = slot.name();
+            let lives = 1 + log.deletions.get(&name).copied().unwrap_or(0);
+            let finishes = log.finishes.get(&name).copied().unwrap_or(0);
+            if finishes > lives {
+                found.push(format!(
+                    "{name} was finished {finishes} times in {lives} life(s): a request ran twice"
+                ));
+            }
+            let responses = log.responses.get(&name).map_or(0, Vec::len);
+            if responses > lives as usize {
+                found.push(format!(
+                    "{name}'s clients got {responses} different responses in {lives} life(s)"
+                ));
+            }
+        }
+        drop(log);
+        for problem in found {
+            self.shared.violation(problem);
+        }
+    }
+}
+
+async fn client_request<E: ForeignSimEngine>(
+    runner: &Runner<E>,
+    workflow: &Workflow<E>,
+    slot: &Slot,
+    amount: u64,
+) -> Result<Outcome, RunError> {
+    let body = slot.body(amount);
+    let request = Request {
+        method: "POST",
+        path: "/v1/payments",
+        body: &body,
+    };
+    let key = Key::parse(&slot.key).unwrap_or_else(|_| unreachable!("the world makes valid keys"));
+    runner.run(workflow, &slot.tenant, &key, request).await
+}
+
+/// Records a client's answer, and checks it is for this client.
+fn record<E: ForeignSimEngine>(
+    shared: &Shared<E>,
+    actor: ActorId,
+    slot: &Slot,
+    amount: u64,
+    impostor: bool,
+    result: &Result<Outcome, RunError>,
+) {
+    let what = match result {
+        Ok(Outcome::Executed(response)) => format!("executed {}", response.status),
+        Ok(Outcome::Replayed(response)) => format!("replayed {}", response.status),
+        Ok(Outcome::InProgress { .. }) => "in progress".to_owned(),
+        Ok(Outcome::Mismatch) => "mismatch".to_owned(),
+        Ok(other) => format!("{other:?}"),
+        Err(error) => format!("error: {error}"),
+    };
+    shared.event(actor, format!("answered {}: {what}", slot.name()));
+    let response = match result {
+        Ok(Outcome::Executed(response) | Outcome::Replayed(response)) => response,
+        _ => return,
+    };
+    if impostor {
+        shared.violation(format!(
+            "an impostor under {} (amount {amount}) was answered {what}, not 422",
+            slot.name()
+        ));
+        return;
+    }
+    let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
+    let mine = body["tenant"] == slot.tenant.as_str()
+        && body["key"] == slot.key.as_str()
+        && body["amount"] == amount;
+    if !mine {
+        shared.violation(format!(
+            "{} (amount {amount}) was answered another's response: {body}",
+            slot.name()
+        ));
+    }
+    let mut log = shared.log();
+    let responses = log.responses.entry(slot.name()).or_default();
+    if !responses.contains(&response.body) {
+        responses.push(response.body.clone());
+    }
+}
