@@ -27,8 +27,7 @@ trait Bench: Store {
     async fn age_finished(pool: &Self::Pool);
 }
 
-/// What operators read of an engine (journals, reports, the console), for the engines that have
-/// it.
+/// What operators read of an engine (journals, reports, the console).
 #[async_trait]
 trait Inspect: Bench {
     /// Writes over every key's journal what no report can read.
@@ -169,6 +168,32 @@ impl Bench for RedisStore {
     }
 }
 
+#[async_trait]
+impl Inspect for RedisStore {
+    fn console(pool: &RedisPool) -> Box<dyn idemflow_console::Backend> {
+        Box::new(idemflow_console::backend::Redis(pool.clone()))
+    }
+
+    async fn damage_journals(pool: &RedisPool) {
+        for row in crate::support::redis::rows(pool).await {
+            let _: () = ::redis::cmd("HSET")
+                .arg(&row)
+                .arg("jr")
+                .arg("{\"at\": oops")
+                .query_async(&mut pool.connection())
+                .await
+                .unwrap();
+        }
+    }
+
+    async fn report(pool: &RedisPool, key: &Key) -> KeyReport {
+        idemflow_redis::key_report(pool, tenant().as_str(), key.as_str())
+            .await
+            .unwrap()
+            .expect("the key is there")
+    }
+}
+
 /// A fresh SQLite database file for `case`, removed at the next run of the same case.
 async fn sqlite(case: &str) -> sqlx::SqlitePool {
     let directory = std::env::temp_dir().join(format!("idemflow-conformance-{case}"));
@@ -183,7 +208,8 @@ async fn sqlite(case: &str) -> sqlx::SqlitePool {
 }
 
 /// One test per case and engine: PostgreSQL on a fresh database of its own (`#[sqlx::test]`),
-/// SQLite on a fresh file, MariaDB on a fresh database of its own.
+/// SQLite on a fresh file, MariaDB on a fresh database of its own, Redis under a prefix of its
+/// own, emptied first.
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod postgres {
@@ -215,12 +241,6 @@ macro_rules! conformance {
                 }
             )*
         }
-    };
-}
-
-/// One test per case on Redis, each under a prefix of its own, emptied first.
-macro_rules! conformance_redis {
-    ($($case:ident),* $(,)?) => {
         mod redis {
             $(
                 #[tokio::test]
@@ -235,23 +255,6 @@ macro_rules! conformance_redis {
         }
     };
 }
-
-// What Redis cannot take part in yet: the journal and the operators' report, and the console
-// (its Backend is SQL). The cases below are every other one.
-conformance_redis!(
-    a_claimed_key_is_replayed_from_its_stored_response,
-    of_two_claims_of_one_key_the_second_loses_and_writes_nothing,
-    a_takeover_fences_the_old_owner_out_of_every_write,
-    tokens_never_repeat_for_a_key_across_deletes,
-    a_body_apart_is_read_for_its_own_life_only,
-    retention_deletes_finished_keys_past_their_window_in_batches_only,
-    the_resumers_scan_takes_lapsed_keys_of_its_workflows_only,
-    the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows,
-    a_postponed_key_waits_its_retry_after_under_a_new_token,
-    a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing,
-    an_ended_lease_advances_the_fence_and_frees_the_key_at_once,
-    keys_and_tenants_are_compared_byte_for_byte,
-);
 
 conformance!(
     a_claimed_key_is_replayed_from_its_stored_response,

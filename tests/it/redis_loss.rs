@@ -326,3 +326,46 @@ async fn retention_never_deletes_a_key_claimed_again_after_its_finished_row_was_
     };
     assert_eq!(found.lock_version, Store::token(&again));
 }
+
+/// A server whose `maxmemory-policy` may evict any key may evict the store's rows (each eviction a
+/// key lost); the store says so, and names the policy. `volatile-*` policies take only keys with
+/// an expiry, which the store's rows never have. (The policy is the server's, shared by every
+/// test; with no `maxmemory` set, as here, nothing is evicted while it is changed.)
+#[tokio::test]
+async fn the_store_names_a_server_policy_that_may_evict_its_keys() {
+    let pool = fresh("loss-eviction-policy").await;
+    let set = |policy: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxmemory-policy")
+                .arg(policy)
+                .query_async(&mut pool.connection())
+                .await
+                .unwrap();
+        }
+    };
+    let before: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(&mut pool.connection())
+        .await
+        .unwrap();
+    set("allkeys-lru").await;
+    let evicting = pool.evicting_policy().await.unwrap();
+    set("volatile-lru").await;
+    let volatile = pool.evicting_policy().await.unwrap();
+    set("noeviction").await;
+    let none = pool.evicting_policy().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg(&before[1])
+        .query_async(&mut pool.connection())
+        .await
+        .unwrap();
+    assert_eq!(evicting.as_deref(), Some("allkeys-lru"));
+    assert_eq!(volatile, None);
+    assert_eq!(none, None);
+}

@@ -271,3 +271,70 @@ impl Backend for MySql {
         Ok(deleted)
     }
 }
+
+/// Redis (the `redis` feature): the store's own indexes, never a scan of the keyspace.
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone)]
+pub struct Redis(pub idemflow_redis::RedisPool);
+
+#[cfg(feature = "redis")]
+#[async_trait]
+impl Backend for Redis {
+    fn engine(&self) -> &'static str {
+        "Redis"
+    }
+
+    async fn overview(&self) -> Result<Overview, BackendError> {
+        idemflow_redis::overview(&self.0).await.map_err(failed)
+    }
+
+    async fn scan(&self, from: &ScanFrom, limit: i64) -> Result<Vec<KeyReport>, BackendError> {
+        idemflow_redis::scan_keys(&self.0, from, limit)
+            .await
+            .map_err(failed)
+    }
+
+    async fn key(&self, tenant: &str, key: &str) -> Result<Option<KeyReport>, BackendError> {
+        idemflow_redis::key_report(&self.0, tenant, key)
+            .await
+            .map_err(failed)
+    }
+
+    async fn bodies(&self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, BackendError> {
+        idemflow_redis::key_bodies(&self.0, tenant, key)
+            .await
+            .map_err(failed)
+    }
+
+    async fn stuck(&self, min_attempts: i32, limit: i64) -> Result<Vec<KeyReport>, BackendError> {
+        idemflow_redis::stuck_keys(&self.0, min_attempts, limit)
+            .await
+            .map_err(failed)
+    }
+
+    async fn end_lease(
+        &self,
+        tenant: &str,
+        key: &str,
+        lock_version: i64,
+    ) -> Result<Option<i64>, BackendError> {
+        use idemflow_store::Store as _;
+        let tenant = idemflow_core::TenantId::new(tenant).map_err(failed)?;
+        let key = idemflow_core::Key::parse(key).map_err(failed)?;
+        idemflow_redis::RedisStore::end_lease(&self.0, &tenant, &key, lock_version)
+            .await
+            .map_err(failed)
+    }
+
+    async fn expire_key(
+        &self,
+        tenant: &str,
+        key: &str,
+        lock_version: i64,
+        state: &str,
+    ) -> Result<Option<String>, BackendError> {
+        idemflow_redis::expire_key(&self.0, tenant, key, lock_version, state)
+            .await
+            .map_err(failed)
+    }
+}

@@ -23,7 +23,10 @@
 
 #![deny(missing_docs)]
 
+mod console;
 mod scripts;
+
+pub use console::{expire_key, key_bodies, key_report, overview, scan_keys, stuck_keys};
 
 /// The Redis client this store is built with.
 pub use redis;
@@ -90,10 +93,35 @@ impl RedisPool {
         // A connection manager, not a bare multiplexed connection: a bare one stays broken once
         // the server closes it, and every request after a Redis restart would fail for ever.
         let connection = ConnectionManager::new(client).await?;
-        Ok(Self {
+        let pool = Self {
             connection,
             prefix: Arc::from(prefix),
-        })
+        };
+        if let Ok(Some(policy)) = pool.evicting_policy().await {
+            tracing::warn!(
+                %policy,
+                "Redis may evict idemflow's keys (maxmemory-policy {policy}): an evicted key runs \
+                 again on its next retry; set maxmemory-policy noeviction (docs/engines.md)"
+            );
+        }
+        Ok(pool)
+    }
+
+    /// The server's `maxmemory-policy` when it may evict the store's keys (an `allkeys-*`
+    /// policy: the store's keys carry no expiry, so `volatile-*` policies never take them), else
+    /// `None`. An evicted key is a key lost: its next retry runs the request again. `Err` where
+    /// the server refuses `CONFIG GET` (as managed services may); [`RedisPool::connect`] then
+    /// says nothing.
+    pub async fn evicting_policy(&self) -> Result<Option<String>, StoreError> {
+        let answer: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut self.connection())
+            .await?;
+        Ok(answer
+            .get(1)
+            .filter(|policy| policy.starts_with("allkeys-"))
+            .cloned())
     }
 
     /// The connection every command goes through.
@@ -131,16 +159,37 @@ impl RedisPool {
     }
 
     /// The set of workflows (in hex) that have claimed keys.
-    fn workflows(&self) -> String {
+    pub(crate) fn workflows(&self) -> String {
         format!("{}:workflows", self.prefix)
     }
 
+    /// The sorted set of every key (all scores 0, so members sort byte by byte): the tenant and
+    /// the key in hex joined by `!`, which sorts before every hex digit, so members sort as
+    /// `(tenant, key)` pairs do. What the console's scan walks.
+    pub(crate) fn index(&self) -> String {
+        format!("{}:index", self.prefix)
+    }
+
+    /// A key's member of [`RedisPool::index`].
+    pub(crate) fn member(tenant: &str, key: &str) -> String {
+        format!(
+            "{}!{}",
+            idemflow_core::hex::encode(tenant.as_bytes()),
+            idemflow_core::hex::encode(key.as_bytes())
+        )
+    }
+
+    /// What every row's name starts with.
+    pub(crate) fn rows_prefix(&self) -> String {
+        format!("{}:key:", self.prefix)
+    }
+
     /// What every sorted set of lease ends is named by, before its workflow in hex.
-    fn leases_prefix(&self) -> String {
+    pub(crate) fn leases_prefix(&self) -> String {
         format!("{}:leases:", self.prefix)
     }
 
-    fn fence(&self) -> String {
+    pub(crate) fn fence(&self) -> String {
         format!("{}:fence", self.prefix)
     }
 }
@@ -364,6 +413,7 @@ impl Store for RedisStore {
             .key(pool.leases(claim.workflow))
             .key(pool.workflows())
             .key(pool.finishes())
+            .key(pool.index())
             .arg(claim.tenant.as_str())
             .arg(claim.key.as_str())
             .arg(claim.fingerprint.as_bytes())
@@ -371,6 +421,7 @@ impl Store for RedisStore {
             .arg(request)
             .arg(millis(claim.lease))
             .arg(idemflow_core::hex::encode(claim.workflow.as_bytes()))
+            .arg(RedisPool::member(claim.tenant.as_str(), claim.key.as_str()))
             .invoke_async(&mut connection)
             .await?;
         if token == 0 {
@@ -487,7 +538,9 @@ impl Store for RedisStore {
         let changed: i64 = scripts::delete_owned()
             .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
             .key(pool.leases(&owner.workflow))
+            .key(pool.index())
             .arg(owner.lock_version)
+            .arg(RedisPool::member(owner.tenant.as_str(), owner.key.as_str()))
             .invoke_async(&mut pool.connection())
             .await?;
         fenced(changed)
@@ -600,8 +653,10 @@ impl Store for RedisStore {
     ) -> Result<u64, StoreError> {
         let deleted: u64 = scripts::expire_batch()
             .key(pool.finishes())
+            .key(pool.index())
             .arg(millis(keep_for))
             .arg(batch)
+            .arg(pool.rows_prefix())
             .invoke_async(&mut pool.connection())
             .await?;
         Ok(deleted)

@@ -38,6 +38,33 @@ end ";
 const FENCE: &str = "local held = redis.call('HMGET', KEYS[1], 'lv', 'st') \
 if held[1] ~= ARGV[1] or held[2] ~= 'started' then return 0 end ";
 
+/// `journal(row, entry)`: appends one JSON entry to the row's journal (`jr`: entries one per line,
+/// `jn` their count), keeping at most 64 (`idemflow_store::JOURNAL_LIMIT`): when full, the entry
+/// after the claim goes, so the claim stays first and the newest last. `jstr(text)` is a JSON
+/// string. Written in the script that makes the change, with the script's clock: never a command
+/// of its own.
+const JOURNAL: &str = "local function jstr(text) return cjson.encode(text) end \
+local function journal(row, entry) \
+    local text = redis.call('HGET', row, 'jr') \
+    local count = tonumber(redis.call('HGET', row, 'jn') or '0') or 0 \
+    if not text or text == '' then \
+        text = entry \
+        count = 1 \
+    else \
+        text = text .. '\\n' .. entry \
+        count = count + 1 \
+    end \
+    if count > 64 then \
+        local first = string.find(text, '\\n', 1, true) \
+        local second = first and string.find(text, '\\n', first + 1, true) \
+        if second then \
+            text = string.sub(text, 1, first) .. string.sub(text, second + 1) \
+            count = count - 1 \
+        end \
+    end \
+    redis.call('HSET', row, 'jr', text, 'jn', count) \
+end ";
+
 fn script(parts: &[&str]) -> redis::Script {
     redis::Script::new(&parts.concat())
 }
@@ -51,8 +78,8 @@ pub(crate) fn look_up() -> redis::Script {
     ])
 }
 
-/// KEYS: row, fence, leases, workflows, finishes. ARGV: tenant, key, fingerprint, workflow,
-/// request, lease ms, the workflow in hex. Returns the claim's token, or 0 when the key is there
+/// KEYS: row, fence, leases, workflows, finishes, index. ARGV: tenant, key, fingerprint, workflow,
+/// request, lease ms, the workflow in hex, the row's member of the index. Returns the claim's token, or 0 when the key is there
 /// (nothing written). The workflow joins the set of workflows with keys, which the resumer's lag
 /// and its count of keys no worker knows read. A finish left in the set of finishes by an earlier
 /// row of the key that was lost alone (evicted, deleted by hand) goes: retention would otherwise
@@ -61,6 +88,7 @@ pub(crate) fn claim() -> redis::Script {
     script(&[
         "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end ",
         NOW,
+        JOURNAL,
         "local token = next_token(KEYS[2]) \
          local ends = now + tonumber(ARGV[6]) \
          redis.call('HSET', KEYS[1], 't', ARGV[1], 'k', ARGV[2], 'fp', ARGV[3], 'wf', ARGV[4], \
@@ -69,6 +97,9 @@ pub(crate) fn claim() -> redis::Script {
          redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
          redis.call('SADD', KEYS[4], ARGV[7]) \
          redis.call('ZREM', KEYS[5], KEYS[1]) \
+         redis.call('ZADD', KEYS[6], 0, ARGV[8]) \
+         journal(KEYS[1], string.format('{\"at\":%d,\"event\":\"claimed\",\"token\":%d}', \
+             now, token)) \
          return token",
     ])
 }
@@ -79,10 +110,13 @@ pub(crate) fn advance() -> redis::Script {
     script(&[
         FENCE,
         NOW,
+        JOURNAL,
         "local ends = math.max(tonumber(redis.call('HGET', KEYS[1], 'lu')), now + tonumber(ARGV[4])) \
          redis.call('HSET', KEYS[1], 'rp', ARGV[2], 'out', ARGV[3], 'att', 1, 'lu', ends) \
          redis.call('HDEL', KEYS[1], 'err') \
          redis.call('ZADD', KEYS[2], ends, KEYS[1]) \
+         journal(KEYS[1], string.format('{\"at\":%d,\"event\":\"phase\",\"token\":%s,\"point\":%s}', \
+             now, ARGV[1], jstr(ARGV[2]))) \
          return 1",
     ])
 }
@@ -93,6 +127,7 @@ pub(crate) fn finish() -> redis::Script {
     script(&[
         FENCE,
         NOW,
+        JOURNAL,
         "redis.call('HSET', KEYS[1], 'st', 'done', 'rp', ARGV[2], 'rs', ARGV[3], 'rh', ARGV[4], \
              'fa', now) \
          redis.call('HDEL', KEYS[1], 'out', 'lu') \
@@ -105,6 +140,8 @@ pub(crate) fn finish() -> redis::Script {
          end \
          redis.call('ZREM', KEYS[2], KEYS[1]) \
          redis.call('ZADD', KEYS[3], now, KEYS[1]) \
+         journal(KEYS[1], string.format('{\"at\":%d,\"event\":\"finished\",\"token\":%s,\"status\":%d}', \
+             now, ARGV[1], tonumber(ARGV[3]))) \
          return 1",
     ])
 }
@@ -127,19 +164,25 @@ pub(crate) fn postpone() -> redis::Script {
     script(&[
         FENCE,
         NOW,
+        JOURNAL,
         "local ends = now + tonumber(ARGV[2]) \
-         redis.call('HSET', KEYS[1], 'lv', next_token(KEYS[2]), 'lu', ends, 'err', ARGV[3]) \
+         local token = next_token(KEYS[2]) \
+         redis.call('HSET', KEYS[1], 'lv', token, 'lu', ends, 'err', ARGV[3]) \
          redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
+         journal(KEYS[1], string.format('{\"at\":%d,\"event\":\"failed\",\"token\":%d,\"point\":%s,\"error\":%s}', \
+             now, token, jstr(redis.call('HGET', KEYS[1], 'rp')), jstr(ARGV[3]))) \
          return 1",
     ])
 }
 
-/// KEYS: row, leases. ARGV: token. 1, or 0 when fenced. Deletes the started key.
+/// KEYS: row, leases, index. ARGV: token, the row's member of the index. 1, or 0 when fenced.
+/// Deletes the started key.
 pub(crate) fn delete_owned() -> redis::Script {
     script(&[
         FENCE,
         "redis.call('DEL', KEYS[1]) \
          redis.call('ZREM', KEYS[2], KEYS[1]) \
+         redis.call('ZREM', KEYS[3], ARGV[2]) \
          return 1",
     ])
 }
@@ -150,9 +193,12 @@ pub(crate) fn end_lease() -> redis::Script {
     script(&[
         FENCE,
         NOW,
+        JOURNAL,
         "local token = next_token(KEYS[2]) \
          redis.call('HSET', KEYS[1], 'lv', token, 'lu', now) \
          redis.call('ZADD', KEYS[3], now, KEYS[1]) \
+         journal(KEYS[1], string.format('{\"at\":%d,\"event\":\"lease_ended\",\"token\":%d,\"by\":\"operator\"}', \
+             now, token)) \
          return token",
     ])
 }
@@ -161,7 +207,7 @@ pub(crate) fn end_lease() -> redis::Script {
 /// `next_token` it calls): `row` started, held by
 /// `seen` (or any token when `seen` is false), its lease over: a new token, one attempt more, a
 /// lease of `lease` ms. Returns the taken key's fields, or false.
-const TAKE: &str = "local function take(row, fence, leases, seen, lease, now) \
+const TAKE: &str = "local function take(row, fence, leases, seen, lease, now, by) \
     local held = redis.call('HMGET', row, 'lv', 'st', 'lu') \
     if held[2] ~= 'started' then return false end \
     if seen and held[1] ~= seen then return false end \
@@ -171,6 +217,8 @@ const TAKE: &str = "local function take(row, fence, leases, seen, lease, now) \
     local ends = now + lease \
     redis.call('HSET', row, 'lv', token, 'lu', ends) \
     redis.call('ZADD', leases, ends, row) \
+    journal(row, string.format('{\"at\":%d,\"event\":\"taken_over\",\"token\":%d,\"by\":\"%s\",\"attempt\":%d}', \
+        now, token, by, attempts)) \
     local fields = redis.call('HMGET', row, 't', 'k', 'rp', 'out', 'req', 'err') \
     return {token, attempts, fields[1], fields[2], fields[3], fields[4], fields[5], fields[6]} \
 end ";
@@ -180,8 +228,9 @@ end ";
 pub(crate) fn take_over() -> redis::Script {
     script(&[
         NOW,
+        JOURNAL,
         TAKE,
-        "return take(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now)",
+        "return take(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now, 'retry')",
     ])
 }
 
@@ -193,6 +242,7 @@ pub(crate) fn take_over() -> redis::Script {
 pub(crate) fn take_over_due() -> redis::Script {
     script(&[
         NOW,
+        JOURNAL,
         TAKE,
         "local left = tonumber(ARGV[1]) \
          local due = {} \
@@ -211,7 +261,8 @@ pub(crate) fn take_over_due() -> redis::Script {
              if redis.call('EXISTS', row) == 0 then \
                  redis.call('ZREM', KEYS[index], row) \
              else \
-                 local fields = take(row, KEYS[1], KEYS[index], false, tonumber(ARGV[index]), now) \
+                 local fields = take(row, KEYS[1], KEYS[index], false, tonumber(ARGV[index]), now, \
+                     'resumer') \
                  if fields then \
                      table.insert(fields, 1, index - 1) \
                      table.insert(taken, fields) \
@@ -254,13 +305,14 @@ pub(crate) fn count_due_unknown() -> redis::Script {
     ])
 }
 
-/// KEYS: finishes. ARGV: keep for ms, batch. Deletes up to `batch` keys finished longer ago, with
+/// KEYS: finishes, index. ARGV: keep for ms, batch, the prefix of rows (`<prefix>:key:`). Deletes up to `batch` keys finished longer ago, with
 /// their bodies apart; how many. A row is deleted only when it is finished, by its own finish
 /// time: an entry whose row was lost, or is started again, is dropped from the set and nothing
 /// else, and one behind its row's finish is moved to it (the set is not the truth; the row is).
 pub(crate) fn expire_batch() -> redis::Script {
     script(&[
         NOW,
+        MEMBER,
         "local cutoff = now - tonumber(ARGV[1]) \
          local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, \
              'LIMIT', 0, tonumber(ARGV[2])) \
@@ -270,6 +322,7 @@ pub(crate) fn expire_batch() -> redis::Script {
              if held[1] == 'done' and tonumber(held[2]) <= cutoff then \
                  if held[3] then redis.call('DEL', row .. ':body:' .. held[3]) end \
                  redis.call('DEL', row) \
+                 redis.call('ZREM', KEYS[2], member_of(row, ARGV[3])) \
                  deleted = deleted + 1 \
                  redis.call('ZREM', KEYS[1], row) \
              elseif held[1] == 'done' then \
@@ -279,5 +332,76 @@ pub(crate) fn expire_batch() -> redis::Script {
              end \
          end \
          return deleted",
+    ])
+}
+
+/// `member_of(row, rows_prefix)`: the row's member of the index of every key (the tenant and the
+/// key in hex, joined by `!`, which sorts before every hex digit, so members sort as `(tenant,
+/// key)` pairs do, byte for byte).
+const MEMBER: &str = "local function member_of(row, rows_prefix) \
+    local rest = string.sub(row, #rows_prefix + 1) \
+    local colon = string.find(rest, ':', 1, true) \
+    return string.sub(rest, 1, colon - 1) .. '!' .. string.sub(rest, colon + 1) \
+end ";
+
+/// KEYS: row, the row's body apart prefix (`<row>:body:`). `{now, {t, k, wf, st, rp, lu, lv, att,
+/// err, rs, fp, ca, jr}, response bytes}` (the fields nil when the key is absent).
+pub(crate) fn report() -> redis::Script {
+    script(&[
+        NOW,
+        "local fields = redis.call('HMGET', KEYS[1], 't', 'k', 'wf', 'st', 'rp', 'lu', 'lv', 'att', \
+             'err', 'rs', 'fp', 'ca', 'jr') \
+         local bytes = false \
+         if fields[4] == 'done' then \
+             local apart = redis.call('HGET', KEYS[1], 'apart') \
+             if apart then \
+                 bytes = redis.call('STRLEN', KEYS[2] .. apart) \
+             else \
+                 bytes = redis.call('HSTRLEN', KEYS[1], 'rb') \
+             end \
+         end \
+         return {now, fields, bytes}",
+    ])
+}
+
+/// KEYS: row, index, finishes, the leases of the row's workflow. ARGV: the token shown, the
+/// state shown, the row's member of the index. Deletes the key (with its body apart) if it still
+/// holds that token and state: the state, or nil.
+pub(crate) fn expire_key() -> redis::Script {
+    script(&[
+        "local held = redis.call('HMGET', KEYS[1], 'lv', 'st', 'apart') \
+         if held[1] ~= ARGV[1] or held[2] ~= ARGV[2] then return false end \
+         if held[3] then redis.call('DEL', KEYS[1] .. ':body:' .. held[3]) end \
+         redis.call('DEL', KEYS[1]) \
+         redis.call('ZREM', KEYS[2], ARGV[3]) \
+         redis.call('ZREM', KEYS[3], KEYS[1]) \
+         redis.call('ZREM', KEYS[4], KEYS[1]) \
+         return held[2]",
+    ])
+}
+
+/// KEYS: workflows, finishes. ARGV: the prefix of the sorted sets of lease ends. `{now,
+/// {workflow in hex, keys, due}..., oldest started claim (ms) or false, finished in the last
+/// minute, in the last 15 minutes}`. Reads only started keys (each workflow's sorted set, and
+/// each started row's claim time) and the finishes of the last quarter hour.
+pub(crate) fn overview() -> redis::Script {
+    script(&[
+        NOW,
+        "local started = {} \
+         local oldest = false \
+         for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[1])) do \
+             local leases = ARGV[1] .. workflow \
+             local keys = redis.call('ZCARD', leases) \
+             if keys > 0 then \
+                 table.insert(started, {workflow, keys, redis.call('ZCOUNT', leases, '-inf', now)}) \
+                 for _, row in ipairs(redis.call('ZRANGE', leases, 0, -1)) do \
+                     local created = tonumber(redis.call('HGET', row, 'ca')) \
+                     if created and (not oldest or created < oldest) then oldest = created end \
+                 end \
+             end \
+         end \
+         return {now, started, oldest, \
+             redis.call('ZCOUNT', KEYS[2], now - 60000, '+inf'), \
+             redis.call('ZCOUNT', KEYS[2], now - 900000, '+inf')}",
     ])
 }

@@ -1,0 +1,326 @@
+//! What operators read and do on the Redis store (the console, `inspect`): one key's report with
+//! its journal, its stored bodies, the overview, a page of keys in `(tenant, key)` order, the
+//! stuck keys, and expiring one key under the token it was shown. Each read goes through the
+//! store's own indexes (the index of every key, the sorted sets of lease ends and of finishes),
+//! never a scan of the keyspace.
+
+use idemflow_core::FieldValue;
+use idemflow_store::{
+    JournalEntry, KeyBodies, KeyReport, KeyResponse, Overview, ScanFrom, StartedKeys,
+    journal_from_json,
+};
+use serde_json::Value;
+
+use crate::{RedisPool, StoreError, scripts, workflow_of};
+
+fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, StoreError> {
+    bytes
+        .map(|bytes| {
+            String::from_utf8(bytes).map_err(|_| StoreError::Corrupt("non-UTF-8 field".into()))
+        })
+        .transpose()
+}
+
+fn number(bytes: Option<Vec<u8>>) -> Result<Option<i64>, StoreError> {
+    text(bytes)?
+        .map(|text| {
+            text.parse::<i64>()
+                .map_err(|_| StoreError::Corrupt(format!("not a number: {text}")))
+        })
+        .transpose()
+}
+
+/// A journal as the scripts store it (one JSON entry per line), as entries; unreadable, empty
+/// (with a warning naming the key), as on every engine.
+fn journal(tenant: &str, key: &str, stored: Option<String>) -> Vec<JournalEntry> {
+    match stored {
+        None => Vec::new(),
+        Some(lines) => journal_from_json(tenant, key, &format!("[{}]", lines.replace('\n', ","))),
+    }
+}
+
+type Reported = (i64, Vec<Option<Vec<u8>>>, Option<i64>);
+
+/// One key's report, its journal included: `idemflow inspect`'s and the console's key page.
+pub async fn key_report(
+    pool: &RedisPool,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<KeyReport>, StoreError> {
+    let row = pool.row(tenant, key);
+    let (now, fields, bytes): Reported = scripts::report()
+        .key(&row)
+        .key(format!("{row}:body:"))
+        .invoke_async(&mut pool.connection())
+        .await?;
+    let mut fields = fields.into_iter();
+    let mut next = || fields.next().flatten();
+    let (stored_tenant, stored_key, workflow, state, point) =
+        (next(), next(), next(), next(), next());
+    let (lease, token, attempts, error, status) = (next(), next(), next(), next(), next());
+    let (fingerprint, created, stored_journal) = (next(), next(), next());
+    let Some(state) = text(state)? else {
+        return Ok(None);
+    };
+    let tenant = text(stored_tenant)?.unwrap_or_else(|| tenant.to_owned());
+    let key = text(stored_key)?.unwrap_or_else(|| key.to_owned());
+    let done = state == "done";
+    let journal = journal(&tenant, &key, text(stored_journal)?);
+    Ok(Some(KeyReport {
+        workflow: text(workflow)?.unwrap_or_default(),
+        recovery_point: text(point)?.unwrap_or_default(),
+        lease_left_ms: if done {
+            None
+        } else {
+            number(lease)?.map(|ends| ends - now)
+        },
+        lock_version: number(token)?.ok_or_else(|| StoreError::Corrupt("no token".into()))?,
+        attempts: number(attempts)?
+            .and_then(|attempts| i32::try_from(attempts).ok())
+            .unwrap_or(1),
+        last_error: text(error)?,
+        response_status: number(status)?.and_then(|status| i16::try_from(status).ok()),
+        response_bytes: bytes.and_then(|bytes| i32::try_from(bytes).ok()),
+        fingerprint_hex: idemflow_core::hex::encode(&fingerprint.unwrap_or_default()),
+        age_seconds: number(created)?.map_or(0, |created| (now - created).max(0) / 1000),
+        journal,
+        state,
+        tenant,
+        key,
+    }))
+}
+
+/// One key's stored request and response, as stored (sealed where sealed).
+pub async fn key_bodies(
+    pool: &RedisPool,
+    tenant: &str,
+    key: &str,
+) -> Result<Option<KeyBodies>, StoreError> {
+    let row = pool.row(tenant, key);
+    let (time, fields): ((i64, i64), Vec<Option<Vec<u8>>>) = redis::pipe()
+        .cmd("TIME")
+        .cmd("HMGET")
+        .arg(&row)
+        .arg(&["req", "st", "rs", "rh", "rb", "apart", "fa"])
+        .query_async(&mut pool.connection())
+        .await?;
+    let now = time.0 * 1000 + time.1 / 1000;
+    let mut fields = fields.into_iter();
+    let mut next = || fields.next().flatten();
+    let (request, state, status, headers, body, apart, finished) =
+        (next(), next(), next(), next(), next(), next(), next());
+    let Some(request) = text(request)? else {
+        return Ok(None);
+    };
+    let request: Value = serde_json::from_str(&request)
+        .map_err(|error| StoreError::Corrupt(format!("stored request: {error}")))?;
+    if text(state)?.as_deref() != Some("done") {
+        return Ok(Some(KeyBodies {
+            request,
+            response: None,
+            finished_seconds_ago: None,
+        }));
+    }
+    let apart = number(apart)?;
+    let body = match apart {
+        Some(life) => redis::cmd("GET")
+            .arg(format!("{row}:body:{life}"))
+            .query_async::<Option<Vec<u8>>>(&mut pool.connection())
+            .await?
+            .unwrap_or_default(),
+        None => body.unwrap_or_default(),
+    };
+    let headers: Vec<(String, FieldValue)> =
+        serde_json::from_str(&text(headers)?.unwrap_or_else(|| "[]".to_owned()))
+            .map_err(|error| StoreError::Corrupt(format!("response headers: {error}")))?;
+    let status = number(status)?.ok_or_else(|| StoreError::Corrupt("no status".into()))?;
+    Ok(Some(KeyBodies {
+        request,
+        response: Some(KeyResponse {
+            status: u16::try_from(status)
+                .map_err(|_| StoreError::Corrupt(format!("status {status}")))?,
+            headers,
+            body,
+            apart: apart.is_some(),
+        }),
+        finished_seconds_ago: number(finished)?.map(|finished| (now - finished).max(0) / 1000),
+    }))
+}
+
+type Overviewed = (i64, Vec<(String, i64, i64)>, Option<i64>, i64, i64);
+
+/// The store at a glance: started keys by workflow (its sorted set of lease ends), the oldest
+/// started key, the resumer's lag, and keys finished lately (the set of finishes). The count of
+/// keys is the index's, exact.
+pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
+    let (now, started, oldest, last_minute, last_15): Overviewed = scripts::overview()
+        .key(pool.workflows())
+        .key(pool.finishes())
+        .arg(pool.leases_prefix())
+        .invoke_async(&mut pool.connection())
+        .await?;
+    let mut started = started
+        .into_iter()
+        .map(|(workflow, keys, due)| {
+            let workflow = idemflow_core::hex::decode(&workflow)
+                .and_then(|bytes| String::from_utf8(bytes).ok())
+                .ok_or_else(|| StoreError::Corrupt(format!("workflow {workflow}")))?;
+            Ok(StartedKeys {
+                workflow,
+                keys,
+                due,
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    started.sort_by(|a, b| a.workflow.cmp(&b.workflow));
+    let lag = crate::resumer_lag(pool).await?;
+    let keys: i64 = redis::cmd("ZCARD")
+        .arg(pool.index())
+        .query_async(&mut pool.connection())
+        .await?;
+    Ok(Overview {
+        started,
+        oldest_started_seconds: oldest.map(|created| (now - created).max(0) / 1000),
+        resumer_lag_ms: i64::try_from(lag.as_millis()).unwrap_or(i64::MAX),
+        finished_last_minute: last_minute,
+        finished_last_15_minutes: last_15,
+        estimated_keys: Some(keys),
+    })
+}
+
+/// A member of the index back to its tenant and key.
+fn unmember(member: &str) -> Option<(String, String)> {
+    let (tenant, key) = member.split_once('!')?;
+    let text = |hex: &str| String::from_utf8(idemflow_core::hex::decode(hex)?).ok();
+    Some((text(tenant)?, text(key)?))
+}
+
+/// Up to `limit` keys from `from`, in `(tenant, key)` order: the index of every key, walked by
+/// `ZRANGEBYLEX` from the position. A member whose row was lost (evicted) is passed over.
+pub async fn scan_keys(
+    pool: &RedisPool,
+    from: &ScanFrom,
+    limit: i64,
+) -> Result<Vec<KeyReport>, StoreError> {
+    let bound = if from.inclusive { "[" } else { "(" };
+    let (mut min, max) = match &from.tenant {
+        Some(tenant) => {
+            let hex = idemflow_core::hex::encode(tenant.as_bytes());
+            (
+                format!("{bound}{}", RedisPool::member(tenant, &from.after.1)),
+                // `"` follows `!`: the end of this tenant's members.
+                format!("({hex}\""),
+            )
+        }
+        None if from.after.0.is_empty() => ("-".to_owned(), "+".to_owned()),
+        None => (
+            format!("{bound}{}", RedisPool::member(&from.after.0, &from.after.1)),
+            "+".to_owned(),
+        ),
+    };
+    let mut reports = Vec::new();
+    while (reports.len() as i64) < limit {
+        let wanted = limit - reports.len() as i64;
+        let members: Vec<String> = redis::cmd("ZRANGEBYLEX")
+            .arg(pool.index())
+            .arg(&min)
+            .arg(&max)
+            .arg("LIMIT")
+            .arg(0)
+            .arg(wanted)
+            .query_async(&mut pool.connection())
+            .await?;
+        let Some(last) = members.last() else {
+            break;
+        };
+        min = format!("({last}");
+        let fetched = members.len() as i64;
+        for member in members {
+            let (tenant, key) = unmember(&member)
+                .ok_or_else(|| StoreError::Corrupt(format!("index member {member}")))?;
+            if let Some(report) = key_report(pool, &tenant, &key).await? {
+                reports.push(report);
+            }
+        }
+        if fetched < wanted {
+            break;
+        }
+    }
+    Ok(reports)
+}
+
+/// Started keys whose lease is over or with `min_attempts` attempts or more, the oldest lease
+/// first, at most `limit`: read from the sorted sets of lease ends (started keys only).
+pub async fn stuck_keys(
+    pool: &RedisPool,
+    min_attempts: i32,
+    limit: i64,
+) -> Result<Vec<KeyReport>, StoreError> {
+    let mut connection = pool.connection();
+    let (time, workflows): ((i64, i64), Vec<String>) = redis::pipe()
+        .cmd("TIME")
+        .cmd("SMEMBERS")
+        .arg(pool.workflows())
+        .query_async(&mut connection)
+        .await?;
+    let now = time.0 * 1000 + time.1 / 1000;
+    let mut started: Vec<(i64, String)> = Vec::new();
+    for workflow in workflows {
+        let ends: Vec<(String, i64)> = redis::cmd("ZRANGE")
+            .arg(format!("{}{workflow}", pool.leases_prefix()))
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query_async(&mut connection)
+            .await?;
+        started.extend(ends.into_iter().map(|(row, ends)| (ends, row)));
+    }
+    started.sort();
+    let mut reports = Vec::new();
+    for (ends, row) in started {
+        if reports.len() as i64 >= limit {
+            break;
+        }
+        let (tenant, key, attempts): (Option<String>, Option<String>, Option<i64>) =
+            redis::cmd("HMGET")
+                .arg(&row)
+                .arg(&["t", "k", "att"])
+                .query_async(&mut connection)
+                .await?;
+        let (Some(tenant), Some(key)) = (tenant, key) else {
+            continue;
+        };
+        let stuck = ends <= now || attempts.unwrap_or(1) >= i64::from(min_attempts);
+        if stuck && let Some(report) = key_report(pool, &tenant, &key).await? {
+            reports.push(report);
+        }
+    }
+    Ok(reports)
+}
+
+/// Deletes a key (with its body apart) if it still holds `lock_version` and is in `state`, as the
+/// console showed it: the state it had, `None` when it moved on. A started key's owner is fenced
+/// out of every write after.
+pub async fn expire_key(
+    pool: &RedisPool,
+    tenant: &str,
+    key: &str,
+    lock_version: i64,
+    state: &str,
+) -> Result<Option<String>, StoreError> {
+    let mut connection = pool.connection();
+    let row = pool.row(tenant, key);
+    let Some(workflow) = workflow_of(&mut connection, &row).await? else {
+        return Ok(None);
+    };
+    Ok(scripts::expire_key()
+        .key(&row)
+        .key(pool.index())
+        .key(pool.finishes())
+        .key(pool.leases(&workflow))
+        .arg(lock_version)
+        .arg(state)
+        .arg(RedisPool::member(tenant, key))
+        .invoke_async(&mut connection)
+        .await?)
+}
