@@ -33,6 +33,11 @@ async fn open(url: &str, read_only: bool) -> Result<Console, CliError> {
             .map_err(cannot)?;
         return Ok(Console::sqlite(pool));
     }
+    if crate::redis::is_redis(url) {
+        // Read-only is the console's own refusal here: Redis has no read-only session.
+        let pool = crate::redis::open(url).await?;
+        return Ok(Console::new(idemflow_console::backend::Redis(pool)));
+    }
     if crate::mysql::is_mysql(url) {
         let url = url.replacen("mariadb:", "mysql:", 1);
         let options = MySqlConnectOptions::from_str(&url).map_err(invalid)?;

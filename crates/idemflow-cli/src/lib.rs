@@ -15,6 +15,7 @@
 pub mod console;
 pub mod duration;
 pub mod mysql;
+pub mod redis;
 mod render;
 pub mod sqlite;
 

@@ -16,9 +16,10 @@ struct Cli {
     /// Print one JSON document instead of text.
     #[arg(long, global = true)]
     json: bool,
-    /// PostgreSQL URL (postgres://…), SQLite file (sqlite://path) or MySQL/MariaDB URL
-    /// (mysql://…; both: all but partitions); defaults
-    /// to the DATABASE_URL environment variable.
+    /// PostgreSQL URL (postgres://…), SQLite file (sqlite://path), MySQL/MariaDB URL
+    /// (mysql://…) or Redis URL (redis://…, keys under IDEMFLOW_REDIS_PREFIX, default
+    /// idemflow); all but PostgreSQL: every command but partitions. Defaults to the
+    /// DATABASE_URL environment variable.
     #[arg(long, global = true, value_name = "URL")]
     database_url: Option<String>,
     #[command(subcommand)]
@@ -164,6 +165,9 @@ async fn run(cli: Cli, format: Format) -> Output {
     if idemflow_cli::mysql::is_mysql(&url) {
         return run_on_mysql(cli.command, &url, format).await;
     }
+    if idemflow_cli::redis::is_redis(&url) {
+        return run_on_redis(cli.command, &url, format).await;
+    }
     let pool = match idemflow_cli::connect(&url).await {
         Ok(pool) => pool,
         Err(error) => return error.output(format),
@@ -307,6 +311,45 @@ async fn run_on_mysql(command: Command, url: &str, format: Format) -> Output {
         }
         Command::Stats => mysql::stats(url, format).await,
         Command::Partitions { .. } => mysql::not_yet("partitions", format),
+        Command::Fingerprint { .. } | Command::Console { .. } => {
+            unreachable!("answered before connecting")
+        }
+    }
+}
+
+/// The commands Redis has; the others say so.
+async fn run_on_redis(command: Command, url: &str, format: Format) -> Output {
+    use idemflow_cli::redis;
+    match command {
+        Command::Migrate => redis::migrate(url, format).await,
+        Command::Expire {
+            older_than,
+            batch_size,
+        } => redis::expire(url, format, older_than, batch_size).await,
+        Command::Inspect {
+            tenant,
+            key,
+            show_request,
+            show_response,
+            retention,
+        } => {
+            let options = InspectOptions {
+                show_request,
+                show_response,
+                retention,
+            };
+            redis::inspect(url, format, &tenant, &key, &options).await
+        }
+        Command::List {
+            min_attempts,
+            limit,
+            ..
+        } => redis::list_stuck(url, format, min_attempts, limit).await,
+        Command::EndLease { tenant, key, force } => {
+            redis::end_lease(url, format, &tenant, &key, force).await
+        }
+        Command::Stats => redis::stats(url, format).await,
+        Command::Partitions { .. } => redis::not_yet("partitions", format),
         Command::Fingerprint { .. } | Command::Console { .. } => {
             unreachable!("answered before connecting")
         }

@@ -324,3 +324,11 @@ pub async fn expire_key(
         .invoke_async(&mut connection)
         .await?)
 }
+
+/// Finished keys in all: the set of finishes' size.
+pub async fn finished_keys(pool: &RedisPool) -> Result<i64, StoreError> {
+    Ok(redis::cmd("ZCARD")
+        .arg(pool.finishes())
+        .query_async(&mut pool.connection())
+        .await?)
+}

@@ -26,7 +26,9 @@
 mod console;
 mod scripts;
 
-pub use console::{expire_key, key_bodies, key_report, overview, scan_keys, stuck_keys};
+pub use console::{
+    expire_key, finished_keys, key_bodies, key_report, overview, scan_keys, stuck_keys,
+};
 
 /// The Redis client this store is built with.
 pub use redis;
