@@ -599,7 +599,7 @@ impl<E: ForeignSimEngine> World<E> {
             (2, Action::Lapse),
             (1, Action::Fault),
             (1, Action::Age),
-            (1, Action::Retention),
+            (2, Action::Retention),
             (1, Action::Lose),
             (1, Action::Kill),
         ];
@@ -825,6 +825,10 @@ impl<E: ForeignSimEngine> World<E> {
                 .event(ActorId(0), format!("loses the row of {}", slot.name()));
             self.slots[index].seen[0] = None;
             self.slots[index].aged = false;
+            // A loss shows when the key's client comes back: its retry claims the key anew.
+            if self.rng.chance(0.7) {
+                self.send(index, None);
+            }
         }
     }
 
