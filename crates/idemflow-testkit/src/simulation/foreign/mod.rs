@@ -599,7 +599,7 @@ impl<E: ForeignSimEngine> World<E> {
             (2, Action::Lapse),
             (1, Action::Fault),
             (1, Action::Age),
-            (2, Action::Retention),
+            (1, Action::Retention),
             (1, Action::Lose),
             (1, Action::Kill),
         ];
@@ -807,25 +807,21 @@ impl<E: ForeignSimEngine> World<E> {
         }
     }
 
-    /// Loses a finished key's row alone; one aged past the window by preference (its stale
-    /// finish is the one retention could mistake for a later claim's).
+    /// Loses a finished key's row alone, as an eviction does: it takes cold keys, so the key is
+    /// old first (its finish aged past the window, its entry in the store's index of finishes
+    /// with it), then gone. Its client comes back at once most of the time: its retry claims the
+    /// key anew, under the old key's index entries if the store left them.
     async fn lose(&mut self) {
-        let aged: Vec<usize> = (0..self.slots.len())
-            .filter(|&index| self.slots[index].aged)
-            .collect();
-        let index = if !aged.is_empty() && self.rng.chance(0.7) {
-            aged[self.rng.below(aged.len() as u64) as usize]
-        } else {
-            self.pick()
-        };
+        let index = self.pick();
         let slot = &self.slots[index];
-        if let Ok(true) = E::lose(&self.shared.observer, &slot.tenant, &slot.key).await {
+        let observer = &self.shared.observer;
+        let aged = E::age(observer, &slot.tenant, &slot.key).await;
+        if let (Ok(true), Ok(true)) = (aged, E::lose(observer, &slot.tenant, &slot.key).await) {
             *self.shared.log().deletions.entry(slot.name()).or_default() += 1;
             self.shared
-                .event(ActorId(0), format!("loses the row of {}", slot.name()));
+                .event(ActorId(0), format!("evicts the old row of {}", slot.name()));
             self.slots[index].seen[0] = None;
             self.slots[index].aged = false;
-            // A loss shows when the key's client comes back: its retry claims the key anew.
             if self.rng.chance(0.7) {
                 self.send(index, None);
             }
