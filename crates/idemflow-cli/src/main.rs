@@ -239,121 +239,63 @@ async fn run(cli: Cli, format: Format) -> Output {
     output
 }
 
-/// The commands SQLite has; the others say so.
-async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
-    use idemflow_cli::sqlite;
-    match command {
-        Command::Migrate => sqlite::migrate(url, format).await,
-        Command::Expire {
-            older_than,
-            batch_size,
-        } => sqlite::expire(url, format, older_than, batch_size).await,
-        Command::Inspect {
-            tenant,
-            key,
-            show_request,
-            show_response,
-            retention,
-        } => {
-            let options = InspectOptions {
+/// The commands of an engine other than PostgreSQL, each a function of the same name in its
+/// module of the library (`sqlite`, `mysql`, `redis`); `partitions` answers that the engine has
+/// no partitioned layout.
+macro_rules! run_on {
+    ($engine:ident, $command:expr, $url:expr, $format:expr) => {{
+        use idemflow_cli::$engine;
+        let (url, format) = ($url, $format);
+        match $command {
+            Command::Migrate => $engine::migrate(url, format).await,
+            Command::Expire {
+                older_than,
+                batch_size,
+            } => $engine::expire(url, format, older_than, batch_size).await,
+            Command::Inspect {
+                tenant,
+                key,
                 show_request,
                 show_response,
                 retention,
-            };
-            sqlite::inspect(url, format, &tenant, &key, &options).await
+            } => {
+                let options = InspectOptions {
+                    show_request,
+                    show_response,
+                    retention,
+                };
+                $engine::inspect(url, format, &tenant, &key, &options).await
+            }
+            Command::List {
+                min_attempts,
+                limit,
+                ..
+            } => $engine::list_stuck(url, format, min_attempts, limit).await,
+            Command::EndLease { tenant, key, force } => {
+                $engine::end_lease(url, format, &tenant, &key, force).await
+            }
+            Command::Stats => $engine::stats(url, format).await,
+            Command::Partitions { .. } => $engine::not_yet("partitions", format),
+            Command::Fingerprint { .. } | Command::Console { .. } => {
+                unreachable!("answered before connecting")
+            }
         }
-        Command::List {
-            min_attempts,
-            limit,
-            ..
-        } => sqlite::list_stuck(url, format, min_attempts, limit).await,
-        Command::EndLease { tenant, key, force } => {
-            sqlite::end_lease(url, format, &tenant, &key, force).await
-        }
-        Command::Stats => sqlite::stats(url, format).await,
-        Command::Partitions { .. } => sqlite::not_yet("partitions", format),
-        Command::Fingerprint { .. } | Command::Console { .. } => {
-            unreachable!("answered before connecting")
-        }
-    }
+    }};
+}
+
+/// The commands SQLite has; the others say so.
+async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
+    run_on!(sqlite, command, url, format)
 }
 
 /// The commands MySQL/MariaDB has; the others say so.
 async fn run_on_mysql(command: Command, url: &str, format: Format) -> Output {
-    use idemflow_cli::mysql;
-    match command {
-        Command::Migrate => mysql::migrate(url, format).await,
-        Command::Expire {
-            older_than,
-            batch_size,
-        } => mysql::expire(url, format, older_than, batch_size).await,
-        Command::Inspect {
-            tenant,
-            key,
-            show_request,
-            show_response,
-            retention,
-        } => {
-            let options = InspectOptions {
-                show_request,
-                show_response,
-                retention,
-            };
-            mysql::inspect(url, format, &tenant, &key, &options).await
-        }
-        Command::List {
-            min_attempts,
-            limit,
-            ..
-        } => mysql::list_stuck(url, format, min_attempts, limit).await,
-        Command::EndLease { tenant, key, force } => {
-            mysql::end_lease(url, format, &tenant, &key, force).await
-        }
-        Command::Stats => mysql::stats(url, format).await,
-        Command::Partitions { .. } => mysql::not_yet("partitions", format),
-        Command::Fingerprint { .. } | Command::Console { .. } => {
-            unreachable!("answered before connecting")
-        }
-    }
+    run_on!(mysql, command, url, format)
 }
 
 /// The commands Redis has; the others say so.
 async fn run_on_redis(command: Command, url: &str, format: Format) -> Output {
-    use idemflow_cli::redis;
-    match command {
-        Command::Migrate => redis::migrate(url, format).await,
-        Command::Expire {
-            older_than,
-            batch_size,
-        } => redis::expire(url, format, older_than, batch_size).await,
-        Command::Inspect {
-            tenant,
-            key,
-            show_request,
-            show_response,
-            retention,
-        } => {
-            let options = InspectOptions {
-                show_request,
-                show_response,
-                retention,
-            };
-            redis::inspect(url, format, &tenant, &key, &options).await
-        }
-        Command::List {
-            min_attempts,
-            limit,
-            ..
-        } => redis::list_stuck(url, format, min_attempts, limit).await,
-        Command::EndLease { tenant, key, force } => {
-            redis::end_lease(url, format, &tenant, &key, force).await
-        }
-        Command::Stats => redis::stats(url, format).await,
-        Command::Partitions { .. } => redis::not_yet("partitions", format),
-        Command::Fingerprint { .. } | Command::Console { .. } => {
-            unreachable!("answered before connecting")
-        }
-    }
+    run_on!(redis, command, url, format)
 }
 
 async fn with_connection(
