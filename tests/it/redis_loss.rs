@@ -369,3 +369,56 @@ async fn the_store_names_a_server_policy_that_may_evict_its_keys() {
     assert_eq!(volatile, None);
     assert_eq!(none, None);
 }
+
+/// A Redis user with fewer rights (no `@admin` or `@dangerous` commands, so no `CONFIG GET`, as
+/// managed services give): the store connects, says nothing about eviction it cannot read, and
+/// runs requests.
+#[tokio::test]
+async fn a_redis_user_without_admin_commands_runs_the_store() {
+    let admin = fresh("loss-limited-user").await;
+    let user = "idemflow-test-limited";
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(user)
+        .arg("reset")
+        .arg("on")
+        .arg(">limited-secret")
+        .arg("~*")
+        .arg("+@all")
+        .arg("-@admin")
+        .arg("-@dangerous")
+        .query_async(&mut admin.connection())
+        .await
+        .unwrap();
+    let url = crate::support::redis::url().replacen(
+        "redis://",
+        &format!("redis://{user}:limited-secret@"),
+        1,
+    );
+    let pool = idemflow_redis::RedisPool::connect_with_prefix(&url, admin.prefix())
+        .await
+        .expect("a user without admin commands connects");
+    assert!(
+        pool.evicting_policy().await.is_err(),
+        "CONFIG GET is refused to this user"
+    );
+    let provider = MockProvider::start().await;
+    let workflow = Workflow::<idemflow_runner::RedisStore>::builder_on::<Payment>("payment.v1")
+        .foreign(Pay {
+            provider: provider.client(),
+        })
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let runner = Runner::on(pool, RunnerConfig::default());
+    let key = Key::parse("pay-limited").unwrap();
+    let first = runner.run(&workflow, &tenant(), &key, request()).await;
+    let again = runner.run(&workflow, &tenant(), &key, request()).await;
+    let _: () = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(user)
+        .query_async(&mut admin.connection())
+        .await
+        .unwrap();
+    assert_eq!((kind(&first), kind(&again)), ("executed", "replayed"));
+}
