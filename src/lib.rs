@@ -8,10 +8,12 @@
 //!
 //! This crate gathers the parts:
 //! - [`core`]: keys, tenants, canonical JSON fingerprints and the claim decision (pure, no IO);
-//! - [`store`]: every SQL statement, and the migrations ([`migrate`]);
+//! - [`store`]: PostgreSQL's operators' tools and the partitioned layout; the migrations are
+//!   [`migrate`] and [`MIGRATOR`];
 //! - [`sqlite`] and [`mysql`]: opening those engines' databases (PostgreSQL's pool is sqlx's own);
 //! - the runner, workflows and phases, re-exported at the top level;
 //! - `http` (the `http` feature, on by default): the Idempotency-Key layer for axum/tower;
+//! - `client` (the `client` feature): a client that sends requests under Idempotency-Keys;
 //! - `redis` (the `redis` feature): keys in Redis, for workflows whose phases are all foreign;
 //! - [`consumer`]: the idempotent consumer, a message applied at most once per subscriber.
 
@@ -19,13 +21,38 @@
 
 pub use idemflow_consumer as consumer;
 pub use idemflow_core as core;
-pub use idemflow_pg as store;
 
 /// The Idempotency-Key layer for axum/tower: a workflow as a route ([`http::WorkflowService`]),
 /// or any handler behind [`http::IdempotencyLayer`]; problem+json errors. The `http` feature (on
 /// by default).
 #[cfg(feature = "http")]
 pub use idemflow_http as http;
+
+/// A client for APIs that take an Idempotency-Key: one key per intent, kept in a journal, sent
+/// again on retryable answers ([`client::IdempotentClient`]). The `client` feature.
+#[cfg(feature = "client")]
+pub use idemflow_client as client;
+
+/// PostgreSQL's store, for what an application does besides running workflows: the partitioned
+/// layout ([`store::partitions`]), a key's report and the stuck keys (what `idemflow inspect` and
+/// `list --stuck` show), ending a lease, the table's statistics and the resumer's lag, the
+/// channel a resumer listens on, and the transaction a consumer's handler writes in. The
+/// statements a request sends are the engine's own business and not part of this API.
+pub mod store {
+    pub use idemflow_pg::partitions;
+    pub use idemflow_pg::{
+        DUE_CHANNEL, KeyReport, StoreError, TableStats, Transaction, end_lease, key_report,
+        resumer_lag, stuck_keys, table_stats,
+    };
+}
+
+/// The metrics the runner, the resumer and retention record: their catalogue (name, kind, what it
+/// counts) and [`metrics::describe_metrics`], which registers the descriptions with the installed
+/// recorder. The HTTP layer's and the consumer's are `http::CATALOGUE` and
+/// [`consumer::CATALOGUE`].
+pub mod metrics {
+    pub use idemflow_runner::{CATALOGUE, describe_metrics};
+}
 
 /// Opening a SQLite database for the engine: WAL, a busy timeout, the migrations run.
 pub mod sqlite {
@@ -51,12 +78,11 @@ pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
 pub use idemflow_runner::{
     BuildError, ConnectionOf, CrashHook, CrashPoint, DrainReport, Engine, EngineError, EngineOf,
-    Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, METRICS, MySqlStore,
-    Outcome, PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue,
-    PoolEngine, PoolOf, RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig,
-    Retention, RetryPolicy, RunError, Runner, RunnerConfig, SealError, SqlEngine, SqliteStore,
-    TerminalPolicy, Workflow, WorkflowBuilder, describe_metrics, expire, expire_paced,
-    shutdown_signal,
+    Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, MySqlStore, Outcome,
+    PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolEngine,
+    PoolOf, RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention,
+    RetryPolicy, RunError, Runner, RunnerConfig, SealError, SqlEngine, SqliteStore, TerminalPolicy,
+    Workflow, WorkflowBuilder, expire, expire_paced, shutdown_signal,
 };
 /// The sqlx this engine is built with: a local phase gets its `PgConnection` (or, on SQLite, its
 /// `SqliteConnection`; on MySQL/MariaDB, its `MySqlConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.

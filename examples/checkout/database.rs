@@ -50,8 +50,8 @@ impl Database {
             }
         };
         if url.starts_with("sqlite:") {
-            let options = idemflow_sqlite::OpenOptions::default();
-            let pool = idemflow_sqlite::open(&url, &options)
+            let options = idemflow::sqlite::OpenOptions::default();
+            let pool = idemflow::sqlite::open(&url, &options)
                 .await
                 .map_err(|error| format!("cannot open SQLite at {url}: {error}"))?;
             if migrate {
@@ -61,11 +61,11 @@ impl Database {
         }
         if url.starts_with("mysql://") || url.starts_with("mariadb://") {
             let url = url.replacen("mariadb://", "mysql://", 1);
-            let options = idemflow_mysql::OpenOptions {
+            let options = idemflow::mysql::OpenOptions {
                 max_connections: pool_size,
-                ..idemflow_mysql::OpenOptions::default()
+                ..idemflow::mysql::OpenOptions::default()
             };
-            let pool = idemflow_mysql::open(&url, &options)
+            let pool = idemflow::mysql::open(&url, &options)
                 .await
                 .map_err(|error| {
                     format!(

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idemflow::client::{ClientRetryPolicy, IdempotentClient, MemoryJournal, Reply};
 use idemflow::core::PhaseName;
 use idemflow::{DerivedKey, Key, TenantId};
-use idemflow_client::{IdempotentClient, MemoryJournal, Reply, RetryPolicy};
 use idemflow_testkit::provider::{Fault, MockProvider};
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue, RETRY_AFTER};
 use reqwest::{Method, StatusCode};
@@ -40,9 +40,9 @@ pub async fn run(target: Target<'_>) -> Result<bool, Failure> {
         .build()?;
     let mut demo = Demo {
         client: IdempotentClient::new(http.clone(), MemoryJournal::new()).with_policy(
-            RetryPolicy {
+            ClientRetryPolicy {
                 deadline: Duration::from_secs(120),
-                ..RetryPolicy::default()
+                ..ClientRetryPolicy::default()
             },
         ),
         http,
@@ -141,7 +141,7 @@ fn show_raw(raw: &Raw) {
         .unwrap_or_default();
     let replayed = raw
         .headers
-        .get(idemflow_client::IDEMPOTENT_REPLAYED)
+        .get(idemflow::client::IDEMPOTENT_REPLAYED)
         .is_some_and(|value| value == "true");
     println!(
         "   -> {}{}{retry_after} {}",
@@ -539,7 +539,7 @@ async fn post_once(
 ) -> Result<Raw, Failure> {
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(
-        idemflow_client::IDEMPOTENCY_KEY,
+        idemflow::client::IDEMPOTENCY_KEY,
         HeaderValue::from_str(&format!("\"{key}\""))?,
     );
     let response = http

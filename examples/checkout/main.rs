@@ -3,7 +3,7 @@
 //! against SQLite, PostgreSQL or MySQL/MariaDB and a payment provider (the testkit's mock, in this process by
 //! default).
 //!
-//! `scripts/checkout` (or `cargo run --example checkout`) starts the service with its provider and
+//! `scripts/checkout` (or `cargo run -p example-checkout`) starts the service with its provider and
 //! a resumer, runs the demo against it, prints a curl line to try, and serves until Ctrl-C. With no
 //! database named it runs on a SQLite file under `target/` (nothing to install);
 //! `--database-url postgres://…` (or `DATABASE_URL`) runs it on PostgreSQL, `mysql://…` on MySQL
@@ -212,7 +212,7 @@ async fn all_on<E: Shop>(pool: PoolOf<E>, args: AllArgs) -> Result<ExitCode, Fai
         .merge(worker::routes::<E>(pool.clone(), metrics));
     let stop = Stop::on_signal();
     let server = tokio::spawn(
-        idemflow_http::serve(listener, app, idemflow_http::ServeLimits::default())
+        idemflow::http::serve(listener, app, idemflow::http::ServeLimits::default())
             .with_graceful_shutdown(stop.stopped())
             .into_future(),
     );
@@ -328,7 +328,7 @@ async fn serve_on<E: Shop>(pool: PoolOf<E>, args: ServeArgs) -> Result<ExitCode,
             ""
         }
     );
-    idemflow_http::serve(listener, app, idemflow_http::ServeLimits::default())
+    idemflow::http::serve(listener, app, idemflow::http::ServeLimits::default())
         .with_graceful_shutdown(idemflow::shutdown_signal())
         .await?;
     if let Some(mock) = mock {

@@ -13,8 +13,8 @@ use axum::http::request::Parts;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use idemflow::http::{BearerTenant, Problem, TenantResolver, WorkflowService};
 use idemflow::{CrashHook, CrashPoint, Engine, Key, PoolOf, Runner, TenantId, Workflow};
-use idemflow_http::{BearerTenant, Problem, TenantResolver, WorkflowService};
 
 use crate::orders::Shop;
 
@@ -168,7 +168,7 @@ impl Crashes {
     }
 }
 
-#[async_trait::async_trait]
+#[idemflow::async_trait]
 impl CrashHook for Crashes {
     async fn crash_at(&self, point: &CrashPoint, tenant: &TenantId, key: &Key) -> bool {
         let which = (tenant.as_str().to_owned(), key.as_str().to_owned());
@@ -202,7 +202,7 @@ async fn crash_header(
     // A missing key or tenant is the workflow route's to refuse.
     let (parts, body) = request.into_parts();
     let (Ok(key), Ok(tenant)) = (
-        idemflow_http::idempotency_key(&parts.headers),
+        idemflow::http::idempotency_key(&parts.headers),
         BearerTenant.resolve(&parts),
     ) else {
         return next.run(Request::from_parts(parts, body)).await;
@@ -260,7 +260,7 @@ impl ProcessCrash {
     }
 }
 
-#[async_trait::async_trait]
+#[idemflow::async_trait]
 impl CrashHook for ProcessCrash {
     async fn crash_at(&self, point: &CrashPoint, _: &TenantId, _: &Key) -> bool {
         if point.to_string() != self.point {

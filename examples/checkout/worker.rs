@@ -69,10 +69,10 @@ pub async fn run<E: Shop>(
     let address = listener.local_addr()?;
     println!("worker: metrics on http://{address}/metrics, health on http://{address}/healthz");
     let server = tokio::spawn(
-        idemflow_http::serve(
+        idemflow::http::serve(
             listener,
             routes::<E>(pool.clone(), metrics),
-            idemflow_http::ServeLimits::default(),
+            idemflow::http::ServeLimits::default(),
         )
         .into_future(),
     );

@@ -25,7 +25,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use futures_util::StreamExt;
 use idemflow::consumer::{
-    Consumer, ConsumerError, CrashHook, CrashPoint, Handler, HandlerError, Message,
+    Consumer, ConsumerCrashHook, ConsumerCrashPoint, ConsumerError, Handler, HandlerError, Message,
     MessageRetention, Processed, Subscriber,
 };
 use lapin::message::Delivery;
@@ -164,7 +164,7 @@ const SCHEMA: &[&str] = &[
 /// Freezes the n-th delivery to reach one crash point, for a test to kill the process there.
 #[derive(Debug)]
 struct FreezeAt {
-    point: CrashPoint,
+    point: ConsumerCrashPoint,
     nth: u64,
     passed: AtomicU64,
 }
@@ -178,8 +178,8 @@ impl FreezeAt {
             .split_once(':')
             .ok_or_else(|| format!("{CRASH_ENV}={value}: expected <point>:<n>"))?;
         let point = match point {
-            "before_commit" => CrashPoint::BeforeCommit,
-            "after_commit" => CrashPoint::AfterCommit,
+            "before_commit" => ConsumerCrashPoint::BeforeCommit,
+            "after_commit" => ConsumerCrashPoint::AfterCommit,
             other => return Err(format!("{CRASH_ENV}: unknown crash point {other}").into()),
         };
         Ok(Some(Arc::new(Self {
@@ -191,8 +191,8 @@ impl FreezeAt {
 }
 
 #[idemflow::async_trait]
-impl CrashHook for FreezeAt {
-    async fn crash_at(&self, point: CrashPoint, message: &Message) -> bool {
+impl ConsumerCrashHook for FreezeAt {
+    async fn crash_at(&self, point: ConsumerCrashPoint, message: &Message) -> bool {
         if point != self.point || self.passed.fetch_add(1, Ordering::SeqCst) + 1 != self.nth {
             return false;
         }

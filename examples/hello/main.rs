@@ -1,7 +1,7 @@
 //! The smallest complete idemflow service: a payment as two phases (a local order row, a foreign
 //! charge), served over HTTP under `Idempotency-Key`, with a resumer finishing what a crash
 //! left. SQLite, and the testkit's mock payment provider in the same process: nothing to install.
-//! Run `cargo run --example hello [BIND] [DATABASE_FILE]` (default `127.0.0.1:3000`, `hello.db`),
+//! Run `cargo run -p example-hello [BIND] [DATABASE_FILE]` (default `127.0.0.1:3000`, `hello.db`),
 //! then the curl line it prints, twice: the second answer is the first, replayed.
 use std::sync::Arc;
 

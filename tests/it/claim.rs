@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use crate::support::*;
-use idemflow::store::{self, ClaimRequest, Claimed, LookUp};
 use idemflow::{Fingerprint, Key, Outcome, Runner, RunnerConfig, TenantId, TerminalPolicy};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, LookUp};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -40,7 +40,7 @@ async fn one_connection(options: PgPoolOptions, connect: PgConnectOptions) -> Pg
 }
 
 /// Claims a key that must be new; the claim's transaction, still open.
-async fn owned(pool: &PgPool, claim: &ClaimRequest<'_>) -> idemflow::store::Transaction {
+async fn owned(pool: &PgPool, claim: &ClaimRequest<'_>) -> idemflow_pg::Transaction {
     match store::begin_claim(pool.acquire().await.unwrap(), claim, &Default::default())
         .await
         .unwrap()

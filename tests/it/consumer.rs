@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow::consumer::{
-    Consumer, ConsumerError, CrashHook, CrashPoint, Handler, HandlerError, Message,
+    Consumer, ConsumerCrashHook, ConsumerCrashPoint, ConsumerError, Handler, HandlerError, Message,
     MessageRetention, Processed, Subscriber, expire_processed,
 };
 use lapin::options::{
@@ -445,11 +445,11 @@ async fn a_failed_handler_records_nothing_and_the_redelivery_applies(pool: PgPoo
 
 /// Stops every delivery at one point, in process.
 #[derive(Debug)]
-struct StopAt(CrashPoint);
+struct StopAt(ConsumerCrashPoint);
 
 #[idemflow::async_trait]
-impl CrashHook for StopAt {
-    async fn crash_at(&self, point: CrashPoint, _: &Message) -> bool {
+impl ConsumerCrashHook for StopAt {
+    async fn crash_at(&self, point: ConsumerCrashPoint, _: &Message) -> bool {
         point == self.0
     }
 }
@@ -460,22 +460,22 @@ async fn stopped_before_its_commit_a_delivery_leaves_nothing_and_after_it_a_dupl
 ) {
     sqlx::query(EFFECTS_TABLE).execute(&pool).await.unwrap();
     let message = message("m-stopped", "{}");
-    let before =
-        consumer(&pool, "ledger").with_crash_hook(Arc::new(StopAt(CrashPoint::BeforeCommit)));
+    let before = consumer(&pool, "ledger")
+        .with_crash_hook(Arc::new(StopAt(ConsumerCrashPoint::BeforeCommit)));
     assert!(matches!(
         before.process(&Effects::default(), &message).await,
-        Err(ConsumerError::Crashed(CrashPoint::BeforeCommit))
+        Err(ConsumerError::Crashed(ConsumerCrashPoint::BeforeCommit))
     ));
     assert_eq!(
         (effects(&pool, "m-stopped").await, recorded(&pool).await),
         (0, 0)
     );
 
-    let after =
-        consumer(&pool, "ledger").with_crash_hook(Arc::new(StopAt(CrashPoint::AfterCommit)));
+    let after = consumer(&pool, "ledger")
+        .with_crash_hook(Arc::new(StopAt(ConsumerCrashPoint::AfterCommit)));
     assert!(matches!(
         after.process(&Effects::default(), &message).await,
-        Err(ConsumerError::Crashed(CrashPoint::AfterCommit))
+        Err(ConsumerError::Crashed(ConsumerCrashPoint::AfterCommit))
     ));
     // Committed though never acknowledged: the redelivery is a duplicate.
     assert_eq!(
@@ -510,7 +510,7 @@ async fn retention_deletes_old_records_in_batches_and_keeps_the_window(pool: PgP
     // A batch at a time: batches of two delete 2, 2, 1.
     let mut connection = pool.acquire().await.unwrap();
     let week = Duration::from_secs(7 * 24 * 60 * 60);
-    let batch = idemflow::consumer::expire_batch(&mut connection, week, 2)
+    let batch = idemflow::consumer::expire_processed_batch(&mut connection, week, 2)
         .await
         .unwrap();
     assert_eq!(batch, 2);

@@ -22,7 +22,7 @@ fn read(path: &str) -> String {
 
 /// Every metric the engine, the HTTP layer, the consumer and the console record, with its kind.
 fn catalogue() -> Vec<(&'static str, &'static str)> {
-    idemflow::METRICS
+    idemflow::metrics::CATALOGUE
         .iter()
         .chain(idemflow_http::CATALOGUE)
         .chain(idemflow::consumer::CATALOGUE)

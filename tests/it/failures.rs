@@ -874,7 +874,7 @@ async fn a_give_up_meeting_a_connection_that_died_idle_is_made_on_another(pool: 
             .await
             .unwrap();
         let names = vec![(workflow.name().to_owned(), workflow.lease())];
-        let mut due = idemflow::store::take_over_due(&mut connection, &names, 10)
+        let mut due = idemflow_pg::take_over_due(&mut connection, &names, 10)
             .await
             .unwrap();
         (due.pop().unwrap().taken, backend)

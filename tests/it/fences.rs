@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use crate::support::*;
-use idemflow::store::{self, ClaimRequest, Claimed, Owner, StoreError};
 use idemflow::{Fingerprint, Key, StoredResponse, TenantId};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, Owner, StoreError};
 use serde_json::json;
 use sqlx::PgPool;
 

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use idemflow::store::{self, ClaimRequest, Claimed, LookUp};
 use idemflow::{Fingerprint, Key, Outcome, Runner, StoredResponse, TenantId};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, LookUp};
 use idemflow_testkit::provider::{Fault, MockProvider};
 use serde_json::json;
 use sqlx::PgPool;

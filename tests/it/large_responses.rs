@@ -7,11 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemflow::store::{ClaimRequest, Claimed};
 use idemflow::{
     Fingerprint, Key, Keyring, Outcome, Registry, Resumer, Runner, RunnerConfig, StoredResponse,
-    store,
 };
+use idemflow_pg as store;
+use idemflow_pg::{ClaimRequest, Claimed};
 use sqlx::PgPool;
 
 use crate::support::report::{CrashBeforeFinish, body_of, setup, workflow};

@@ -104,14 +104,17 @@ async fn every_metric_is_described_for_the_recorder_and_in_the_operations_guide(
     );
     let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
         .unwrap();
-    for (name, kind, _) in idemflow::METRICS {
+    for (name, kind, _) in idemflow::metrics::CATALOGUE {
         assert!(
             guide.contains(&format!("| `{name}` | {kind} |")),
             "{name} ({kind}) is not in docs/operations.md's table"
         );
     }
     // Every metric the engine's source records is in the catalogue.
-    let catalogue: Vec<&str> = idemflow::METRICS.iter().map(|(name, _, _)| *name).collect();
+    let catalogue: Vec<&str> = idemflow::metrics::CATALOGUE
+        .iter()
+        .map(|(name, _, _)| *name)
+        .collect();
     for file in ["resumer.rs", "retention.rs", "metrics.rs"] {
         let path = format!(
             "{}/crates/idemflow-runner/src/{file}",

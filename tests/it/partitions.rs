@@ -1,4 +1,4 @@
-//! The partitioned layout (`idemflow::store::partitions`): `(tenant, key)` stays unique across
+//! The partitioned layout (`idemflow_pg::partitions`): `(tenant, key)` stays unique across
 //! partitions, a retry finds its key after the key's partition rolled over, and maintenance drops
 //! whole partitions once every key in them is past its window, never one that holds a started
 //! key, and never a body apart of a key's later life.
@@ -11,11 +11,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemflow::store::partitions::{self, Maintained, PartitionPlan};
-use idemflow::store::{ClaimRequest, Claimed, Limits, LookUp};
-use idemflow::{
-    Fingerprint, Key, Outcome, Registry, Resumer, Retention, Runner, RunnerConfig, store,
-};
+use idemflow::{Fingerprint, Key, Outcome, Registry, Resumer, Retention, Runner, RunnerConfig};
+use idemflow_pg as store;
+use idemflow_pg::partitions::{self, Maintained, PartitionPlan};
+use idemflow_pg::{ClaimRequest, Claimed, Limits, LookUp};
 use idemflow_testkit::simulation::Rng;
 use sqlx::PgPool;
 

@@ -32,10 +32,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use idemflow::store::{self, ClaimRequest, Claimed, Limits, statements};
 use idemflow::{
     DrainReport, Fingerprint, Key, Outcome, PoolSettings, Registry, Resumer, ResumerConfig, Runner,
 };
+use idemflow_pg::{self as store, ClaimRequest, Claimed, Limits, statements};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Row};
 

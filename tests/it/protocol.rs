@@ -5,11 +5,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::support::*;
-use idemflow::store::{self, ClaimRequest, StoreError};
 use idemflow::{
     Fingerprint, Key, Outcome, Rejection, RunError, Runner, RunnerConfig, StoredResponse,
     TerminalPolicy,
 };
+use idemflow_pg::{self as store, ClaimRequest, StoreError};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 

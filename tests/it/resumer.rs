@@ -610,14 +610,14 @@ async fn a_resumed_key_confirms_its_fence_before_calling_out(pool: PgPool) {
     let workflow = harness.checkout();
     let names = vec![(workflow.name().to_owned(), Duration::from_secs(60))];
     let mut connection = pool.acquire().await.unwrap();
-    let stale = idemflow::store::take_over_due(&mut connection, &names, 10)
+    let stale = idemflow_pg::take_over_due(&mut connection, &names, 10)
         .await
         .unwrap()
         .pop()
         .unwrap();
     // Before it starts, the key is taken over by another owner.
     expire_all_leases(&pool).await;
-    let current = idemflow::store::take_over_due(&mut connection, &names, 10)
+    let current = idemflow_pg::take_over_due(&mut connection, &names, 10)
         .await
         .unwrap();
     assert_eq!(current.len(), 1);

@@ -40,7 +40,7 @@ async fn expire_deletes_only_old_finished_keys_in_batches(pool: PgPool) {
     // One batch deletes at most its size.
     let mut connection = pool.acquire().await.unwrap();
     assert_eq!(
-        idemflow::store::expire_batch(&mut connection, day, 1000)
+        idemflow_pg::expire_batch(&mut connection, day, 1000)
             .await
             .unwrap(),
         1000

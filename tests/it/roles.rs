@@ -12,12 +12,12 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use idemflow::store::{self, ClaimRequest, Claimed, Limits, LookUp};
 use idemflow::{
     DerivedKey, DrainReport, ForeignPhase, Key, LocalPhase, Outcome, PhaseContext, PhaseError,
     Registry, Resumer, ResumerConfig, Retention, RetryPolicy, Runner, RunnerConfig, StoredResponse,
     TenantId, TerminalPolicy, Workflow,
 };
+use idemflow_pg::{self as store, ClaimRequest, Claimed, Limits, LookUp};
 use idemflow_testkit::provider::{Fault, MockProvider};
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 use serde::{Deserialize, Serialize};

@@ -139,7 +139,7 @@ async fn a_key_resumed_before_a_foreign_phase_calls_out_at_once(
     );
     expire_lease(&pool, "k").await;
     let mut connection = pool.acquire().await.unwrap();
-    let due = idemflow::store::take_over_due(
+    let due = idemflow_pg::take_over_due(
         &mut connection,
         &[(workflow.name().to_owned(), workflow.lease())],
         10,
@@ -186,7 +186,7 @@ async fn a_duplicate_of_a_key_being_claimed_is_answered_in_one_round_trip(
         serde_json::json!({"amount": 1, "source": "tok_visa"}),
     );
     let tenant = tenant(1);
-    let claim = idemflow::store::ClaimRequest {
+    let claim = idemflow_pg::ClaimRequest {
         tenant: &tenant,
         key: &key,
         lock_version: 1 << 40,
@@ -195,8 +195,8 @@ async fn a_duplicate_of_a_key_being_claimed_is_answered_in_one_round_trip(
         request: &request,
         lease: workflow.lease(),
     };
-    let idemflow::store::Claimed::Owned(held, _) =
-        idemflow::store::begin_claim(direct.acquire().await.unwrap(), &claim, &Default::default())
+    let idemflow_pg::Claimed::Owned(held, _) =
+        idemflow_pg::begin_claim(direct.acquire().await.unwrap(), &claim, &Default::default())
             .await
             .unwrap()
     else {

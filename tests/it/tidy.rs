@@ -365,17 +365,23 @@ fn what_the_documents_shell_blocks_run_exists() {
                         continue;
                     };
                     let found = match *word {
-                        "--example" => {
-                            root.join(format!("examples/{name}.rs")).is_file()
-                                || root.join(format!("examples/{name}/main.rs")).is_file()
-                        }
+                        // Every example is a package of its own (`-p example-<name>`), so that
+                        // it builds only what it uses: the root package has no examples.
+                        "--example" => false,
                         "--bin" => binaries.iter().any(|binary| binary == name),
                         "--test" => {
                             root.join(format!("tests/{name}.rs")).is_file()
                                 || root.join(format!("tests/{name}/main.rs")).is_file()
                         }
                         "-p" | "--package" => {
-                            *name == "idemflow" || root.join("crates").join(name).is_dir()
+                            *name == "idemflow"
+                                || root.join("crates").join(name).is_dir()
+                                || name.strip_prefix("example-").is_some_and(|example| {
+                                    root.join("examples")
+                                        .join(example)
+                                        .join("Cargo.toml")
+                                        .is_file()
+                                })
                         }
                         _ => continue,
                     };
@@ -675,4 +681,44 @@ fn published_crates_reach_no_file_outside_themselves() {
         outside.is_empty(),
         "files a published crate reads at compile time, outside it: {outside:#?}"
     );
+}
+
+/// The packages a package's build compiles (normal and build dependencies, for this platform),
+/// by name, from `cargo tree`: it resolves, it compiles nothing.
+fn built_packages(package: &str) -> Vec<String> {
+    let output = std::process::Command::new(env!("CARGO"))
+        .args(["tree", "--quiet", "-p", package, "-e", "normal,build"])
+        .args(["--prefix", "none", "--format", "{p}"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo runs");
+    assert!(
+        output.status.success(),
+        "cargo tree -p {package}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut names: Vec<String> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next().map(str::to_owned))
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Each example is a package of its own, so building one compiles only what it uses: the
+/// checkout service (the main job) compiles no message broker client, and only the consumer
+/// example, which speaks AMQP, compiles one.
+#[test]
+fn the_checkout_example_compiles_no_message_broker_client() {
+    let checkout = built_packages("example-checkout");
+    assert!(
+        checkout.iter().any(|name| name == "idemflow"),
+        "{checkout:?}"
+    );
+    assert!(!checkout.iter().any(|name| name == "lapin"), "{checkout:?}");
+    let hello = built_packages("example-hello");
+    assert!(!hello.iter().any(|name| name == "lapin"), "{hello:?}");
+    let consumer = built_packages("example-consumer");
+    assert!(consumer.iter().any(|name| name == "lapin"), "{consumer:?}");
 }

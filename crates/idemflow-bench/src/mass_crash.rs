@@ -55,8 +55,8 @@ impl Drop for Process {
     }
 }
 
-/// The checkout example's binary: `$IDEMFLOW_CHECKOUT_BIN`, or built now (`cargo build
-/// --example checkout`) with this binary's profile into its target directory.
+/// The checkout example's binary: `$IDEMFLOW_CHECKOUT_BIN`, or built now (`cargo build -p
+/// example-checkout`) with this binary's profile into its target directory.
 pub fn checkout_binary() -> Result<PathBuf, Error> {
     if let Some(path) = std::env::var_os("IDEMFLOW_CHECKOUT_BIN") {
         return Ok(PathBuf::from(path));
@@ -87,7 +87,15 @@ pub fn checkout_binary() -> Result<PathBuf, Error> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
     eprintln!("idemflow-bench: building the checkout example ({profile}) for workload 9");
     let status = Command::new(cargo)
-        .args(["build", "--quiet", "--example", "checkout", "--profile"])
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "example-checkout",
+            "--bin",
+            "checkout",
+        ])
+        .arg("--profile")
         .arg(&profile)
         .arg("--target-dir")
         .arg(target_dir)
@@ -96,9 +104,7 @@ pub fn checkout_binary() -> Result<PathBuf, Error> {
     if !status.success() {
         return Err("building the checkout example failed".into());
     }
-    Ok(profile_dir
-        .join("examples")
-        .join(format!("checkout{}", std::env::consts::EXE_SUFFIX)))
+    Ok(profile_dir.join(format!("checkout{}", std::env::consts::EXE_SUFFIX)))
 }
 
 /// Starts `binary arguments` and waits for the stdout line containing `marker` (returned);

@@ -12,7 +12,7 @@ use tracing::{debug, warn};
 
 use crate::header::{self, IDEMPOTENCY_KEY, KeyForm};
 use crate::journal::{JournalError, KeyJournal};
-use crate::policy::{JitterSource, RetryPolicy};
+use crate::policy::{ClientRetryPolicy, JitterSource};
 
 /// The default of [`IdempotentClient::with_max_response_bytes`]: 8 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 8 * 1024 * 1024;
@@ -196,7 +196,7 @@ pub fn http_builder() -> reqwest::ClientBuilder {
 pub struct IdempotentClient<J> {
     http: reqwest::Client,
     journal: J,
-    policy: RetryPolicy,
+    policy: ClientRetryPolicy,
     jitter: JitterSource,
     max_response_bytes: usize,
     key_max_age: Option<Duration>,
@@ -207,7 +207,7 @@ pub struct IdempotentClient<J> {
 }
 
 impl<J: KeyJournal> IdempotentClient<J> {
-    /// A client sending with `http`, keeping keys in `journal`, with the default [`RetryPolicy`],
+    /// A client sending with `http`, keeping keys in `journal`, with the default [`ClientRetryPolicy`],
     /// a response limit of [`DEFAULT_MAX_RESPONSE_BYTES`], a key max age of
     /// [`DEFAULT_KEY_MAX_AGE`] and keys sent as [`KeyForm::Quoted`].
     ///
@@ -219,7 +219,7 @@ impl<J: KeyJournal> IdempotentClient<J> {
         Self {
             http,
             journal,
-            policy: RetryPolicy::default(),
+            policy: ClientRetryPolicy::default(),
             jitter: JitterSource::new(),
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             key_max_age: Some(DEFAULT_KEY_MAX_AGE),
@@ -237,7 +237,7 @@ impl<J: KeyJournal> IdempotentClient<J> {
 
     /// The same client with another retry policy.
     #[must_use]
-    pub fn with_policy(mut self, policy: RetryPolicy) -> Self {
+    pub fn with_policy(mut self, policy: ClientRetryPolicy) -> Self {
         self.policy = policy;
         self
     }
@@ -283,7 +283,7 @@ impl<J: KeyJournal> IdempotentClient<J> {
     }
 
     /// The retry policy.
-    pub fn policy(&self) -> &RetryPolicy {
+    pub fn policy(&self) -> &ClientRetryPolicy {
         &self.policy
     }
 

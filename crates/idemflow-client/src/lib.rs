@@ -9,7 +9,7 @@
 //!
 //! Connection failures, timeouts, 409, 429 and 5xx (but 501 and 505) are retried with exponential
 //! backoff and jitter, or after the response's `Retry-After` (within the policy's bounds), until
-//! the [`RetryPolicy`]'s deadline. A response marked `Idempotent-Replayed` is the server's stored
+//! the [`ClientRetryPolicy`]'s deadline. A response marked `Idempotent-Replayed` is the server's stored
 //! answer and is never retried. A redirect is an error ([`ClientError::Redirected`]), never
 //! followed: build the `reqwest::Client` with [`http_builder`]. Every other response is an answer
 //! and is returned at once. See docs/client.md.
@@ -57,4 +57,4 @@ pub use client::{
 };
 pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyForm};
 pub use journal::{FileJournal, JournalError, JournalResult, KeyJournal, MemoryJournal};
-pub use policy::RetryPolicy;
+pub use policy::ClientRetryPolicy;

@@ -16,9 +16,9 @@ use idemflow_core::backoff;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemflow_client::RetryPolicy;
+/// use idemflow_client::ClientRetryPolicy;
 ///
-/// let policy = RetryPolicy { deadline: Duration::from_secs(5), ..RetryPolicy::default() };
+/// let policy = ClientRetryPolicy { deadline: Duration::from_secs(5), ..ClientRetryPolicy::default() };
 /// assert_eq!(policy.initial_backoff, Duration::from_millis(200));
 /// assert_eq!(policy.backoff(1), Duration::from_millis(200));
 /// assert_eq!(policy.backoff(3), Duration::from_millis(800));
@@ -29,7 +29,7 @@ use idemflow_core::backoff;
 ///
 /// [`ClientError::DeadlineExceeded`]: crate::ClientError::DeadlineExceeded
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RetryPolicy {
+pub struct ClientRetryPolicy {
     /// The wait before the first retry. Default 200 ms.
     pub initial_backoff: Duration,
     /// The longest wait, before jitter. Default 10 s.
@@ -49,7 +49,7 @@ pub struct RetryPolicy {
     pub max_retry_after: Duration,
 }
 
-impl Default for RetryPolicy {
+impl Default for ClientRetryPolicy {
     fn default() -> Self {
         Self {
             initial_backoff: Duration::from_millis(200),
@@ -63,7 +63,7 @@ impl Default for RetryPolicy {
     }
 }
 
-impl RetryPolicy {
+impl ClientRetryPolicy {
     /// The wait before retry `retry` (1 for the first), before jitter.
     pub fn backoff(&self, retry: u32) -> Duration {
         backoff::exponential(
@@ -94,20 +94,20 @@ mod tests {
 
     #[test]
     fn backoff_grows_and_is_capped_and_survives_odd_settings() {
-        let policy = RetryPolicy::default();
+        let policy = ClientRetryPolicy::default();
         let waits: Vec<_> = (1..=8).map(|retry| policy.backoff(retry)).collect();
         let millis: Vec<_> = waits.iter().map(Duration::as_millis).collect();
         assert_eq!(millis, [200, 400, 800, 1600, 3200, 6400, 10_000, 10_000]);
         assert_eq!(policy.backoff(u32::MAX), Duration::from_secs(10));
         assert_eq!(policy.backoff(0), Duration::from_millis(200));
 
-        let odd = RetryPolicy {
+        let odd = ClientRetryPolicy {
             multiplier: f64::NAN,
             max_backoff: Duration::MAX,
             ..policy
         };
         assert_eq!(odd.backoff(50), Duration::from_millis(200));
-        let huge = RetryPolicy {
+        let huge = ClientRetryPolicy {
             multiplier: 1e300,
             max_backoff: Duration::MAX,
             ..policy
@@ -117,7 +117,7 @@ mod tests {
 
     #[test]
     fn retry_after_is_floored_and_capped() {
-        let policy = RetryPolicy::default();
+        let policy = ClientRetryPolicy::default();
         let bounded = |seconds: f64| policy.bounded_retry_after(Duration::from_secs_f64(seconds));
         assert_eq!(bounded(0.0), Duration::from_millis(100));
         assert_eq!(bounded(0.05), Duration::from_millis(100));
@@ -127,7 +127,7 @@ mod tests {
             policy.bounded_retry_after(Duration::MAX),
             Duration::from_secs(60)
         );
-        let crossed = RetryPolicy {
+        let crossed = ClientRetryPolicy {
             min_retry_after: Duration::from_secs(5),
             max_retry_after: Duration::from_secs(1),
             ..policy
@@ -140,7 +140,7 @@ mod tests {
 
     #[test]
     fn jitter_stays_within_its_spread() {
-        let policy = RetryPolicy::default();
+        let policy = ClientRetryPolicy::default();
         let source = JitterSource::new();
         let wait = Duration::from_secs(1);
         let mut seen_low = false;
@@ -156,12 +156,12 @@ mod tests {
             seen_high |= jittered > Duration::from_millis(1100);
         }
         assert!(seen_low && seen_high, "the jitter spreads both ways");
-        let none = RetryPolicy {
+        let none = ClientRetryPolicy {
             jitter: f64::NAN,
             ..policy
         };
         assert_eq!(none.jittered(wait, 0.99), wait);
-        let wide = RetryPolicy {
+        let wide = ClientRetryPolicy {
             jitter: 7.0,
             ..policy
         };

@@ -10,7 +10,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use idemflow_client::{
-    ClientError, FileJournal, IdempotentClient, KeyJournal, LastAttempt, MemoryJournal, RetryPolicy,
+    ClientError, ClientRetryPolicy, FileJournal, IdempotentClient, KeyJournal, LastAttempt,
+    MemoryJournal,
 };
 
 type TestResult = Result<(), Box<dyn Error + Send + Sync>>;
@@ -145,8 +146,8 @@ async fn handle(
 }
 
 /// Fast retries, a deadline that keeps a failing test short.
-fn fast() -> RetryPolicy {
-    RetryPolicy {
+fn fast() -> ClientRetryPolicy {
+    ClientRetryPolicy {
         initial_backoff: Duration::from_millis(20),
         max_backoff: Duration::from_millis(200),
         multiplier: 2.0,
@@ -157,7 +158,7 @@ fn fast() -> RetryPolicy {
     }
 }
 
-fn client<J: KeyJournal>(journal: J, policy: RetryPolicy) -> IdempotentClient<J> {
+fn client<J: KeyJournal>(journal: J, policy: ClientRetryPolicy) -> IdempotentClient<J> {
     IdempotentClient::new(reqwest::Client::new(), journal).with_policy(policy)
 }
 
@@ -253,7 +254,10 @@ async fn a_refused_connection_is_retried_until_the_deadline() -> TestResult {
         listener.local_addr()?.port()
     };
     let deadline = Duration::from_millis(400);
-    let client = client(MemoryJournal::new(), RetryPolicy { deadline, ..fast() });
+    let client = client(
+        MemoryJournal::new(),
+        ClientRetryPolicy { deadline, ..fast() },
+    );
     let started = Instant::now();
 
     let outcome = client
@@ -317,7 +321,10 @@ async fn a_timed_out_attempt_is_retried_and_a_hung_one_is_cut_at_the_deadline() 
 }
 
 fn client_with_deadline(deadline: Duration) -> IdempotentClient<MemoryJournal> {
-    client(MemoryJournal::new(), RetryPolicy { deadline, ..fast() })
+    client(
+        MemoryJournal::new(),
+        ClientRetryPolicy { deadline, ..fast() },
+    )
 }
 
 #[tokio::test]
@@ -351,7 +358,7 @@ async fn a_restarted_client_reuses_the_key_from_its_file_journal() -> TestResult
     // The first run gets nowhere before its deadline, then "crashes".
     let first = client(
         FileJournal::open(dir.path())?,
-        RetryPolicy {
+        ClientRetryPolicy {
             deadline: Duration::from_millis(150),
             ..fast()
         },
@@ -439,7 +446,7 @@ async fn gap_after(
     let server = Server::start([Step::Fail(status, retry_after)]).await?;
     let client = client(
         MemoryJournal::new(),
-        RetryPolicy {
+        ClientRetryPolicy {
             initial_backoff: Duration::from_millis(100),
             jitter: 0.0,
             ..fast()

@@ -13,7 +13,8 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
 use idemflow_client::{
-    ClientError, FileJournal, IdempotentClient, KeyForm, KeyJournal, MemoryJournal, RetryPolicy,
+    ClientError, ClientRetryPolicy, FileJournal, IdempotentClient, KeyForm, KeyJournal,
+    MemoryJournal,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -104,14 +105,14 @@ fn with_header(code: u16, name: &'static str, value: &'static str) -> Response {
 }
 
 /// Fast retries and a short deadline: a test that fails, fails fast.
-fn fast() -> RetryPolicy {
-    RetryPolicy {
+fn fast() -> ClientRetryPolicy {
+    ClientRetryPolicy {
         initial_backoff: Duration::from_millis(20),
         max_backoff: Duration::from_millis(100),
         jitter: 0.0,
         deadline: Duration::from_secs(2),
         min_retry_after: Duration::from_millis(10),
-        ..RetryPolicy::default()
+        ..ClientRetryPolicy::default()
     }
 }
 
@@ -317,7 +318,7 @@ async fn a_retry_after_of_zero_or_in_the_past_waits_at_least_the_floor() -> Test
         let (base, log) = scripted(move |_| with_header(503, "retry-after", asked)).await?;
         let floor = Duration::from_millis(100);
         let deadline = Duration::from_millis(500);
-        let client = client(MemoryJournal::new()).with_policy(RetryPolicy {
+        let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
             min_retry_after: floor,
             deadline,
             ..fast()
@@ -351,7 +352,7 @@ async fn a_huge_retry_after_is_capped_when_the_deadline_is_unbounded() -> TestRe
         _ => (StatusCode::CREATED, "done").into_response(),
     })
     .await?;
-    let client = client(MemoryJournal::new()).with_policy(RetryPolicy {
+    let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
         deadline: Duration::MAX,
         max_retry_after: Duration::from_millis(50),
         ..fast()
@@ -376,7 +377,7 @@ async fn a_huge_retry_after_is_capped_when_the_deadline_is_unbounded() -> TestRe
 async fn not_implemented_and_version_not_supported_are_answers() -> TestResult {
     for code in [501, 505] {
         let (base, log) = scripted(move |_| (status(code), "never").into_response()).await?;
-        let client = client(MemoryJournal::new()).with_policy(RetryPolicy {
+        let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
             deadline: Duration::from_millis(500),
             ..fast()
         });
@@ -412,7 +413,7 @@ async fn a_replayed_answer_is_never_retried_whatever_its_status() -> TestResult 
             response
         })
         .await?;
-        let client = client(MemoryJournal::new()).with_policy(RetryPolicy {
+        let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
             deadline: Duration::from_millis(500),
             ..fast()
         });

@@ -91,22 +91,22 @@ pub enum ConsumerError {
     /// handler: redelivering runs it again.
     #[error("the handler panicked (rolled back): {0}")]
     Panicked(String),
-    /// A [`CrashHook`] stopped the delivery at a crash point, as a crash would have.
+    /// A [`ConsumerCrashHook`] stopped the delivery at a crash point, as a crash would have.
     #[error("stopped at crash point {0}")]
-    Crashed(CrashPoint),
+    Crashed(ConsumerCrashPoint),
 }
 
 /// A step boundary of [`Consumer::process`] at which a test can stop it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum CrashPoint {
+pub enum ConsumerCrashPoint {
     /// The handler ran; its effects and the identity are about to commit.
     BeforeCommit,
     /// Committed; the caller has not acknowledged the delivery yet.
     AfterCommit,
 }
 
-impl fmt::Display for CrashPoint {
+impl fmt::Display for ConsumerCrashPoint {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(match self {
             Self::BeforeCommit => "before_commit",
@@ -118,10 +118,10 @@ impl fmt::Display for CrashPoint {
 /// Decides at each crash point whether the delivery stops there; it may also take its time (or
 /// never return: a process frozen until a test kills it). In production there is none.
 #[async_trait]
-pub trait CrashHook: Send + Sync + fmt::Debug {
+pub trait ConsumerCrashHook: Send + Sync + fmt::Debug {
     /// `true`: stop as a crash would: before the commit the transaction rolls back; after it the
     /// caller is told [`ConsumerError::Crashed`] and must not acknowledge.
-    async fn crash_at(&self, point: CrashPoint, message: &Message) -> bool;
+    async fn crash_at(&self, point: ConsumerCrashPoint, message: &Message) -> bool;
 }
 
 /// Applies messages for one subscriber, each at most once, on a pool of engine `E` (PostgreSQL
@@ -130,7 +130,7 @@ pub trait CrashHook: Send + Sync + fmt::Debug {
 pub struct Consumer<E: ConsumerStore = PgStore> {
     pool: PoolOf<E>,
     subscriber: Subscriber,
-    crash_hook: Option<Arc<dyn CrashHook>>,
+    crash_hook: Option<Arc<dyn ConsumerCrashHook>>,
     /// How long a delivery waits behind another of the same message (PostgreSQL: the
     /// transaction's `lock_timeout`, sent with its `BEGIN`).
     wait_limit: Option<Duration>,
@@ -181,7 +181,7 @@ impl<E: ConsumerStore> Consumer<E> {
     }
 
     /// The same consumer, stopping where `hook` says: for crash tests.
-    pub fn with_crash_hook(mut self, hook: Arc<dyn CrashHook>) -> Self {
+    pub fn with_crash_hook(mut self, hook: Arc<dyn ConsumerCrashHook>) -> Self {
         self.crash_hook = Some(hook);
         self
     }
@@ -301,21 +301,27 @@ impl<E: ConsumerStore> Consumer<E> {
                 return Err(ConsumerError::Panicked(panic));
             }
         }
-        if self.crashes_at(CrashPoint::BeforeCommit, message).await {
+        if self
+            .crashes_at(ConsumerCrashPoint::BeforeCommit, message)
+            .await
+        {
             // Dropping the transaction rolls it back, as the database does when a process dies.
             drop(transaction);
-            return Err(ConsumerError::Crashed(CrashPoint::BeforeCommit));
+            return Err(ConsumerError::Crashed(ConsumerCrashPoint::BeforeCommit));
         }
         E::commit_keeping(transaction)
             .await
             .map_err(|error| consumer_error(error, message.id()))?;
-        if self.crashes_at(CrashPoint::AfterCommit, message).await {
-            return Err(ConsumerError::Crashed(CrashPoint::AfterCommit));
+        if self
+            .crashes_at(ConsumerCrashPoint::AfterCommit, message)
+            .await
+        {
+            return Err(ConsumerError::Crashed(ConsumerCrashPoint::AfterCommit));
         }
         Ok(Processed::Applied)
     }
 
-    async fn crashes_at(&self, point: CrashPoint, message: &Message) -> bool {
+    async fn crashes_at(&self, point: ConsumerCrashPoint, message: &Message) -> bool {
         match &self.crash_hook {
             None => false,
             Some(hook) => hook.crash_at(point, message).await,

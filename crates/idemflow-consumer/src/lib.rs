@@ -52,9 +52,10 @@ mod retention;
 mod store;
 
 pub use consumer::{
-    Consumer, ConsumerError, CrashHook, CrashPoint, Handler, HandlerError, Processed,
+    Consumer, ConsumerCrashHook, ConsumerCrashPoint, ConsumerError, Handler, HandlerError,
+    Processed,
 };
 pub use identity::{InvalidIdentity, Message, Subscriber};
 pub use metrics::{CATALOGUE, describe_metrics};
-pub use retention::{MessageRetention, expire_batch, expire_processed};
+pub use retention::{MessageRetention, expire_processed, expire_processed_batch};
 pub use store::ConsumerStore;

@@ -100,7 +100,7 @@ impl MessageRetention {
 /// `SKIP LOCKED` lets two workers' retention runs split the rows instead of queueing on each
 /// other. A delivery that found a record this deletes before it could read it inserts again
 /// ([`crate::Consumer::process`] loops).
-pub async fn expire_batch(
+pub async fn expire_processed_batch(
     connection: &mut PgConnection,
     older_than: Duration,
     batch_size: i64,

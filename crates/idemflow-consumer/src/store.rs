@@ -119,7 +119,7 @@ impl ConsumerStore for PgStore {
         batch: i64,
     ) -> Result<u64, sqlx::Error> {
         let mut connection = pool.acquire().await?;
-        crate::retention::expire_batch(&mut connection, older_than, batch).await
+        crate::retention::expire_processed_batch(&mut connection, older_than, batch).await
     }
 }
 

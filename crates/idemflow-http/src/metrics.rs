@@ -1,5 +1,5 @@
 //! The metrics the HTTP layer records, through the `metrics` facade, beside the runner's
-//! (`idemflow_runner::METRICS`): what happens at the HTTP door before or around a run. Names are
+//! (`idemflow_runner::CATALOGUE`): what happens at the HTTP door before or around a run. Names are
 //! documented in docs/operations.md.
 
 use std::sync::Once;

@@ -20,7 +20,7 @@ mod error;
 mod heartbeat;
 mod live_connection;
 mod metrics;
-pub use metrics::{CATALOGUE as METRICS, describe_metrics};
+pub use metrics::{CATALOGUE, describe_metrics};
 /// The sqlx this engine is built with: phases take its `PgConnection`; use this one rather than
 /// pinning a second copy.
 pub use sqlx;

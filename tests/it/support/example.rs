@@ -10,8 +10,9 @@ pub fn example_binary() -> PathBuf {
     built_example("checkout")
 }
 
-/// Builds the root crate's example `name` (examples get no `CARGO_BIN_EXE_*`) and returns its
-/// path, next to this test binary's target directory (`<target>/<profile>/deps/<this test>`), so
+/// Builds the example `name` (the binary `name` of the package `example-<name>`, under
+/// `examples/<name>`: another package's binary gets no `CARGO_BIN_EXE_*`) and returns its path,
+/// in this test binary's target directory (`<target>/<profile>/deps/<this test>`), so
 /// `CARGO_TARGET_DIR` and the profile are respected.
 pub fn built_example(name: &str) -> PathBuf {
     let test_binary = std::env::current_exe().unwrap();
@@ -27,7 +28,9 @@ pub fn built_example(name: &str) -> PathBuf {
     };
     let target_dir = profile_dir.parent().unwrap();
     let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", name, "--profile"])
+        .args(["build", "--quiet", "-p"])
+        .arg(format!("example-{name}"))
+        .args(["--bin", name, "--profile"])
         .arg(&profile)
         .arg("--target-dir")
         .arg(target_dir)
@@ -35,9 +38,7 @@ pub fn built_example(name: &str) -> PathBuf {
         .status()
         .unwrap();
     assert!(status.success(), "building the {name} example failed");
-    profile_dir
-        .join("examples")
-        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
+    profile_dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
 }
 
 /// The URL of the test's own database; the password, if any, comes from `DATABASE_URL` (the
