@@ -52,7 +52,7 @@ idemflow_require_promtool() {
 }
 
 # chromium and chromedriver: tests/it/browser.rs (and the console's tests) drive headless
-# Chromium over WebDriver with idemflow_testkit::browser. Debian's chromium package ships
+# Chromium over WebDriver with idemflow_testrig::browser. Debian's chromium package ships
 # /usr/bin/chromium, chromium-driver ships /usr/bin/chromedriver; IDEMFLOW_CHROMIUM and
 # IDEMFLOW_CHROMEDRIVER name others.
 idemflow_require_chromium() {

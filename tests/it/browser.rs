@@ -1,4 +1,4 @@
-//! `idemflow_testkit::browser` against a small page served on loopback: a headless Chromium types
+//! `idemflow_testrig::browser` against a small page served on loopback: a headless Chromium types
 //! into a form and submits it, reads the page it gets back, answers `confirm()` dialogs both ways
 //! (one guarding a form's submission), runs a script and saves a screenshot.
 
@@ -11,7 +11,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::response::Html;
 use axum::routing::{get, post};
-use idemflow_testkit::browser::{Browser, BrowserError};
+use idemflow_testrig::browser::{Browser, BrowserError};
 use serde_json::json;
 
 const HOME: &str = r#"<!doctype html>

@@ -1,7 +1,7 @@
 //! The operator console against a real PostgreSQL, mounted under a prefix as an application
 //! mounts it: over HTTP (search, a key's page, the actions and every refusal, read-only mode, the
 //! standalone server's password) and in a real browser (headless Chromium through
-//! `idemflow_testkit::browser`), which also makes the screenshots in docs/console.md. What each
+//! `idemflow_testrig::browser`), which also makes the screenshots in docs/console.md. What each
 //! engine must answer the console with is proven by the conformance suite's console cases.
 
 use std::net::SocketAddr;
@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::Router;
 use idemflow::{Keyring, Outcome, Registry, Resumer, Runner, RunnerConfig};
 use idemflow_console::{Console, ServeOptions};
-use idemflow_testkit::browser::Browser;
+use idemflow_testrig::browser::Browser;
 use reqwest::StatusCode;
 use serde_json::json;
 use sqlx::PgPool;

@@ -38,9 +38,9 @@ use idemflow::{
     LocalPhase, Outcome, PgConnection, PhaseContext, PhaseError, Registry, Resumer, ResumerConfig,
     Runner, StoredResponse, TenantId, Workflow,
 };
-use idemflow_testkit::faults::FaultProxy;
 use idemflow_testkit::provider::{Fault, MockProvider};
 use idemflow_testkit::provider_client::ProviderClient;
+use idemflow_testrig::faults::FaultProxy;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use idemflow::{Outcome, Runner};
-use idemflow_testkit::faults::FaultProxy;
+use idemflow_testrig::faults::FaultProxy;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 

@@ -16,7 +16,7 @@ use crate::support::example::{
     Answer, charge_key, database_url, example_binary, post_checkout, start_serve, start_worker,
 };
 use idemflow_testkit::provider::{Fault, MockProvider};
-use idemflow_testkit::simulation::Rng;
+use idemflow_testrig::simulation::Rng;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 

@@ -15,7 +15,7 @@ use idemflow::{Fingerprint, Key, Outcome, Registry, Resumer, Retention, Runner, 
 use idemflow_pg as store;
 use idemflow_pg::partitions::{self, Maintained, PartitionPlan};
 use idemflow_pg::{ClaimRequest, Claimed, Limits, LookUp};
-use idemflow_testkit::simulation::Rng;
+use idemflow_testrig::simulation::Rng;
 use sqlx::PgPool;
 
 use crate::support::report::{CrashBeforeFinish, setup, workflow};

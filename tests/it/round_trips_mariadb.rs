@@ -1,5 +1,5 @@
 //! Commits and round trips per request on MariaDB, counted on the wire
-//! (`idemflow_testkit::wire::mysql`), as `round_trips.rs` counts them on PostgreSQL.
+//! (`idemflow_testrig::wire::mysql`), as `round_trips.rs` counts them on PostgreSQL.
 //!
 //! MySQL's protocol sends one command per round trip, and a prepared statement alone; the claim
 //! and its savepoint travel as one message of the text protocol. So a new key's checkout is the
@@ -16,8 +16,8 @@ use idemflow::{
     DerivedKey, ForeignPhase, Key, LocalPhase, MySqlConnection, MySqlStore, Outcome, PhaseContext,
     PhaseError, Request, Runner, StoredResponse, TenantId, Workflow,
 };
-use idemflow_testkit::wire::mysql::start_proxy;
-use idemflow_testkit::wire::{Counts, WireCounts};
+use idemflow_testrig::wire::mysql::start_proxy;
+use idemflow_testrig::wire::{Counts, WireCounts};
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 

@@ -1,4 +1,4 @@
-//! The schedule explorer over the engine (crates/idemflow-testkit/src/simulation): seeded
+//! The schedule explorer over the engine (crates/idemflow-testrig/src/simulation): seeded
 //! schedules of concurrent clients, resumers, operators and faults, each checked, each on the
 //! settings it draws (layout, isolation, bodies apart, sealing, a consumer on the engine's pool).
 //! One source, every engine: the suite runs seeds 0 to 149 on PostgreSQL (in three parts, side
@@ -9,7 +9,7 @@
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
 
-use idemflow_testkit::simulation::Simulation;
+use idemflow_testrig::simulation::Simulation;
 
 /// Runs the schedules `seeds` names, one after another, and fails with every broken one. The
 /// engine's own error logs are left off (a schedule's faults make many, all expected; a broken
@@ -55,7 +55,7 @@ fn seeds_from_env(default: std::ops::Range<u64>) -> std::ops::Range<u64> {
 /// The PostgreSQL engine: seeds 0 to 149, every layout and isolation level the seeds draw.
 mod postgres {
     use super::{explore, seeds_from_env};
-    use idemflow_testkit::simulation::Simulation;
+    use idemflow_testrig::simulation::Simulation;
     use sqlx::PgPool;
 
     async fn simulation(pool: &PgPool) -> Simulation {
@@ -82,7 +82,7 @@ mod postgres {
 /// a quarter-second busy timeout), each part on a file of its own.
 mod sqlite {
     use super::{explore, seeds_from_env};
-    use idemflow_testkit::simulation::Simulation;
+    use idemflow_testrig::simulation::Simulation;
 
     async fn simulation(part: &str) -> Simulation {
         let directory = std::env::temp_dir().join(format!("idemflow-simulate-{part}"));
@@ -108,7 +108,7 @@ mod sqlite {
 /// them with a one-second lock wait timeout), each part on a database of its own.
 mod mariadb {
     use super::{explore, seeds_from_env};
-    use idemflow_testkit::simulation::Simulation;
+    use idemflow_testrig::simulation::Simulation;
 
     async fn simulation(part: &str) -> Simulation {
         let pool = crate::support::mariadb::fresh(&format!("simulate_{part}")).await;
@@ -137,7 +137,7 @@ mod mariadb {
 /// prefix of its own.
 mod redis {
     use super::{explore, seeds_from_env};
-    use idemflow_testkit::simulation::Simulation;
+    use idemflow_testrig::simulation::Simulation;
 
     async fn simulation() -> Simulation {
         let url = crate::support::redis::url();
@@ -161,7 +161,7 @@ mod redis {
 /// seeds 0 to 49.
 mod postgres_foreign {
     use super::{explore, seeds_from_env};
-    use idemflow_testkit::simulation::Simulation;
+    use idemflow_testrig::simulation::Simulation;
 
     #[sqlx::test(migrator = "idemflow::MIGRATOR")]
     async fn schedules_0_to_49(pool: sqlx::PgPool) {

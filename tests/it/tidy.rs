@@ -82,7 +82,7 @@ const ALLOWED: &[(&str, &str)] = &[
         "a test harness: reads rows and rewinds leases, as tests do",
     ),
     (
-        "crates/idemflow-testkit/src/simulation/",
+        "crates/idemflow-testrig/src/simulation/",
         "a test harness: reads rows and rewinds leases, as tests do",
     ),
 ];

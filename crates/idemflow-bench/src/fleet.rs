@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use idemflow::core::PhaseName;
 use idemflow::{DerivedKey, Key, TenantId};
 use idemflow_testkit::provider::MockProvider;
-use idemflow_testkit::simulation::Rng;
+use idemflow_testrig::simulation::Rng;
 
 use crate::Error;
 use crate::config::Config;

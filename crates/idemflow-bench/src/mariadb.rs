@@ -8,7 +8,7 @@
 //! Then a storm of duplicates (each round, new keys sent by many clients at once, every copy at
 //! the same moment) through both, counting what clients were answered and InnoDB's deadlocks;
 //! and each operation's commits and round trips, counted on the wire
-//! (`idemflow_testkit::wire::mysql`).
+//! (`idemflow_testrig::wire::mysql`).
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -715,7 +715,7 @@ async fn wire(url: &str, shape: Shape, requests: u64) -> Result<Vec<WireCount>, 
         .await?
         .next()
         .ok_or("the MariaDB host resolves to no address")?;
-    let (port, counts) = idemflow_testkit::wire::mysql::start_proxy(upstream).await;
+    let (port, counts) = idemflow_testrig::wire::mysql::start_proxy(upstream).await;
     let pool = idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions {
         max_connections: 1,
         ..idemflow_mysql::OpenOptions::default()

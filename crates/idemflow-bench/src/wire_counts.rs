@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemflow_testkit::wire::{Counts, WireCounts, start_proxy};
+use idemflow_testrig::wire::{Counts, WireCounts, start_proxy};
 use serde::Serialize;
 use sqlx::PgPool;
 

@@ -32,14 +32,12 @@
 //!
 //! The faults, and what a caller sees for each, are described in `docs/mock-provider.md`.
 //!
-//! [`browser`] drives a headless Chromium over WebDriver, for tests of pages served on loopback.
+//! [`explorer`] proves a workflow crash-safe: it crashes it at every step boundary, breaks its
+//! provider calls the ways networks break, recovers each case by a resumer and by a client retry,
+//! and checks that nothing was done twice (docs/testing-your-workflows.md).
 
 #![deny(missing_docs)]
 
-pub mod browser;
 pub mod explorer;
-pub mod faults;
 pub mod provider;
 pub mod provider_client;
-pub mod simulation;
-pub mod wire;

@@ -9,7 +9,7 @@ pub mod report;
 
 // The wire-counting proxy lives in the testkit (the benchmark uses it too); only some tests count.
 #[allow(unused_imports)]
-pub use idemflow_testkit::wire;
+pub use idemflow_testrig::wire;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};

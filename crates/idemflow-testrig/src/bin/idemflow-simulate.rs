@@ -1,5 +1,5 @@
 //! `idemflow-simulate`: runs seeded schedules of the schedule explorer
-//! (`idemflow_testkit::simulation`) against a scratch database, and reports the ones that broke an
+//! (`idemflow_testrig::simulation`) against a scratch database, and reports the ones that broke an
 //! invariant with the command that replays each.
 //!
 //! ```text
@@ -20,7 +20,7 @@ use std::process::ExitCode;
 use std::str::FromStr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use idemflow_testkit::simulation::Simulation;
+use idemflow_testrig::simulation::Simulation;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor};
 

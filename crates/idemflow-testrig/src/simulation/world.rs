@@ -23,8 +23,8 @@ use super::rng::Rng;
 use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict, Waiting};
 use super::workflow::{self, Act, ProviderFault, SimRequest};
 use super::{ScheduleReport, Settings};
-use crate::provider::MockProvider;
-use crate::provider_client::ProviderClient;
+use idemflow_testkit::provider::MockProvider;
+use idemflow_testkit::provider_client::ProviderClient;
 
 /// The lease of the sim workflow: long, so that leases end only when the schedule says so.
 pub(crate) const LEASE: Duration = Duration::from_secs(30);

@@ -6,7 +6,7 @@
 //!
 //! ```no_run
 //! # async fn example(upstream: std::net::SocketAddr) {
-//! use idemflow_testkit::faults::FaultProxy;
+//! use idemflow_testrig::faults::FaultProxy;
 //!
 //! let proxy = FaultProxy::start(upstream).await;
 //! // Point the pool at 127.0.0.1:{proxy.port()}, warm it up, then:

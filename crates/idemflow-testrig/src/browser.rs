@@ -13,10 +13,10 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idemflow_testkit::browser::Browser;
+//! use idemflow_testrig::browser::Browser;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), idemflow_testkit::browser::BrowserError> {
+//! # async fn main() -> Result<(), idemflow_testrig::browser::BrowserError> {
 //! let browser = Browser::start().await?;
 //! browser.goto("http://127.0.0.1:8080/keys").await?;
 //! browser.find("input[name=key]").await?.send_keys("order-42").await?;

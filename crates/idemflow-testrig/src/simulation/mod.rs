@@ -23,7 +23,7 @@
 //!
 //! ```no_run
 //! # async fn run(pool: sqlx::PgPool) {
-//! let simulation = idemflow_testkit::simulation::Simulation::new(&pool).await.unwrap();
+//! let simulation = idemflow_testrig::simulation::Simulation::new(&pool).await.unwrap();
 //! for seed in 0..10 {
 //!     let report = simulation.run(seed).await;
 //!     assert!(report.passed(), "{report}");
@@ -56,7 +56,7 @@ pub use world::Counts;
 
 use observe::{MySqlObserver, Observe, PgObserver, SqliteObserver};
 
-use crate::provider::MockProvider;
+use idemflow_testkit::provider::MockProvider;
 
 /// The `application_name` of the engine's connections (the ones a schedule kills).
 pub const ENGINE_APPLICATION: &str = "idemflow-sim-engine";
@@ -159,7 +159,7 @@ impl Simulation {
                 options: Box::new(options),
                 observers: [plain, partitioned],
             },
-            provider: Arc::new(MockProvider::start_for_simulation().await?),
+            provider: Arc::new(start_provider().await?),
         })
     }
 
@@ -196,7 +196,7 @@ impl Simulation {
                 path: path.to_owned(),
                 observer,
             },
-            provider: Arc::new(MockProvider::start_for_simulation().await?),
+            provider: Arc::new(start_provider().await?),
         })
     }
 
@@ -243,7 +243,7 @@ impl Simulation {
                 options: Box::new(options),
                 observer,
             },
-            provider: Arc::new(MockProvider::start_for_simulation().await?),
+            provider: Arc::new(start_provider().await?),
         })
     }
 
@@ -268,7 +268,7 @@ impl Simulation {
                 options: Box::new(options),
                 observer,
             },
-            provider: Arc::new(MockProvider::start_for_simulation().await?),
+            provider: Arc::new(start_provider().await?),
         })
     }
 
@@ -284,7 +284,7 @@ impl Simulation {
             backend: Backend::Redis {
                 url: url.to_owned(),
             },
-            provider: Arc::new(MockProvider::start_for_simulation().await?),
+            provider: Arc::new(start_provider().await?),
         })
     }
 
@@ -454,11 +454,12 @@ async fn mysql_engine(options: &MySqlConnectOptions, seed: u64) -> Result<MySqlP
     .await
 }
 
-impl MockProvider {
-    /// The mock provider a simulation's schedules charge.
-    async fn start_for_simulation() -> Result<Self, sqlx::Error> {
-        Self::builder().start().await.map_err(sqlx::Error::Io)
-    }
+/// The mock provider a simulation's schedules charge.
+async fn start_provider() -> Result<MockProvider, sqlx::Error> {
+    MockProvider::builder()
+        .start()
+        .await
+        .map_err(sqlx::Error::Io)
 }
 
 /// Migrates [`PARTITIONED_SCHEMA`] and adopts the partitioned layout there, once per database.

@@ -23,8 +23,8 @@ use super::engine::SimEngine;
 
 use super::scheduler::{Point, Verdict};
 use super::world::Shared;
-use crate::provider::Fault;
-use crate::provider_client::{ChargeResult, ProviderError};
+use idemflow_testkit::provider::Fault;
+use idemflow_testkit::provider_client::{ChargeResult, ProviderError};
 
 /// The workflow's name.
 pub const WORKFLOW: &str = "sim.checkout.v1";

@@ -49,8 +49,8 @@ pub(crate) use engines::redis_store::forget_prefix;
 use super::rng::Rng;
 use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict};
 use super::{Counts, ScheduleReport};
-use crate::provider::{Fault, MockProvider};
-use crate::provider_client::{ChargeResult, ProviderClient};
+use idemflow_testkit::provider::{Fault, MockProvider};
+use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 
 /// The workflow's name.
 const WORKFLOW: &str = "sim.pay.v1";

@@ -1,0 +1,17 @@
+//! Internal: the engine's own test rig. Not published, and no part of idemflow's API: it changes
+//! with the engine. For testing your workflows, use `idemflow-testkit` (the mock payment provider
+//! and the crash explorer).
+//!
+//! - [`simulation`]: the schedule explorer, which generates interleavings of clients, resumers,
+//!   crashes, lapsed leases and faults against a real database and checks the engine's
+//!   invariants after each (docs/simulation.md; the `idemflow-simulate` binary);
+//! - [`faults`]: a loopback TCP proxy in front of PostgreSQL that breaks connections on command;
+//! - [`wire`]: a loopback TCP proxy that counts round trips and commits on the wire;
+//! - [`browser`]: a headless Chromium driven over WebDriver, for the console's tests.
+
+#![deny(missing_docs)]
+
+pub mod browser;
+pub mod faults;
+pub mod simulation;
+pub mod wire;
