@@ -61,10 +61,7 @@ impl Database {
         }
         if url.starts_with("mysql://") || url.starts_with("mariadb://") {
             let url = url.replacen("mariadb://", "mysql://", 1);
-            let options = idemflow::mysql::OpenOptions {
-                max_connections: pool_size,
-                ..idemflow::mysql::OpenOptions::default()
-            };
+            let options = idemflow::mysql::OpenOptions::default().with_max_connections(pool_size);
             let pool = idemflow::mysql::open(&url, &options)
                 .await
                 .map_err(|error| {
@@ -86,10 +83,7 @@ impl Database {
             .into());
         }
         // The engine's pool: no test before acquire, bounded waits, server-side session limits.
-        let settings = idemflow::PoolSettings {
-            max_connections: pool_size,
-            ..idemflow::PoolSettings::default()
-        };
+        let settings = idemflow::PoolSettings::default().with_max_connections(pool_size);
         let pool = settings.connect(&url).await.map_err(|error| {
             format!(
                 "cannot connect to PostgreSQL at {}: {error}",

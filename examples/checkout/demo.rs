@@ -39,12 +39,8 @@ pub async fn run(target: Target<'_>) -> Result<bool, Failure> {
         .timeout(Duration::from_secs(30))
         .build()?;
     let mut demo = Demo {
-        client: IdempotentClient::new(http.clone(), MemoryJournal::new()).with_policy(
-            ClientRetryPolicy {
-                deadline: Duration::from_secs(120),
-                ..ClientRetryPolicy::default()
-            },
-        ),
+        client: IdempotentClient::new(http.clone(), MemoryJournal::new())
+            .with_policy(ClientRetryPolicy::default().with_deadline(Duration::from_secs(120))),
         http,
         checkouts: format!("{url}/v1/checkouts"),
         auth: HeaderValue::from_str(&format!("Bearer {}", target.tenant))?,

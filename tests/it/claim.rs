@@ -376,10 +376,7 @@ async fn a_failure_record_never_brings_back_a_claim_that_vanished(pool: PgPool) 
     second.create.fail_terminally.store(true, Ordering::SeqCst);
     let forgetting = Runner::with_config(
         pool.clone(),
-        RunnerConfig {
-            terminal_errors: TerminalPolicy::Forget,
-            ..RunnerConfig::default()
-        },
+        RunnerConfig::default().with_terminal_errors(TerminalPolicy::Forget),
     );
     let b = run(&forgetting, &second.local_only(), &tenant(1), "k", &body(2)).await;
     assert!(matches!(b, Outcome::Forgotten(_)), "{b:?}");

@@ -94,10 +94,7 @@ async fn seed(pool: &PgPool) -> Seeded {
     // A key whose request and response are sealed at rest.
     let sealing = Runner::with_config(
         pool.clone(),
-        RunnerConfig {
-            keyring: Some(Keyring::new("2026-12", [7; 32]).unwrap()),
-            ..RunnerConfig::default()
-        },
+        RunnerConfig::default().with_keyring(Some(Keyring::new("2026-12", [7; 32]).unwrap())),
     );
     let secret = br#"{"amount": 30, "source": "tok_secret_card"}"#;
     assert!(matches!(

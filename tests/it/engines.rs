@@ -650,10 +650,7 @@ async fn retention_frees_a_finished_key_for_a_new_request<E: Lab>(pool: PoolOf<E
         .unwrap();
     assert!(matches!(ran, Outcome::Executed(_)), "{ran:?}");
     // Within the window nothing goes.
-    let retention = Retention {
-        keep_for: Duration::from_secs(86_400),
-        ..Retention::default()
-    };
+    let retention = Retention::default().with_keep_for(Duration::from_secs(86_400));
     assert_eq!(retention.expire(&pool).await.unwrap(), 0);
     E::age_finished(&pool).await;
     assert_eq!(retention.expire(&pool).await.unwrap(), 1);
@@ -677,10 +674,8 @@ async fn on_sqlite_a_writer_held_past_the_busy_timeout_is_busy_and_leaves_no_key
     let directory = std::env::temp_dir().join("idemflow-engines-busy");
     let _ = std::fs::remove_dir_all(&directory);
     std::fs::create_dir_all(&directory).unwrap();
-    let options = idemflow_sqlite::OpenOptions {
-        busy_timeout: Duration::from_millis(200),
-        ..idemflow_sqlite::OpenOptions::default()
-    };
+    let options =
+        idemflow_sqlite::OpenOptions::default().with_busy_timeout(Duration::from_millis(200));
     let pool = idemflow_sqlite::open_file(&directory.join("idemflow.db"), &options)
         .await
         .unwrap();
@@ -920,10 +915,8 @@ async fn on_sqlite_a_runaway_statement_is_interrupted_and_frees_the_writer() {
     let directory = std::env::temp_dir().join("idemflow-engines-runaway");
     let _ = std::fs::remove_dir_all(&directory);
     std::fs::create_dir_all(&directory).unwrap();
-    let options = idemflow_sqlite::OpenOptions {
-        statement_timeout: Some(Duration::from_secs(1)),
-        ..idemflow_sqlite::OpenOptions::default()
-    };
+    let options = idemflow_sqlite::OpenOptions::default()
+        .with_statement_timeout(Some(Duration::from_secs(1)));
     let pool = idemflow_sqlite::open_file(&directory.join("idemflow.db"), &options)
         .await
         .unwrap();
@@ -978,11 +971,9 @@ async fn on_sqlite_a_phase_hung_in_a_statement_counts_its_attempts_and_gives_up(
     let directory = std::env::temp_dir().join("idemflow-engines-hung-attempts");
     let _ = std::fs::remove_dir_all(&directory);
     std::fs::create_dir_all(&directory).unwrap();
-    let options = idemflow_sqlite::OpenOptions {
-        // Shorter than the default, for a quick test; the statement timeout is left to follow it.
-        busy_timeout: Duration::from_millis(600),
-        ..idemflow_sqlite::OpenOptions::default()
-    };
+    // Shorter than the default, for a quick test; the statement timeout is left to follow it.
+    let options =
+        idemflow_sqlite::OpenOptions::default().with_busy_timeout(Duration::from_millis(600));
     let pool = idemflow_sqlite::open_file(&directory.join("idemflow.db"), &options)
         .await
         .unwrap();

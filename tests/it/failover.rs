@@ -696,10 +696,7 @@ async fn fail_over(replication: Replication) -> Failover {
     let pair = start_pair(replication).await;
     let provider = MockProvider::start().await;
     let address = FaultProxy::start(pair.primary.address()).await;
-    let settings = idemflow::PoolSettings {
-        max_connections: 20,
-        ..idemflow::PoolSettings::default()
-    };
+    let settings = idemflow::PoolSettings::default().with_max_connections(20);
     let pool = settings
         .pool_options()
         .connect_with(settings.connect_options(pair.primary.connect_options().port(address.port())))
@@ -733,13 +730,11 @@ async fn fail_over(replication: Replication) -> Failover {
     let resumer = Resumer::with_config(
         runner.clone(),
         registry,
-        ResumerConfig {
-            idle_max: Duration::from_millis(200),
-            error_backoff_max: Duration::from_millis(500),
-            shutdown_grace: Duration::from_secs(5),
-            retention: None,
-            ..ResumerConfig::default()
-        },
+        ResumerConfig::default()
+            .with_idle_max(Duration::from_millis(200))
+            .with_error_backoff_max(Duration::from_millis(500))
+            .with_shutdown_grace(Duration::from_secs(5))
+            .with_retention(None),
     );
     let waker = resumer.clone();
     let (stop_resumer, resumer_stopped) = tokio::sync::oneshot::channel::<()>();

@@ -424,10 +424,7 @@ async fn a_terminal_error_after_a_client_takeover_forgets_the_key_by_policy(pool
     tables(&pool).await;
     let scripts = Scripts::default();
     scripts.place.then(&[Act::Retryable, Act::Terminal]);
-    let config = RunnerConfig {
-        terminal_errors: TerminalPolicy::Forget,
-        ..RunnerConfig::default()
-    };
+    let config = RunnerConfig::default().with_terminal_errors(TerminalPolicy::Forget);
     let (runner, workflow) = (Runner::with_config(pool.clone(), config), scripts.chain(8));
     let first = run(&runner, &workflow, &tenant(1), "k", &order(7)).await;
     assert!(matches!(first, Outcome::Interrupted { .. }), "{first:?}");
@@ -640,11 +637,9 @@ async fn client_retries_whose_phase_overruns_in_the_database_spend_the_attempt_b
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn a_retry_after_a_phase_asks_for_is_bounded_by_its_policy(pool: PgPool) {
     tables(&pool).await;
-    let policy = RetryPolicy {
-        max_attempts: 5,
-        max_backoff: Duration::from_secs(30),
-        ..patient()
-    };
+    let policy = patient()
+        .with_max_attempts(5)
+        .with_max_backoff(Duration::from_secs(30));
     for (key, asked) in [
         ("decades", 1_000_000_000),
         ("out-of-range", 10_000_000_000_000),
@@ -749,10 +744,7 @@ async fn a_foreign_output_the_store_cannot_hold_counts_and_is_given_up_on(pool: 
 fn drainer(pool: &PgPool, workflow: Workflow) -> Resumer {
     let mut registry = Registry::new();
     registry.register(workflow).unwrap();
-    let config = ResumerConfig {
-        retention: None,
-        ..ResumerConfig::default()
-    };
+    let config = ResumerConfig::default().with_retention(None);
     Resumer::with_config(Runner::new(pool.clone()), registry, config)
 }
 

@@ -159,10 +159,7 @@ async fn a_database_that_stops_answering_fails_requests_within_a_bound(
     *harness.provider.delay.lock().unwrap() = Some(Duration::from_millis(300));
     *harness.provider.timeout.lock().unwrap() = Some(Duration::from_secs(1));
     let wait = Duration::from_millis(400);
-    let config = idemflow::RunnerConfig {
-        database_timeout: wait,
-        ..idemflow::RunnerConfig::default()
-    };
+    let config = idemflow::RunnerConfig::default().with_database_timeout(wait);
     let runner = Runner::with_config(pool.clone(), config);
     let checkout = std::sync::Arc::new(harness.checkout_leased(Duration::from_secs(3)));
     // The bound a request may take once the database is gone: its current wait, and the failure
@@ -248,10 +245,8 @@ async fn a_database_restart_under_load_loses_and_duplicates_nothing(
     let harness = Harness::default();
     *harness.provider.delay.lock().unwrap() = Some(Duration::from_millis(10));
     *harness.provider.timeout.lock().unwrap() = Some(Duration::from_secs(1));
-    let config = idemflow::RunnerConfig {
-        database_timeout: Duration::from_millis(500),
-        ..idemflow::RunnerConfig::default()
-    };
+    let config =
+        idemflow::RunnerConfig::default().with_database_timeout(Duration::from_millis(500));
     let runner = Runner::with_config(pool.clone(), config);
     let checkout = std::sync::Arc::new(harness.checkout_leased(Duration::from_secs(2)));
     // A resumer runs all along, as in production: it finishes what the restart interrupted.
@@ -262,13 +257,11 @@ async fn a_database_restart_under_load_loses_and_duplicates_nothing(
     let resumer = idemflow::Resumer::with_config(
         runner.clone(),
         registry,
-        idemflow::ResumerConfig {
-            idle_max: Duration::from_millis(200),
-            error_backoff_max: Duration::from_millis(500),
-            shutdown_grace: Duration::from_secs(2),
-            retention: None,
-            ..idemflow::ResumerConfig::default()
-        },
+        idemflow::ResumerConfig::default()
+            .with_idle_max(Duration::from_millis(200))
+            .with_error_backoff_max(Duration::from_millis(500))
+            .with_shutdown_grace(Duration::from_secs(2))
+            .with_retention(None),
     );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let resuming = tokio::spawn(async move {
@@ -581,10 +574,7 @@ async fn sessions_the_server_ended_while_idle_cost_no_client_a_failure(
     let checkout = harness.checkout_leased(Duration::from_secs(2));
     let runner = Runner::with_config(
         pool.clone(),
-        idemflow::RunnerConfig {
-            warm_connections: false,
-            ..idemflow::RunnerConfig::default()
-        },
+        idemflow::RunnerConfig::default().with_warm_connections(false),
     );
     for round in 0..3 {
         let mut held = Vec::new();

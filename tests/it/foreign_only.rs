@@ -476,10 +476,7 @@ async fn retention_frees_a_finished_key_for_a_new_request<E: Keys>(pool: PoolOf<
         .await
         .unwrap();
     assert!(matches!(ran, Outcome::Executed(_)), "{ran:?}");
-    let retention = Retention {
-        keep_for: Duration::from_secs(86_400),
-        ..Retention::default()
-    };
+    let retention = Retention::default().with_keep_for(Duration::from_secs(86_400));
     // Within the window nothing goes.
     assert_eq!(retention.expire(&pool).await.unwrap(), 0);
     E::age_finished(&pool).await;

@@ -18,13 +18,7 @@ use crate::support::report::{CrashBeforeFinish, body_of, setup, workflow};
 use crate::support::{expire_all_leases, request, tenant};
 
 fn runner(pool: &PgPool, keyring: Option<Keyring>) -> Runner {
-    Runner::with_config(
-        pool.clone(),
-        RunnerConfig {
-            keyring,
-            ..RunnerConfig::default()
-        },
-    )
+    Runner::with_config(pool.clone(), RunnerConfig::default().with_keyring(keyring))
 }
 
 fn report(bytes: usize) -> Vec<u8> {

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use crate::support::*;
-use idemflow::{Outcome, RetryPolicy, Runner};
+use idemflow::{Outcome, Runner};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use sqlx::PgPool;
 
@@ -21,10 +21,7 @@ async fn every_protocol_event_is_counted(pool: PgPool) {
     let metrics = PrometheusBuilder::new().install_recorder().unwrap();
     create_orders(&pool).await;
     let harness = Harness::default();
-    *harness.provider.retry.lock().unwrap() = Some(RetryPolicy {
-        max_attempts: 2,
-        ..patient()
-    });
+    *harness.provider.retry.lock().unwrap() = Some(patient().with_max_attempts(2));
     let (runner, workflow) = (Runner::new(pool.clone()), harness.checkout());
     let one = tenant(1);
 
@@ -166,13 +163,11 @@ async fn the_unknown_workflow_gauge_falls_back_to_zero_once_its_keys_are_gone(po
     let harness = Harness::default();
     let mut registry = idemflow::Registry::new();
     registry.register(harness.checkout()).unwrap();
-    let config = idemflow::ResumerConfig {
-        idle_min: std::time::Duration::from_millis(10),
-        idle_max: std::time::Duration::from_millis(20),
-        report_every: std::time::Duration::from_millis(10),
-        retention: None,
-        ..idemflow::ResumerConfig::default()
-    };
+    let config = idemflow::ResumerConfig::default()
+        .with_idle_min(std::time::Duration::from_millis(10))
+        .with_idle_max(std::time::Duration::from_millis(20))
+        .with_report_every(std::time::Duration::from_millis(10))
+        .with_retention(None);
     let resumer = idemflow::Resumer::with_config(Runner::new(pool.clone()), registry, config);
     let stop = std::sync::Arc::new(tokio::sync::Notify::new());
     let stopped = stop.clone();

@@ -27,10 +27,7 @@ const HOUR: Duration = Duration::from_secs(60 * 60);
 fn runner(pool: &PgPool) -> Runner {
     Runner::with_config(
         pool.clone(),
-        RunnerConfig {
-            response_apart_above: 1024,
-            ..RunnerConfig::default()
-        },
+        RunnerConfig::default().with_response_apart_above(1024),
     )
 }
 
@@ -584,10 +581,7 @@ async fn maintenance_drops_expired_partitions_and_keeps_those_with_started_keys(
     }
 
     // The worker's retention does the same on this layout: nothing left to drop.
-    let retention = Retention {
-        keep_for: HOUR,
-        ..Retention::default()
-    };
+    let retention = Retention::default().with_keep_for(HOUR);
     assert_eq!(retention.expire(&pool).await.unwrap(), 0);
 }
 

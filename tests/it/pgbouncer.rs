@@ -312,10 +312,7 @@ impl Bouncer {
     /// (`PoolSettings`, whose session limits pgbouncer ignores here: see
     /// `session_limits_given_at_startup_are_refused_or_lost`).
     async fn engine_pool(&self, clients: u32) -> PgPool {
-        let settings = PoolSettings {
-            max_connections: clients,
-            ..PoolSettings::default()
-        };
+        let settings = PoolSettings::default().with_max_connections(clients);
         settings
             .pool_options()
             .connect_with(settings.connect_options(self.connect.clone()))
@@ -1024,10 +1021,7 @@ async fn the_resumer_drains_rewound_keys_through_a_transaction_pooler(
     interrupted_keys(&Runner::new(pool.clone()), &harness, &keys).await;
     expire_all_leases(&direct).await;
 
-    let config = ResumerConfig {
-        retention: None,
-        ..ResumerConfig::default()
-    };
+    let config = ResumerConfig::default().with_retention(None);
     let report = resumer(&pool, &harness, config).drain().await.unwrap();
     assert_eq!(
         report,
@@ -1090,12 +1084,12 @@ async fn the_resumers_run_loop_finishes_due_keys_by_polling_without_listen(
     };
 
     // Deaf: after its first, empty scan it would be woken only by a notification.
-    let worker = start(ResumerConfig {
-        idle_min: Duration::from_secs(60),
-        idle_max: Duration::from_secs(60),
-        retention: None,
-        ..ResumerConfig::default()
-    });
+    let worker = start(
+        ResumerConfig::default()
+            .with_idle_min(Duration::from_secs(60))
+            .with_idle_max(Duration::from_secs(60))
+            .with_retention(None),
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The lease ended and announced, as `idemflow end-lease` does.
     expire_lease(&direct, "announced").await;
@@ -1129,13 +1123,13 @@ async fn the_resumers_run_loop_finishes_due_keys_by_polling_without_listen(
         let stop = stop.clone();
         tokio::spawn(resumer(&pool, &harness, config).run(async move { stop.notified().await }))
     };
-    let worker = start(ResumerConfig {
-        idle_min: Duration::from_millis(10),
-        idle_max: Duration::from_millis(50),
-        retention: None,
-        listen: false,
-        ..ResumerConfig::default()
-    });
+    let worker = start(
+        ResumerConfig::default()
+            .with_idle_min(Duration::from_millis(10))
+            .with_idle_max(Duration::from_millis(50))
+            .with_retention(None)
+            .with_listen(false),
+    );
     eventually(
         &direct,
         "SELECT count(*) FROM idempotency_keys WHERE state = 'done'",

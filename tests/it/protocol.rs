@@ -644,10 +644,7 @@ async fn a_terminal_error_can_forget_the_key_instead(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
     harness.finish.fail_terminally.store(true, Ordering::SeqCst);
-    let config = RunnerConfig {
-        terminal_errors: TerminalPolicy::Forget,
-        ..RunnerConfig::default()
-    };
+    let config = RunnerConfig::default().with_terminal_errors(TerminalPolicy::Forget);
     let (runner, workflow) = (
         Runner::with_config(pool.clone(), config),
         harness.checkout(),

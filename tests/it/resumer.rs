@@ -42,12 +42,10 @@ impl Running {
 }
 
 fn quick_config() -> ResumerConfig {
-    ResumerConfig {
-        idle_min: Duration::from_millis(10),
-        idle_max: Duration::from_millis(50),
-        retention: None,
-        ..ResumerConfig::default()
-    }
+    ResumerConfig::default()
+        .with_idle_min(Duration::from_millis(10))
+        .with_idle_max(Duration::from_millis(50))
+        .with_retention(None)
 }
 
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
@@ -171,11 +169,7 @@ async fn four_concurrent_resumers_over_500_due_keys_never_run_a_key_twice(
     create_orders(&pool).await;
     seed_due_keys(&pool, 500).await;
     let harness = Harness::default();
-    let config = ResumerConfig {
-        batch_size: 16,
-        concurrency: 4,
-        ..quick_config()
-    };
+    let config = quick_config().with_batch_size(16).with_concurrency(4);
     let drains: Vec<_> = (0..4)
         .map(|_| {
             let resumer = resumer(&pool, &harness, config.clone());
@@ -409,12 +403,10 @@ async fn shutdown_gives_back_the_leases_of_keys_not_yet_finished(pool: PgPool) {
         .script
         .hang_next
         .store(true, Ordering::SeqCst);
-    let config = ResumerConfig {
-        batch_size: 10,
-        concurrency: 1,
-        shutdown_grace: Duration::from_millis(100),
-        ..quick_config()
-    };
+    let config = quick_config()
+        .with_batch_size(10)
+        .with_concurrency(1)
+        .with_shutdown_grace(Duration::from_millis(100));
     let worker = resumer(&pool, &harness, config);
     let running = Running::start(worker);
     harness.provider.script.entered.notified().await;
@@ -458,17 +450,12 @@ async fn shutdown_gives_back_the_leases_of_keys_not_yet_finished(pool: PgPool) {
 async fn a_postponed_key_wakes_an_idle_resumer(pool: PgPool) {
     create_orders(&pool).await;
     let harness = Harness::default();
-    let retries = idemflow::RetryPolicy {
-        initial_backoff: Duration::ZERO,
-        ..quick_retries(5)
-    };
+    let retries = quick_retries(5).with_initial_backoff(Duration::ZERO);
     *harness.provider.retry.lock().unwrap() = Some(retries);
     // A resumer that, left to itself, would not scan again for a minute.
-    let config = ResumerConfig {
-        idle_min: Duration::from_secs(60),
-        idle_max: Duration::from_secs(60),
-        ..quick_config()
-    };
+    let config = quick_config()
+        .with_idle_min(Duration::from_secs(60))
+        .with_idle_max(Duration::from_secs(60));
     let worker = resumer(&pool, &harness, config);
     let running = Running::start(worker);
     tokio::time::sleep(Duration::from_millis(300)).await; // let it make its first, empty scan
@@ -551,11 +538,7 @@ async fn a_resumer_takes_over_only_what_it_can_start(pool: PgPool) {
     *harness.provider.delay.lock().unwrap() = Some(Duration::from_millis(800));
     let mut registry = Registry::new();
     registry.register(harness.checkout_leased(lease)).unwrap();
-    let config = ResumerConfig {
-        batch_size: 3,
-        concurrency: 1,
-        ..quick_config()
-    };
+    let config = quick_config().with_batch_size(3).with_concurrency(1);
     let worker = Resumer::with_config(Runner::new(pool.clone()), registry, config);
     let running = Running::start(worker);
 

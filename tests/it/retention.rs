@@ -83,16 +83,12 @@ async fn the_worker_runs_retention_periodically(pool: PgPool) {
     let harness = Harness::default();
     let mut registry = Registry::new();
     registry.register(harness.checkout()).unwrap();
-    let retention = Retention {
-        keep_for: Duration::from_secs(3600),
-        batch_size: 7,
-        max_rows_per_second: Some(1000),
-        every: Duration::from_millis(20),
-    };
-    let config = ResumerConfig {
-        retention: Some(retention),
-        ..ResumerConfig::default()
-    };
+    let retention = Retention::default()
+        .with_keep_for(Duration::from_secs(3600))
+        .with_batch_size(7)
+        .with_max_rows_per_second(Some(1000))
+        .with_every(Duration::from_millis(20));
+    let config = ResumerConfig::default().with_retention(Some(retention));
     let worker = Resumer::with_config(Runner::new(pool.clone()), registry, config);
     let stop = Arc::new(tokio::sync::Notify::new());
     let stopped = stop.clone();

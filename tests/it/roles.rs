@@ -732,10 +732,7 @@ async fn requests_resumers_and_retention_run_as_the_runtime_role(
         rewind_lease(&admin, &tenant, "k3").await;
         let mut registry = Registry::new();
         registry.register(payments(&provider)).unwrap();
-        let config = ResumerConfig {
-            retention: None,
-            ..ResumerConfig::default()
-        };
+        let config = ResumerConfig::default().with_retention(None);
         let report = Resumer::with_config(Runner::new(runtime.clone()), registry, config)
             .drain()
             .await
@@ -757,13 +754,11 @@ async fn requests_resumers_and_retention_run_as_the_runtime_role(
         interrupted(&pay(&runner, &workflow, &tenant, "k4", &visa).await);
         let mut registry = Registry::new();
         registry.register(payments(&provider)).unwrap();
-        let config = ResumerConfig {
-            idle_min: Duration::from_secs(60),
-            idle_max: Duration::from_secs(120),
-            report_every: Duration::from_secs(3600),
-            retention: None,
-            ..ResumerConfig::default()
-        };
+        let config = ResumerConfig::default()
+            .with_idle_min(Duration::from_secs(60))
+            .with_idle_max(Duration::from_secs(120))
+            .with_report_every(Duration::from_secs(3600))
+            .with_retention(None);
         let worker = Resumer::with_config(Runner::new(runtime.clone()), registry, config);
         let stop = std::sync::Arc::new(tokio::sync::Notify::new());
         let running = {
@@ -823,10 +818,7 @@ async fn requests_resumers_and_retention_run_as_the_runtime_role(
         .unwrap();
         let day = Duration::from_secs(24 * 60 * 60);
         assert_eq!(idemflow::expire(&runtime, day, 100).await.unwrap(), 1);
-        let retention = Retention {
-            keep_for: day,
-            ..Retention::default()
-        };
+        let retention = Retention::default().with_keep_for(day);
         assert_eq!(retention.expire(&runtime).await.unwrap(), 0);
         assert!(key_state(&admin, &tenant, "k1").await.is_none());
         executed(&pay(&runner, &workflow, &tenant, "k1", &visa).await, 201);
@@ -834,10 +826,7 @@ async fn requests_resumers_and_retention_run_as_the_runtime_role(
         // The forget policy deletes a key whose phase failed terminally.
         let forgetting = Runner::with_config(
             runtime.clone(),
-            RunnerConfig {
-                terminal_errors: TerminalPolicy::Forget,
-                ..RunnerConfig::default()
-            },
+            RunnerConfig::default().with_terminal_errors(TerminalPolicy::Forget),
         );
         let declined = payment_body(500, "tok_declined");
         match pay(&forgetting, &workflow, &tenant, "k5", &declined).await {
@@ -885,11 +874,10 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
         let fingerprint = idemflow::Fingerprint::from_slice(&[7; 32]).unwrap();
         let input = json!({"amount": 1, "source": "tok_visa"});
         let lease = Duration::from_secs(30);
-        let limits = Limits {
-            statement_timeout: Some(Duration::from_secs(5)),
-            idle_timeout: Some(Duration::from_secs(10)),
-            lock_timeout: None,
-        };
+        let limits = Limits::default()
+            .with_statement_timeout(Some(Duration::from_secs(5)))
+            .with_idle_timeout(Some(Duration::from_secs(10)))
+            .with_lock_timeout(None);
         let workflows = [("payments.v1".to_owned(), lease)];
         let mut connection = runtime.acquire().await.unwrap();
 

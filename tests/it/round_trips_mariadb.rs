@@ -167,10 +167,9 @@ async fn counted(test: &str) -> (Runner<MySqlStore>, Arc<WireCounts>) {
         .next()
         .unwrap();
     let (port, counts) = start_proxy(upstream).await;
-    let pool = idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions {
-        max_connections: 1,
-        ..idemflow_mysql::OpenOptions::default()
-    })
+    let pool = idemflow_mysql::pool_options(
+        &idemflow_mysql::OpenOptions::default().with_max_connections(1),
+    )
     .test_before_acquire(false)
     .connect_with(
         connect

@@ -27,11 +27,9 @@ const BODY_TIMEOUT: Duration = Duration::from_millis(300);
 const MARGIN: Duration = Duration::from_secs(2);
 
 fn limits() -> ServeLimits {
-    ServeLimits {
-        header_read_timeout: HEADER_TIMEOUT,
-        body_read_timeout: BODY_TIMEOUT,
-        ..ServeLimits::default()
-    }
+    ServeLimits::default()
+        .with_header_read_timeout(HEADER_TIMEOUT)
+        .with_body_read_timeout(BODY_TIMEOUT)
 }
 
 /// `/v1/notes` behind the idempotency layer (answers 201 with the body it was sent), `/echo`

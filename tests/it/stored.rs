@@ -256,13 +256,7 @@ impl CrashHook for CrashAt {
 }
 
 fn sealing(pool: &PgPool, keyring: Option<Keyring>) -> Runner {
-    Runner::with_config(
-        pool.clone(),
-        RunnerConfig {
-            keyring,
-            ..RunnerConfig::default()
-        },
-    )
+    Runner::with_config(pool.clone(), RunnerConfig::default().with_keyring(keyring))
 }
 
 fn keyring(id: &str, byte: u8) -> Keyring {

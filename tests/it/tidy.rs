@@ -722,3 +722,69 @@ fn the_checkout_example_compiles_no_message_broker_client() {
     let consumer = built_packages("example-consumer");
     assert!(consumer.iter().any(|name| name == "lapin"), "{consumer:?}");
 }
+
+/// The names a configuration struct goes by: such a struct grows a setting now and then.
+const CONFIGURATION: &[&str] = &[
+    "Config",
+    "Options",
+    "Settings",
+    "Policy",
+    "Limits",
+    "Retention",
+];
+
+/// A configuration struct a user builds is `#[non_exhaustive]` (built from `default()` and
+/// `with_<field>` setters, or by assigning fields), so that adding a setting breaks no caller.
+/// Checked over the published crates' sources: every `pub struct` whose name ends as a
+/// configuration's does and has public fields.
+#[test]
+fn configuration_structs_are_non_exhaustive() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    for entry in std::fs::read_dir(root.join("crates")).unwrap() {
+        let crate_dir = entry.unwrap().path();
+        let manifest = std::fs::read_to_string(crate_dir.join("Cargo.toml")).unwrap();
+        if !manifest.contains("publish = false") {
+            rust_files(&crate_dir.join("src"), &mut files);
+        }
+    }
+    let mut offences = Vec::new();
+    let mut checked = 0;
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        for (index, line) in lines.iter().enumerate() {
+            let Some(name) = line
+                .strip_prefix("pub struct ")
+                .and_then(|rest| rest.strip_suffix(" {"))
+            else {
+                continue;
+            };
+            let public_fields = lines[index + 1..]
+                .iter()
+                .take_while(|line| **line != "}")
+                .any(|line| line.starts_with("    pub "));
+            if !public_fields || !CONFIGURATION.iter().any(|end| name.ends_with(end)) {
+                continue;
+            }
+            checked += 1;
+            let attributes = lines[..index]
+                .iter()
+                .rev()
+                .take_while(|line| line.starts_with("#[") || line.starts_with("///"));
+            if !attributes
+                .into_iter()
+                .any(|line| *line == "#[non_exhaustive]")
+            {
+                offences.push(format!(
+                    "{}:{}: {name} is not #[non_exhaustive]",
+                    file.strip_prefix(root).unwrap().display(),
+                    index + 1
+                ));
+            }
+        }
+    }
+    assert!(checked >= 10, "only {checked} configuration structs found");
+    assert!(offences.is_empty(), "\n{}", offences.join("\n"));
+}

@@ -241,10 +241,7 @@ async fn with_warm_connections_off_every_request_hands_its_connection_to_the_poo
 
     // Off: each request (new keys and replays) takes its connection from the pool and gives it
     // back, so the hooks run for each, and nothing is held between requests.
-    let config = RunnerConfig {
-        warm_connections: false,
-        ..RunnerConfig::default()
-    };
+    let config = RunnerConfig::default().with_warm_connections(false);
     let runner = Runner::with_config(pool.clone(), config);
     // New keys, then replays of them.
     let workflow = &workflow;

@@ -123,10 +123,11 @@ pub async fn run(
             idemflow::migrate(&pool).await?;
             let runner = Runner::with_config(
                 pool.clone(),
-                RunnerConfig {
-                    response_apart_above: if apart { 0 } else { usize::MAX },
-                    ..RunnerConfig::default()
-                },
+                RunnerConfig::default().with_response_apart_above(if apart {
+                    0
+                } else {
+                    usize::MAX
+                }),
             );
             let names: Vec<String> = (0..keys)
                 .map(|i| format!("{prefix}-{bytes}-{place}-{i}"))

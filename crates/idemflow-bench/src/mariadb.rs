@@ -515,10 +515,8 @@ async fn measure(config: &Config, url: &str) -> Result<MariaDb, Error> {
     let most = config.clients.iter().copied().max().unwrap_or(1);
     let pool = idemflow_mysql::open(
         url,
-        &idemflow_mysql::OpenOptions {
-            max_connections: u32::try_from(most.max(config.storm_clients) + 8).unwrap_or(64),
-            ..idemflow_mysql::OpenOptions::default()
-        },
+        &idemflow_mysql::OpenOptions::default()
+            .with_max_connections(u32::try_from(most.max(config.storm_clients) + 8).unwrap_or(64)),
     )
     .await?;
     sqlx::query(ORDERS).execute(&pool).await?;
@@ -716,10 +714,9 @@ async fn wire(url: &str, shape: Shape, requests: u64) -> Result<Vec<WireCount>, 
         .next()
         .ok_or("the MariaDB host resolves to no address")?;
     let (port, counts) = idemflow_testrig::wire::mysql::start_proxy(upstream).await;
-    let pool = idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions {
-        max_connections: 1,
-        ..idemflow_mysql::OpenOptions::default()
-    })
+    let pool = idemflow_mysql::pool_options(
+        &idemflow_mysql::OpenOptions::default().with_max_connections(1),
+    )
     .test_before_acquire(false)
     .connect_with(
         connect

@@ -383,10 +383,7 @@ async fn expiry(
             let started = Instant::now();
             let expired: Result<u64, Error> = match how {
                 How::Drop | How::Paced => {
-                    let retention = Retention {
-                        keep_for: KEEP_FOR,
-                        ..Retention::default()
-                    };
+                    let retention = Retention::default().with_keep_for(KEEP_FOR);
                     retention.expire(&expiring).await.map_err(Error::from)
                 }
                 How::Unpaced => idemflow::expire(&expiring, KEEP_FOR, UNPACED_BATCH)

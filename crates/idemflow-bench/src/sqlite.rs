@@ -40,14 +40,8 @@ enum Side {
 /// Runs both operations at each of the configured client counts.
 pub async fn run(config: &Config) -> Result<Vec<EngineRun>, Error> {
     let path = database()?;
-    let pool = idemflow_sqlite::open_file(
-        &path,
-        &OpenOptions {
-            max_connections: 32,
-            ..OpenOptions::default()
-        },
-    )
-    .await?;
+    let pool =
+        idemflow_sqlite::open_file(&path, &OpenOptions::default().with_max_connections(32)).await?;
     let tenant = TenantId::new("bench-sqlite")?;
     let next = Arc::new(AtomicU64::new(0));
     // Finished keys for the replays, written through the engine.

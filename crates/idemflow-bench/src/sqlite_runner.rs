@@ -516,10 +516,7 @@ pub async fn child(spec: &str) -> Result<u64, Error> {
     };
     let pool = idemflow_sqlite::open_file(
         std::path::Path::new(path),
-        &idemflow_sqlite::OpenOptions {
-            max_connections: 8,
-            ..idemflow_sqlite::OpenOptions::default()
-        },
+        &idemflow_sqlite::OpenOptions::default().with_max_connections(8),
     )
     .await?;
     let (fingerprint, canonical) = fingerprint_and_request()?;

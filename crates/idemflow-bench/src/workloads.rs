@@ -1047,10 +1047,7 @@ fn resumer(pool: PgPool) -> Result<Resumer, Error> {
     Ok(Resumer::with_config(
         Runner::new(pool),
         registry,
-        ResumerConfig {
-            retention: None,
-            ..ResumerConfig::default()
-        },
+        ResumerConfig::default().with_retention(None),
     ))
 }
 

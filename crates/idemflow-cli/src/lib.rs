@@ -408,6 +408,7 @@ fn inspect_text(report: &KeyReport, expiry: &Expiry) -> String {
 
 /// What `inspect` shows beyond the key's report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InspectOptions {
     /// Show the stored request (`--show-request`).
     pub show_request: bool,
@@ -1308,5 +1309,13 @@ mod tests {
                 stderr: String::new(),
             }
         );
+    }
+}
+
+idemflow_core::with_setters! {
+    InspectOptions {
+        with_show_request => show_request: bool,
+        with_show_response => show_response: bool,
+        with_retention => retention: Option<Duration>,
     }
 }

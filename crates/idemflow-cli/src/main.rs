@@ -185,11 +185,10 @@ async fn run(cli: Cli, format: Format) -> Output {
             show_response,
             retention,
         } => {
-            let options = InspectOptions {
-                show_request,
-                show_response,
-                retention,
-            };
+            let options = InspectOptions::default()
+                .with_show_request(show_request)
+                .with_show_response(show_response)
+                .with_retention(retention);
             with_connection(&pool, format, async |connection| {
                 idemflow_cli::inspect_with(connection, format, &tenant, &key, &options).await
             })
@@ -259,11 +258,10 @@ macro_rules! run_on {
                 show_response,
                 retention,
             } => {
-                let options = InspectOptions {
-                    show_request,
-                    show_response,
-                    retention,
-                };
+                let options = InspectOptions::default()
+                    .with_show_request(show_request)
+                    .with_show_response(show_response)
+                    .with_retention(retention);
                 $engine::inspect(url, format, &tenant, &key, &options).await
             }
             Command::List {

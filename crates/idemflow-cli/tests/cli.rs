@@ -297,11 +297,12 @@ async fn inspect_does_not_flicker_on_the_real_clock(pool: PgPool) {
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Both bodies, against a week's retention.
-const SHOW: InspectOptions = InspectOptions {
-    show_request: true,
-    show_response: true,
-    retention: Some(Duration::from_secs(7 * 24 * 60 * 60)),
-};
+fn show() -> InspectOptions {
+    InspectOptions::default()
+        .with_show_request(true)
+        .with_show_response(true)
+        .with_retention(Some(Duration::from_secs(7 * 24 * 60 * 60)))
+}
 
 /// Replaces the stored request of the seeded key `key` of tenant acme (JSON text).
 async fn store_request(connection: &mut PgConnection, key: &str, request: &str) {
@@ -369,16 +370,15 @@ async fn inspect_shows_the_stored_request_and_response(pool: PgPool) {
     )
     .await;
 
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
     assert_stdout(output, 0, "inspect_bodies.txt");
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await;
     assert_stdout(output, 0, "inspect_bodies.json");
 
     // Only what is asked for.
-    let request_only = InspectOptions {
-        show_response: false,
-        ..SHOW
-    };
+    let request_only = show().with_show_response(false);
     let output =
         idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &request_only).await;
     assert!(
@@ -399,7 +399,8 @@ async fn inspect_shows_the_stored_request_and_response(pool: PgPool) {
 
     // A body stored apart is read from there, and said to be.
     store_apart(&mut tx, "order-1").await;
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
     assert!(
         output.stdout.ends_with(
             "\nresponse 201, body 15 bytes, stored apart\ncontent-type: application/json\n\
@@ -409,17 +410,18 @@ async fn inspect_shows_the_stored_request_and_response(pool: PgPool) {
         output.stdout
     );
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await,
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await,
     );
     assert_eq!(json["response"]["body_apart"], true, "{json}");
     assert_eq!(json["response"]["body"], r#"{"order_id":41}"#);
     assert_eq!(json["response_bytes"], 15);
 
     // A started key has a request and no response yet.
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-2", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-2", &show()).await;
     assert_stdout(output, 0, "inspect_bodies_started.txt");
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-2", &SHOW).await,
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-2", &show()).await,
     );
     assert_eq!(json["request"]["json"]["order"], "order-2");
     assert_eq!(json["response"], serde_json::Value::Null, "{json}");
@@ -446,7 +448,8 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         &[0xde, 0xad, 0xbe, 0xef],
     )
     .await;
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
     assert!(
         output.stdout.ends_with(
             "\nresponse 201, body 4 bytes, not UTF-8: shown as base64\n\
@@ -456,7 +459,7 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         output.stdout
     );
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await,
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await,
     );
     assert_eq!(json["response"]["body_encoding"], "base64");
     assert_eq!(json["response"]["body"], "3q2+7w==");
@@ -465,7 +468,8 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
     // A large body is cut in text, with its size; JSON has it whole.
     let body = "é".repeat(5000);
     store_response(&mut tx, "order-7", "[]", body.as_bytes()).await;
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-7", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-7", &show()).await;
     assert!(
         output.stdout.ends_with(&format!(
             "\nresponse 201, body 10000 bytes\n\n{}\n\
@@ -476,7 +480,7 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         output.stdout
     );
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-7", &SHOW).await,
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-7", &show()).await,
     );
     assert_eq!(json["response"]["body"], body.as_str());
 
@@ -490,7 +494,8 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         b"line 1\n\tline 2\r\x1b[2J\xc2\x9b\x7f",
     )
     .await;
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-8", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-8", &show()).await;
     assert!(
         output
             .stdout
@@ -507,7 +512,7 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         output.stdout
     );
     let json_output =
-        idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-8", &SHOW).await;
+        idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-8", &show()).await;
     for output in [&output, &json_output] {
         assert!(
             !output.stdout.contains(['\u{1b}', '\u{9b}', '\u{7f}', '\r']),
@@ -542,7 +547,8 @@ async fn inspect_names_the_key_of_sealed_values_and_opens_none(pool: PgPool) {
     )
     .await;
 
-    let output = idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &SHOW).await;
+    let output =
+        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
     assert!(
         !output.stdout.contains("sealed-response"),
         "{}",
@@ -551,7 +557,7 @@ async fn inspect_names_the_key_of_sealed_values_and_opens_none(pool: PgPool) {
     assert!(!output.stdout.contains("AQBz"), "{}", output.stdout);
     assert_stdout(output, 0, "inspect_sealed.txt");
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &SHOW).await,
+        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await,
     );
     assert_eq!(
         json["request"],
@@ -583,10 +589,7 @@ async fn inspect_tells_when_retention_deletes_the_key(pool: PgPool) {
     };
     seed_all(&mut tx, &[DONE, LIVE, fresh]).await;
     let expiry = async |tx: &mut PgConnection, key: &str, retention: Option<Duration>| {
-        let options = InspectOptions {
-            retention,
-            ..InspectOptions::default()
-        };
+        let options = InspectOptions::default().with_retention(retention);
         let output =
             idemflow_cli::inspect_with(&mut *tx, Format::Human, "acme", key, &options).await;
         let line = output

@@ -18,7 +18,7 @@ use idemflow_core::backoff;
 /// use std::time::Duration;
 /// use idemflow_client::ClientRetryPolicy;
 ///
-/// let policy = ClientRetryPolicy { deadline: Duration::from_secs(5), ..ClientRetryPolicy::default() };
+/// let policy = ClientRetryPolicy::default().with_deadline(Duration::from_secs(5));
 /// assert_eq!(policy.initial_backoff, Duration::from_millis(200));
 /// assert_eq!(policy.backoff(1), Duration::from_millis(200));
 /// assert_eq!(policy.backoff(3), Duration::from_millis(800));
@@ -29,6 +29,7 @@ use idemflow_core::backoff;
 ///
 /// [`ClientError::DeadlineExceeded`]: crate::ClientError::DeadlineExceeded
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct ClientRetryPolicy {
     /// The wait before the first retry. Default 200 ms.
     pub initial_backoff: Duration,
@@ -166,5 +167,17 @@ mod tests {
             ..policy
         };
         assert_eq!(wide.jittered(wait, 0.0), Duration::ZERO);
+    }
+}
+
+idemflow_core::with_setters! {
+    ClientRetryPolicy {
+        with_initial_backoff => initial_backoff: Duration,
+        with_max_backoff => max_backoff: Duration,
+        with_multiplier => multiplier: f64,
+        with_jitter => jitter: f64,
+        with_deadline => deadline: Duration,
+        with_min_retry_after => min_retry_after: Duration,
+        with_max_retry_after => max_retry_after: Duration,
     }
 }

@@ -147,15 +147,14 @@ async fn handle(
 
 /// Fast retries, a deadline that keeps a failing test short.
 fn fast() -> ClientRetryPolicy {
-    ClientRetryPolicy {
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(200),
-        multiplier: 2.0,
-        jitter: 0.2,
-        deadline: Duration::from_secs(5),
-        min_retry_after: Duration::from_millis(10),
-        max_retry_after: Duration::from_secs(60),
-    }
+    ClientRetryPolicy::default()
+        .with_initial_backoff(Duration::from_millis(20))
+        .with_max_backoff(Duration::from_millis(200))
+        .with_multiplier(2.0)
+        .with_jitter(0.2)
+        .with_deadline(Duration::from_secs(5))
+        .with_min_retry_after(Duration::from_millis(10))
+        .with_max_retry_after(Duration::from_secs(60))
 }
 
 fn client<J: KeyJournal>(journal: J, policy: ClientRetryPolicy) -> IdempotentClient<J> {
@@ -254,10 +253,7 @@ async fn a_refused_connection_is_retried_until_the_deadline() -> TestResult {
         listener.local_addr()?.port()
     };
     let deadline = Duration::from_millis(400);
-    let client = client(
-        MemoryJournal::new(),
-        ClientRetryPolicy { deadline, ..fast() },
-    );
+    let client = client(MemoryJournal::new(), fast().with_deadline(deadline));
     let started = Instant::now();
 
     let outcome = client
@@ -321,10 +317,7 @@ async fn a_timed_out_attempt_is_retried_and_a_hung_one_is_cut_at_the_deadline() 
 }
 
 fn client_with_deadline(deadline: Duration) -> IdempotentClient<MemoryJournal> {
-    client(
-        MemoryJournal::new(),
-        ClientRetryPolicy { deadline, ..fast() },
-    )
+    client(MemoryJournal::new(), fast().with_deadline(deadline))
 }
 
 #[tokio::test]
@@ -358,10 +351,7 @@ async fn a_restarted_client_reuses_the_key_from_its_file_journal() -> TestResult
     // The first run gets nowhere before its deadline, then "crashes".
     let first = client(
         FileJournal::open(dir.path())?,
-        ClientRetryPolicy {
-            deadline: Duration::from_millis(150),
-            ..fast()
-        },
+        fast().with_deadline(Duration::from_millis(150)),
     );
     let outcome = first.post_json(intent, &server.url, &order()).await;
     assert!(
@@ -446,11 +436,9 @@ async fn gap_after(
     let server = Server::start([Step::Fail(status, retry_after)]).await?;
     let client = client(
         MemoryJournal::new(),
-        ClientRetryPolicy {
-            initial_backoff: Duration::from_millis(100),
-            jitter: 0.0,
-            ..fast()
-        },
+        fast()
+            .with_initial_backoff(Duration::from_millis(100))
+            .with_jitter(0.0),
     );
     let reply = client.post_json("later", &server.url, &order()).await?;
     assert_eq!((reply.status.as_u16(), reply.attempts), (201, 2));

@@ -106,14 +106,12 @@ fn with_header(code: u16, name: &'static str, value: &'static str) -> Response {
 
 /// Fast retries and a short deadline: a test that fails, fails fast.
 fn fast() -> ClientRetryPolicy {
-    ClientRetryPolicy {
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(100),
-        jitter: 0.0,
-        deadline: Duration::from_secs(2),
-        min_retry_after: Duration::from_millis(10),
-        ..ClientRetryPolicy::default()
-    }
+    ClientRetryPolicy::default()
+        .with_initial_backoff(Duration::from_millis(20))
+        .with_max_backoff(Duration::from_millis(100))
+        .with_jitter(0.0)
+        .with_deadline(Duration::from_secs(2))
+        .with_min_retry_after(Duration::from_millis(10))
 }
 
 fn client<J: KeyJournal>(journal: J) -> IdempotentClient<J> {
@@ -318,11 +316,8 @@ async fn a_retry_after_of_zero_or_in_the_past_waits_at_least_the_floor() -> Test
         let (base, log) = scripted(move |_| with_header(503, "retry-after", asked)).await?;
         let floor = Duration::from_millis(100);
         let deadline = Duration::from_millis(500);
-        let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
-            min_retry_after: floor,
-            deadline,
-            ..fast()
-        });
+        let client = client(MemoryJournal::new())
+            .with_policy(fast().with_min_retry_after(floor).with_deadline(deadline));
 
         let outcome = client.post_json("busy", &base, &order()).await;
 
@@ -352,11 +347,11 @@ async fn a_huge_retry_after_is_capped_when_the_deadline_is_unbounded() -> TestRe
         _ => (StatusCode::CREATED, "done").into_response(),
     })
     .await?;
-    let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
-        deadline: Duration::MAX,
-        max_retry_after: Duration::from_millis(50),
-        ..fast()
-    });
+    let client = client(MemoryJournal::new()).with_policy(
+        fast()
+            .with_deadline(Duration::MAX)
+            .with_max_retry_after(Duration::from_millis(50)),
+    );
 
     let body = order();
     let call = client.post_json("throttled", &base, &body);
@@ -377,10 +372,8 @@ async fn a_huge_retry_after_is_capped_when_the_deadline_is_unbounded() -> TestRe
 async fn not_implemented_and_version_not_supported_are_answers() -> TestResult {
     for code in [501, 505] {
         let (base, log) = scripted(move |_| (status(code), "never").into_response()).await?;
-        let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
-            deadline: Duration::from_millis(500),
-            ..fast()
-        });
+        let client = client(MemoryJournal::new())
+            .with_policy(fast().with_deadline(Duration::from_millis(500)));
 
         let reply = client.post_json("permanent", &base, &order()).await?;
 
@@ -413,10 +406,8 @@ async fn a_replayed_answer_is_never_retried_whatever_its_status() -> TestResult 
             response
         })
         .await?;
-        let client = client(MemoryJournal::new()).with_policy(ClientRetryPolicy {
-            deadline: Duration::from_millis(500),
-            ..fast()
-        });
+        let client = client(MemoryJournal::new())
+            .with_policy(fast().with_deadline(Duration::from_millis(500)));
 
         let reply = client.post_json("stored", &base, &order()).await?;
 

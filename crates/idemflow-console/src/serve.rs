@@ -166,3 +166,10 @@ mod tests {
         assert!(!same_secret(b"", b"s3cret"));
     }
 }
+
+idemflow_core::with_setters! {
+    ServeOptions {
+        with_bind => bind: SocketAddr,
+        with_password => password: Option<String>,
+    }
+}

@@ -23,13 +23,14 @@ use crate::metrics::EXPIRED;
 /// use std::time::Duration;
 /// use idemflow_consumer::MessageRetention;
 ///
-/// let retention = MessageRetention { keep_for: Duration::from_secs(3 * 24 * 60 * 60), ..MessageRetention::default() };
+/// let retention = MessageRetention::default().with_keep_for(Duration::from_secs(3 * 24 * 60 * 60));
 /// let deleted = retention.expire(&pool).await?;        // once, now
 /// retention.run(&pool, std::future::pending()).await;  // or every `every`, until shutdown
 /// # Ok(())
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MessageRetention {
     /// Records of messages processed longer ago than this are deleted. Default 7 days: a record
     /// is small (its id, a 32-byte fingerprint, a time), and messages outlive requests' retries
@@ -154,5 +155,14 @@ where
             let due = began + Duration::from_secs_f64(total as f64 / rate);
             tokio::time::sleep_until(due.into()).await;
         }
+    }
+}
+
+idemflow_core::with_setters! {
+    MessageRetention {
+        with_keep_for => keep_for: Duration,
+        with_batch_size => batch_size: i64,
+        with_max_rows_per_second => max_rows_per_second: Option<u32>,
+        with_every => every: Duration,
     }
 }

@@ -66,10 +66,7 @@ impl ConsumerStore for PgStore {
         pool: &sqlx::PgPool,
         wait_limit: Option<Duration>,
     ) -> Result<idemflow_pg::Transaction, ConsumerError> {
-        let limits = Limits {
-            lock_timeout: wait_limit,
-            ..Limits::default()
-        };
+        let limits = Limits::default().with_lock_timeout(wait_limit);
         Ok(idemflow_pg::Transaction::begin_limited(pool.acquire().await?, &limits).await?)
     }
 

@@ -16,6 +16,7 @@ pub mod hex;
 mod key;
 mod phase_name;
 mod response;
+mod setters;
 mod tenant;
 
 pub use canonical::{

@@ -152,6 +152,7 @@ impl HttpConfig {
 /// token the handler issued) must not be in it. The live answer to the attempt that ran the
 /// handler keeps every header the handler set.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Redaction {
     /// A request or response header whose lowercase name contains one of these is not stored
     /// (a response header is then not replayed either); a query parameter whose lowercase name
@@ -237,6 +238,7 @@ pub(crate) const TRANSFER: [&str; 3] = ["content-length", "date", "transfer-enco
 /// What a plain handler's status says about its execution: whether its response ends the
 /// request (stored and replayed), or the request may be sent again.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct StatusRules {
     /// "Not executed; send it again": the key is deleted and the response answered, not
     /// stored, so the same key may come again (a routing refusal must not burn the key, a rate
@@ -310,5 +312,30 @@ mod tests {
         ] {
             assert!(redaction.stores_response_header(name), "{name}");
         }
+    }
+}
+
+idemflow_core::with_setters! {
+    HttpConfig {
+        with_methods => methods: Vec<Method>,
+        with_max_body_bytes => max_body_bytes: usize,
+        with_key_mode => key_mode: KeyMode,
+        with_route_key_modes => route_key_modes: Vec<(String, KeyMode)>,
+        with_max_wait => max_wait: Duration,
+    }
+}
+
+idemflow_core::with_setters! {
+    Redaction {
+        with_secret_words => secret_words: Vec<String>,
+        with_unstored_response_headers => unstored_response_headers: Vec<String>,
+        with_public_response_headers => public_response_headers: Vec<String>,
+    }
+}
+
+idemflow_core::with_setters! {
+    StatusRules {
+        with_not_executed => not_executed: Vec<StatusCode>,
+        with_retried => retried: Vec<StatusCode>,
     }
 }

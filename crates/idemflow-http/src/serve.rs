@@ -47,6 +47,7 @@ use crate::problem::{Problem, body_timeout, overloaded};
 /// whose requests are small JSON documents; see docs/http.md for what a client sees when it
 /// passes one, and why each default is what it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ServeLimits {
     /// A connection that has not sent a request's complete header block within this time is
     /// closed, without an answer: a client that sends headers a byte at a time, one that opens a
@@ -131,10 +132,8 @@ impl Default for ServeLimits {
 /// # async fn example() -> std::io::Result<()> {
 /// let app: Router = Router::new().route("/healthz", get(|| async { "ok" }));
 /// let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
-/// let limits = ServeLimits {
-///     body_read_timeout: Duration::from_secs(60), // large uploads on slow links
-///     ..ServeLimits::default()
-/// };
+/// // Large uploads on slow links.
+/// let limits = ServeLimits::default().with_body_read_timeout(Duration::from_secs(60));
 /// serve(listener, app, limits)
 ///     .with_graceful_shutdown(async {
 ///         let _ = tokio::signal::ctrl_c().await;
@@ -674,5 +673,17 @@ mod tests {
         assert_eq!(permits(0), 1);
         assert_eq!(permits(512), 512);
         assert_eq!(permits(usize::MAX), Semaphore::MAX_PERMITS);
+    }
+}
+
+idemflow_core::with_setters! {
+    ServeLimits {
+        with_header_read_timeout => header_read_timeout: Duration,
+        with_max_header_bytes => max_header_bytes: usize,
+        with_max_headers => max_headers: usize,
+        with_body_read_timeout => body_read_timeout: Duration,
+        with_max_connections => max_connections: usize,
+        with_max_covered_requests => max_covered_requests: usize,
+        with_covered_request_wait => covered_request_wait: Duration,
     }
 }

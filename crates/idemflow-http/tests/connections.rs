@@ -99,11 +99,9 @@ async fn a_crowd_of_stalled_connections_cannot_hold_the_server_and_the_limit_hol
     let router = Router::new()
         .route("/ping", post(|| async { "pong" }))
         .route("/hold", post(hold));
-    let limits = ServeLimits {
-        max_connections: LIMIT,
-        header_read_timeout: HEADER_TIMEOUT,
-        ..ServeLimits::default()
-    };
+    let limits = ServeLimits::default()
+        .with_max_connections(LIMIT)
+        .with_header_read_timeout(HEADER_TIMEOUT);
     tokio::spawn(serve(listener, router, limits).into_future());
 
     // A first request, its connection closed by both sides: what serving costs in descriptors

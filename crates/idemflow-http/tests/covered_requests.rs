@@ -67,11 +67,9 @@ async fn covered_requests_past_the_limit_wait_briefly_then_get_503_and_store_not
         .route("/healthz", get(|| async { "ok" }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let limits = ServeLimits {
-        max_covered_requests: LIMIT,
-        covered_request_wait: WAIT,
-        ..ServeLimits::default()
-    };
+    let limits = ServeLimits::default()
+        .with_max_covered_requests(LIMIT)
+        .with_covered_request_wait(WAIT);
     tokio::spawn(serve(listener, router, limits).into_future());
 
     // Two requests take both places and stay in their handler.

@@ -907,10 +907,9 @@ async fn settings_that_cannot_work_are_refused_when_the_layer_is_built(pool: PgP
         Err(LayerError::NoResponseRoom)
     ));
     // Status rules and methods are the caller's to choose.
-    let custom = StatusRules {
-        not_executed: vec![StatusCode::NOT_FOUND],
-        retried: vec![],
-    };
+    let custom = StatusRules::default()
+        .with_not_executed(vec![StatusCode::NOT_FOUND])
+        .with_retried(vec![]);
     IdempotencyLayer::builder(Runner::new(pool), "api.v1", BearerTenant)
         .statuses(custom)
         .http(HttpConfig::default().methods([axum::http::Method::POST]))

@@ -28,6 +28,7 @@ use sqlx::{Executor, MySqlPool};
 
 /// How [`open`] opens a pool.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct OpenOptions {
     /// How long a statement waits for a row lock before the store answers busy; whole seconds
     /// (InnoDB's unit), at least one.
@@ -111,4 +112,12 @@ pub fn pool_options(options: &OpenOptions) -> MySqlPoolOptions {
                 Ok(())
             })
         })
+}
+
+idemflow_core::with_setters! {
+    OpenOptions {
+        with_lock_wait_timeout => lock_wait_timeout: Duration,
+        with_statement_timeout => statement_timeout: Option<Duration>,
+        with_max_connections => max_connections: u32,
+    }
 }

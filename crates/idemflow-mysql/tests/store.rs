@@ -60,11 +60,10 @@ async fn claim(pool: &MySqlPool, key: &str) -> Claimed {
 async fn a_statement_given_up_mid_flight_ends_at_the_statement_timeout_and_the_claim_is_kept() {
     let pool = fresh(
         "given_up",
-        &OpenOptions {
-            lock_wait_timeout: Duration::from_secs(2),
-            statement_timeout: Some(Duration::from_millis(500)),
-            max_connections: 4,
-        },
+        &OpenOptions::default()
+            .with_lock_wait_timeout(Duration::from_secs(2))
+            .with_statement_timeout(Some(Duration::from_millis(500)))
+            .with_max_connections(4),
     )
     .await;
     let Claimed::Owned(mut transaction, _owner) = claim(&pool, "k").await else {
@@ -97,11 +96,10 @@ async fn a_statement_given_up_mid_flight_ends_at_the_statement_timeout_and_the_c
 async fn every_session_gets_the_engines_settings() {
     let pool = fresh(
         "settings",
-        &OpenOptions {
-            lock_wait_timeout: Duration::from_secs(3),
-            statement_timeout: Some(Duration::from_millis(1500)),
-            max_connections: 2,
-        },
+        &OpenOptions::default()
+            .with_lock_wait_timeout(Duration::from_secs(3))
+            .with_statement_timeout(Some(Duration::from_millis(1500)))
+            .with_max_connections(2),
     )
     .await;
     let (isolation, lock_wait, statement, sql_mode, time_zone): (String, u64, f64, String, String) =

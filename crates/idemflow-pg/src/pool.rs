@@ -30,6 +30,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 /// How to build the engine's pool. Every limit is a `Duration`; `None` leaves the server's own
 /// setting.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolSettings {
     /// The most connections the pool opens. Default 10.
     pub max_connections: u32,
@@ -128,5 +129,15 @@ mod tests {
             .as_database_error()
             .and_then(|error| error.code().map(|code| code.into_owned()));
         assert_eq!(code.as_deref(), Some("57014"));
+    }
+}
+
+idemflow_core::with_setters! {
+    PoolSettings {
+        with_max_connections => max_connections: u32,
+        with_acquire_timeout => acquire_timeout: Duration,
+        with_statement_timeout => statement_timeout: Option<Duration>,
+        with_idle_in_transaction_timeout => idle_in_transaction_timeout: Option<Duration>,
+        with_application_name => application_name: String,
     }
 }

@@ -28,6 +28,7 @@ use sqlx_core::transaction::TransactionManager;
 /// stopped sending anything while it holds the transaction (and with it the claim's advisory
 /// lock and the key's row lock), are ended by the server.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Limits {
     /// `statement_timeout`: a statement of the transaction running longer is cancelled.
     pub statement_timeout: Option<Duration>,
@@ -237,5 +238,13 @@ impl Drop for Beginning {
         if let Some(connection) = &mut self.0 {
             connection.close_on_drop();
         }
+    }
+}
+
+idemflow_core::with_setters! {
+    Limits {
+        with_statement_timeout => statement_timeout: Option<Duration>,
+        with_idle_timeout => idle_timeout: Option<Duration>,
+        with_lock_timeout => lock_timeout: Option<Duration>,
     }
 }

@@ -18,6 +18,7 @@ pub enum TerminalPolicy {
 /// How a [`crate::Runner`] claims keys and treats failures. Retries are per phase
 /// ([`crate::RetryPolicy`]).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RunnerConfig {
     /// What a terminal phase error does to its key. Default [`TerminalPolicy::Store`].
     pub terminal_errors: TerminalPolicy,
@@ -69,5 +70,15 @@ impl Default for RunnerConfig {
             response_apart_above: Self::DEFAULT_RESPONSE_APART_ABOVE,
             warm_connections: true,
         }
+    }
+}
+
+idemflow_core::with_setters! {
+    RunnerConfig {
+        with_terminal_errors => terminal_errors: TerminalPolicy,
+        with_database_timeout => database_timeout: Duration,
+        with_keyring => keyring: Option<Keyring>,
+        with_response_apart_above => response_apart_above: usize,
+        with_warm_connections => warm_connections: bool,
     }
 }

@@ -19,6 +19,7 @@ use crate::runner::Runner;
 
 /// How a [`Resumer`] scans and how much it runs at once.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ResumerConfig {
     /// Keys taken over per scan (one statement); never more than the free slots. Default 64.
     pub batch_size: i64,
@@ -516,5 +517,19 @@ pub async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+idemflow_core::with_setters! {
+    ResumerConfig {
+        with_batch_size => batch_size: i64,
+        with_concurrency => concurrency: usize,
+        with_idle_min => idle_min: Duration,
+        with_idle_max => idle_max: Duration,
+        with_error_backoff_max => error_backoff_max: Duration,
+        with_shutdown_grace => shutdown_grace: Duration,
+        with_report_every => report_every: Duration,
+        with_retention => retention: Option<Retention>,
+        with_listen => listen: bool,
     }
 }

@@ -19,17 +19,15 @@ use crate::error::RunError;
 /// use idemflow_runner::{ResumerConfig, Retention};
 ///
 /// // Keep finished keys for a week.
-/// let retention = Retention {
-///     keep_for: Duration::from_secs(7 * 24 * 60 * 60),
-///     ..Retention::default()
-/// };
-/// let config = ResumerConfig { retention: Some(retention), ..ResumerConfig::default() };
+/// let retention = Retention::default().with_keep_for(Duration::from_secs(7 * 24 * 60 * 60));
+/// let config = ResumerConfig::default().with_retention(Some(retention));
 /// // Or once, now:
 /// let deleted = retention.expire(&pool).await?;
 /// # Ok(())
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Retention {
     /// Finished keys whose response was stored longer ago than this are deleted. Default 24
     /// hours.
@@ -131,5 +129,14 @@ async fn paced<E: Engine>(
             let due = began + Duration::from_secs_f64(total as f64 / rate);
             tokio::time::sleep_until(due.into()).await;
         }
+    }
+}
+
+idemflow_core::with_setters! {
+    Retention {
+        with_keep_for => keep_for: Duration,
+        with_batch_size => batch_size: i64,
+        with_max_rows_per_second => max_rows_per_second: Option<u32>,
+        with_every => every: Duration,
     }
 }

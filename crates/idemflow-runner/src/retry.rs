@@ -7,6 +7,7 @@ use idemflow_core::backoff;
 /// wait is stored as the key's lease, so it holds across processes: neither a client retry nor a
 /// resumer takes the key over before it ends.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Executions at one recovery point (the first included) before the workflow gives up and
     /// its failure path runs. At least 1.
@@ -115,5 +116,15 @@ mod tests {
         assert!(!policy.exhausted(2));
         assert!(policy.exhausted(3));
         assert!(RetryPolicy::no_retries().exhausted(1));
+    }
+}
+
+idemflow_core::with_setters! {
+    RetryPolicy {
+        with_max_attempts => max_attempts: u32,
+        with_initial_backoff => initial_backoff: Duration,
+        with_max_backoff => max_backoff: Duration,
+        with_multiplier => multiplier: f64,
+        with_jitter => jitter: f64,
     }
 }

@@ -64,7 +64,7 @@ const CONTEXT_LIFE: &[u8] = b"idemflow:sealed:v2";
 /// # let (key_2, key_1) = ([2u8; 32], [1u8; 32]); // 32 bytes each, from your secret store
 /// let keyring = Keyring::new("2026-12", key_2)?.with_old_key("2026-11", key_1)?;
 /// assert_eq!(keyring.current_key_id(), Some("2026-12"));
-/// let config = RunnerConfig { keyring: Some(keyring), ..RunnerConfig::default() };
+/// let config = RunnerConfig::default().with_keyring(Some(keyring));
 /// # Ok::<(), idemflow_runner::KeyringError>(())
 /// ```
 ///

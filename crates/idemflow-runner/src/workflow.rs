@@ -553,11 +553,10 @@ impl<Request, E: Engine> WorkflowBuilder<Request, StoredResponse, E> {
         // Statements are cancelled at the longest local limit (no single statement of a phase
         // may outlast the phase); a session left idle inside a transaction for longer than the
         // runner itself waits is ended by the server.
-        let limits = Limits {
-            statement_timeout: longest_local,
-            idle_timeout: longest_local.map(|limit| limit + 2 * overrun_grace(limit)),
-            lock_timeout: None,
-        };
+        let limits = Limits::default()
+            .with_statement_timeout(longest_local)
+            .with_idle_timeout(longest_local.map(|limit| limit + 2 * overrun_grace(limit)))
+            .with_lock_timeout(None);
         Ok(Workflow {
             name: self.name,
             steps: self.steps,

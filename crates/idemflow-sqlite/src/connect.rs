@@ -31,6 +31,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 
 /// How [`open`] opens a database.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct OpenOptions {
     /// How long a writer waits for SQLite's write lock before the store answers busy.
     pub busy_timeout: Duration,
@@ -119,4 +120,12 @@ fn connect_options(connect: SqliteConnectOptions, options: &OpenOptions) -> Sqli
         .synchronous(SqliteSynchronous::Full)
         .busy_timeout(options.busy_timeout)
         .foreign_keys(true)
+}
+
+idemflow_core::with_setters! {
+    OpenOptions {
+        with_busy_timeout => busy_timeout: Duration,
+        with_max_connections => max_connections: u32,
+        with_statement_timeout => statement_timeout: Option<Duration>,
+    }
 }

@@ -42,11 +42,8 @@ fn response() -> StoredResponse {
 }
 
 async fn pool(path: &Path) -> SqlitePool {
-    let options = OpenOptions {
-        // A dead process's lock must not be waited for: SQLite releases it as the process dies.
-        busy_timeout: Duration::from_millis(500),
-        ..OpenOptions::default()
-    };
+    // A dead process's lock must not be waited for: SQLite releases it as the process dies.
+    let options = OpenOptions::default().with_busy_timeout(Duration::from_millis(500));
     open_file(path, &options).await.unwrap()
 }
 

@@ -24,10 +24,7 @@ fn scratch(name: &str) -> PathBuf {
 
 async fn two_processes(name: &str, busy_timeout: Duration) -> (SqlitePool, SqlitePool) {
     let path = scratch(name);
-    let options = OpenOptions {
-        busy_timeout,
-        ..OpenOptions::default()
-    };
+    let options = OpenOptions::default().with_busy_timeout(busy_timeout);
     let first = open_file(&path, &options).await.expect("open");
     let second = open_file(&path, &options).await.expect("open again");
     (first, second)
@@ -156,11 +153,9 @@ async fn a_claim_behind_a_writer_past_the_busy_timeout_answers_busy_and_stores_n
 #[tokio::test]
 async fn a_dropped_transaction_leaves_no_connection_inside_it() {
     let path = scratch("dropped");
-    let options = OpenOptions {
-        busy_timeout: Duration::from_millis(100),
-        max_connections: 1,
-        ..OpenOptions::default()
-    };
+    let options = OpenOptions::default()
+        .with_busy_timeout(Duration::from_millis(100))
+        .with_max_connections(1);
     let pool = open_file(&path, &options).await.expect("open");
     let key = key("k-drop");
     let Claimed::Owned(transaction, _) = claim(&pool, &key).await.expect("claim") else {
@@ -193,11 +188,9 @@ async fn a_statement_timeout_not_shorter_than_the_busy_timeout_is_refused() {
     let directory = std::env::temp_dir().join("idemflow-sqlite-statement-timeout");
     let _ = std::fs::remove_dir_all(&directory);
     std::fs::create_dir_all(&directory).expect("a scratch directory");
-    let options = OpenOptions {
-        busy_timeout: Duration::from_secs(1),
-        statement_timeout: Some(Duration::from_secs(1)),
-        ..OpenOptions::default()
-    };
+    let options = OpenOptions::default()
+        .with_busy_timeout(Duration::from_secs(1))
+        .with_statement_timeout(Some(Duration::from_secs(1)));
     let refused = open_file(&directory.join("idemflow.db"), &options).await;
     let Err(sqlx::Error::Configuration(message)) = refused else {
         panic!("refused: {refused:?}");
@@ -213,11 +206,10 @@ async fn a_statement_timeout_not_shorter_than_the_busy_timeout_is_refused() {
 async fn one_connection_with_a_short_statement_timeout(name: &str) -> SqlitePool {
     open_file(
         &scratch(name),
-        &OpenOptions {
-            busy_timeout: Duration::from_secs(2),
-            max_connections: 1,
-            statement_timeout: Some(Duration::from_millis(100)),
-        },
+        &OpenOptions::default()
+            .with_busy_timeout(Duration::from_secs(2))
+            .with_max_connections(1)
+            .with_statement_timeout(Some(Duration::from_millis(100))),
     )
     .await
     .expect("open")

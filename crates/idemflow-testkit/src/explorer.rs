@@ -671,10 +671,7 @@ impl<E: Inspect> Explorer<E> {
         registry
             .register(self.workflow.clone())
             .unwrap_or_else(|_| unreachable!("one workflow"));
-        let config = ResumerConfig {
-            retention: None,
-            ..ResumerConfig::default()
-        };
+        let config = ResumerConfig::default().with_retention(None);
         Resumer::with_config(
             Runner::<E>::on(self.pool.clone(), RunnerConfig::default()),
             registry,

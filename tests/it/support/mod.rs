@@ -473,13 +473,12 @@ pub async fn expire_all_leases(pool: &PgPool) {
 
 /// A retry policy with short waits, so a test's resumer comes back quickly.
 pub fn quick_retries(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy {
-        max_attempts,
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(40),
-        multiplier: 2.0,
-        jitter: 0.0,
-    }
+    RetryPolicy::default()
+        .with_max_attempts(max_attempts)
+        .with_initial_backoff(Duration::from_millis(20))
+        .with_max_backoff(Duration::from_millis(40))
+        .with_multiplier(2.0)
+        .with_jitter(0.0)
 }
 
 /// Waits (bounded) until `condition` holds, polling the database.
@@ -508,10 +507,8 @@ pub fn logs() {
 /// right after a failure finds it in progress however slow the machine is, and moves on by
 /// rewinding the lease in SQL, never by waiting.
 pub fn patient() -> RetryPolicy {
-    RetryPolicy {
-        initial_backoff: Duration::from_secs(60),
-        max_backoff: Duration::from_secs(60),
-        jitter: 0.0,
-        ..RetryPolicy::default()
-    }
+    RetryPolicy::default()
+        .with_initial_backoff(Duration::from_secs(60))
+        .with_max_backoff(Duration::from_secs(60))
+        .with_jitter(0.0)
 }

@@ -172,12 +172,10 @@ impl Simulation {
     pub async fn on_sqlite(path: &Path) -> Result<Self, sqlx::Error> {
         let observer = idemflow_sqlite::open_file(
             path,
-            &idemflow_sqlite::OpenOptions {
-                // The observer stands aside rather than wait for a writer (observe/sqlite.rs).
-                busy_timeout: Duration::from_millis(100),
-                max_connections: 4,
-                ..idemflow_sqlite::OpenOptions::default()
-            },
+            // The observer stands aside rather than wait for a writer (observe/sqlite.rs).
+            &idemflow_sqlite::OpenOptions::default()
+                .with_busy_timeout(Duration::from_millis(100))
+                .with_max_connections(4),
         )
         .await?;
         for statement in [
@@ -425,13 +423,10 @@ async fn sqlite_engine(path: &Path, seed: u64) -> Result<SqlitePool, sqlx::Error
     };
     idemflow_sqlite::open_file(
         path,
-        &idemflow_sqlite::OpenOptions {
-            busy_timeout,
-            max_connections: 16,
-            // Half the busy timeout: a hung statement frees the write lock before a phase given
-            // up records its attempt.
-            statement_timeout: None,
-        },
+        &idemflow_sqlite::OpenOptions::default()
+            .with_busy_timeout(busy_timeout)
+            .with_max_connections(16)
+            .with_statement_timeout(None),
     )
     .await
 }
@@ -445,11 +440,12 @@ async fn mysql_engine(options: &MySqlConnectOptions, seed: u64) -> Result<MySqlP
     } else {
         Duration::from_secs(3)
     };
-    idemflow_mysql::pool_options(&idemflow_mysql::OpenOptions {
-        lock_wait_timeout,
-        statement_timeout: None,
-        max_connections: 40,
-    })
+    idemflow_mysql::pool_options(
+        &idemflow_mysql::OpenOptions::default()
+            .with_lock_wait_timeout(lock_wait_timeout)
+            .with_statement_timeout(None)
+            .with_max_connections(40),
+    )
     .connect_with(options.clone())
     .await
 }

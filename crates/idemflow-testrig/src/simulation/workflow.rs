@@ -101,13 +101,12 @@ fn response(status: u16, life: u32, amount: u64, what: serde_json::Value) -> Sto
 
 /// The retry policy of every phase: quick, so keys come back at once.
 pub(crate) fn policy() -> RetryPolicy {
-    RetryPolicy {
-        max_attempts: 3,
-        initial_backoff: Duration::from_millis(1),
-        max_backoff: Duration::from_millis(1),
-        multiplier: 1.0,
-        jitter: 0.0,
-    }
+    RetryPolicy::default()
+        .with_max_attempts(3)
+        .with_initial_backoff(Duration::from_millis(1))
+        .with_max_backoff(Duration::from_millis(1))
+        .with_multiplier(1.0)
+        .with_jitter(0.0)
 }
 
 /// The time limit of the local phases (a hung one costs this much).

@@ -641,16 +641,14 @@ where
         began: Instant::now(),
     });
     let hook = Arc::new(Hook(shared.clone()));
-    let config = RunnerConfig {
-        terminal_errors: setup.terminal,
-        keyring,
-        response_apart_above: if settings.apart {
+    let config = RunnerConfig::default()
+        .with_terminal_errors(setup.terminal)
+        .with_keyring(keyring)
+        .with_response_apart_above(if settings.apart {
             0
         } else {
             RunnerConfig::DEFAULT_RESPONSE_APART_ABOVE
-        },
-        ..RunnerConfig::default()
-    };
+        });
     let runner = Runner::<E>::on(engine.clone(), config).with_crash_hook(hook);
     let workflow = Arc::new(workflow::workflow::<E>(&shared, LEASE));
     let resumers = setup
@@ -661,12 +659,10 @@ where
             registry
                 .register(workflow.clone())
                 .unwrap_or_else(|_| unreachable!("one workflow"));
-            let config = ResumerConfig {
-                batch_size,
-                concurrency,
-                retention: None,
-                ..ResumerConfig::default()
-            };
+            let config = ResumerConfig::default()
+                .with_batch_size(batch_size)
+                .with_concurrency(concurrency)
+                .with_retention(None);
             (
                 Resumer::with_config(runner.clone(), registry, config),
                 Arc::new(AtomicBool::new(false)),
@@ -1474,12 +1470,10 @@ impl<E: SimEngine> World<E> {
             .done_within(&self.shared.tenant, RETENTION)
             .await;
         // What a worker runs: batched deletes, or on the partitioned layout partition drops.
-        let retention = idemflow_runner::Retention {
-            keep_for: RETENTION,
-            batch_size: 100,
-            max_rows_per_second: None,
-            ..idemflow_runner::Retention::default()
-        };
+        let retention = idemflow_runner::Retention::default()
+            .with_keep_for(RETENTION)
+            .with_batch_size(100)
+            .with_max_rows_per_second(None);
         let deleted = retention.expire(&self.engine).await;
         self.shared.log().counts.expiries += 1;
         self.shared

@@ -260,13 +260,12 @@ impl<E: ForeignSimEngine> Drop for CallGuard<'_, E> {
 
 /// Quick retries and no give-up: the schedule's faults are transient, and every key must end.
 fn policy() -> RetryPolicy {
-    RetryPolicy {
-        max_attempts: 1000,
-        initial_backoff: Duration::from_millis(1),
-        max_backoff: Duration::from_millis(1),
-        multiplier: 1.0,
-        jitter: 0.0,
-    }
+    RetryPolicy::default()
+        .with_max_attempts(1000)
+        .with_initial_backoff(Duration::from_millis(1))
+        .with_max_backoff(Duration::from_millis(1))
+        .with_multiplier(1.0)
+        .with_jitter(0.0)
 }
 
 async fn charge_at<E: ForeignSimEngine>(
@@ -488,15 +487,13 @@ pub(crate) async fn run<E: ForeignSimEngine>(
     let keyring = setup
         .sealed
         .then(|| Keyring::new("sim", [7; 32]).unwrap_or_else(|_| unreachable!("a valid key id")));
-    let config = RunnerConfig {
-        keyring,
-        response_apart_above: if setup.apart {
+    let config = RunnerConfig::default()
+        .with_keyring(keyring)
+        .with_response_apart_above(if setup.apart {
             0
         } else {
             RunnerConfig::DEFAULT_RESPONSE_APART_ABOVE
-        },
-        ..RunnerConfig::default()
-    };
+        });
     let runner =
         Runner::<E>::on(engine.clone(), config).with_crash_hook(Arc::new(Hook(shared.clone())));
     let workflow = Arc::new(
@@ -515,12 +512,10 @@ pub(crate) async fn run<E: ForeignSimEngine>(
             registry
                 .register(workflow.clone())
                 .unwrap_or_else(|_| unreachable!("one workflow"));
-            let config = ResumerConfig {
-                batch_size,
-                concurrency: 1,
-                retention: None,
-                ..ResumerConfig::default()
-            };
+            let config = ResumerConfig::default()
+                .with_batch_size(batch_size)
+                .with_concurrency(1)
+                .with_retention(None);
             (
                 Arc::new(Resumer::with_config(runner.clone(), registry, config)),
                 Arc::new(AtomicBool::new(false)),
