@@ -315,7 +315,7 @@ async fn serve_on<E: Shop>(pool: PoolOf<E>, args: ServeArgs) -> Result<ExitCode,
         (runner, None)
     };
     // IDEMFLOW_CRASH_AT=<crash point>: the process stops there for real (tests kill it).
-    let runner = match service::ProcessCrash::from_env() {
+    let runner = match idemflow_testkit::crash::ProcessCrash::from_env(service::CRASH_ENV) {
         Some(hook) => runner.with_crash_hook(hook),
         None => runner,
     };

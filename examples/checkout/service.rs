@@ -242,43 +242,9 @@ async fn crash_header(
 }
 
 /// The environment variable naming a crash point at which the whole process stops, for tests that
-/// kill it there for real (SIGKILL) and let a separate worker finish the request.
+/// kill it there for real (SIGKILL) and let a separate worker finish the request
+/// (`idemflow_testkit::crash::ProcessCrash`).
 pub const CRASH_ENV: &str = "IDEMFLOW_CRASH_AT";
-
-/// Stops the process at one crash point: prints `crash point reached: <point>` and then makes no
-/// further progress on that run, as a hung or dying process would, until it is killed.
-#[derive(Debug)]
-pub struct ProcessCrash {
-    point: String,
-}
-
-impl ProcessCrash {
-    /// The hook `IDEMFLOW_CRASH_AT` asks for, if it is set.
-    pub fn from_env() -> Option<Arc<Self>> {
-        let point = std::env::var(CRASH_ENV).ok()?;
-        Some(Arc::new(Self { point }))
-    }
-}
-
-#[idemflow::async_trait]
-impl CrashHook for ProcessCrash {
-    async fn crash_at(&self, point: &CrashPoint, _: &TenantId, _: &Key) -> bool {
-        if point.to_string() != self.point {
-            return false;
-        }
-        {
-            use std::io::Write;
-            let mut stdout = std::io::stdout().lock();
-            let _ = writeln!(stdout, "crash point reached: {point}");
-            let _ = stdout.flush();
-        }
-        // Never returns: this run is frozen where it stands, its transaction open or its call
-        // made, until the process is killed.
-        loop {
-            std::thread::park();
-        }
-    }
-}
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]

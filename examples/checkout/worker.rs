@@ -78,7 +78,7 @@ pub async fn run<E: Shop>(
     );
     let runner = Runner::<E>::on(pool, idemflow::RunnerConfig::default());
     // IDEMFLOW_CRASH_AT=<crash point>: the worker stops there for real too (tests kill it).
-    let runner = match crate::service::ProcessCrash::from_env() {
+    let runner = match idemflow_testkit::crash::ProcessCrash::from_env(crate::service::CRASH_ENV) {
         Some(hook) => runner.with_crash_hook(hook),
         None => runner,
     };

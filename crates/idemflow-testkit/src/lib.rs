@@ -34,10 +34,12 @@
 //!
 //! [`explorer`] proves a workflow crash-safe: it crashes it at every step boundary, breaks its
 //! provider calls the ways networks break, recovers each case by a resumer and by a client retry,
-//! and checks that nothing was done twice (docs/testing-your-workflows.md).
+//! and checks that nothing was done twice (docs/testing-your-workflows.md). [`crash`] stops a
+//! whole process at a crash point, for tests that kill a real process there.
 
 #![deny(missing_docs)]
 
+pub mod crash;
 pub mod explorer;
 pub mod provider;
 pub mod provider_client;
