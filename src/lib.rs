@@ -15,7 +15,25 @@
 //! - `http` (the `http` feature, on by default): the Idempotency-Key layer for axum/tower;
 //! - `client` (the `client` feature): a client that sends requests under Idempotency-Keys;
 //! - `redis` (the `redis` feature): keys in Redis, for workflows whose phases are all foreign;
-//! - [`consumer`]: the idempotent consumer, a message applied at most once per subscriber.
+//! - [`consumer`]: the idempotent consumer, a message applied at most once per subscriber;
+//! - [`metrics`]: the runner's metric catalogue.
+//!
+//! At the top level, what an application uses:
+//!
+//! | to | use |
+//! |---|---|
+//! | write a workflow | [`Workflow::builder`], [`LocalPhase`], [`ForeignPhase`], [`PhaseContext`], [`PhaseError`], [`PhaseResultExt`], [`RetryPolicy`], [`TerminalPolicy`], [`StoredResponse`], [`macro@async_trait`] |
+//! | run it | [`Runner`], [`RunnerConfig`], [`Request`], [`Outcome`], [`Rejection`], [`RunError`], [`TenantId`], [`Key`] |
+//! | finish what a crash left | [`Resumer`], [`ResumerConfig`], [`Registry`], [`DrainReport`], [`shutdown_signal`] |
+//! | expire old keys | [`Retention`], [`expire`], [`expire_paced`] |
+//! | choose an engine | [`PgPool`] with [`migrate`] (PostgreSQL), [`sqlite::open_file`], [`mysql::open`]; [`PgStore`], [`SqliteStore`], [`MySqlStore`]; [`PoolSettings`] |
+//! | write a local phase's SQL | [`sqlx`], [`PgConnection`], [`SqliteConnection`], [`MySqlConnection`] |
+//! | seal stored bodies | [`Keyring`] |
+//! | test crash points | [`CrashHook`], [`CrashPoint`] (and the `idemflow-testkit` crate) |
+//!
+//! The statement-level store functions, the engines' internals and the engine's own test rig are
+//! not part of this API: they live in `idemflow-pg`, `idemflow-store` and friends, whose
+//! interfaces change with the engine.
 
 #![deny(missing_docs)]
 
