@@ -39,6 +39,58 @@ enum Act {
     BreakAtCommit,
     /// A retryable failure asking for a wait of this many seconds (a provider's `Retry-After`).
     RetryAfterSecs(u64),
+    /// As `BreakAtCommit`, and the claim lock the attempt holds outlives its refused `COMMIT` by
+    /// [`LINGER`]: another session, waiting for the lock since before the `COMMIT`, gets it as
+    /// the transaction aborts and keeps it that long. The refused transaction's own session
+    /// does the same for a moment: PostgreSQL sends the `COMMIT`'s error before it aborts the
+    /// transaction and releases its locks.
+    BreakAtCommitLingering,
+}
+
+/// How long [`Act::BreakAtCommitLingering`] keeps the claim lock after the refused `COMMIT`.
+const LINGER: Duration = Duration::from_millis(300);
+
+/// The test's pool, for the session [`Act::BreakAtCommitLingering`] holds the lock on.
+static LINGER_POOL: std::sync::OnceLock<PgPool> = std::sync::OnceLock::new();
+
+/// Has another session wait for the advisory lock the phase's transaction (backend `pid`) holds,
+/// and keep it for [`LINGER`] once it has it; returns when that session is waiting.
+async fn linger_on_the_claim_lock(connection: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let (pid, lock): (i32, i64) = sqlx::query_as(
+        "SELECT pid, (classid::bigint << 32) | objid::bigint FROM pg_locks \
+         WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()",
+    )
+    .fetch_one(&mut *connection)
+    .await?;
+    let pool = LINGER_POOL.get().expect("set by the test").clone();
+    tokio::spawn(async move {
+        let mut other = pool.acquire().await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(lock)
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        tokio::time::sleep(LINGER).await;
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(lock)
+            .execute(&mut *other)
+            .await
+            .unwrap();
+    });
+    for _ in 0..500 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND pid <> $1",
+        )
+        .bind(pid)
+        .fetch_one(&mut *connection)
+        .await?;
+        if waiting == 1 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the other session never waited for the claim lock");
 }
 
 /// The acts of one phase, run by run; `Succeed` once the script is spent.
@@ -115,6 +167,14 @@ async fn act(
         Act::Unstorable => Ok("nul \u{0} inside".to_owned()),
         Act::BreakAtCommit => {
             let connection = connection.expect("a local phase");
+            sqlx::query("INSERT INTO orphans (parent) VALUES (42)")
+                .execute(connection)
+                .await?;
+            Ok("broken".to_owned())
+        }
+        Act::BreakAtCommitLingering => {
+            let connection = connection.expect("a local phase");
+            linger_on_the_claim_lock(connection).await?;
             sqlx::query("INSERT INTO orphans (parent) VALUES (42)")
                 .execute(connection)
                 .await?;
@@ -705,6 +765,39 @@ async fn a_refused_commit_counts_and_the_key_is_given_up_on(pool: PgPool) {
     assert_eq!(scripts.place.runs(), 3, "{outcomes:?}");
     assert_eq!(effects(&pool, "k", "place").await, 0);
     assert_eq!(stored(&pool, "k").await.unwrap().status, 500);
+}
+
+/// A client retry that took the key over and whose `COMMIT` is refused records its attempt,
+/// though the refused transaction's session still holds the claim lock for a moment after the
+/// error reached the runner (PostgreSQL reports the error, then aborts): the record waits for
+/// the lock rather than trying it once and answering 409 with the attempt unrecorded.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_takeover_whose_commit_is_refused_records_its_attempt_while_the_lock_lingers(
+    pool: PgPool,
+) {
+    tables(&pool).await;
+    LINGER_POOL.set(pool.clone()).unwrap();
+    let scripts = Scripts::default();
+    scripts
+        .place
+        .then(&[Act::Retryable, Act::BreakAtCommitLingering]);
+    let (runner, workflow) = (Runner::new(pool.clone()), scripts.local_only(5));
+    let outcomes = retry_until_done(&runner, &workflow, "k", 3).await;
+    assert!(
+        matches!(outcomes[1], Ok(Outcome::Interrupted { .. })),
+        "the takeover's refused attempt is recorded: {outcomes:?}"
+    );
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM idempotency_keys WHERE key = 'k'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 3, "{outcomes:?}");
+    let Some(Ok(Outcome::Executed(response))) = outcomes.last() else {
+        panic!("{outcomes:?}");
+    };
+    assert_eq!(response.status, 201);
+    assert_eq!(scripts.place.runs(), 3, "{outcomes:?}");
+    assert_eq!(effects(&pool, "k", "place").await, 1);
 }
 
 /// An output the store cannot hold (U+0000 in a string) fails its attempt before anything is

@@ -38,7 +38,7 @@ pub struct Retention {
     /// At most this many rows deleted per second: batches are spaced out so the requests
     /// running meanwhile get the CPU and the WAL between them. `None` runs batches back to back
     /// (as fast as the database goes). Default 20,000 rows/s: a day of 1,000,000 keys expires
-    /// in under a minute, and requests keep their latency (docs/benchmarks.md, workload 6).
+    /// in under a minute, and requests keep their latency (docs/benchmarks.md, the retention workload).
     pub max_rows_per_second: Option<u32>,
     /// How often a worker runs it. Default 60 s.
     pub every: Duration,

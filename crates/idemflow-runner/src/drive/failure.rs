@@ -383,12 +383,18 @@ impl<E: Engine> Drive<'_, E> {
             }
             Hold::TakeOver { seen } => {
                 let mut tx = begin_live::<E>(warm, workflow.limits()).await?;
-                // The attempt's transaction was given up mid-statement: its session still holds
-                // the uncommitted takeover until the server ends the statement. Waiting for it
-                // (bounded) is what lets this attempt be counted; trying, as a takeover does,
-                // found the lock taken, and every such retry answered 409 with nothing recorded.
-                if self.abandoned {
-                    let wait = abandoned_session_wait(workflow);
+                // The attempt's transaction was given up mid-statement, or its COMMIT refused:
+                // its session still holds the uncommitted takeover's claim lock until the server
+                // ends the statement, or aborts the transaction (it reports a refused COMMIT
+                // first). Waiting for the lock (bounded) is what lets this attempt be counted;
+                // trying it once, as a takeover does, found it taken, and such a retry answered
+                // 409 with nothing recorded.
+                if self.abandoned || self.commit_refused {
+                    let wait = if self.abandoned {
+                        abandoned_session_wait(workflow)
+                    } else {
+                        self.runner.config.database_timeout
+                    };
                     let (tenant, key) = (self.owner.tenant(), self.owner.key());
                     if !E::wait_for_claim_lock(&mut tx, tenant, key, wait).await? {
                         E::rollback(tx).await?;

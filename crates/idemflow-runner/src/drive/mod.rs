@@ -214,6 +214,10 @@ struct Drive<'r, E: Engine> {
     /// The claim's first `COMMIT` was refused (a deferred constraint): the claim vanished at a
     /// moment this owner knows, one round trip before its failure record claims the key again.
     claim_refused: bool,
+    /// The attempt's `COMMIT` was refused (a deferred constraint). PostgreSQL reports the error
+    /// before it aborts the transaction, so for a moment after the error arrives its session
+    /// still holds the transaction's locks: an uncommitted takeover's claim lock among them.
+    commit_refused: bool,
     /// The attempt's transaction was given up past a phase's time limit, its connection closed
     /// with a statement perhaps still running: until the server ends that statement, its session
     /// holds whatever the transaction locked (an uncommitted takeover's row and claim lock).
@@ -271,6 +275,7 @@ impl<E: Engine> Runner<E> {
             pending_foreign: None,
             lease_from,
             claim_refused: false,
+            commit_refused: false,
             abandoned: false,
         };
         let ran = match drive.enter(entry, last_error) {

@@ -151,6 +151,7 @@ impl<E: Engine> Drive<'_, E> {
                 .await?;
             if let Err(error) = commit_warm(open, runner).await? {
                 self.claim_refused = matches!(self.hold, Hold::Claim(_));
+                self.commit_refused = true;
                 return Err(Stop::failed(FailedAttempt::of(
                     charged.raw_name(),
                     charged.retry_policy(),
@@ -346,6 +347,7 @@ impl<E: Engine> Drive<'_, E> {
             // A deferred constraint, say: the effects, the response and an uncommitted hold
             // roll back together, and the attempt fails.
             self.claim_refused = matches!(self.hold, Hold::Claim(_));
+            self.commit_refused = true;
             return Err(Stop::failed(failure(database_error("committing", &error))));
         }
         self.hold = Hold::Committed;
