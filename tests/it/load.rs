@@ -2,7 +2,7 @@
 //! provider (in this process, so its ledger counts what was really charged): a duplicate storm
 //! over HTTP, and a mass crash of two services with requests in flight recovered by two worker
 //! processes. Every process is killed by its guard when a test fails. The same at full size, with
-//! the figures, is the benchmark's workloads 8 and 9 (docs/benchmarks.md).
+//! the figures, is the benchmark's provider-storm and mass-crash workloads (docs/benchmarks.md).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -1,17 +1,23 @@
+//! What one invocation measures, and how long: the full run, the quick smoke test, and `--only`.
+
 use std::time::Duration;
+
+use crate::workloads::{self, WORKLOADS};
 
 /// What one invocation measures, and how long.
 #[derive(Debug, Clone)]
 pub struct Config {
     /// The server to measure: a scratch database is created on it, used and dropped.
     pub database_url: String,
-    /// The MariaDB (or MySQL) server of workload 14: `MARIADB_URL`, else root at 127.0.0.1:3306.
+    /// The MariaDB (or MySQL) server of the mariadb workload: `MARIADB_URL`, else root at
+    /// 127.0.0.1:3306.
     pub mariadb_url: String,
-    /// The Redis server workload 15 runs on (under a prefix of its own).
+    /// The Redis server the redis workload runs on (under a prefix of its own).
     pub redis_url: String,
     /// Tiny counts for CI (a smoke test): only the counts are meant to be read.
     pub quick: bool,
-    /// Concurrent clients for workloads 1, 2, 3 and 7 (and pgbench).
+    /// Concurrent clients for the checkout, local-only, replay, http and pgbench workloads (and
+    /// the sqlite, mariadb and redis workloads' runs).
     pub clients: Vec<usize>,
     /// Each timed run, after its warm-up.
     pub duration: Duration,
@@ -21,65 +27,46 @@ pub struct Config {
     pub pgbench: bool,
     /// Finished keys seeded for the replay workloads.
     pub replay_keys: u64,
-    /// Workload 4: clients, keys per round, rounds.
+    /// The storm workload: clients, keys per round, rounds.
     pub storm_clients: usize,
     pub storm_keys: usize,
     pub storm_rounds: usize,
-    /// Workload 5: keys left at a recovery point, and the numbers of resumers draining them.
+    /// The drain workload: keys left at a recovery point, and the numbers of resumers draining
+    /// them.
     pub drain_keys: u64,
     pub drain_resumers: Vec<usize>,
-    /// Workload 6: finished keys to delete, the batch size, and workload 1's clients meanwhile.
+    /// The retention workload: finished keys to delete, the batch size, and the checkout
+    /// workload's clients meanwhile.
     pub retention_rows: u64,
     pub retention_batch: i64,
     pub retention_clients: usize,
-    /// Requests counted on the wire per workload (after a warm-up).
+    /// The wire workload: requests counted per variant (after a warm-up).
     pub wire_requests: u64,
-    /// Workload 8 (the duplicate storm through the mock provider): keys, sends per key, clients.
+    /// The provider-storm workload (the duplicate storm through the mock provider): keys, sends
+    /// per key, clients.
     pub provider_storm_keys: usize,
     pub provider_storm_duplicates: usize,
     pub provider_storm_clients: usize,
-    /// Workload 9 (the mass crash): checkout `serve` processes, keys sent to them (spread over
-    /// the ramp), the ramp, and the numbers of `worker` processes that recover them (a run each).
+    /// The mass-crash workload: checkout `serve` processes, keys sent to them (spread over the
+    /// ramp), the ramp, and the numbers of `worker` processes that recover them (a run each).
     pub crash_serves: usize,
     pub crash_keys: usize,
     pub crash_ramp: Duration,
     pub crash_workers: Vec<usize>,
-    /// Workload 11: serve and worker processes of the fleet, its keys, its HTTP clients.
+    /// The fleet workload: serve and worker processes of the fleet, its keys, its HTTP clients.
     pub fleet_serves: usize,
     pub fleet_workers: usize,
     pub fleet_requests: usize,
     pub fleet_clients: usize,
-    /// Workload 12 (partitioned expiry): finished keys expired by each variant (workload 6's
-    /// clients run meanwhile), the numbers of live partitions whose look-up and claim are
-    /// measured against the unpartitioned table, and the clients of those runs.
+    /// The partitioned-expiry workload: finished keys expired by each variant (the retention
+    /// workload's clients run meanwhile), the numbers of live partitions whose look-up and claim
+    /// are measured against the unpartitioned table, and the clients of those runs.
     pub partitioned_keys: u64,
     pub partition_counts: Vec<usize>,
     pub partitioned_clients: usize,
-    /// Only these sections run (`--only`); `None`: all of them.
+    /// Only these workloads run (`--only`), by name; `None`: all of them.
     pub only: Option<Vec<&'static str>>,
 }
-
-/// The sections a run can be limited to (`--only`), by name; workloads also by number (`--only
-/// 8,9`) or by their report identifier (`8-provider-storm`).
-pub const SECTIONS: &[(&str, &str)] = &[
-    ("wire", "wire"),
-    ("1", "checkout"),
-    ("2", "local-only"),
-    ("3", "replay"),
-    ("pgbench", "pgbench"),
-    ("4", "storm"),
-    ("5", "drain"),
-    ("6", "retention"),
-    ("7", "http"),
-    ("8", "provider-storm"),
-    ("9", "mass-crash"),
-    ("10", "large-responses"),
-    ("11", "fleet"),
-    ("12", "partitioned-expiry"),
-    ("13", "sqlite"),
-    ("14", "mariadb"),
-    ("15", "redis"),
-];
 
 impl Config {
     /// The full run documented in docs/benchmarks.md.
@@ -154,8 +141,8 @@ impl Config {
         }
     }
 
-    /// Limits the run to the named sections (see [`SECTIONS`]): a workload's number, its name, or
-    /// its report identifier (`8`, `provider-storm`, `8-provider-storm`), or `wire`, `pgbench`.
+    /// Limits the run to the named workloads: by name (`provider-storm`), or by the number its
+    /// report identifiers start with (`8`, `8-provider-storm`).
     pub fn select(&mut self, names: &[String]) -> Result<(), String> {
         let mut chosen = Vec::new();
         for name in names
@@ -163,32 +150,14 @@ impl Config {
             .map(|name| name.trim())
             .filter(|name| !name.is_empty())
         {
-            let found = SECTIONS.iter().find(|(short, long)| {
-                name == *short
-                    || name == *long
-                    || name
-                        .split_once('-')
-                        .is_some_and(|(number, rest)| number == *short && rest == *long)
-            });
-            match found {
-                Some(&(_, long)) => chosen.push(long),
-                None => {
-                    let known: Vec<String> = SECTIONS
-                        .iter()
-                        .map(|(short, long)| {
-                            if short == long {
-                                (*long).to_owned()
-                            } else {
-                                format!("{short} ({long})")
-                            }
-                        })
-                        .collect();
-                    return Err(format!(
-                        "--only {name}: no such workload; one of {}",
-                        known.join(", ")
-                    ));
-                }
-            }
+            let Some(workload) = workloads::find(name) else {
+                let known: Vec<&str> = WORKLOADS.iter().map(|workload| workload.name).collect();
+                return Err(format!(
+                    "--only {name}: no such workload; one of {}",
+                    known.join(", ")
+                ));
+            };
+            chosen.push(workload.name);
         }
         if chosen.is_empty() {
             return Err("--only names no workload".to_owned());
@@ -197,11 +166,11 @@ impl Config {
         Ok(())
     }
 
-    /// Whether a section runs: by its name in [`SECTIONS`] (`checkout`, `mass-crash`, ...).
-    pub fn runs(&self, section: &str) -> bool {
+    /// Whether a workload runs, by its name (`checkout`, `mass-crash`, ...).
+    pub fn runs(&self, workload: &str) -> bool {
         self.only
             .as_ref()
-            .is_none_or(|only| only.contains(&section))
+            .is_none_or(|only| only.contains(&workload))
     }
 
     /// The client count the targets are judged at: 32 when measured, else the largest.
@@ -219,7 +188,32 @@ mod tests {
     use super::Config;
 
     #[test]
-    fn only_takes_numbers_names_and_report_identifiers() {
+    fn only_takes_names() {
+        let mut config = Config::quick("postgres://localhost/x");
+        let names = [
+            "checkout",
+            " provider-storm",
+            "partitioned-expiry",
+            "pgbench",
+        ];
+        assert_eq!(config.select(&names.map(str::to_owned)), Ok(()));
+        assert_eq!(
+            config.only.as_deref(),
+            Some(
+                &[
+                    "checkout",
+                    "provider-storm",
+                    "partitioned-expiry",
+                    "pgbench"
+                ][..]
+            )
+        );
+        assert!(config.runs("partitioned-expiry") && !config.runs("replay"));
+        assert!(config.select(&["provider".to_owned()]).is_err());
+    }
+
+    #[test]
+    fn only_takes_numbers_and_report_identifiers() {
         let mut config = Config::quick("postgres://localhost/x");
         assert!(config.runs("checkout") && config.runs("mass-crash"));
         let names = ["8-provider-storm", " 9", "wire"].map(str::to_owned);

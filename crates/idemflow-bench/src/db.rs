@@ -248,6 +248,11 @@ async fn statements_unavailable(pool: &PgPool) -> Option<String> {
     }
 }
 
+/// `text` as an SQL string literal.
+pub fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
 /// Connects once, for the machine description.
 pub async fn server_facts(scratch: &Scratch) -> Result<Vec<(String, String)>, Error> {
     let mut facts = Vec::new();

@@ -1,8 +1,11 @@
-//! Workload 7: the checkout and the replay through the HTTP route (idemflow_http's
+//! The http workload: the checkout and the replay through the HTTP route (idemflow_http's
 //! WorkflowService under axum) on 127.0.0.1, driven by a reqwest client over loopback, and the
-//! same through a hand-written axum handler sending the raw statements (the HTTP baseline).
+//! same through a hand-written axum handler sending the raw statements (the HTTP baseline),
+//! interleaved at each client count. The server and client here also serve the wire, sqlite,
+//! mariadb and redis workloads.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -18,7 +21,90 @@ use tokio::task::JoinHandle;
 
 use crate::Error;
 use crate::raw::{self, Shape};
-use crate::workflows::{BODY, PATH, TENANT};
+use crate::report::{HTTP, HTTP_CHECKOUT, HTTP_RAW, HTTP_REPLAY, Report, Target, over};
+use crate::requests::{fresh_key, replay_key};
+use crate::timed::{Op, Sample, interleaved, timed};
+use crate::workflows::{self, BODY, PATH, TENANT};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "http",
+    number: Some(7),
+    measures: "checkout and replay through the HTTP route vs a hand-written axum handler",
+    runs: Runs::AtEachClientCount(run),
+    targets: Some(targets),
+    section: None,
+};
+
+const PLAN: &[(&str, &str)] = &[
+    (HTTP_CHECKOUT, HTTP),
+    (HTTP_CHECKOUT, HTTP_RAW),
+    (HTTP_REPLAY, HTTP),
+    (HTTP_REPLAY, HTTP_RAW),
+];
+
+fn run<'a>(ctx: &'a Ctx<'a>, clients: usize, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        report
+            .runs
+            .extend(interleaved(ctx, clients, PLAN, sample).await?);
+        Ok(())
+    })
+}
+
+/// A timed sample: POSTs from `clients` clients to the engine's route, or to the hand-written
+/// handler for [`HTTP_RAW`]; new keys, or the seeded finished keys for [`HTTP_REPLAY`].
+fn sample<'a>(
+    ctx: &'a Ctx<'a>,
+    workload: &'static str,
+    variant: &'static str,
+    clients: usize,
+    duration: Duration,
+) -> BoxFuture<'a, Sample> {
+    Box::pin(async move {
+        let mark = ctx.scratch.mark().await?;
+        let pool = ctx.scratch.pool(clients).await?;
+        let server = if variant == HTTP_RAW {
+            serve_raw(pool.clone(), ctx.shape.clone()).await?
+        } else {
+            serve(
+                Runner::new(pool.clone()),
+                Arc::new(workflows::checkout(None)?),
+            )
+            .await?
+        };
+        let client = client(clients)?;
+        let replay_keys = (workload == HTTP_REPLAY).then_some(ctx.config.replay_keys);
+        let prefix = ctx.prefix(workload);
+        let shared = Arc::new((client, server.url.clone()));
+        let op: Op = Arc::new(move |client_id, sequence| {
+            let shared = shared.clone();
+            let key = match replay_keys {
+                Some(keys) => replay_key(client_id, sequence, keys),
+                None => fresh_key(&prefix, client_id, sequence),
+            };
+            Box::pin(async move {
+                let (client, url) = &*shared;
+                post(client, url, &key, replay_keys.is_some()).await?;
+                Ok(None)
+            })
+        });
+        let sample = timed(ctx, clients, duration, pool, mark, op).await;
+        drop(server);
+        sample
+    })
+}
+
+/// The engine's route ÷ the hand-written handler ≥ 0.9×, for the checkout and the replay.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    for workload in [HTTP_CHECKOUT, HTTP_REPLAY] {
+        targets.push(Target::ratio(
+            report.target_name(workload, HTTP),
+            over(report.rate(workload, HTTP), report.rate(workload, HTTP_RAW)),
+            0.9,
+        ));
+    }
+}
 
 /// The HTTP service, serving until dropped.
 #[derive(Debug)]

@@ -1,10 +1,12 @@
-//! Workload 10: large responses, in the key's row or apart (`RunnerConfig::response_apart_above`).
+//! The large-responses workload: bodies in the key's row or apart
+//! (`RunnerConfig::response_apart_above`).
 //! For each body size (1 KiB, 64 KiB, 1 MiB) and each placement, in turn on the same tables: the
 //! keys are executed through the engine (a one-phase workflow answering with a body of that
 //! size), then measured: the bytes each key added to the keys table's heap, to its TOAST table
 //! and to the table of bodies apart; replays per second through the engine against the raw select
 //! of the same bytes, interleaved; and the time retention takes per key to delete them.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,8 +20,17 @@ use sqlx::postgres::PgPoolOptions;
 
 use crate::Error;
 use crate::config::Config;
-use crate::db::Scratch;
-use crate::report::LargeResponse;
+use crate::report::{LargeResponse, Report};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "large-responses",
+    number: Some(10),
+    measures: "bodies of 1 KiB to 1 MiB in the row or apart: table bytes, replays, retention",
+    runs: Runs::Once(run),
+    targets: None,
+    section: Some(section),
+};
 
 const WORKFLOW: &str = "large-response.v1";
 const CLIENTS: usize = 8;
@@ -91,163 +102,233 @@ async fn sizes_now(pool: &PgPool, schema: &str) -> Result<(i64, i64, i64), Error
     .await?)
 }
 
-pub async fn run(
-    config: &Config,
-    scratch: &Scratch,
-    tenant: &TenantId,
-    prefix: &str,
-) -> Result<Vec<LargeResponse>, Error> {
-    let workflow = Arc::new(workflow()?);
-    let duration = if config.quick {
-        Duration::from_millis(300)
-    } else {
-        Duration::from_secs(3)
-    };
-    let mut results = Vec::new();
-    for (bytes, keys) in sizes(config) {
-        for apart in [false, true] {
-            let place = if apart { "apart" } else { "row" };
-            // Each variant in fresh tables of its own (a schema first on the search path), so
-            // the sizes are what its keys took, not space another variant freed.
-            let schema = format!("large_{bytes}_{place}");
-            scratch.execute(&format!("CREATE SCHEMA {schema}")).await?;
-            let connect = scratch
-                .connect
-                .clone()
-                .options([("search_path", schema.as_str())]);
-            let pool = PgPoolOptions::new()
-                .max_connections(u32::try_from(CLIENTS + 2)?)
-                .test_before_acquire(false)
-                .connect_with(connect)
-                .await?;
-            idemflow::migrate(&pool).await?;
-            let runner = Runner::with_config(
-                pool.clone(),
-                RunnerConfig::default().with_response_apart_above(if apart {
-                    0
-                } else {
-                    usize::MAX
-                }),
-            );
-            let names: Vec<String> = (0..keys)
-                .map(|i| format!("{prefix}-{bytes}-{place}-{i}"))
-                .collect();
-            let body = serde_json::to_vec(&Ask { bytes })?;
-            let before = sizes_now(&pool, &schema).await?;
-            for chunk in names.chunks(CLIENTS) {
-                let mut tasks = tokio::task::JoinSet::new();
-                for name in chunk {
-                    let (runner, workflow, tenant) =
-                        (runner.clone(), workflow.clone(), tenant.clone());
-                    let (name, body) = (name.clone(), body.clone());
-                    tasks.spawn(async move {
-                        let key = Key::parse(&name)?;
-                        let request = idemflow::Request {
-                            method: "POST",
-                            path: "/v1/reports",
-                            body: &body,
-                        };
-                        match runner.run(&workflow, &tenant, &key, request).await? {
-                            Outcome::Executed(_) => Ok::<(), Error>(()),
-                            other => Err(format!("{name}: {other:?}").into()),
-                        }
-                    });
-                }
-                while let Some(done) = tasks.join_next().await {
-                    done??;
-                }
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        let prefix = ctx.prefix("large");
+        let workflow = Arc::new(workflow()?);
+        for (bytes, keys) in sizes(ctx.config) {
+            for apart in [false, true] {
+                let variant = Variant {
+                    bytes,
+                    keys,
+                    apart,
+                    prefix: &prefix,
+                };
+                let measured = variant.measure(ctx, &workflow).await?;
+                report.large_responses.push(measured);
             }
-            let after = sizes_now(&pool, &schema).await?;
-            let per_key = |from: i64, to: i64| (to - from) as f64 / keys as f64;
+        }
+        Ok(())
+    })
+}
 
-            let engine = replays(duration, &names, {
-                let (runner, workflow, tenant, body) = (
-                    runner.clone(),
-                    workflow.clone(),
-                    tenant.clone(),
-                    body.clone(),
-                );
-                move |name: String| {
-                    let (runner, workflow, tenant, body) = (
-                        runner.clone(),
-                        workflow.clone(),
-                        tenant.clone(),
-                        body.clone(),
-                    );
-                    async move {
-                        let key = Key::parse(&name)?;
-                        let request = idemflow::Request {
-                            method: "POST",
-                            path: "/v1/reports",
-                            body: &body,
-                        };
-                        match runner.run(&workflow, &tenant, &key, request).await? {
-                            Outcome::Replayed(response) if response.body.len() == bytes => Ok(()),
-                            other => Err(format!("{name}: {other:?}").into()),
-                        }
-                    }
+/// One body size in one placement.
+struct Variant<'a> {
+    bytes: usize,
+    keys: u64,
+    apart: bool,
+    prefix: &'a str,
+}
+
+impl Variant<'_> {
+    fn place(&self) -> &'static str {
+        if self.apart { "apart" } else { "row" }
+    }
+
+    /// Each variant in fresh tables of its own (a schema first on the search path), so the sizes
+    /// are what its keys took, not space another variant freed.
+    async fn measure(
+        &self,
+        ctx: &Ctx<'_>,
+        workflow: &Arc<Workflow>,
+    ) -> Result<LargeResponse, Error> {
+        let schema = format!("large_{}_{}", self.bytes, self.place());
+        ctx.scratch
+            .execute(&format!("CREATE SCHEMA {schema}"))
+            .await?;
+        let connect = ctx
+            .scratch
+            .connect
+            .clone()
+            .options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(u32::try_from(CLIENTS + 2)?)
+            .test_before_acquire(false)
+            .connect_with(connect)
+            .await?;
+        idemflow::migrate(&pool).await?;
+        let runner = Runner::with_config(
+            pool.clone(),
+            RunnerConfig::default().with_response_apart_above(if self.apart {
+                0
+            } else {
+                usize::MAX
+            }),
+        );
+        let engine = Engine {
+            runner,
+            workflow: workflow.clone(),
+            tenant: ctx.tenant.clone(),
+            body: serde_json::to_vec(&Ask { bytes: self.bytes })?,
+        };
+        let names: Vec<String> = (0..self.keys)
+            .map(|i| format!("{}-{}-{}-{i}", self.prefix, self.bytes, self.place()))
+            .collect();
+        let result = self.measured(ctx, &pool, &schema, &engine, &names).await;
+        pool.close().await;
+        ctx.scratch
+            .execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await?;
+        result
+    }
+
+    /// The keys executed, then the bytes they took, replays against the raw select, retention.
+    async fn measured(
+        &self,
+        ctx: &Ctx<'_>,
+        pool: &PgPool,
+        schema: &str,
+        engine: &Engine,
+        names: &[String],
+    ) -> Result<LargeResponse, Error> {
+        let duration = if ctx.config.quick {
+            Duration::from_millis(300)
+        } else {
+            Duration::from_secs(3)
+        };
+        let before = sizes_now(pool, schema).await?;
+        execute(engine, names).await?;
+        let after = sizes_now(pool, schema).await?;
+        let per_key = |from: i64, to: i64| (to - from) as f64 / self.keys as f64;
+        let replays_per_second = replays(duration, names, engine.replay(self.bytes)).await?;
+        let raw = replays(
+            duration,
+            names,
+            raw_select(pool, &ctx.tenant, self.bytes, self.apart),
+        )
+        .await?;
+        Ok(LargeResponse {
+            body_bytes: self.bytes,
+            apart: self.apart,
+            keys: self.keys,
+            heap_bytes_per_key: per_key(before.0, after.0),
+            toast_bytes_per_key: per_key(before.1, after.1),
+            apart_bytes_per_key: per_key(before.2, after.2),
+            replays_per_second,
+            raw_selects_per_second: raw,
+            retention_micros_per_key: retention_micros_per_key(pool, self.keys).await?,
+        })
+    }
+}
+
+/// What the variant's requests run: the runner, the workflow, the tenant, the request's body.
+#[derive(Clone)]
+struct Engine {
+    runner: Runner,
+    workflow: Arc<Workflow>,
+    tenant: TenantId,
+    body: Vec<u8>,
+}
+
+impl Engine {
+    async fn send(&self, name: &str) -> Result<Outcome, Error> {
+        let key = Key::parse(name)?;
+        let request = idemflow::Request {
+            method: "POST",
+            path: "/v1/reports",
+            body: &self.body,
+        };
+        Ok(self
+            .runner
+            .run(&self.workflow, &self.tenant, &key, request)
+            .await?)
+    }
+
+    /// A replay that must answer `bytes` bytes.
+    fn replay(
+        &self,
+        bytes: usize,
+    ) -> impl Fn(String) -> BoxFuture<'static, ()> + Clone + Send + 'static {
+        let engine = self.clone();
+        move |name: String| {
+            let engine = engine.clone();
+            Box::pin(async move {
+                match engine.send(&name).await? {
+                    Outcome::Replayed(response) if response.body.len() == bytes => Ok(()),
+                    other => Err(format!("{name}: {other:?}").into()),
                 }
             })
-            .await?;
-            let raw = replays(duration, &names, {
-                let (pool, tenant) = (pool.clone(), tenant.to_string());
-                move |name: String| {
-                    let (pool, tenant) = (pool.clone(), tenant.clone());
-                    async move {
-                        let body: Option<Vec<u8>> =
-                            sqlx::query_scalar(if apart { RAW_APART } else { RAW_ROW })
-                                .bind(&tenant)
-                                .bind(&name)
-                                .fetch_optional(&pool)
-                                .await?;
-                        match body {
-                            Some(body) if body.len() == bytes => Ok(()),
-                            other => {
-                                Err(format!("{name}: {:?} bytes", other.map(|b| b.len())).into())
-                            }
-                        }
-                    }
-                }
-            })
-            .await?;
-
-            sqlx::query(
-                "UPDATE idempotency_keys SET finished_at = now() - interval '2 days' \
-                 WHERE workflow = $1",
-            )
-            .bind(WORKFLOW)
-            .execute(&pool)
-            .await?;
-            let began = Instant::now();
-            let expired = idemflow::expire(&pool, Duration::from_secs(86_400), BATCH).await?;
-            let retention = began.elapsed();
-            if expired != keys {
-                return Err(format!("retention deleted {expired} of {keys} keys").into());
-            }
-            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_responses")
-                .fetch_one(&pool)
-                .await?;
-            if left != 0 {
-                return Err(format!("{left} bodies apart outlived their keys").into());
-            }
-            results.push(LargeResponse {
-                body_bytes: bytes,
-                apart,
-                keys,
-                heap_bytes_per_key: per_key(before.0, after.0),
-                toast_bytes_per_key: per_key(before.1, after.1),
-                apart_bytes_per_key: per_key(before.2, after.2),
-                replays_per_second: engine,
-                raw_selects_per_second: raw,
-                retention_micros_per_key: retention.as_secs_f64() * 1e6 / keys as f64,
-            });
-            pool.close().await;
-            scratch
-                .execute(&format!("DROP SCHEMA {schema} CASCADE"))
-                .await?;
         }
     }
-    Ok(results)
+}
+
+/// Executes every key through the engine, [`CLIENTS`] at a time.
+async fn execute(engine: &Engine, names: &[String]) -> Result<(), Error> {
+    for chunk in names.chunks(CLIENTS) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for name in chunk {
+            let (engine, name) = (engine.clone(), name.clone());
+            tasks.spawn(async move {
+                match engine.send(&name).await? {
+                    Outcome::Executed(_) => Ok::<(), Error>(()),
+                    other => Err(format!("{name}: {other:?}").into()),
+                }
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done??;
+        }
+    }
+    Ok(())
+}
+
+/// The raw baseline's read of a body of `bytes` bytes, from the row or from the table apart.
+fn raw_select(
+    pool: &PgPool,
+    tenant: &TenantId,
+    bytes: usize,
+    apart: bool,
+) -> impl Fn(String) -> BoxFuture<'static, ()> + Clone + Send + 'static {
+    let (pool, tenant) = (pool.clone(), tenant.to_string());
+    move |name: String| {
+        let (pool, tenant) = (pool.clone(), tenant.clone());
+        Box::pin(async move {
+            let body: Option<Vec<u8>> = sqlx::query_scalar(if apart { RAW_APART } else { RAW_ROW })
+                .bind(&tenant)
+                .bind(&name)
+                .fetch_optional(&pool)
+                .await?;
+            match body {
+                Some(body) if body.len() == bytes => Ok(()),
+                other => Err(format!("{name}: {:?} bytes", other.map(|b| b.len())).into()),
+            }
+        })
+    }
+}
+
+/// Retention's time per key: the variant's keys made old, then deleted in batches of
+/// [`BATCH`], back to back; their bodies apart must go with them.
+async fn retention_micros_per_key(pool: &PgPool, keys: u64) -> Result<f64, Error> {
+    sqlx::query(
+        "UPDATE idempotency_keys SET finished_at = now() - interval '2 days' \
+         WHERE workflow = $1",
+    )
+    .bind(WORKFLOW)
+    .execute(pool)
+    .await?;
+    let began = Instant::now();
+    let expired = idemflow::expire(pool, Duration::from_secs(86_400), BATCH).await?;
+    let retention = began.elapsed();
+    if expired != keys {
+        return Err(format!("retention deleted {expired} of {keys} keys").into());
+    }
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_responses")
+        .fetch_one(pool)
+        .await?;
+    if left != 0 {
+        return Err(format!("{left} bodies apart outlived their keys").into());
+    }
+    Ok(retention.as_secs_f64() * 1e6 / keys as f64)
 }
 
 /// The raw baselines: the body by primary key, from the row or from the table of bodies apart.
@@ -281,4 +362,32 @@ where
         total += done??;
     }
     Ok(total as f64 / began.elapsed().as_secs_f64())
+}
+
+fn section(report: &Report, out: &mut String) {
+    if report.large_responses.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nlarge responses (10): bytes per key added to the keys heap / its TOAST / the \
+         bodies apart; replays/s (8 clients) engine vs raw select of the same bytes; retention µs per key"
+    );
+    for row in &report.large_responses {
+        let _ = writeln!(
+            out,
+            "  {:>8} B {:<6} {:>5} keys: heap {:>7.0}  toast {:>8.0}  apart {:>8.0}   \
+             replays {:>7.0}/s  raw {:>7.0}/s  ({:.2}×)   retention {:>6.1} µs/key",
+            row.body_bytes,
+            if row.apart { "apart" } else { "in row" },
+            row.keys,
+            row.heap_bytes_per_key,
+            row.toast_bytes_per_key,
+            row.apart_bytes_per_key,
+            row.replays_per_second,
+            row.raw_selects_per_second,
+            row.replays_per_second / row.raw_selects_per_second,
+            row.retention_micros_per_key
+        );
+    }
 }

@@ -3,37 +3,54 @@
 //! no engine) and pgbench (the same statements from C) run in the same invocation, on a scratch
 //! database of its own. See docs/benchmarks.md.
 //!
-//! The binary is a thin shell over [`run`]; the CI smoke test calls [`run`] with
-//! [`Config::quick`].
+//! Each workload is a module of its own, listed with its name, what it measures, how it runs and
+//! how it is judged in one registry (`workloads::WORKLOADS`, in run order); [`run`] runs the ones
+//! the configuration selects. The binary is a thin shell over [`run`]; the CI smoke test calls
+//! [`run`] with [`Config::quick`].
 
-mod config;
-mod db;
+// The workloads, one module each (their run order is `workloads::WORKLOADS`).
+mod checkout;
+mod drain;
 mod fleet;
 mod http;
 mod large_responses;
-mod load;
+mod local_only;
 pub mod mariadb;
 mod mass_crash;
 mod partitioned;
 mod pgbench;
 mod provider_storm;
-mod raw;
 pub mod redis;
-pub mod report;
+mod replay;
+mod retention;
 mod sqlite;
+mod storm;
+mod wire;
+
+// What they share.
+mod config;
+mod db;
+mod load;
+mod machine;
+mod processes;
+mod raw;
+pub mod report;
+mod requests;
 mod sqlite_runner;
+mod timed;
 mod wire_counts;
 mod workflows;
 mod workloads;
 
 use std::time::Instant;
 
-pub use config::{Config, SECTIONS};
+pub use config::Config;
 pub use db::ServerCounts;
 pub use load::LatencySummary;
 pub use report::Report;
 pub use sqlite_runner::{CHILD as SQLITE_CHILD, child as sqlite_child};
 pub use wire_counts::WireCount;
+pub use workloads::catalogue;
 
 /// Any failure: the benchmark stops at the first one (a run with failed requests means nothing).
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -45,11 +62,11 @@ pub const DOCUMENTED_CHECKOUT: (u64, u64) = (2, 7 + 2);
 pub const DOCUMENTED_LOCAL_ONLY: (u64, u64) = (1, 4 + 1);
 pub const DOCUMENTED_REPLAY: (u64, u64) = (0, 1);
 
-/// Runs every workload against a scratch database on `config.database_url`, which is dropped
-/// at the end whatever happens.
+/// Runs the workloads `config` selects against a scratch database on `config.database_url`,
+/// which is dropped at the end whatever happens.
 pub async fn run(config: &Config) -> Result<Report, Error> {
     let started = Instant::now();
-    let load_start = workloads::load_average();
+    let load_start = machine::load_average();
     let scratch = db::Scratch::create(&config.database_url).await?;
     eprintln!("idemflow-bench: scratch database {}", scratch.name);
     let result = workloads::all(config, &scratch).await;
@@ -57,7 +74,7 @@ pub async fn run(config: &Config) -> Result<Report, Error> {
     let mut report = result?;
     dropped?;
     report.machine.load_average_start = load_start;
-    report.machine.load_average_end = workloads::load_average();
+    report.machine.load_average_end = machine::load_average();
     report.seconds = started.elapsed().as_secs_f64();
     Ok(report)
 }

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use idemflow_bench::Config;
+use idemflow_bench::{Config, Report};
 
 /// Benchmarks idemflow on PostgreSQL against a raw sqlx baseline and pgbench, in a scratch
 /// database created and dropped by this run.
@@ -31,27 +31,54 @@ struct Args {
     /// Skip pgbench even where it is installed
     #[arg(long)]
     no_pgbench: bool,
-    /// Run only these, comma-separated: workload numbers or names (1 checkout, 2 local-only,
-    /// 3 replay, 4 storm, 5 drain, 6 retention, 7 http, 8 provider-storm, 9 mass-crash,
-    /// 10 large-responses, 11 fleet, 12 partitioned-expiry, 13 sqlite, 14 mariadb, 15 redis), wire, pgbench [default: $IDEMFLOW_BENCH_ONLY, else all]
-    #[arg(long, value_delimiter = ',', value_name = "WORKLOADS")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "WORKLOADS",
+        help = only_help(),
+        long_help = only_long_help()
+    )]
     only: Option<Vec<String>>,
     /// The server (a scratch database is created on it); default $DATABASE_URL
     #[arg(long)]
     database_url: Option<String>,
-    /// The MariaDB or MySQL server of workload 14 (a scratch database is created on it);
-    /// default $MARIADB_URL, else mysql://root@127.0.0.1:3306/test
+    /// The MariaDB or MySQL server of the mariadb workload (a scratch database is created on
+    /// it); default $MARIADB_URL, else mysql://root@127.0.0.1:3306/test
     #[arg(long)]
     mariadb_url: Option<String>,
-    /// The Redis server of workload 15 (keys under a prefix of its own, deleted after);
+    /// The Redis server of the redis workload (keys under a prefix of its own, deleted after);
     /// default $REDIS_URL, else redis://127.0.0.1:6379
     #[arg(long)]
     redis_url: Option<String>,
 }
 
+/// `--only` in short: the workloads' names, from the registry.
+fn only_help() -> String {
+    let names: Vec<&str> = idemflow_bench::catalogue()
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    format!(
+        "Run only these workloads, comma-separated: {} [default: $IDEMFLOW_BENCH_ONLY, else all]",
+        names.join(", ")
+    )
+}
+
+/// `--only` in full: each workload's name and what it measures, in the order they run.
+fn only_long_help() -> String {
+    let mut help = "Run only these workloads, comma-separated, by name (the numbers that begin \
+                    their identifiers in the report, such as 8 in 8-provider-storm, are accepted \
+                    too) [default: $IDEMFLOW_BENCH_ONLY, else all]. In the order they run:\n"
+        .to_owned();
+    for (name, measures) in idemflow_bench::catalogue() {
+        help.push_str(&format!("\n  {name:<19} {measures}"));
+    }
+    help
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    // A child process of workload 13's several-processes measurement: count, print, exit.
+    // A child process of the sqlite workload's several-processes measurement: count, print, exit.
     if let Ok(spec) = std::env::var(idemflow_bench::SQLITE_CHILD) {
         return match idemflow_bench::sqlite_child(&spec).await {
             Ok(done) => {
@@ -65,15 +92,40 @@ async fn main() -> ExitCode {
         };
     }
     let args = Args::parse();
-    let Some(database_url) = args
+    let output = args.output.clone();
+    let config = match config(args) {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("idemflow-bench: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let report = match idemflow_bench::run(&config).await {
+        Ok(report) => report,
+        Err(error) => {
+            eprintln!("idemflow-bench: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{}", report.table());
+    match write(&report, &output) {
+        Ok(()) => {
+            println!("results written to {}", output.display());
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("idemflow-bench: writing {}: {error}", output.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The run the arguments ask for; else why they ask for none.
+fn config(args: Args) -> Result<Config, String> {
+    let database_url = args
         .database_url
         .or_else(|| std::env::var("DATABASE_URL").ok())
-    else {
-        eprintln!(
-            "idemflow-bench: set DATABASE_URL or pass --database-url (scripts/bench finds one)"
-        );
-        return ExitCode::from(2);
-    };
+        .ok_or("set DATABASE_URL or pass --database-url (scripts/bench finds one)")?;
     let mut config = if args.quick {
         Config::quick(database_url)
     } else {
@@ -103,36 +155,17 @@ async fn main() -> ExitCode {
             .filter(|names| !names.trim().is_empty())
             .map(|names| names.split(',').map(str::to_owned).collect())
     });
-    if let Some(names) = only
-        && let Err(message) = config.select(&names)
-    {
-        eprintln!("idemflow-bench: {message}");
-        return ExitCode::from(2);
+    if let Some(names) = only {
+        config.select(&names)?;
     }
-    let report = match idemflow_bench::run(&config).await {
-        Ok(report) => report,
-        Err(error) => {
-            eprintln!("idemflow-bench: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!("{}", report.table());
-    let written = args
-        .output
-        .parent()
-        .map_or(Ok(()), std::fs::create_dir_all)
-        .and_then(|()| {
-            let json = serde_json::to_vec_pretty(&report).map_err(std::io::Error::other)?;
-            std::fs::write(&args.output, json)
-        });
-    match written {
-        Ok(()) => {
-            println!("results written to {}", args.output.display());
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("idemflow-bench: writing {}: {error}", args.output.display());
-            ExitCode::FAILURE
-        }
+    Ok(config)
+}
+
+/// Writes the JSON result, creating its directory.
+fn write(report: &Report, output: &std::path::Path) -> std::io::Result<()> {
+    if let Some(directory) = output.parent() {
+        std::fs::create_dir_all(directory)?;
     }
+    let json = serde_json::to_vec_pretty(report).map_err(std::io::Error::other)?;
+    std::fs::write(output, json)
 }

@@ -1,15 +1,17 @@
-//! Workload 14: the engine on MariaDB (`Runner<MySqlStore>`, the checkout and one-phase
-//! workflows of workloads 1 to 3 with their local phases in MySQL's SQL) beside raw sqlx on
-//! MariaDB sending the statements a hand-written service would (the engine's own claim, advance
-//! and finish, no look-up before a new key's claim, no savepoint), on a scratch database of its
-//! own: checkout, local-only, run-replay, and through HTTP (workload 7's route and a
-//! hand-written handler), at each client count, engine and raw alternating in halves of the run.
+//! The mariadb workload: the engine on MariaDB (`Runner<MySqlStore>`, the checkout and one-phase
+//! workflows of the checkout, local-only and replay workloads with their local phases in MySQL's
+//! SQL) beside raw sqlx on MariaDB sending the statements a hand-written service would (the
+//! engine's own claim, advance and finish, no look-up before a new key's claim, no savepoint), on
+//! a scratch database of its own: checkout, local-only, run-replay, and through HTTP (the http
+//! workload's route and a hand-written handler), at each client count, engine and raw alternating
+//! in halves of the run.
 //!
 //! Then a storm of duplicates (each round, new keys sent by many clients at once, every copy at
 //! the same moment) through both, counting what clients were answered and InnoDB's deadlocks;
 //! and each operation's commits and round trips, counted on the wire
 //! (`idemflow_testrig::wire::mysql`).
 
+use std::fmt::Write as _;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,14 +35,31 @@ use sqlx::{Connection, Executor, MySqlPool};
 use crate::Error;
 use crate::config::Config;
 use crate::http::{self, Server};
-use crate::report::EngineRun;
+use crate::report::{EngineRun, Report, Target, engine_rows};
 use crate::wire_counts::{self, WireCount};
 use crate::workflows::{
     CHECKOUT, Charge, Charged, CheckoutRequest, OrderCreated, PATH, PLACE, TENANT,
     fingerprint_and_request, request, tenant,
 };
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
 
-/// What workload 14 measured.
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "mariadb",
+    number: Some(14),
+    measures: "the MariaDB engine vs raw sqlx on MariaDB (a server at --mariadb-url)",
+    runs: Runs::Once(run),
+    targets: Some(targets),
+    section: Some(section),
+};
+
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        report.mariadb = Some(on_a_scratch_database(ctx.config).await?);
+        Ok(())
+    })
+}
+
+/// What the mariadb workload measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct MariaDb {
     /// The server's version string.
@@ -460,17 +479,18 @@ pub const OPERATIONS: [&str; 5] = [
     "http-replay",
 ];
 
-/// Runs workload 14 on a scratch database on `config.mariadb_url`'s server, dropped at the end
-/// whatever happens.
-pub async fn run(config: &Config) -> Result<MariaDb, Error> {
+/// Measures on a scratch database on `config.mariadb_url`'s server, dropped at the end whatever
+/// happens.
+async fn on_a_scratch_database(config: &Config) -> Result<MariaDb, Error> {
     let name = format!("idemflow_bench_{}", std::process::id());
     let server_url = &config.mariadb_url;
     let mut server = sqlx::MySqlConnection::connect(server_url)
         .await
         .map_err(|error| {
             format!(
-                "no MariaDB at {server_url} ({error}): workload 14 needs one (--mariadb-url or \
-                 MARIADB_URL; scripts/bench checks for it), or leave it out with --only"
+                "no MariaDB at {server_url} ({error}): the mariadb workload needs one \
+                 (--mariadb-url or MARIADB_URL; scripts/bench checks for it), or leave it out \
+                 with --only"
             )
         })?;
     let version: String = sqlx::query_scalar("SELECT VERSION()")
@@ -779,6 +799,127 @@ async fn raw_handler(
         Ok((false, 201, body.into_bytes()))
     };
     http::raw_answer(answer.await)
+}
+
+/// Engine ÷ raw ≥ 0.9× for each operation at the largest client count it ran, and in the storm
+/// of duplicates; no deadlock ever reaches a client; the engine's wire counts are the documented
+/// ones.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    let Some(mariadb) = &report.mariadb else {
+        return;
+    };
+    for operation in OPERATIONS {
+        let judged = mariadb
+            .runs
+            .iter()
+            .filter(|run| run.operation == operation)
+            .max_by_key(|run| run.clients);
+        if let Some(run) = judged {
+            targets.push(Target::ratio(
+                format!("14 mariadb {operation} @{}: engine ÷ raw", run.clients),
+                (run.raw_per_second > 0.0).then(|| run.engine_per_second / run.raw_per_second),
+                0.9,
+            ));
+        }
+    }
+    storm_targets(mariadb, targets);
+    wire_target(mariadb, targets);
+}
+
+fn storm_targets(mariadb: &MariaDb, targets: &mut Vec<Target>) {
+    let side = |name: &str| mariadb.storm.iter().find(|run| run.side == name);
+    let (Some(engine), Some(raw)) = (side("engine"), side("raw")) else {
+        return;
+    };
+    targets.push(Target::ratio(
+        format!("14 mariadb storm @{}: engine ÷ raw", engine.clients),
+        (raw.per_second > 0.0).then(|| engine.per_second / raw.per_second),
+        0.9,
+    ));
+    targets.push(Target {
+        name: "14 mariadb storm: failures clients saw (engine)".to_owned(),
+        measured: format!(
+            "{} ({} deadlocks; InnoDB counted {})",
+            engine.failed, engine.deadlocks_seen_by_clients, engine.deadlocks
+        ),
+        target: "0".to_owned(),
+        met: Some(engine.failed == 0),
+    });
+}
+
+fn wire_target(mariadb: &MariaDb, targets: &mut Vec<Target>) {
+    let engine_wire: Vec<_> = mariadb
+        .wire
+        .iter()
+        .filter(|count| count.variant == "engine")
+        .collect();
+    if engine_wire.is_empty() {
+        return;
+    }
+    targets.push(Target {
+        name: "14 mariadb wire: commits and round trips as documented".to_owned(),
+        measured: engine_wire
+            .iter()
+            .map(|count| {
+                format!(
+                    "{} {:.0}/{:.0}",
+                    count.workload, count.commits_per_request, count.round_trips_per_request
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        target: "2/10, 1/6, 0/1".to_owned(),
+        met: Some(engine_wire.iter().all(|count| count.as_documented())),
+    });
+}
+
+/// Engine vs raw per operation, the storm, the wire counts.
+fn section(report: &Report, out: &mut String) {
+    let Some(mariadb) = &report.mariadb else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nmariadb (14): {}, READ COMMITTED; per second, engine vs raw sqlx with the same \
+         statements: checkout, local-only and run-replay (Runner<MySqlStore>), http-checkout and \
+         http-replay (WorkflowService) vs what a hand-written service sends",
+        mariadb.server
+    );
+    engine_rows(out, &mariadb.runs);
+    for storm in &mariadb.storm {
+        let _ = writeln!(
+            out,
+            "  storm {:<6} {} clients on {} keys × {} rounds: {:>6.0} copies/s; executed {}, \
+             replayed {}, 409 {}, failed {} (deadlocks seen {}); InnoDB deadlocks {}",
+            storm.side,
+            storm.clients,
+            storm.keys_per_round,
+            storm.rounds,
+            storm.per_second,
+            storm.executed,
+            storm.replayed,
+            storm.in_progress,
+            storm.failed,
+            storm.deadlocks_seen_by_clients,
+            storm.deadlocks
+        );
+    }
+    for count in &mariadb.wire {
+        let _ = writeln!(
+            out,
+            "  wire  {:<11} {:<6}: {:.2} commits, {:.2} round trips, {:.2} pings per request{}",
+            count.workload,
+            count.variant,
+            count.commits_per_request,
+            count.round_trips_per_request,
+            count.pings_per_request,
+            if count.as_documented() {
+                ""
+            } else {
+                " (NOT as documented)"
+            }
+        );
+    }
 }
 
 #[cfg(test)]

@@ -1,170 +1,74 @@
-//! Workload 9: a mass crash. `crash_serves` checkout `serve` processes (examples/checkout) take
+//! The mass-crash workload. `crash_serves` checkout `serve` processes (examples/checkout) take
 //! `crash_keys` requests spread over them and over `crash_ramp`, from a client per request; the
 //! provider (the testkit's mock, in this process, so its ledger is read directly) slows every
 //! call but a tenth: six in ten are held without an answer (never executed), three in ten are
 //! executed a second after the end of the ramp, after the kill (their callers gone, as a real
-//! provider would). Once every key's
-//! call has reached the provider, all serve processes are SIGKILLed at once. When the provider
-//! has nothing left in flight, the leases of the keys left started are ended in SQL (as the CLI's
-//! `end-lease` does, with the same NOTIFY) so the recovery measures the workers, not the lease;
-//! then the `worker` processes, started before the load, finish them. Checked: every claimed key
-//! done, one paid order and one provider charge per key.
+//! provider would). Once every key's call has reached the provider, all serve processes are
+//! SIGKILLed at once. When the provider has nothing left in flight, the leases of the keys left
+//! started are ended in SQL (as the CLI's `end-lease` does, with the same NOTIFY) so the recovery
+//! measures the workers, not the lease; then the `worker` processes, started before the load,
+//! finish them. Checked: every claimed key done, one paid order and one provider charge per key.
+//! One run per number of workers (`crash_workers`).
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemflow::core::PhaseName;
 use idemflow::{DerivedKey, Key, TenantId};
 use idemflow_testkit::provider::{Fault, MockProvider};
-use tokio::sync::oneshot;
+use sqlx::PgPool;
+use tokio::task::JoinSet;
 
 use crate::Error;
 use crate::config::Config;
-use crate::db::Scratch;
-use crate::report::MassCrash;
+use crate::db::{Scratch, literal};
+use crate::processes::{Process, TENANT, checkout_binary, count, post, start, url_in};
+use crate::report::{MassCrash, Report, Target};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
 
-/// The checkout example's tenant and request.
-pub(crate) const TENANT: &str = "acme";
-const BODY: &str = r#"{"amount": 1234, "currency": "usd", "source": "tok_visa"}"#;
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "mass-crash",
+    number: Some(9),
+    measures: "checkout serve processes killed with requests in flight, recovered by workers",
+    runs: Runs::Once(run),
+    targets: Some(targets),
+    section: Some(section),
+};
+
 /// Long enough that no lease runs out during a run by itself (it is ended in SQL instead).
 const LEASE_SECONDS: &str = "30";
-/// How long a process may take to say it is ready.
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// The provider executes each delayed charge about this long after the end of the ramp (plus
+/// the request's own way to the provider): after the kill, which comes as soon as every call
+/// has reached the provider.
+const MARGIN: Duration = Duration::from_secs(1);
 
-/// A child process, SIGKILLed and reaped when dropped: nothing outlives a failed run.
-#[derive(Debug)]
-pub struct Process {
-    name: String,
-    child: Child,
-}
-
-impl Process {
-    /// SIGKILL, then reap.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// The checkout example's binary: `$IDEMFLOW_CHECKOUT_BIN`, or built now (`cargo build -p
-/// example-checkout`) with this binary's profile into its target directory.
-pub fn checkout_binary() -> Result<PathBuf, Error> {
-    if let Some(path) = std::env::var_os("IDEMFLOW_CHECKOUT_BIN") {
-        return Ok(PathBuf::from(path));
-    }
-    let exe = std::env::current_exe()?;
-    let mut profile_dir = exe
-        .parent()
-        .ok_or("this binary has no directory")?
-        .to_path_buf();
-    if profile_dir.file_name().is_some_and(|name| name == "deps") {
-        profile_dir.pop();
-    }
-    let profile = match profile_dir.file_name().and_then(|name| name.to_str()) {
-        Some("debug") | None => "dev".to_owned(),
-        Some(name) => name.to_owned(),
-    };
-    let target_dir = profile_dir
-        .parent()
-        .ok_or("this binary is not in a target directory")?;
-    let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    if !workspace.join("examples/checkout/main.rs").exists() {
-        return Err(format!(
-            "the checkout example is not at {}: set IDEMFLOW_CHECKOUT_BIN to its binary",
-            workspace.display()
-        )
-        .into());
-    }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
-    eprintln!("idemflow-bench: building the checkout example ({profile}) for workload 9");
-    let status = Command::new(cargo)
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "example-checkout",
-            "--bin",
-            "checkout",
-        ])
-        .arg("--profile")
-        .arg(&profile)
-        .arg("--target-dir")
-        .arg(target_dir)
-        .current_dir(&workspace)
-        .status()?;
-    if !status.success() {
-        return Err("building the checkout example failed".into());
-    }
-    Ok(profile_dir.join(format!("checkout{}", std::env::consts::EXE_SUFFIX)))
-}
-
-/// Starts `binary arguments` and waits for the stdout line containing `marker` (returned);
-/// stdout is drained afterwards, stderr inherited (`RUST_LOG=error`).
-pub async fn start(
-    binary: &std::path::Path,
-    name: &str,
-    arguments: &[&str],
-    marker: &'static str,
-) -> Result<(Process, String), Error> {
-    let mut child = Command::new(binary)
-        .args(arguments)
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let stdout = child.stdout.take().ok_or("no stdout")?;
-    let process = Process {
-        name: name.to_owned(),
-        child,
-    };
-    let (ready, line) = oneshot::channel();
-    std::thread::spawn(move || {
-        let mut ready = Some(ready);
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if line.contains(marker)
-                && let Some(ready) = ready.take()
-            {
-                let _ = ready.send(line);
-            }
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        let config = ctx.config;
+        let binary = tokio::task::spawn_blocking(checkout_binary).await??;
+        for &workers in &config.crash_workers {
+            eprintln!(
+                "  {} keys over {} serve processes, recovered by {workers} worker process(es)",
+                config.crash_keys, config.crash_serves
+            );
+            let prefix = ctx.prefix(&format!("crash{workers}"));
+            let provider = MockProvider::builder().start().await?;
+            let result = crash(config, ctx.scratch, &binary, workers, &prefix, &provider).await;
+            provider.shutdown().await;
+            report.mass_crash.push(result?);
         }
-    });
-    match tokio::time::timeout(READY_TIMEOUT, line).await {
-        Ok(Ok(line)) => Ok((process, line)),
-        Ok(Err(_)) => Err(format!("{} ended before printing {marker:?}", process.name).into()),
-        Err(_) => Err(format!("{} did not print {marker:?} in time", process.name).into()),
-    }
-}
-
-/// The first `http://…` word of a line.
-pub(crate) fn url_in(line: &str) -> Result<String, Error> {
-    Ok(line
-        .split_whitespace()
-        .find(|word| word.starts_with("http://"))
-        .ok_or_else(|| format!("no URL in {line:?}"))?
-        .to_owned())
-}
-
-/// One count from the table.
-pub(crate) async fn count(pool: &sqlx::PgPool, sql: &str) -> Result<u64, Error> {
-    let value: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-        .fetch_one(pool)
-        .await?;
-    Ok(u64::try_from(value)?)
-}
-
-fn literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
+        report.notes.push(
+            "mass crash: the leases of the keys left started were ended in SQL after the kill \
+             (UPDATE … SET locked_until = least(locked_until, now()), then NOTIFY idemflow_due, as \
+             the CLI's end-lease does), once the provider had nothing in flight: recovery time is \
+             the workers', not the 30 s lease's"
+                .to_owned(),
+        );
+        Ok(())
+    })
 }
 
 /// What the provider does with the first call of a key.
@@ -186,53 +90,80 @@ fn class(index: usize) -> Class {
     }
 }
 
-/// One checkout POST under `key`: the status and body, or `None` when the connection failed.
-pub(crate) async fn post(client: &reqwest::Client, url: &str, key: &str) -> Option<(u16, Vec<u8>)> {
-    let response = client
-        .post(format!("{url}/v1/checkouts"))
-        .header("authorization", format!("Bearer {TENANT}"))
-        .header("content-type", "application/json")
-        .header("idempotency-key", key)
-        .body(BODY)
-        .send()
-        .await
-        .ok()?;
-    let status = response.status().as_u16();
-    let body = response.bytes().await.ok()?;
-    Some((status, body.to_vec()))
+/// When each step of a run happened.
+struct Times {
+    /// The load began.
+    started: Instant,
+    killed: Instant,
+    /// The provider had nothing in flight and the leases were ended.
+    rewound: Instant,
+    /// Every claimed key done, or the deadline passed.
+    finished: Instant,
 }
 
-pub async fn run(
-    config: &Config,
-    scratch: &Scratch,
-    binary: &std::path::Path,
-    workers: usize,
-    prefix: &str,
-) -> Result<MassCrash, Error> {
-    let provider = MockProvider::builder().start().await?;
-    let result = crash(config, scratch, binary, workers, prefix, &provider).await;
-    provider.shutdown().await;
-    result
+/// What the load and the kill left.
+struct AtKill {
+    answered: u64,
+    /// Answers before the kill other than a 201.
+    not_201: u64,
+    claimed: u64,
+    done: u64,
+    charged: u64,
 }
 
 async fn crash(
     config: &Config,
     scratch: &Scratch,
-    binary: &std::path::Path,
+    binary: &Path,
     workers: usize,
     prefix: &str,
     provider: &MockProvider,
 ) -> Result<MassCrash, Error> {
     let keys = config.crash_keys.max(1);
-    let serves = config.crash_serves.max(1);
     let ramp = config.crash_ramp;
-    // The provider's delay counts from a call's arrival; shortened by its request's departure in
-    // the ramp, every delayed charge is executed about `margin` after the end of the ramp (plus
-    // the request's own way to the provider): after the kill, which comes as soon as every call
-    // has reached the provider.
-    let margin = Duration::from_secs(1);
-    let delay_of = |index: usize| ramp.mul_f64(1.0 - index as f64 / keys as f64) + margin;
-    let common = [
+    let (mut services, urls) = start_serves(config, scratch, binary, provider).await?;
+    let recovering = start_workers(config, scratch, binary, provider, workers).await?;
+    let script = Script::push(provider, prefix, keys, ramp)?;
+    // One connection to look at the table with while the run goes.
+    let watch = scratch.pool(1).await?;
+    let like = literal(&format!("{prefix}-%"));
+    let started = Instant::now();
+    let requests = load(&script.names, urls, started, ramp)?;
+    let killed = kill_when_called(provider, keys, &mut services, started + ramp).await?;
+    let at_kill = at_kill(&watch, &like, requests, script.charged(provider)).await?;
+    let rewound = end_leases(scratch, provider, &script, &like, ramp).await?;
+    let charged_after_kill = script.charged(provider) - at_kill.charged;
+    let deadline = rewound + Duration::from_secs(60 + keys as u64 / 20);
+    let (finished, stuck) = wait_drained(&watch, &like, deadline).await?;
+    drop(recovering);
+    let checks = Checks::read(&watch, &like).await?;
+    watch.close().await;
+    let times = Times {
+        started,
+        killed,
+        rewound,
+        finished,
+    };
+    let mut result = summary(
+        config,
+        workers,
+        &script,
+        &times,
+        &at_kill,
+        charged_after_kill,
+    );
+    (result.max_provider_calls_per_key, result.one_charge_per_key) =
+        ledger(provider, &checks.claimed_names)?;
+    result.one_order_per_key = checks.bad_orders == 0 && checks.orphan_orders == 0;
+    result.stuck = stuck;
+    progress(&result);
+    verdict(&result, &checks, at_kill.not_201)?;
+    Ok(result)
+}
+
+/// The arguments every process takes.
+fn common<'a>(config: &Config, scratch: &'a Scratch, provider: &'a MockProvider) -> [&'a str; 8] {
+    [
         "--database-url",
         &scratch.url,
         "--psp-url",
@@ -242,14 +173,22 @@ async fn crash(
         // The smoke test runs beside other tests on the same server: a smaller share there.
         "--pool-size",
         if config.quick { "6" } else { "24" },
-    ];
+    ]
+}
 
-    // One at a time: each creates the example's table if it is missing.
+/// The `serve` processes and their URLs, started one at a time: each creates the example's
+/// table if it is missing.
+async fn start_serves(
+    config: &Config,
+    scratch: &Scratch,
+    binary: &Path,
+    provider: &MockProvider,
+) -> Result<(Vec<Process>, Vec<String>), Error> {
     let mut services = Vec::new();
     let mut urls = Vec::new();
-    for index in 0..serves {
+    for index in 0..config.crash_serves.max(1) {
         let mut arguments = vec!["serve", "--bind", "127.0.0.1:0"];
-        arguments.extend(common);
+        arguments.extend(common(config, scratch, provider));
         let (process, line) = start(
             binary,
             &format!("serve {index}"),
@@ -260,52 +199,99 @@ async fn crash(
         urls.push(url_in(&line)?);
         services.push(process);
     }
+    Ok((services, urls))
+}
+
+/// The `worker` processes, started before the load.
+async fn start_workers(
+    config: &Config,
+    scratch: &Scratch,
+    binary: &Path,
+    provider: &MockProvider,
+    workers: usize,
+) -> Result<Vec<Process>, Error> {
     let mut recovering = Vec::new();
     for index in 0..workers {
         let mut arguments = vec!["worker", "--metrics-bind", "127.0.0.1:0"];
-        arguments.extend(common);
+        arguments.extend(common(config, scratch, provider));
         let (process, _) =
             start(binary, &format!("worker {index}"), &arguments, "resuming").await?;
         recovering.push(process);
     }
+    Ok(recovering)
+}
 
-    // The provider's script, one fault per derived key.
-    let tenant = TenantId::new(TENANT)?;
-    let phase = PhaseName::new("charge")?;
-    let names: Vec<String> = (0..keys).map(|i| format!("{prefix}-{i:05}")).collect();
-    let mut derived = Vec::with_capacity(keys);
-    for (index, name) in names.iter().enumerate() {
-        let key = DerivedKey::new(&tenant, &Key::parse(name)?, phase).to_string();
-        match class(index) {
-            Class::Answered => {}
-            Class::Delayed => provider.push_fault_for(key.clone(), Fault::Delay(delay_of(index))),
-            Class::Held => provider.push_fault_for(key.clone(), Fault::Timeout),
+/// The run's keys and the provider's script for them, one fault per derived key.
+struct Script {
+    names: Vec<String>,
+    /// Each key's derived key at the provider.
+    derived: Vec<String>,
+}
+
+impl Script {
+    fn push(
+        provider: &MockProvider,
+        prefix: &str,
+        keys: usize,
+        ramp: Duration,
+    ) -> Result<Self, Error> {
+        let tenant = TenantId::new(TENANT)?;
+        let phase = PhaseName::new("charge")?;
+        // The provider's delay counts from a call's arrival; shortened by its request's
+        // departure in the ramp, every delayed charge is executed about `MARGIN` after the end
+        // of the ramp.
+        let delay_of = |index: usize| ramp.mul_f64(1.0 - index as f64 / keys as f64) + MARGIN;
+        let names: Vec<String> = (0..keys).map(|i| format!("{prefix}-{i:05}")).collect();
+        let mut derived = Vec::with_capacity(keys);
+        for (index, name) in names.iter().enumerate() {
+            let key = DerivedKey::new(&tenant, &Key::parse(name)?, phase).to_string();
+            match class(index) {
+                Class::Answered => {}
+                Class::Delayed => {
+                    provider.push_fault_for(key.clone(), Fault::Delay(delay_of(index)))
+                }
+                Class::Held => provider.push_fault_for(key.clone(), Fault::Timeout),
+            }
+            derived.push(key);
         }
-        derived.push(key);
+        Ok(Self { names, derived })
     }
-    let charged = |provider: &MockProvider| {
-        let ours: std::collections::HashSet<&str> = derived.iter().map(String::as_str).collect();
+
+    /// Charges the provider executed for the run's keys so far.
+    fn charged(&self, provider: &MockProvider) -> u64 {
+        let ours: HashSet<&str> = self.derived.iter().map(String::as_str).collect();
         provider
             .charges()
             .iter()
             .filter(|charge| ours.contains(charge.idempotency_key.as_str()))
             .count() as u64
-    };
+    }
 
-    // One connection to look at the table with while the run goes.
-    let watch = scratch.pool(1).await?;
-    let like = literal(&format!("{prefix}-%"));
+    fn delayed(&self) -> impl Iterator<Item = &String> {
+        self.derived
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| class(*index) == Class::Delayed)
+            .map(|(_, key)| key)
+    }
+}
 
-    // The load: request i leaves at i/keys of the ramp, for serve i % serves.
+/// The load: request i leaves at i/keys of the ramp, for serve i % serves; each answers its
+/// status, or `None` when its connection failed (the kill).
+fn load(
+    names: &[String],
+    urls: Vec<String>,
+    started: Instant,
+    ramp: Duration,
+) -> Result<JoinSet<Option<u16>>, Error> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()?;
     let urls = Arc::new(urls);
-    let started = Instant::now();
-    let mut requests = tokio::task::JoinSet::new();
+    let mut requests = JoinSet::new();
     for (index, name) in names.iter().enumerate() {
         let (client, urls, name) = (client.clone(), urls.clone(), name.clone());
-        let leave = started + ramp.mul_f64(index as f64 / keys as f64);
+        let leave = started + ramp.mul_f64(index as f64 / names.len() as f64);
         requests.spawn(async move {
             tokio::time::sleep_until(leave.into()).await;
             post(&client, &urls[index % urls.len()], &name)
@@ -313,9 +299,17 @@ async fn crash(
                 .map(|(status, _)| status)
         });
     }
+    Ok(requests)
+}
 
-    // The kill, once every key's call has reached the provider.
-    let deadline = started + ramp + Duration::from_secs(60);
+/// SIGKILLs every service at once, as soon as every key's call has reached the provider.
+async fn kill_when_called(
+    provider: &MockProvider,
+    keys: usize,
+    services: &mut [Process],
+    ramp_end: Instant,
+) -> Result<Instant, Error> {
+    let deadline = ramp_end + Duration::from_secs(60);
     while provider.calls() < keys {
         if Instant::now() > deadline {
             return Err(format!(
@@ -327,15 +321,23 @@ async fn crash(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let killed = Instant::now();
-    for service in &mut services {
-        let _ = service.child.kill();
+    for service in services.iter_mut() {
+        service.signal_kill();
     }
-    for service in &mut services {
+    for service in services.iter_mut() {
         service.kill();
     }
-    let charged_at_kill = charged(provider);
-    let mut answered = 0_u64;
-    let mut not_201 = 0_u64;
+    Ok(killed)
+}
+
+/// The answers the clients got, and the keys claimed and done, once the services are gone.
+async fn at_kill(
+    watch: &PgPool,
+    like: &str,
+    mut requests: JoinSet<Option<u16>>,
+    charged: u64,
+) -> Result<AtKill, Error> {
+    let (mut answered, mut not_201) = (0, 0);
     while let Some(joined) = requests.join_next().await {
         if let Some(status) = joined? {
             answered += 1;
@@ -344,26 +346,27 @@ async fn crash(
             }
         }
     }
-    let claimed = count(
-        &watch,
-        &format!("SELECT count(*) FROM idempotency_keys WHERE key LIKE {like}"),
-    )
-    .await?;
-    let done_at_kill = count(
-        &watch,
-        &format!("SELECT count(*) FROM idempotency_keys WHERE key LIKE {like} AND state = 'done'"),
-    )
-    .await?;
+    let keys = format!("SELECT count(*) FROM idempotency_keys WHERE key LIKE {like}");
+    Ok(AtKill {
+        answered,
+        not_201,
+        claimed: count(watch, &keys).await?,
+        done: count(watch, &format!("{keys} AND state = 'done'")).await?,
+        charged,
+    })
+}
 
-    // The provider finishes what it was executing (callers gone), then the leases end.
-    let delayed: Vec<&String> = derived
-        .iter()
-        .enumerate()
-        .filter(|(index, _)| class(*index) == Class::Delayed)
-        .map(|(_, key)| key)
-        .collect();
-    let settle_deadline = Instant::now() + ramp + margin + Duration::from_secs(30);
-    while delayed.iter().any(|key| provider.is_in_flight(key)) {
+/// Lets the provider finish what it was executing (its callers gone), then ends the leases of
+/// the keys left started, as the CLI's `end-lease` does; when that was done.
+async fn end_leases(
+    scratch: &Scratch,
+    provider: &MockProvider,
+    script: &Script,
+    like: &str,
+    ramp: Duration,
+) -> Result<Instant, Error> {
+    let settle_deadline = Instant::now() + ramp + MARGIN + Duration::from_secs(30);
+    while script.delayed().any(|key| provider.is_in_flight(key)) {
         if Instant::now() > settle_deadline {
             return Err("mass crash: the provider still has calls in flight".into());
         }
@@ -385,33 +388,45 @@ async fn crash(
             idemflow::store::DUE_CHANNEL
         ))
         .await?;
-    let rewound = Instant::now();
-    let charged_after_kill = charged(provider) - charged_at_kill;
+    Ok(Instant::now())
+}
 
-    // The workers' drain.
-    let drain_deadline = rewound + Duration::from_secs(60 + keys as u64 / 20);
-    let mut stuck = 0;
+/// Waits until the workers have finished every key or `deadline` passed: when, and the keys
+/// still started then.
+async fn wait_drained(
+    watch: &PgPool,
+    like: &str,
+    deadline: Instant,
+) -> Result<(Instant, u64), Error> {
     let started_keys = format!(
         "SELECT count(*) FROM idempotency_keys WHERE key LIKE {like} AND state = 'started'"
     );
     loop {
-        let left = count(&watch, &started_keys).await?;
+        let left = count(watch, &started_keys).await?;
         if left == 0 {
-            break;
+            return Ok((Instant::now(), 0));
         }
-        if Instant::now() > drain_deadline {
-            stuck = left;
-            break;
+        if Instant::now() > deadline {
+            return Ok((Instant::now(), left));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let finished = Instant::now();
-    drop(recovering);
+}
 
-    // One paid order and one charge per claimed key; every stored answer a 201.
-    let bad_orders = count(
-        &watch,
-        &format!(
+/// What the table says after the drain.
+struct Checks {
+    /// Keys without exactly one order, paid.
+    bad_orders: u64,
+    /// Orders without a key.
+    orphan_orders: u64,
+    /// Stored answers other than a 201.
+    not_created: u64,
+    claimed_names: Vec<String>,
+}
+
+impl Checks {
+    async fn read(watch: &PgPool, like: &str) -> Result<Self, Error> {
+        let bad_orders = format!(
             "SELECT count(*) FROM idempotency_keys AS k LEFT JOIN ( \
                  SELECT request_key, count(*) AS orders, \
                      count(*) FILTER (WHERE status = 'paid') AS paid \
@@ -419,73 +434,94 @@ async fn crash(
              ) AS o ON o.request_key = k.key \
              WHERE k.key LIKE {like} \
                  AND (o.orders IS DISTINCT FROM 1 OR o.paid IS DISTINCT FROM 1)"
-        ),
-    )
-    .await?;
-    let orphan_orders = count(
-        &watch,
-        &format!(
+        );
+        let orphan_orders = format!(
             "SELECT count(*) FROM checkout_orders AS o WHERE o.request_key LIKE {like} \
              AND NOT EXISTS (SELECT 1 FROM idempotency_keys AS k \
                  WHERE k.tenant = o.tenant AND k.key = o.request_key)"
-        ),
-    )
-    .await?;
-    let not_created = count(
-        &watch,
-        &format!(
+        );
+        let not_created = format!(
             "SELECT count(*) FROM idempotency_keys \
              WHERE key LIKE {like} AND state = 'done' AND response_status <> 201"
-        ),
-    )
-    .await?;
-    let claimed_names: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT key FROM idempotency_keys WHERE key LIKE {like}"
-    )))
-    .fetch_all(&watch)
-    .await?;
-    watch.close().await;
-    let mut charges = std::collections::HashMap::<&str, u64>::new();
-    let ledger = provider.charges();
-    for charge in &ledger {
-        *charges.entry(charge.idempotency_key.as_str()).or_default() += 1;
+        );
+        Ok(Self {
+            bad_orders: count(watch, &bad_orders).await?,
+            orphan_orders: count(watch, &orphan_orders).await?,
+            not_created: count(watch, &not_created).await?,
+            claimed_names: sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT key FROM idempotency_keys WHERE key LIKE {like}"
+            )))
+            .fetch_all(watch)
+            .await?,
+        })
+    }
+}
+
+/// The provider's ledger per derived key of a claimed key: the most calls, and whether each
+/// holds exactly one charge.
+fn ledger(provider: &MockProvider, claimed_names: &[String]) -> Result<(u64, bool), Error> {
+    let tenant = TenantId::new(TENANT)?;
+    let phase = PhaseName::new("charge")?;
+    let mut charges = HashMap::<String, u64>::new();
+    for charge in provider.charges() {
+        *charges.entry(charge.idempotency_key).or_default() += 1;
     }
     let mut max_calls = 0;
     let mut one_charge = true;
-    for name in &claimed_names {
+    for name in claimed_names {
         let key = DerivedKey::new(&tenant, &Key::parse(name)?, phase).to_string();
         max_calls = max_calls.max(provider.calls_for(&key) as u64);
-        one_charge &= charges.get(key.as_str()).copied() == Some(1);
+        one_charge &= charges.get(&key).copied() == Some(1);
     }
-    let workers_seconds = finished.duration_since(rewound).as_secs_f64();
-    let result = MassCrash {
-        serves,
+    Ok((max_calls, one_charge))
+}
+
+/// The run's figures; the ledger's and the table's verdicts are filled in by the caller.
+fn summary(
+    config: &Config,
+    workers: usize,
+    script: &Script,
+    times: &Times,
+    at_kill: &AtKill,
+    charged_after_kill: u64,
+) -> MassCrash {
+    let keys = script.names.len() as u64;
+    let workers_seconds = times.finished.duration_since(times.rewound).as_secs_f64();
+    MassCrash {
+        serves: config.crash_serves.max(1),
         workers,
-        keys: keys as u64,
-        ramp_secs: ramp.as_secs_f64(),
-        held_keys: (0..keys).filter(|&i| class(i) == Class::Held).count() as u64,
-        delayed_keys: delayed.len() as u64,
-        delay_margin_ms: margin.as_secs_f64() * 1000.0,
-        kill_at_secs: killed.duration_since(started).as_secs_f64(),
-        answered_before_kill: answered,
-        in_flight_at_kill: keys as u64 - answered,
-        claimed,
-        done_at_kill,
-        charged_at_kill,
+        keys,
+        ramp_secs: config.crash_ramp.as_secs_f64(),
+        held_keys: (0..script.names.len())
+            .filter(|&i| class(i) == Class::Held)
+            .count() as u64,
+        delayed_keys: script.delayed().count() as u64,
+        delay_margin_ms: MARGIN.as_secs_f64() * 1000.0,
+        kill_at_secs: times.killed.duration_since(times.started).as_secs_f64(),
+        answered_before_kill: at_kill.answered,
+        in_flight_at_kill: keys - at_kill.answered,
+        claimed: at_kill.claimed,
+        done_at_kill: at_kill.done,
+        charged_at_kill: at_kill.charged,
         charged_after_kill,
-        settle_seconds: rewound.duration_since(killed).as_secs_f64(),
-        drain_seconds: finished.duration_since(killed).as_secs_f64(),
+        settle_seconds: times.rewound.duration_since(times.killed).as_secs_f64(),
+        drain_seconds: times.finished.duration_since(times.killed).as_secs_f64(),
         workers_seconds,
-        keys_per_second: (claimed - done_at_kill) as f64 / workers_seconds.max(1e-9),
-        max_provider_calls_per_key: max_calls,
-        one_charge_per_key: one_charge,
-        one_order_per_key: bad_orders == 0 && orphan_orders == 0,
-        stuck,
-    };
+        keys_per_second: (at_kill.claimed - at_kill.done) as f64 / workers_seconds.max(1e-9),
+        max_provider_calls_per_key: 0,
+        one_charge_per_key: false,
+        one_order_per_key: false,
+        stuck: 0,
+    }
+}
+
+fn progress(result: &MassCrash) {
     eprintln!(
-        "  mass crash: {serves} serves, {workers} worker(s): killed {:.2} s after the load began \
+        "  mass crash: {} serves, {} worker(s): killed {:.2} s after the load began \
          with {} requests in flight, {} keys claimed, {} done then; drained in {:.2} s from the \
          kill ({:.2} s after the leases ended); charges {}+{}, most calls per key {}, stuck {}",
+        result.serves,
+        result.workers,
         result.kill_at_secs,
         result.in_flight_at_kill,
         result.claimed,
@@ -497,21 +533,123 @@ async fn crash(
         result.max_provider_calls_per_key,
         result.stuck
     );
-    if stuck > 0
-        || !one_charge
-        || bad_orders != 0
-        || orphan_orders != 0
-        || not_created != 0
+}
+
+/// Fails the run unless every key was claimed and is done with a 201, once ordered and once
+/// charged, and every answer before the kill was a 201.
+fn verdict(result: &MassCrash, checks: &Checks, not_201: u64) -> Result<(), Error> {
+    if result.stuck > 0
+        || !result.one_charge_per_key
+        || checks.bad_orders != 0
+        || checks.orphan_orders != 0
+        || checks.not_created != 0
         || not_201 != 0
-        || claimed != keys as u64
+        || result.claimed != result.keys
     {
         return Err(format!(
-            "mass crash: {stuck} keys stuck, one charge per key: {one_charge}, {bad_orders} keys \
-             without exactly one paid order, {orphan_orders} orders without a key, {not_created} \
-             stored answers and {not_201} answers before the kill other than 201, {claimed} of \
-             {keys} keys claimed"
+            "mass crash: {} keys stuck, one charge per key: {}, {} keys without exactly one paid \
+             order, {} orders without a key, {} stored answers and {not_201} answers before the \
+             kill other than 201, {} of {} keys claimed",
+            result.stuck,
+            result.one_charge_per_key,
+            checks.bad_orders,
+            checks.orphan_orders,
+            checks.not_created,
+            result.claimed,
+            result.keys
         )
         .into());
     }
-    Ok(result)
+    Ok(())
+}
+
+/// Per number of workers: exactly one charge (and one paid order) per key, no key stuck.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    for run in &report.mass_crash {
+        targets.push(Target {
+            met: Some(run.one_charge_per_key && run.one_order_per_key),
+            ..Target::exactly_once(
+                format!(
+                    "9 mass crash, {} worker(s): charges per derived key",
+                    run.workers
+                ),
+                run.one_charge_per_key,
+            )
+        });
+        targets.push(Target {
+            name: format!("9 mass crash, {} worker(s): stuck keys", run.workers),
+            measured: format!("{}", run.stuck),
+            target: "0".to_owned(),
+            met: Some(run.stuck == 0),
+        });
+    }
+}
+
+fn section(report: &Report, out: &mut String) {
+    let Some(first) = report.mass_crash.first() else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nmass crash (9): checkout serve processes SIGKILLed at once with requests in flight, \
+         leases then ended in SQL; worker processes finish the keys:"
+    );
+    let _ = writeln!(
+        out,
+        "  {:>2} {:>7} {:>6} {:>6} {:>9} {:>7} {:>7} {:>8} {:>9} {:>9} {:>9} {:>6} {:>5} {:>5} {:>5}",
+        "sv",
+        "workers",
+        "keys",
+        "kill@s",
+        "in flight",
+        "claimed",
+        "done@k",
+        "charged",
+        "settle s",
+        "drain s",
+        "workers s",
+        "keys/s",
+        "calls",
+        "1 chg",
+        "stuck"
+    );
+    for run in &report.mass_crash {
+        row(out, run);
+    }
+    let _ = writeln!(
+        out,
+        "  kill@s: load start → kill (every call at the provider by then; ramp {:.1} s); \
+         in flight: sent, not answered at the kill; done@k: keys already done then; charged: \
+         provider charges by the kill + after it (delayed calls whose callers were gone); \
+         settle: kill → the provider has nothing in flight and the leases are ended; drain: \
+         kill → every claimed key done; workers s: leases ended → done; calls: most provider \
+         calls under one derived key; 1 chg: one charge and one paid order per key",
+        first.ramp_secs
+    );
+}
+
+fn row(out: &mut String, run: &MassCrash) {
+    let _ = writeln!(
+        out,
+        "  {:>2} {:>7} {:>6} {:>6.2} {:>9} {:>7} {:>7} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>6.0} {:>5} {:>5} {:>5}",
+        run.serves,
+        run.workers,
+        run.keys,
+        run.kill_at_secs,
+        run.in_flight_at_kill,
+        run.claimed,
+        run.done_at_kill,
+        format!("{}+{}", run.charged_at_kill, run.charged_after_kill),
+        run.settle_seconds,
+        run.drain_seconds,
+        run.workers_seconds,
+        run.keys_per_second,
+        run.max_provider_calls_per_key,
+        if run.one_charge_per_key && run.one_order_per_key {
+            "yes"
+        } else {
+            "NO"
+        },
+        run.stuck
+    );
 }

@@ -1,6 +1,6 @@
-//! Workload 12: partitioned expiry (`idemflow::store::partitions`). Every variant runs in a schema
-//! of its own (first on the search path, as workload 10 does), created, measured and dropped in
-//! turn, so no variant inherits another's bloat or free space.
+//! The partitioned-expiry workload (`idemflow::store::partitions`). Every variant runs in a schema
+//! of its own (first on the search path, as the large-responses workload does), created, measured
+//! and dropped in turn, so no variant inherits another's bloat or free space.
 //!
 //! 1. **Expiry.** `keys` finished keys, created over the day partition wholly past the 24-hour
 //!    window (finished when created), are expired by the worker's retention as configured by
@@ -24,6 +24,7 @@
 //! The bench writes the keys table directly only where the engine's statements are not what is
 //! measured: seeding finished keys in bulk and reading the statistics and sizes of the table.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -35,11 +36,22 @@ use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::Error;
 use crate::config::Config;
-use crate::db::Scratch;
+use crate::db::{Scratch, literal};
 use crate::load::{Latencies, Measured, Until, closed_loop};
-use crate::report::{self, Expiry, LayoutCost, PartitionedExpiry};
+use crate::report::{self, Expiry, LayoutCost, PartitionedExpiry, Report, Run, Target, ms};
+use crate::requests::{Engine, engine_request};
+use crate::timed::run_row;
 use crate::workflows::{self, ORDERS_TABLE};
-use crate::workloads::{Engine, engine_request, run_row};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "partitioned-expiry",
+    number: Some(12),
+    measures: "expiry by dropping partitions vs deleting, and the partitioned layout's cost",
+    runs: Runs::Once(run),
+    targets: Some(targets),
+    section: Some(section),
+};
 
 /// The retention window of part 1: keys finished longer ago than this expire.
 const KEEP_FOR: Duration = Duration::from_secs(24 * 60 * 60);
@@ -80,24 +92,24 @@ impl How {
     }
 }
 
-pub async fn run(
-    config: &Config,
-    scratch: &Scratch,
-    tenant: &TenantId,
-    prefix: &str,
-) -> Result<PartitionedExpiry, Error> {
-    let mut expiries = Vec::new();
-    for how in [How::Unpaced, How::Paced, How::Drop] {
-        expiries.push(expiry(config, scratch, tenant, prefix, how).await?);
-    }
-    let costs = layout_costs(config, scratch, tenant, prefix).await?;
-    Ok(PartitionedExpiry {
-        keys: config.partitioned_keys,
-        clients: config.retention_clients,
-        keep_for_hours: KEEP_FOR.as_secs_f64() / 3600.0,
-        expiries,
-        cost_clients: config.partitioned_clients,
-        costs,
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        let (config, scratch) = (ctx.config, ctx.scratch);
+        let prefix = ctx.prefix("partitioned");
+        let mut expiries = Vec::new();
+        for how in [How::Unpaced, How::Paced, How::Drop] {
+            expiries.push(expiry(config, scratch, &ctx.tenant, &prefix, how).await?);
+        }
+        let costs = layout_costs(config, scratch, &ctx.tenant, &prefix).await?;
+        report.partitioned_expiry = Some(PartitionedExpiry {
+            keys: config.partitioned_keys,
+            clients: config.retention_clients,
+            keep_for_hours: KEEP_FOR.as_secs_f64() / 3600.0,
+            expiries,
+            cost_clients: config.partitioned_clients,
+            costs,
+        });
+        Ok(())
     })
 }
 
@@ -133,10 +145,6 @@ async fn execute(pool: &PgPool, sql: String) -> Result<u64, Error> {
         .execute(pool)
         .await?
         .rows_affected())
-}
-
-fn literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
 }
 
 /// Inserts finished one-phase keys `{name}{first..=last}` as the engine leaves them (the place
@@ -249,7 +257,7 @@ async fn partition_count(pool: &PgPool) -> Result<usize, Error> {
 
 // ----------------------------------------------------------------- requests --
 
-/// The engine running workload 2's one-local-phase workflow for `tenant`.
+/// The engine running the local-only workload's one-local-phase workflow for `tenant`.
 fn engine(pool: &PgPool, tenant: &TenantId) -> Result<Engine, Error> {
     Ok(Engine {
         runner: Runner::new(pool.clone()),
@@ -322,11 +330,62 @@ async fn expiry(
         "idemflow-bench: partitioned expiry: {keys} keys, {}",
         how.describe()
     );
+    let before = prepare(scratch, tenant, how, keys).await?;
+    let pool = schema_pool(scratch, schema, clients).await?;
+    let engine = engine(&pool, tenant)?;
+    let tag = format!("{prefix}-{schema}");
+    let expired = expire_under_load(config, scratch, &engine, how, &tag).await;
+    pool.close().await;
+    let expired = expired?;
+    let after = aftermath(scratch, schema).await?;
+    let load_updates = after.stats.updated - before.stats.updated;
+    let row = |variant: &str, measured: &Measured| {
+        run_row(report::PARTITIONED_EXPIRY, variant, clients, measured, None)
+    };
+    let expiry = Expiry {
+        how: how.describe().to_owned(),
+        partitioned: how == How::Drop,
+        partitions_before: before.partitions,
+        partitions_after: expired.partitions_after,
+        expired: expired.keys,
+        seconds: expired.took.as_secs_f64(),
+        seed_seconds: before.seed_seconds,
+        before: row("claims before", &expired.before),
+        during: row("claims during", &expired.during),
+        dead_tuples_after: after.stats.dead,
+        load_updates,
+        rows_deleted: after.stats.deleted - before.stats.deleted,
+        dead_tuples_left_by_expiry: after.stats.dead - before.stats.dead - load_updates,
+        bytes_before: before.bytes,
+        bytes_after: after.bytes,
+        vacuum_seconds: after.vacuum_seconds,
+        autovacuums: after.stats.autovacuums - before.stats.autovacuums,
+    };
+    expiry_progress(&expiry);
+    Ok(expiry)
+}
+
+/// The keys table of a variant before its expiry.
+struct Before {
+    /// Seeding, adopting the layout and the VACUUM (ANALYZE) after.
+    seed_seconds: f64,
+    partitions: usize,
+    bytes: i64,
+    stats: TableStats,
+}
+
+/// Creates the variant's schema with its keys: created evenly over the 24 hours before the
+/// horizon's day, the day partition a drop takes whole (partitioned, the adoption copies them
+/// in); vacuumed as old rows would be, autovacuum off on the keys table's heaps.
+async fn prepare(
+    scratch: &Scratch,
+    tenant: &TenantId,
+    how: How,
+    keys: u64,
+) -> Result<Before, Error> {
+    let schema = how.schema();
     create_schema(scratch, schema).await?;
     let setup = schema_pool(scratch, schema, 1).await?;
-
-    // The keys, created evenly over the 24 hours before the horizon's day: the day partition a
-    // drop takes whole (partitioned, the adoption copies them in).
     let seeding = Instant::now();
     let at = format!(
         "{HORIZON_PERIOD} - interval '24 hours' + (g - 1) * (interval '24 hours' / {keys})"
@@ -350,57 +409,45 @@ async fn expiry(
     )
     .await?;
     let seed_seconds = seeding.elapsed().as_secs_f64();
-    let partitions_before = partition_count(&setup).await?;
-    let bytes_before = tree_bytes(&setup).await?;
+    let partitions = partition_count(&setup).await?;
+    let bytes = tree_bytes(&setup).await?;
     setup.close().await;
-    let stats_before = settled_stats(scratch, schema).await?;
+    Ok(Before {
+        seed_seconds,
+        partitions,
+        bytes,
+        stats: settled_stats(scratch, schema).await?,
+    })
+}
 
-    // The steady load, before.
-    let pool = schema_pool(scratch, schema, clients).await?;
-    let engine = engine(&pool, tenant)?;
-    let tag = format!("{prefix}-{schema}");
-    claims(
-        &engine,
-        clients,
-        Until::Elapsed(config.warm_up),
-        &format!("{tag}-warm"),
-    )
-    .await?;
-    let before = claims(
-        &engine,
-        clients,
-        Until::Elapsed(config.duration),
-        &format!("{tag}-before"),
-    )
-    .await?;
+/// The expiry, and the load just before and during it.
+struct Expired {
+    keys: u64,
+    took: Duration,
+    partitions_after: usize,
+    before: Measured,
+    during: Measured,
+}
 
-    // The expiry, with the same load meanwhile.
-    let expiring = schema_pool(scratch, schema, 1).await?;
+/// The steady load (new one-local-phase requests) for the run's duration, then the same load
+/// while the variant expires the keys; fails unless every key expired.
+async fn expire_under_load(
+    config: &Config,
+    scratch: &Scratch,
+    engine: &Engine,
+    how: How,
+    tag: &str,
+) -> Result<Expired, Error> {
+    let keys = config.partitioned_keys;
+    let clients = config.retention_clients.max(1);
+    let warm_up = Until::Elapsed(config.warm_up);
+    claims(engine, clients, warm_up, &format!("{tag}-warm")).await?;
+    let before = Until::Elapsed(config.duration);
+    let before = claims(engine, clients, before, &format!("{tag}-before")).await?;
+    let expiring = schema_pool(scratch, how.schema(), 1).await?;
     let stop = Arc::new(AtomicBool::new(false));
-    let job = {
-        let (expiring, stop) = (expiring.clone(), stop.clone());
-        tokio::spawn(async move {
-            let started = Instant::now();
-            let expired: Result<u64, Error> = match how {
-                How::Drop | How::Paced => {
-                    let retention = Retention::default().with_keep_for(KEEP_FOR);
-                    retention.expire(&expiring).await.map_err(Error::from)
-                }
-                How::Unpaced => idemflow::expire(&expiring, KEEP_FOR, UNPACED_BATCH)
-                    .await
-                    .map_err(Error::from),
-            };
-            stop.store(true, Ordering::Release);
-            (expired, started.elapsed())
-        })
-    };
-    let during = claims(
-        &engine,
-        clients,
-        Until::Flag(stop),
-        &format!("{tag}-during"),
-    )
-    .await;
+    let job = tokio::spawn(expire(expiring.clone(), how, stop.clone()));
+    let during = claims(engine, clients, Until::Flag(stop), &format!("{tag}-during")).await;
     let (expired, took) = job.await?;
     let during = during?;
     let expired = expired?;
@@ -409,6 +456,7 @@ async fn expiry(
         sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE key LIKE 'expired-%'")
             .fetch_one(&expiring)
             .await?;
+    expiring.close().await;
     if expired != keys || left != 0 {
         return Err(format!(
             "{}: expired {expired} of {keys} keys; {left} left",
@@ -416,13 +464,44 @@ async fn expiry(
         )
         .into());
     }
-    pool.close().await;
-    expiring.close().await;
+    Ok(Expired {
+        keys: expired,
+        took,
+        partitions_after,
+        before,
+        during,
+    })
+}
 
-    // What it left, once every backend published its counters.
-    let after = settled_stats(scratch, schema).await?;
+/// Expires the keys as the variant does, then raises `stop`: (keys expired, the time it took).
+async fn expire(pool: PgPool, how: How, stop: Arc<AtomicBool>) -> (Result<u64, Error>, Duration) {
+    let started = Instant::now();
+    let expired: Result<u64, Error> = match how {
+        How::Drop | How::Paced => {
+            let retention = Retention::default().with_keep_for(KEEP_FOR);
+            retention.expire(&pool).await.map_err(Error::from)
+        }
+        How::Unpaced => idemflow::expire(&pool, KEEP_FOR, UNPACED_BATCH)
+            .await
+            .map_err(Error::from),
+    };
+    stop.store(true, Ordering::Release);
+    (expired, started.elapsed())
+}
+
+/// What an expiry left, read once every backend has published its counters.
+struct After {
+    stats: TableStats,
+    bytes: i64,
+    /// A manual VACUUM of the keys table: the work the expiry left to autovacuum.
+    vacuum_seconds: f64,
+}
+
+/// Reads what the expiry left, then drops the variant's schema.
+async fn aftermath(scratch: &Scratch, schema: &str) -> Result<After, Error> {
+    let stats = settled_stats(scratch, schema).await?;
     let pool = schema_pool(scratch, schema, 1).await?;
-    let bytes_after = tree_bytes(&pool).await?;
+    let bytes = tree_bytes(&pool).await?;
     let vacuuming = Instant::now();
     execute(&pool, "VACUUM idempotency_keys".to_owned()).await?;
     let vacuum_seconds = vacuuming.elapsed().as_secs_f64();
@@ -430,46 +509,22 @@ async fn expiry(
     scratch
         .execute(&format!("DROP SCHEMA {schema} CASCADE"))
         .await?;
-
-    let load_updates = after.updated - stats_before.updated;
-    let expiry = Expiry {
-        how: how.describe().to_owned(),
-        partitioned: how == How::Drop,
-        partitions_before,
-        partitions_after,
-        expired,
-        seconds: took.as_secs_f64(),
-        seed_seconds,
-        before: run_row(
-            report::PARTITIONED_EXPIRY,
-            "claims before",
-            clients,
-            &before,
-            None,
-        ),
-        during: run_row(
-            report::PARTITIONED_EXPIRY,
-            "claims during",
-            clients,
-            &during,
-            None,
-        ),
-        dead_tuples_after: after.dead,
-        load_updates,
-        rows_deleted: after.deleted - stats_before.deleted,
-        dead_tuples_left_by_expiry: after.dead - stats_before.dead - load_updates,
-        bytes_before,
-        bytes_after,
+    Ok(After {
+        stats,
+        bytes,
         vacuum_seconds,
-        autovacuums: after.autovacuums - stats_before.autovacuums,
-    };
-    let p = |run: &report::Run, percentile: fn(&crate::LatencySummary) -> Option<f64>| {
+    })
+}
+
+fn expiry_progress(expiry: &Expiry) {
+    let p = |run: &Run, percentile: fn(&crate::LatencySummary) -> Option<f64>| {
         run.claim.as_ref().and_then(percentile).unwrap_or(f64::NAN)
     };
     eprintln!(
-        "  {}: {expired} keys in {:.2} s; claim p50/p99 before {:.2}/{:.2} ms, during {:.2}/{:.2} ms \
+        "  {}: {} keys in {:.2} s; claim p50/p99 before {:.2}/{:.2} ms, during {:.2}/{:.2} ms \
          ({} samples); dead tuples left {}; {} → {} MB; VACUUM after {:.2} s",
-        how.describe(),
+        expiry.how,
+        expiry.expired,
         expiry.seconds,
         p(&expiry.before, |s| s.p50_ms),
         p(&expiry.before, |s| s.p99_ms),
@@ -477,11 +532,10 @@ async fn expiry(
         p(&expiry.during, |s| s.p99_ms),
         expiry.during.claim.map_or(0, |s| s.samples),
         expiry.dead_tuples_left_by_expiry,
-        bytes_before / 1_000_000,
-        bytes_after / 1_000_000,
-        vacuum_seconds,
+        expiry.bytes_before / 1_000_000,
+        expiry.bytes_after / 1_000_000,
+        expiry.vacuum_seconds,
     );
-    Ok(expiry)
 }
 
 // -------------------------------------------------------------- layout cost --
@@ -551,53 +605,8 @@ async fn layout_costs(
         .iter()
         .flat_map(|&replay| layouts.iter().map(move |&layout| (layout, replay)))
         .collect();
-    let half = config.duration / 2;
-    let mut samples: Vec<Vec<Measured>> = plan.iter().map(|_| Vec::new()).collect();
-    for (round, index) in (0..plan.len()).chain((0..plan.len()).rev()).enumerate() {
-        let (layout, replay) = plan[index];
-        let pool = schema_pool(scratch, &cost_schema(layout), clients).await?;
-        let engine = engine(&pool, tenant)?;
-        let tag = format!("{prefix}-{layout}-{round}");
-        let measured = if replay {
-            replays(
-                &engine,
-                clients,
-                Until::Elapsed(config.warm_up),
-                config.replay_keys,
-            )
-            .await?;
-            replays(&engine, clients, Until::Elapsed(half), config.replay_keys).await?
-        } else {
-            claims(
-                &engine,
-                clients,
-                Until::Elapsed(config.warm_up),
-                &format!("{tag}-warm"),
-            )
-            .await?;
-            claims(&engine, clients, Until::Elapsed(half), &tag).await?
-        };
-        pool.close().await;
-        samples[index].push(measured);
-    }
-    let merged: Vec<(f64, Latencies, Latencies, Option<f64>)> = samples
-        .iter()
-        .map(|halves| {
-            let requests: u64 = halves.iter().map(|m| m.requests).sum();
-            let elapsed: Duration = halves.iter().map(|m| m.elapsed).sum();
-            let rates: Vec<f64> = halves.iter().map(Measured::per_second).collect();
-            let spread = match rates[..] {
-                [a, b] => Some((a - b).abs() / ((a + b) / 2.0).max(1e-9)),
-                _ => None,
-            };
-            (
-                requests as f64 / elapsed.as_secs_f64().max(1e-9),
-                Latencies::merge(halves.iter().map(|m| &m.latencies)),
-                Latencies::merge(halves.iter().map(|m| &m.inner)),
-                spread,
-            )
-        })
-        .collect();
+    let samples = interleave(config, scratch, tenant, prefix, &plan).await?;
+    let merged: Vec<Merged> = samples.iter().map(|halves| Merged::of(halves)).collect();
     let find = |layout: usize, replay: bool| {
         plan.iter()
             .position(|&entry| entry == (layout, replay))
@@ -613,27 +622,7 @@ async fn layout_costs(
         ) else {
             continue;
         };
-        let cost = LayoutCost {
-            partitions: live,
-            replays_per_second: replay.0,
-            replay_latency: replay.1.summary(),
-            replay_spread: replay.3,
-            replay_ratio: replay.0 / replay_base.0.max(1e-9),
-            claims_per_second: claim.0,
-            claim_latency: claim.1.summary(),
-            claim_time: claim.2.summary(),
-            claim_spread: claim.3,
-            claim_ratio: claim.0 / claim_base.0.max(1e-9),
-        };
-        eprintln!(
-            "  {:>2} partitions: replays {:>7.0}/s ({:.2}×), claims {:>6.0}/s ({:.2}×)",
-            live,
-            cost.replays_per_second,
-            cost.replay_ratio,
-            cost.claims_per_second,
-            cost.claim_ratio
-        );
-        costs.push(cost);
+        costs.push(cost(live, [replay, claim], [replay_base, claim_base]));
     }
     for &layout in &layouts {
         scratch
@@ -641,4 +630,223 @@ async fn layout_costs(
             .await?;
     }
     Ok(costs)
+}
+
+/// A layout's replays and claims, against the unpartitioned table's (`base`).
+fn cost(
+    partitions: usize,
+    [replay, claim]: [&Merged; 2],
+    [replay_base, claim_base]: [&Merged; 2],
+) -> LayoutCost {
+    let cost = LayoutCost {
+        partitions,
+        replays_per_second: replay.per_second,
+        replay_latency: replay.latencies.summary(),
+        replay_spread: replay.spread,
+        replay_ratio: replay.per_second / replay_base.per_second.max(1e-9),
+        claims_per_second: claim.per_second,
+        claim_latency: claim.latencies.summary(),
+        claim_time: claim.claim_time.summary(),
+        claim_spread: claim.spread,
+        claim_ratio: claim.per_second / claim_base.per_second.max(1e-9),
+    };
+    eprintln!(
+        "  {:>2} partitions: replays {:>7.0}/s ({:.2}×), claims {:>6.0}/s ({:.2}×)",
+        partitions,
+        cost.replays_per_second,
+        cost.replay_ratio,
+        cost.claims_per_second,
+        cost.claim_ratio
+    );
+    cost
+}
+
+/// Each entry of `plan` (a layout, replays or claims) for half the duration, in the order given
+/// and then reversed, after a warm-up on a fresh pool: each entry's two halves.
+async fn interleave(
+    config: &Config,
+    scratch: &Scratch,
+    tenant: &TenantId,
+    prefix: &str,
+    plan: &[(usize, bool)],
+) -> Result<Vec<Vec<Measured>>, Error> {
+    let clients = config.partitioned_clients.max(1);
+    let half = config.duration / 2;
+    let warm_up = Until::Elapsed(config.warm_up);
+    let mut samples: Vec<Vec<Measured>> = plan.iter().map(|_| Vec::new()).collect();
+    for (round, index) in (0..plan.len()).chain((0..plan.len()).rev()).enumerate() {
+        let (layout, replay) = plan[index];
+        let pool = schema_pool(scratch, &cost_schema(layout), clients).await?;
+        let engine = engine(&pool, tenant)?;
+        let tag = format!("{prefix}-{layout}-{round}");
+        let measured = if replay {
+            replays(&engine, clients, warm_up.clone(), config.replay_keys).await?;
+            replays(&engine, clients, Until::Elapsed(half), config.replay_keys).await?
+        } else {
+            claims(&engine, clients, warm_up.clone(), &format!("{tag}-warm")).await?;
+            claims(&engine, clients, Until::Elapsed(half), &tag).await?
+        };
+        pool.close().await;
+        samples[index].push(measured);
+    }
+    Ok(samples)
+}
+
+/// One entry's halves merged: requests per second, latencies, claim times, and how far apart
+/// the halves' rates were.
+struct Merged {
+    per_second: f64,
+    latencies: Latencies,
+    claim_time: Latencies,
+    spread: Option<f64>,
+}
+
+impl Merged {
+    fn of(halves: &[Measured]) -> Self {
+        let requests: u64 = halves.iter().map(|m| m.requests).sum();
+        let elapsed: Duration = halves.iter().map(|m| m.elapsed).sum();
+        let rates: Vec<f64> = halves.iter().map(Measured::per_second).collect();
+        let spread = match rates[..] {
+            [a, b] => Some((a - b).abs() / ((a + b) / 2.0).max(1e-9)),
+            _ => None,
+        };
+        Self {
+            per_second: requests as f64 / elapsed.as_secs_f64().max(1e-9),
+            latencies: Latencies::merge(halves.iter().map(|m| &m.latencies)),
+            claim_time: Latencies::merge(halves.iter().map(|m| &m.inner)),
+            spread,
+        }
+    }
+}
+
+/// Expiry by dropping partitions costs the claim nothing measurable and leaves no dead tuples,
+/// and the look-up on 8 partitions stays within 10% of the unpartitioned table's.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    let Some(partitioned) = &report.partitioned_expiry else {
+        return;
+    };
+    for expiry in partitioned.expiries.iter().filter(|e| e.partitioned) {
+        let p99 = |run: &Run| run.claim.and_then(|claim| claim.p99_ms);
+        let ratio = p99(&expiry.during)
+            .zip(p99(&expiry.before))
+            .map(|(during, before)| during / before);
+        targets.push(Target {
+            name: format!(
+                "12 partition drop: claim p99 during ÷ before (@{})",
+                partitioned.clients
+            ),
+            measured: ratio.map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
+            target: "≤ 1.2×".to_owned(),
+            met: ratio.map(|ratio| ratio <= 1.2),
+        });
+        targets.push(Target {
+            name: "12 partition drop: dead tuples left".to_owned(),
+            measured: format!("{}", expiry.dead_tuples_left_by_expiry),
+            target: "0".to_owned(),
+            met: Some(expiry.dead_tuples_left_by_expiry <= 0),
+        });
+    }
+    if let Some(cost) = partitioned.costs.iter().find(|cost| cost.partitions == 8) {
+        targets.push(Target::ratio(
+            format!(
+                "12 look-up on 8 partitions ÷ unpartitioned @{}",
+                partitioned.cost_clients
+            ),
+            Some(cost.replay_ratio),
+            0.9,
+        ));
+    }
+}
+
+fn section(report: &Report, out: &mut String) {
+    let Some(p) = &report.partitioned_expiry else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\npartitioned expiry (12): {} finished keys past a {:.0} h window, expired while {} clients \
+         send new one-local-phase requests (claim p50/p99 ms before → during, samples during)",
+        p.keys, p.keep_for_hours, p.clients
+    );
+    let _ = writeln!(
+        out,
+        "  {:<72} {:>5} {:>8} {:>17} {:>17} {:>6} {:>9} {:>9} {:>13} {:>8}",
+        "expiry",
+        "parts",
+        "seconds",
+        "claim before",
+        "claim during",
+        "n",
+        "dead left",
+        "dead all",
+        "MB bef→aft",
+        "VACUUM s"
+    );
+    for expiry in &p.expiries {
+        expiry_line(out, expiry);
+    }
+    let _ = writeln!(
+        out,
+        "  dead left: n_dead_tup after, minus the load's own updates (one per request); autovacuum \
+         off on the keys table meanwhile (runs: {}); VACUUM s: a manual VACUUM after, the work left",
+        p.expiries
+            .iter()
+            .map(|e| e.autovacuums.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    costs_table(out, p);
+}
+
+fn expiry_line(out: &mut String, e: &Expiry) {
+    let pair = |run: &Run| {
+        run.claim.as_ref().map_or("-".to_owned(), |claim| {
+            format!("{}/{}", ms(claim.p50_ms), ms(claim.p99_ms))
+        })
+    };
+    let _ = writeln!(
+        out,
+        "  {:<72} {:>5} {:>8.2} {:>17} {:>17} {:>6} {:>9} {:>9} {:>13} {:>8.2}",
+        e.how,
+        format!("{}→{}", e.partitions_before, e.partitions_after),
+        e.seconds,
+        pair(&e.before),
+        pair(&e.during),
+        e.during.claim.map_or(0, |claim| claim.samples),
+        e.dead_tuples_left_by_expiry,
+        e.dead_tuples_after,
+        format!(
+            "{}→{}",
+            e.bytes_before / 1_000_000,
+            e.bytes_after / 1_000_000
+        ),
+        e.vacuum_seconds
+    );
+}
+
+fn costs_table(out: &mut String, p: &PartitionedExpiry) {
+    let _ = writeln!(
+        out,
+        "  layout cost at {} clients, interleaved: {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>10}",
+        p.cost_clients, "replays/s", "ratio", "p99 ms", "claims/s", "ratio", "p99 ms", "claim p99"
+    );
+    for cost in &p.costs {
+        let label = if cost.partitions == 0 {
+            "unpartitioned".to_owned()
+        } else {
+            format!("{} partitions", cost.partitions)
+        };
+        let _ = writeln!(
+            out,
+            "  {:<36} {:>10.0} {:>7.2}× {:>8} {:>10.0} {:>7.2}× {:>8} {:>10}",
+            label,
+            cost.replays_per_second,
+            cost.replay_ratio,
+            ms(cost.replay_latency.p99_ms),
+            cost.claims_per_second,
+            cost.claim_ratio,
+            ms(cost.claim_latency.p99_ms),
+            ms(cost.claim_time.p99_ms)
+        );
+    }
 }

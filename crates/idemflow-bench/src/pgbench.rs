@@ -1,5 +1,6 @@
-//! pgbench, where installed: the same statements from a C client (libpq), as the physical limit
-//! of this machine. Scripts are written into a temporary directory.
+//! The pgbench workload, where pgbench is installed: the checkout, local-only and replay
+//! workloads' statements from a C client (libpq), as the physical limit of this machine, at the
+//! same client counts for the same duration. Scripts are written into a temporary directory.
 //!
 //! The engine's new-request scripts send the engine's very messages, so they run in pgbench's
 //! simple query mode: the claim is `BEGIN; EXECUTE idemflow_claim_v3(…)` in one message, which
@@ -14,15 +15,103 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::Error;
+use crate::load::LatencySummary;
 use crate::raw::LEASE_MS;
 use crate::report::{
-    CHECKOUT as CHECKOUT_ID, LOCAL_ONLY, PGBENCH_ENGINE, PGBENCH_RAW_SELECT, PGBENCH_REFERENCE,
-    REPLAY,
+    CHECKOUT as CHECKOUT_ID, ENGINE, LOCAL_ONLY, PGBENCH_ENGINE, PGBENCH_RAW_SELECT,
+    PGBENCH_REFERENCE, REPLAY, Report, Run, Target, over,
 };
+use crate::timed::progress;
 use crate::workflows::{CHECKOUT, PLACE, TENANT};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "pgbench",
+    number: None,
+    measures: "the checkout, local-only and replay statements from C (pgbench), where installed",
+    runs: Runs::Once(run),
+    targets: Some(targets),
+    section: None,
+};
+
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        if !ctx.config.pgbench {
+            report
+                .notes
+                .push("pgbench skipped (quick mode or --no-pgbench)".to_owned());
+            return Ok(());
+        }
+        let Some(version) = version() else {
+            report
+                .notes
+                .push("pgbench is not installed: no C-client limit measured".to_owned());
+            return Ok(());
+        };
+        report.machine.pgbench = Some(version);
+        report.runs.extend(runs(ctx).await?);
+        Ok(())
+    })
+}
+
+/// Every script at each client count, for the run's duration.
+async fn runs(ctx: &Ctx<'_>) -> Result<Vec<Run>, Error> {
+    let dir = std::env::temp_dir().join(format!("idemflow-bench-{}", std::process::id()));
+    let scripts = write_scripts(
+        &dir,
+        &ctx.shape.fingerprint,
+        &ctx.shape.request,
+        ctx.config.replay_keys,
+    )?;
+    let mut runs = Vec::new();
+    let result = async {
+        for &clients in &ctx.config.clients {
+            for script in &scripts {
+                let tps =
+                    run_script(script, clients, ctx.config.duration, &ctx.scratch.url).await?;
+                let run = Run {
+                    workload: script.workload.to_owned(),
+                    variant: script.variant.to_owned(),
+                    clients,
+                    requests: tps.transactions,
+                    seconds: ctx.config.duration.as_secs_f64(),
+                    per_second: tps.tps,
+                    latency: LatencySummary {
+                        mean_ms: tps.latency_ms,
+                        ..LatencySummary::default()
+                    },
+                    claim: None,
+                    server: None,
+                    spread: None,
+                    client_cpu_us_per_request: None,
+                };
+                progress(&run);
+                runs.push(run);
+            }
+        }
+        Ok::<_, Error>(())
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result?;
+    Ok(runs)
+}
+
+/// The checkout engine's rate ÷ pgbench sending the engine's messages ≥ 0.7×, and ÷ the
+/// reference shape ≥ 1.2×.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    let engine = report.rate(CHECKOUT_ID, ENGINE);
+    for (variant, at_least) in [(PGBENCH_ENGINE, 0.7), (PGBENCH_REFERENCE, 1.2)] {
+        targets.push(Target::ratio(
+            report.target_name(CHECKOUT_ID, variant),
+            over(engine, report.rate(CHECKOUT_ID, variant)),
+            at_least,
+        ));
+    }
+}
 
 /// pgbench's version line, or `None` when it is not installed.
-pub fn version() -> Option<String> {
+fn version() -> Option<String> {
     let output = Command::new("pgbench").arg("--version").output().ok()?;
     output
         .status
@@ -48,94 +137,123 @@ fn sql_text(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-/// Writes the scripts: workload 1 as the engine sends it (look-up, `BEGIN` with the claim, …),
-/// the reference shape (the claim committed alone, then one transaction per phase: 3 commits);
-/// workload 2 as the engine sends it; workload 3 as the engine sends it (the look-up) and the
-/// raw primary-key select.
-pub fn write_scripts(
-    dir: &Path,
-    fingerprint: &[u8],
-    request: &serde_json::Value,
-    replay_keys: u64,
-) -> Result<Vec<Script>, Error> {
-    std::fs::create_dir_all(dir)?;
-    let tenant = sql_text(TENANT);
-    let request_json = request.to_string();
-    let fingerprint_hex = hex(fingerprint);
-    let fingerprint = format!("'\\x{}'::bytea", hex(fingerprint));
-    let request = format!("{}::jsonb", sql_text(&request.to_string()));
-    let lease = format!("clock_timestamp() + {LEASE_MS}::bigint * interval '1 millisecond'");
-    // The fencing token the look-up drew for this session's claim (the engine binds it).
-    let token = statements::LAST_FENCE;
-    let key = "'pgb-' || :k::text";
-    let text_hex = |text: &str| {
-        format!(
-            "convert_from(decode('{}', 'hex'), 'UTF8')",
-            hex(text.as_bytes())
-        )
-    };
-    // The engine's own statements (idemflow_pg::statements), values in place of parameters.
-    let look_up = |key: &str, lock: &str| {
+/// `text` as an SQL expression decoding its hex: safe in a message of several statements.
+fn text_hex(text: &str) -> String {
+    format!(
+        "convert_from(decode('{}', 'hex'), 'UTF8')",
+        hex(text.as_bytes())
+    )
+}
+
+/// A new request's key in the scripts: `pgb-` and the random `:k`.
+const KEY: &str = "'pgb-' || :k::text";
+/// A fresh random `:k` per transaction.
+const UNIQUE: &str = "\\set k random(1, 1000000000000000)\n";
+/// The fencing token the look-up drew for this session's claim (the engine binds it).
+const TOKEN: &str = statements::LAST_FENCE;
+const MARK_PAID: &str =
+    "UPDATE orders SET status = 'paid', paid_by = 'attempt-1' WHERE id = :id::bigint;\n";
+const PAID_BODY: &str = "'{\"charge_id\":\"ch_' || :id::text || '\",\"order_id\":' || :id::text || ',\"status\":\"paid\"}'";
+const CREATED_BODY: &str = "'{\"order_id\":' || :id::text || ',\"status\":\"created\"}'";
+const REPLAY_KEY: &str = "'replay-' || :r::text";
+
+/// The scripts' statements, values in place of parameters: the engine's own
+/// (idemflow_pg::statements), and the reference shape's claim.
+struct Statements {
+    tenant: String,
+    fingerprint_hex: String,
+    /// The fingerprint as a bytea literal.
+    fingerprint: String,
+    request_json: String,
+    /// The request as a jsonb literal.
+    request: String,
+}
+
+impl Statements {
+    fn new(fingerprint: &[u8], request: &serde_json::Value) -> Self {
+        Self {
+            tenant: sql_text(TENANT),
+            fingerprint_hex: hex(fingerprint),
+            fingerprint: format!("'\\x{}'::bytea", hex(fingerprint)),
+            request_json: request.to_string(),
+            request: format!("{}::jsonb", sql_text(&request.to_string())),
+        }
+    }
+
+    fn look_up(&self, key: &str, lock: &str) -> String {
         format!(
             "{};\n",
-            statements::with_values(statements::LOOK_UP, &[&tenant, key, lock])
+            statements::with_values(statements::LOOK_UP, &[&self.tenant, key, lock])
         )
-    };
-    // The engine's claim message: BEGIN and the connection's prepared claim (the advisory lock
-    // and the insert), values as hex; prepared once per pgbench connection, as the engine does.
-    let begin_claim = |workflow: &str, fingerprint_hex: &str| {
+    }
+
+    /// The engine's claim message: BEGIN and the connection's prepared claim (the advisory lock
+    /// and the insert), values as hex; prepared once per pgbench connection, as the engine does.
+    fn begin_claim(&self, workflow: &str) -> String {
         format!(
             "\\if :prepared = 0\n\
              {prepare};\n\
              \\set prepared 1\n\
              \\endif\n\
-             BEGIN \\; EXECUTE {name}(:k, {tenant_hex}, {key}, decode('{fingerprint_hex}', 'hex'), \
-             {workflow_hex}, {request_hex}::jsonb, {LEASE_MS}, {token}) \\; {savepoint};\n",
+             BEGIN \\; EXECUTE {name}(:k, {tenant_hex}, {KEY}, decode('{fingerprint_hex}', 'hex'), \
+             {workflow_hex}, {request_hex}::jsonb, {LEASE_MS}, {TOKEN}) \\; {savepoint};\n",
             prepare = statements::PREPARE_CLAIM,
             savepoint = statements::CLAIMED_SAVEPOINT,
             name = statements::CLAIM_NAME,
             tenant_hex = text_hex(TENANT),
+            fingerprint_hex = self.fingerprint_hex,
             workflow_hex = text_hex(workflow),
-            request_hex = text_hex(&request_json),
+            request_hex = text_hex(&self.request_json),
         )
-    };
-    let claim = |workflow: &str| {
+    }
+
+    /// The reference shape's claim: an insert committed alone.
+    fn claim(&self, workflow: &str) -> String {
         format!(
             "INSERT INTO idempotency_keys (tenant, key, fingerprint, workflow, request, locked_until) \
-             VALUES ({tenant}, {key}, {fingerprint}, {workflow}, {request}, {lease}) \
+             VALUES ({tenant}, {KEY}, {fingerprint}, {workflow}, {request}, \
+             clock_timestamp() + {LEASE_MS}::bigint * interval '1 millisecond') \
              ON CONFLICT (tenant, key) DO NOTHING RETURNING lock_version;\n",
-            workflow = sql_text(workflow)
+            tenant = self.tenant,
+            fingerprint = self.fingerprint,
+            workflow = sql_text(workflow),
+            request = self.request,
         )
-    };
-    let insert_order = format!(
-        "INSERT INTO orders (tenant, key, amount) VALUES ({tenant}, {key}, 100) RETURNING id \\gset\n"
-    );
-    let lease_ms = LEASE_MS.to_string();
-    let advance = format!(
-        "{};\n",
-        statements::with_values(
-            statements::ADVANCE,
-            &[
-                &tenant,
-                key,
-                token,
-                "'create_order'",
-                "jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa')",
-                &lease_ms,
-            ],
+    }
+
+    fn insert_order(&self) -> String {
+        format!(
+            "INSERT INTO orders (tenant, key, amount) VALUES ({}, {KEY}, 100) RETURNING id \\gset\n",
+            self.tenant
         )
-    );
-    let mark_paid =
-        "UPDATE orders SET status = 'paid', paid_by = 'attempt-1' WHERE id = :id::bigint;\n";
-    let finish = |point: &str, body: &str| {
+    }
+
+    fn advance(&self) -> String {
+        format!(
+            "{};\n",
+            statements::with_values(
+                statements::ADVANCE,
+                &[
+                    &self.tenant,
+                    KEY,
+                    TOKEN,
+                    "'create_order'",
+                    "jsonb_build_object('order_id', :id::bigint, 'amount', 100, 'source', 'tok_visa')",
+                    &LEASE_MS.to_string(),
+                ],
+            )
+        )
+    }
+
+    fn finish(&self, point: &str, body: &str) -> String {
         format!(
             "{};\n",
             statements::with_values(
                 statements::FINISH,
                 &[
-                    &tenant,
-                    key,
-                    token,
+                    &self.tenant,
+                    KEY,
+                    TOKEN,
                     &format!("'{point}'"),
                     "201",
                     "'[[\"content-type\", \"application/json\"]]'::jsonb",
@@ -143,69 +261,111 @@ pub fn write_scripts(
                 ],
             )
         )
-    };
-    let paid_body = "'{\"charge_id\":\"ch_' || :id::text || '\",\"order_id\":' || :id::text || ',\"status\":\"paid\"}'";
-    let created_body = "'{\"order_id\":' || :id::text || ',\"status\":\"created\"}'";
-    let unique = "\\set k random(1, 1000000000000000)\n";
+    }
 
-    let checkout = format!(
-        "{unique}{look_up}{claim}{insert_order}{advance}COMMIT;\nBEGIN;\n{mark_paid}{finish}COMMIT;\n",
-        look_up = look_up(key, ":k"),
-        claim = begin_claim(CHECKOUT, &fingerprint_hex),
-        finish = finish("mark_paid", paid_body),
-    );
-    let reference = format!(
-        "{unique}{claim}BEGIN;\n{insert_order}{advance}COMMIT;\nBEGIN;\n{mark_paid}{finish}COMMIT;\n",
-        claim = claim(CHECKOUT),
-        finish = finish("mark_paid", paid_body),
-    );
-    let place = format!(
-        "{unique}{look_up}{claim}{insert_order}{finish}COMMIT;\n",
-        look_up = look_up(key, ":k"),
-        claim = begin_claim(PLACE, &fingerprint_hex),
-        finish = finish("place_order", created_body),
-    );
-    let replay_key = "'replay-' || :r::text";
-    let pick = format!("\\set r random(0, {})\n", replay_keys.saturating_sub(1));
-    let replay_engine = format!("{pick}{}", look_up(replay_key, ":r"));
-    let replay_raw = format!(
-        "{pick}SELECT response_status, response_headers, response_body FROM idempotency_keys \
-         WHERE tenant = {tenant} AND key = {replay_key};\n"
-    );
+    /// The checkout as the engine sends it: 2 commits, 9 round trips.
+    fn checkout(&self) -> String {
+        format!(
+            "{UNIQUE}{look_up}{claim}{insert_order}{advance}COMMIT;\nBEGIN;\n{MARK_PAID}{finish}COMMIT;\n",
+            look_up = self.look_up(KEY, ":k"),
+            claim = self.begin_claim(CHECKOUT),
+            insert_order = self.insert_order(),
+            advance = self.advance(),
+            finish = self.finish("mark_paid", PAID_BODY),
+        )
+    }
 
+    /// The reference shape: the claim committed alone, then one transaction per phase: 3
+    /// commits, 9 round trips.
+    fn reference(&self) -> String {
+        format!(
+            "{UNIQUE}{claim}BEGIN;\n{insert_order}{advance}COMMIT;\nBEGIN;\n{MARK_PAID}{finish}COMMIT;\n",
+            claim = self.claim(CHECKOUT),
+            insert_order = self.insert_order(),
+            advance = self.advance(),
+            finish = self.finish("mark_paid", PAID_BODY),
+        )
+    }
+
+    /// One local phase as the engine sends it: 1 commit, 5 round trips.
+    fn place(&self) -> String {
+        format!(
+            "{UNIQUE}{look_up}{claim}{insert_order}{finish}COMMIT;\n",
+            look_up = self.look_up(KEY, ":k"),
+            claim = self.begin_claim(PLACE),
+            insert_order = self.insert_order(),
+            finish = self.finish("place_order", CREATED_BODY),
+        )
+    }
+
+    /// A replay as the engine sends it (the look-up): 1 implicit commit, 1 round trip.
+    fn replay_engine(&self, replay_keys: u64) -> String {
+        format!("{}{}", pick(replay_keys), self.look_up(REPLAY_KEY, ":r"))
+    }
+
+    /// A replay as plain code would read it (the primary-key select): 1 implicit commit, 1
+    /// round trip.
+    fn replay_raw(&self, replay_keys: u64) -> String {
+        format!(
+            "{}SELECT response_status, response_headers, response_body FROM idempotency_keys \
+             WHERE tenant = {} AND key = {REPLAY_KEY};\n",
+            pick(replay_keys),
+            self.tenant
+        )
+    }
+}
+
+/// A random `:r` among the seeded finished keys.
+fn pick(replay_keys: u64) -> String {
+    format!("\\set r random(0, {})\n", replay_keys.saturating_sub(1))
+}
+
+/// Writes the scripts: the checkout workload as the engine sends it (look-up, `BEGIN` with the
+/// claim, …), and the reference shape (the claim committed alone, then one transaction per phase:
+/// 3 commits); the local-only workload as the engine sends it; the replay workload as the engine
+/// sends it (the look-up) and the raw primary-key select.
+fn write_scripts(
+    dir: &Path,
+    fingerprint: &[u8],
+    request: &serde_json::Value,
+    replay_keys: u64,
+) -> Result<Vec<Script>, Error> {
+    std::fs::create_dir_all(dir)?;
+    let statements = Statements::new(fingerprint, request);
     let scripts = [
-        // 2 commits, 9 round trips.
         (
             CHECKOUT_ID,
             PGBENCH_ENGINE,
             "checkout.sql",
-            checkout,
+            statements.checkout(),
             "simple",
         ),
-        // 3 commits, 9 round trips.
         (
             CHECKOUT_ID,
             PGBENCH_REFERENCE,
             "reference.sql",
-            reference,
+            statements.reference(),
             "prepared",
         ),
-        // 1 commit, 5 round trips.
-        (LOCAL_ONLY, PGBENCH_ENGINE, "place.sql", place, "simple"),
-        // 1 implicit commit, 1 round trip.
+        (
+            LOCAL_ONLY,
+            PGBENCH_ENGINE,
+            "place.sql",
+            statements.place(),
+            "simple",
+        ),
         (
             REPLAY,
             PGBENCH_ENGINE,
             "replay-engine.sql",
-            replay_engine,
+            statements.replay_engine(replay_keys),
             "prepared",
         ),
-        // 1 implicit commit, 1 round trip.
         (
             REPLAY,
             PGBENCH_RAW_SELECT,
             "replay-raw.sql",
-            replay_raw,
+            statements.replay_raw(replay_keys),
             "prepared",
         ),
     ];
@@ -232,7 +392,7 @@ pub struct Tps {
 }
 
 /// Runs `script` with `clients` clients for `duration` against `url`.
-pub async fn run(
+async fn run_script(
     script: &Script,
     clients: usize,
     duration: Duration,

@@ -1,11 +1,12 @@
-//! Workload 8: the duplicate storm through a real payment provider. `keys` keys, each sent
-//! `duplicates` times, by `clients` clients that take the sends from one queue in order: the
-//! sends of one key are consecutive there, so different clients take them at nearly the same
-//! moment and they run concurrently. The workflow is the checkout (create_order, local → charge,
-//! foreign → mark_paid, local) whose charge calls the testkit's mock provider over HTTP on
+//! The provider-storm workload: the duplicate storm through a real payment provider. `keys`
+//! keys, each sent `duplicates` times, by `clients` clients that take the sends from one queue in
+//! order: the sends of one key are consecutive there, so different clients take them at nearly
+//! the same moment and they run concurrently. The workflow is the checkout (create_order, local →
+//! charge, foreign → mark_paid, local) whose charge calls the testkit's mock provider over HTTP on
 //! 127.0.0.1 under the derived key, so what was charged is counted by the provider's own ledger.
 
 use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -20,10 +21,20 @@ use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 
 use crate::Error;
 use crate::config::Config;
-use crate::db::Scratch;
+use crate::db::{Scratch, literal};
 use crate::load::Latencies;
-use crate::report::ProviderStorm;
+use crate::report::{ProviderStorm, Report, Target, triple};
 use crate::workflows::{self, Charged, CheckoutRequest, CreateOrder, MarkPaid, OrderCreated};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "provider-storm",
+    number: Some(8),
+    measures: "a duplicate storm through the checkout and a mock payment provider over HTTP",
+    runs: Runs::Once(run),
+    targets: Some(targets),
+    section: Some(section),
+};
 
 /// The workflow's name: a checkout of its own, so the keys it claims are told apart.
 pub const WORKFLOW: &str = "checkout-psp.v1";
@@ -120,20 +131,22 @@ impl Engine {
     }
 }
 
-fn literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
-}
-
-pub async fn run(
-    config: &Config,
-    scratch: &Scratch,
-    tenant: &TenantId,
-    prefix: &str,
-) -> Result<ProviderStorm, Error> {
-    let provider = MockProvider::builder().start().await?;
-    let result = storm(config, scratch, tenant, prefix, &provider).await;
-    provider.shutdown().await;
-    result
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        let config = ctx.config;
+        eprintln!(
+            "  {} keys × {} sends, {} clients",
+            config.provider_storm_keys,
+            config.provider_storm_duplicates,
+            config.provider_storm_clients
+        );
+        let prefix = ctx.prefix("provider-storm");
+        let provider = MockProvider::builder().start().await?;
+        let result = storm(config, ctx.scratch, &ctx.tenant, &prefix, &provider).await;
+        provider.shutdown().await;
+        report.provider_storm = Some(result?);
+        Ok(())
+    })
 }
 
 async fn storm(
@@ -155,9 +168,51 @@ async fn storm(
         workflow: checkout(client)?,
         tenant: tenant.clone(),
     });
+    let names: Arc<Vec<String>> = Arc::new((0..keys).map(|k| format!("{prefix}-{k}")).collect());
+    let sent = async {
+        warm_up(&engine, clients, prefix).await?;
+        send(&engine, &names, duplicates, clients).await
+    }
+    .await;
+    pool.close().await;
+    let (samples, elapsed) = sent?;
+    let answers = Answers::of(&samples, keys);
+    let rows = Rows::count(scratch, prefix).await?;
+    let ledger = Ledger::read(provider, tenant, &names)?;
+    let storm = summary(clients, keys, duplicates, elapsed, &answers, &rows, &ledger)?;
+    if !storm.one_execution_per_key {
+        return Err(format!(
+            "provider storm: not one execution per key ({keys} keys): executions per key at most \
+             {}, {} orders over {} keys, {} finished, provider charges {} over {} keys, provider \
+             calls {}, {} other outcomes, replays byte-equal: {}",
+            storm.max_executions_per_key,
+            rows.orders,
+            rows.ordered_keys,
+            rows.done,
+            ledger.charges.values().sum::<u64>(),
+            ledger.charges.len(),
+            storm.provider_calls,
+            storm.other,
+            storm.replays_byte_equal,
+        )
+        .into());
+    }
+    eprintln!(
+        "  provider storm: {} requests in {:.2} s: {} executed, {} in progress (409), {} replayed; \
+         provider charges {}",
+        storm.requests,
+        storm.seconds,
+        storm.executed,
+        storm.in_progress,
+        storm.replayed,
+        storm.provider_charges
+    );
+    Ok(storm)
+}
 
-    // Warm-up: one new key per client at once (connections opened, statements prepared, the
-    // provider's connections too), on keys the checks below do not look at.
+/// One new key per client at once (connections opened, statements prepared, the provider's
+/// connections too), on keys the checks do not look at.
+async fn warm_up(engine: &Arc<Engine>, clients: usize, prefix: &str) -> Result<(), Error> {
     let mut warm = tokio::task::JoinSet::new();
     for client in 0..clients {
         let engine = engine.clone();
@@ -170,9 +225,18 @@ async fn storm(
             return Err(format!("provider storm warm-up: {kind:?} for a new key").into());
         }
     }
+    Ok(())
+}
 
-    let names: Arc<Vec<String>> = Arc::new((0..keys).map(|k| format!("{prefix}-{k}")).collect());
-    let total = keys * duplicates;
+/// The storm: `clients` clients take the sends from one queue, each key's `duplicates` sends in
+/// a row; every send's answer, and how long the storm took.
+async fn send(
+    engine: &Arc<Engine>,
+    names: &Arc<Vec<String>>,
+    duplicates: usize,
+    clients: usize,
+) -> Result<(Vec<Sample>, Duration), Error> {
+    let total = names.len() * duplicates;
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
@@ -212,123 +276,209 @@ async fn storm(
             }
         }
     }
-    let elapsed = started.elapsed();
-    pool.close().await;
-    if let Some(error) = failure {
-        return Err(error);
+    match failure {
+        Some(error) => Err(error),
+        None => Ok((samples, started.elapsed())),
     }
+}
 
-    // Outcomes, and each replay against its key's first answer.
-    let mut executions = vec![0_u64; keys];
-    let mut first: HashMap<usize, StoredResponse> = HashMap::new();
-    for sample in &samples {
-        if let (Kind::Executed, Some(response)) = (sample.kind, &sample.response) {
-            executions[sample.key] += 1;
-            first.insert(sample.key, response.clone());
+/// What the clients were answered: executions per key, and each replay against its key's
+/// first answer.
+struct Answers<'a> {
+    samples: &'a [Sample],
+    executions: Vec<u64>,
+    replays_byte_equal: bool,
+}
+
+impl<'a> Answers<'a> {
+    fn of(samples: &'a [Sample], keys: usize) -> Self {
+        let mut executions = vec![0_u64; keys];
+        let mut first: HashMap<usize, StoredResponse> = HashMap::new();
+        for sample in samples {
+            if let (Kind::Executed, Some(response)) = (sample.kind, &sample.response) {
+                executions[sample.key] += 1;
+                first.insert(sample.key, response.clone());
+            }
+        }
+        let replays_byte_equal = samples
+            .iter()
+            .filter(|sample| sample.kind == Kind::Replayed)
+            .all(|sample| first.get(&sample.key) == sample.response.as_ref());
+        Self {
+            samples,
+            executions,
+            replays_byte_equal,
         }
     }
-    let replays_byte_equal = samples
-        .iter()
-        .filter(|sample| sample.kind == Kind::Replayed)
-        .all(|sample| first.get(&sample.key) == sample.response.as_ref());
-    let latencies = |kind: Kind| {
+
+    fn count(&self, kind: Kind) -> u64 {
+        self.samples
+            .iter()
+            .filter(|sample| sample.kind == kind)
+            .count() as u64
+    }
+
+    fn latencies(&self, kind: Kind) -> crate::LatencySummary {
         Latencies::from_unsorted(
-            samples
+            self.samples
                 .iter()
                 .filter(|sample| sample.kind == kind)
                 .map(|sample| sample.micros)
                 .collect(),
         )
         .summary()
-    };
-    let count = |kind: Kind| samples.iter().filter(|sample| sample.kind == kind).count() as u64;
-
-    // The database: one order and one finished key per key.
-    let like = literal(&format!("{prefix}-%"));
-    let orders = scratch
-        .scalar(&format!(
-            "SELECT count(*) FROM orders WHERE key LIKE {like}"
-        ))
-        .await?;
-    let ordered_keys = scratch
-        .scalar(&format!(
-            "SELECT count(DISTINCT key) FROM orders WHERE key LIKE {like}"
-        ))
-        .await?;
-    let done = scratch
-        .scalar(&format!(
-            "SELECT count(*) FROM idempotency_keys WHERE key LIKE {like} AND state = 'done'"
-        ))
-        .await?;
-
-    // The provider's ledger, for the storm's derived keys only.
-    let phase = PhaseName::new("charge")?;
-    let mut derived = HashSet::new();
-    for name in names.iter() {
-        derived.insert(DerivedKey::new(tenant, &Key::parse(name)?, phase).to_string());
     }
-    let mut charges: HashMap<String, u64> = HashMap::new();
-    for charge in provider.charges() {
-        if derived.contains(&charge.idempotency_key) {
-            *charges.entry(charge.idempotency_key).or_default() += 1;
+}
+
+/// The database after the storm: orders and finished keys of the storm's keys.
+struct Rows {
+    orders: u64,
+    ordered_keys: u64,
+    done: u64,
+}
+
+impl Rows {
+    async fn count(scratch: &Scratch, prefix: &str) -> Result<Self, Error> {
+        let like = literal(&format!("{prefix}-%"));
+        let count = |sql: String| async move {
+            Ok::<_, Error>(u64::try_from(scratch.scalar(&sql).await?)?)
+        };
+        Ok(Self {
+            orders: count(format!("SELECT count(*) FROM orders WHERE key LIKE {like}")).await?,
+            ordered_keys: count(format!(
+                "SELECT count(DISTINCT key) FROM orders WHERE key LIKE {like}"
+            ))
+            .await?,
+            done: count(format!(
+                "SELECT count(*) FROM idempotency_keys WHERE key LIKE {like} AND state = 'done'"
+            ))
+            .await?,
+        })
+    }
+}
+
+/// The provider's own ledger, for the storm's derived keys only: charges and calls per key.
+struct Ledger {
+    charges: HashMap<String, u64>,
+    calls: Vec<usize>,
+}
+
+impl Ledger {
+    fn read(provider: &MockProvider, tenant: &TenantId, names: &[String]) -> Result<Self, Error> {
+        let phase = PhaseName::new("charge")?;
+        let mut derived = HashSet::new();
+        for name in names {
+            derived.insert(DerivedKey::new(tenant, &Key::parse(name)?, phase).to_string());
         }
+        let mut charges: HashMap<String, u64> = HashMap::new();
+        for charge in provider.charges() {
+            if derived.contains(&charge.idempotency_key) {
+                *charges.entry(charge.idempotency_key).or_default() += 1;
+            }
+        }
+        let calls = derived.iter().map(|key| provider.calls_for(key)).collect();
+        Ok(Self { charges, calls })
     }
-    let calls: Vec<usize> = derived.iter().map(|key| provider.calls_for(key)).collect();
-    let provider_charges: u64 = charges.values().sum();
-    let provider_calls = calls.iter().sum::<usize>() as u64;
+}
 
+/// The storm's figures; `one_execution_per_key` when every key executed, ordered, finished and
+/// was charged and called exactly once, nothing else was answered, and every replay was
+/// byte-equal to its key's first answer.
+fn summary(
+    clients: usize,
+    keys: usize,
+    duplicates: usize,
+    elapsed: Duration,
+    answers: &Answers<'_>,
+    rows: &Rows,
+    ledger: &Ledger,
+) -> Result<ProviderStorm, Error> {
     let keys_u64 = keys as u64;
-    let once = executions.iter().all(|&count| count == 1)
-        && u64::try_from(orders)? == keys_u64
-        && u64::try_from(ordered_keys)? == keys_u64
-        && u64::try_from(done)? == keys_u64
-        && charges.len() == keys
-        && charges.values().all(|&count| count == 1)
-        && calls.iter().all(|&count| count == 1)
-        && count(Kind::Other) == 0
-        && replays_byte_equal;
-    let storm = ProviderStorm {
+    let once = answers.executions.iter().all(|&count| count == 1)
+        && rows.orders == keys_u64
+        && rows.ordered_keys == keys_u64
+        && rows.done == keys_u64
+        && ledger.charges.len() == keys
+        && ledger.charges.values().all(|&count| count == 1)
+        && ledger.calls.iter().all(|&count| count == 1)
+        && answers.count(Kind::Other) == 0
+        && answers.replays_byte_equal;
+    let requests = answers.samples.len();
+    Ok(ProviderStorm {
         clients,
         keys,
         duplicates,
-        requests: samples.len() as u64,
+        requests: requests as u64,
         seconds: elapsed.as_secs_f64(),
-        per_second: samples.len() as f64 / elapsed.as_secs_f64().max(1e-9),
-        executed: count(Kind::Executed),
-        replayed: count(Kind::Replayed),
-        in_progress: count(Kind::InProgress),
-        other: count(Kind::Other),
-        max_executions_per_key: executions.iter().copied().max().unwrap_or(0),
-        orders: u64::try_from(orders)?,
-        provider_charges,
-        provider_calls,
-        replays_byte_equal,
+        per_second: requests as f64 / elapsed.as_secs_f64().max(1e-9),
+        executed: answers.count(Kind::Executed),
+        replayed: answers.count(Kind::Replayed),
+        in_progress: answers.count(Kind::InProgress),
+        other: answers.count(Kind::Other),
+        max_executions_per_key: answers.executions.iter().copied().max().unwrap_or(0),
+        orders: rows.orders,
+        provider_charges: ledger.charges.values().sum(),
+        provider_calls: ledger.calls.iter().sum::<usize>() as u64,
+        replays_byte_equal: answers.replays_byte_equal,
         one_execution_per_key: once,
-        executed_latency: latencies(Kind::Executed),
-        replayed_latency: latencies(Kind::Replayed),
-        in_progress_latency: latencies(Kind::InProgress),
+        executed_latency: answers.latencies(Kind::Executed),
+        replayed_latency: answers.latencies(Kind::Replayed),
+        in_progress_latency: answers.latencies(Kind::InProgress),
+    })
+}
+
+/// Exactly one execution per key; as many provider charges and orders as keys.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    let Some(storm) = &report.provider_storm else {
+        return;
     };
-    if !once {
-        return Err(format!(
-            "provider storm: not one execution per key ({keys} keys): executions per key at most \
-             {}, {orders} orders over {ordered_keys} keys, {done} finished, provider charges \
-             {provider_charges} over {} keys, provider calls {provider_calls}, {} other outcomes, \
-             replays byte-equal: {replays_byte_equal}",
-            storm.max_executions_per_key,
-            charges.len(),
-            storm.other,
-        )
-        .into());
-    }
-    eprintln!(
-        "  provider storm: {} requests in {:.2} s: {} executed, {} in progress (409), {} replayed; \
-         provider charges {}",
+    targets.push(Target::exactly_once(
+        "8 provider storm: executions per key".to_owned(),
+        storm.one_execution_per_key,
+    ));
+    targets.push(Target {
+        name: "8 provider storm: provider charges = orders = keys".to_owned(),
+        measured: format!("{} = {}", storm.provider_charges, storm.orders),
+        target: format!("{}", storm.keys),
+        met: Some(storm.provider_charges == storm.keys as u64 && storm.orders == storm.keys as u64),
+    });
+}
+
+fn section(report: &Report, out: &mut String) {
+    let Some(storm) = &report.provider_storm else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nduplicate storm through the mock provider (8): {} keys × {} sends from {} clients = {} \
+         requests in {:.2} s ({:.0}/s): {} executed, {} answered 409 in progress, {} replayed, {} other",
+        storm.keys,
+        storm.duplicates,
+        storm.clients,
         storm.requests,
         storm.seconds,
+        storm.per_second,
         storm.executed,
         storm.in_progress,
         storm.replayed,
-        storm.provider_charges
+        storm.other
     );
-    Ok(storm)
+    let _ = writeln!(
+        out,
+        "  orders {}, provider charges {} (calls {}), executions per key at most {}, replays \
+         byte-equal: {}; one execution per key: {}",
+        storm.orders,
+        storm.provider_charges,
+        storm.provider_calls,
+        storm.max_executions_per_key,
+        storm.replays_byte_equal,
+        storm.one_execution_per_key
+    );
+    let _ = writeln!(
+        out,
+        "  latency p50/p99/max ms: first runs {}, replays {}, 409s {}",
+        triple(&storm.executed_latency),
+        triple(&storm.replayed_latency),
+        triple(&storm.in_progress_latency)
+    );
 }

@@ -59,8 +59,8 @@ async fn claim(
         .0)
 }
 
-/// Workload 1, raw: BEGIN, claim, order insert, advance, COMMIT; (no-op); BEGIN, order update,
-/// finish, COMMIT.
+/// The checkout workload, raw: BEGIN, claim, order insert, advance, COMMIT; (no-op); BEGIN, order
+/// update, finish, COMMIT.
 pub async fn checkout(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error> {
     checkout_answer(pool, shape, key).await.map(drop)
 }
@@ -112,8 +112,8 @@ async fn checkout_answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Stri
 /// What the raw HTTP handler answers: whether it is a replay, the status, headers and body.
 pub type Answer = (bool, u16, Vec<(String, String)>, Vec<u8>);
 
-/// Workload 7, raw: what a hand-written handler does for one POST under `key`: the stored response
-/// by primary key if there is one (a replay), else the raw checkout and its response.
+/// The http workload, raw: what a hand-written handler does for one POST under `key`: the stored
+/// response by primary key if there is one (a replay), else the raw checkout and its response.
 pub async fn answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Answer, Error> {
     let stored: Option<StoredRow> = sqlx::query_as(SELECT_RESPONSE)
         .bind(TENANT)
@@ -127,7 +127,7 @@ pub async fn answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Answer, E
     Ok((false, 201, headers().0, body.into_bytes()))
 }
 
-/// Workload 2, raw: BEGIN, claim, order insert, finish, COMMIT.
+/// The local-only workload, raw: BEGIN, claim, order insert, finish, COMMIT.
 pub async fn place(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error> {
     let mut tx = pool.begin().await?;
     let lock_version = claim(&mut tx, shape, PLACE, key).await?;
@@ -155,7 +155,7 @@ pub async fn place(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error>
 /// A stored response: status, headers, body.
 type StoredRow = (i16, Json<Vec<(String, String)>>, Vec<u8>);
 
-/// Workload 3, raw: the primary-key select of the stored response, on a pooled connection.
+/// The replay workload, raw: the primary-key select of the stored response, on a pooled connection.
 pub async fn replay(pool: &PgPool, key: &str) -> Result<(), Error> {
     let row: Option<StoredRow> = sqlx::query_as(SELECT_RESPONSE)
         .bind(TENANT)

@@ -1,6 +1,6 @@
-//! Workload 15: the Redis engine beside PostgreSQL, in one run and on one machine: what the lever
-//! buys. The same foreign-only workflow (one foreign phase that answers at once: no provider, so
-//! what is measured is the engine and its store) runs on `Runner<RedisStore>` and on
+//! The redis workload: the Redis engine beside PostgreSQL, in one run and on one machine: what the
+//! lever buys. The same foreign-only workflow (one foreign phase that answers at once: no provider,
+//! so what is measured is the engine and its store) runs on `Runner<RedisStore>` and on
 //! `Runner<PgStore>` (the scratch database), alternating in halves of the run:
 //!
 //! - `new`: a new key each request (look-up, claim, the phase, finish);
@@ -11,6 +11,7 @@
 //! Then a storm of duplicates on each (new keys each round, every copy sent at once), counting what
 //! the copies were answered; and Redis's commands per request (`INFO stats`, one client).
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,9 +30,27 @@ use crate::Error;
 use crate::config::Config;
 use crate::db::Scratch;
 use crate::http::{self, Server};
+use crate::report::{Report, Target};
 use crate::workflows::{PATH, request, tenant};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
 
-/// What workload 15 measured.
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "redis",
+    number: Some(15),
+    measures: "the Redis engine beside PostgreSQL (a server at --redis-url)",
+    runs: Runs::Once(run),
+    targets: Some(targets),
+    section: Some(section),
+};
+
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        report.redis = Some(beside_postgres(ctx.config, ctx.scratch).await?);
+        Ok(())
+    })
+}
+
+/// What the redis workload measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RedisBeside {
     /// The Redis server's version.
@@ -311,16 +330,16 @@ async fn per_request(
     ))
 }
 
-/// Runs workload 15 on the Redis at `config.redis_url` (under a prefix of its own, deleted
-/// before and after) and on the scratch PostgreSQL database.
-pub async fn run(config: &Config, scratch: &Scratch) -> Result<RedisBeside, Error> {
+/// Measures on the Redis at `config.redis_url` (under a prefix of its own, deleted before and
+/// after) and on the scratch PostgreSQL database.
+async fn beside_postgres(config: &Config, scratch: &Scratch) -> Result<RedisBeside, Error> {
     let prefix = format!("idemflow-bench-{}", std::process::id());
     let redis = RedisPool::connect_with_prefix(&config.redis_url, &prefix)
         .await
         .map_err(|error| {
             format!(
-                "no Redis at {} ({error}): workload 15 needs one (--redis-url or REDIS_URL), or \
-                 leave it out with --only",
+                "no Redis at {} ({error}): the redis workload needs one (--redis-url or \
+                 REDIS_URL), or leave it out with --only",
                 config.redis_url
             )
         })?;
@@ -413,4 +432,91 @@ async fn measure(
     }
     postgres.close().await;
     Ok(report)
+}
+
+/// Redis faster than PostgreSQL for each operation and the storm at the largest client count,
+/// and no copy in either storm answered with a failure.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    let Some(redis) = &report.redis else {
+        return;
+    };
+    let most = redis.runs.iter().map(|run| run.clients).max().unwrap_or(0);
+    for run in redis.runs.iter().filter(|run| run.clients == most) {
+        targets.push(Target::ratio(
+            format!(
+                "15 redis {} @{}: redis ÷ postgres",
+                run.operation, run.clients
+            ),
+            run.ratio(),
+            1.0,
+        ));
+    }
+    let storm = |engine: &str| redis.storm.iter().find(|run| run.engine == engine);
+    if let (Some(on_redis), Some(on_postgres)) = (storm("redis"), storm("postgres")) {
+        targets.push(Target::ratio(
+            format!("15 redis storm @{}: redis ÷ postgres", on_redis.clients),
+            (on_postgres.per_second > 0.0).then(|| on_redis.per_second / on_postgres.per_second),
+            1.0,
+        ));
+    }
+    let failed: u64 = redis.storm.iter().map(|run| run.failed).sum();
+    targets.push(Target {
+        name: "15 redis storm: failures clients saw".to_owned(),
+        measured: failed.to_string(),
+        target: "0".to_owned(),
+        met: Some(failed == 0),
+    });
+}
+
+/// Redis beside PostgreSQL per operation, the storms, the round trips to Redis.
+fn section(report: &Report, out: &mut String) {
+    let Some(redis) = &report.redis else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nredis (15): Redis {} beside PostgreSQL, the same foreign-only workflow (one phase that \
+         answers at once) and plain-handler layer; per second",
+        redis.server
+    );
+    let _ = writeln!(
+        out,
+        "  {:<10} {:>7} {:>12} {:>12} {:>8}",
+        "operation", "clients", "redis", "postgres", "ratio"
+    );
+    for run in &redis.runs {
+        let _ = writeln!(
+            out,
+            "  {:<10} {:>7} {:>12.0} {:>12.0} {:>8}",
+            run.operation,
+            run.clients,
+            run.redis_per_second,
+            run.postgres_per_second,
+            run.ratio()
+                .map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
+        );
+    }
+    for storm in &redis.storm {
+        let _ = writeln!(
+            out,
+            "  storm on {:<8} {} clients, {} keys a round, {} rounds: {:.0} copies/s; executed {}, \
+             replayed {}, in progress {}, failed {}",
+            storm.engine,
+            storm.clients,
+            storm.keys_per_round,
+            storm.rounds,
+            storm.per_second,
+            storm.executed,
+            storm.replayed,
+            storm.in_progress,
+            storm.failed
+        );
+    }
+    for ((operation, round_trips), (_, commands)) in redis.round_trips.iter().zip(&redis.commands) {
+        let _ = writeln!(
+            out,
+            "  per {operation} request: {round_trips:.2} round trips to Redis, {commands:.2} \
+             commands run there (inside the scripts included)"
+        );
+    }
 }

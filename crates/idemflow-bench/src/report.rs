@@ -1,14 +1,20 @@
-//! The result: everything measured (written as JSON) and the tables printed from it.
+//! The result: everything measured (written as JSON) and the tables printed from it. Each
+//! workload prints its own section and judges its own targets (see `workloads`); what is here
+//! is the report's shape, the table of timed runs, the targets table and what they share.
 
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::config::Config;
 use crate::db::ServerCounts;
 use crate::load::LatencySummary;
+use crate::machine;
 use crate::wire_counts::WireCount;
+use crate::workloads::WORKLOADS;
 
-/// Workload identifiers, as they appear in the JSON and the tables.
+/// Workload identifiers, as they appear in the JSON and the tables: the workload's number, then
+/// its name (the http workload has two, one per request it sends).
 pub const CHECKOUT: &str = "1-checkout";
 pub const LOCAL_ONLY: &str = "2-local-only";
 pub const REPLAY: &str = "3-replay";
@@ -49,26 +55,27 @@ pub struct Report {
     pub storm: Option<Storm>,
     pub drain: Vec<Drain>,
     pub retention: Option<Retention>,
-    /// Workload 8: the duplicate storm through the checkout workflow and the mock provider.
+    /// The provider-storm workload: the duplicate storm through the checkout workflow and the mock
+    /// provider.
     pub provider_storm: Option<ProviderStorm>,
-    /// Workload 9: one run per number of recovering worker processes.
+    /// The mass-crash workload: one run per number of recovering worker processes.
     pub mass_crash: Vec<MassCrash>,
-    /// Workload 10: one row per body size and placement (in the row, apart).
+    /// The large-responses workload: one row per body size and placement (in the row, apart).
     pub large_responses: Vec<LargeResponse>,
-    /// Workload 11: one process of each kind, then the fleet, then the fleet under kills.
+    /// The fleet workload: one process of each kind, then the fleet, then the fleet under kills.
     pub fleet: Vec<Fleet>,
-    /// Workload 12: expiry by dropping partitions vs by deleting, and the partitioned layout's
-    /// look-up and claim cost.
+    /// The partitioned-expiry workload: expiry by dropping partitions vs by deleting, and the
+    /// partitioned layout's look-up and claim cost.
     pub partitioned_expiry: Option<PartitionedExpiry>,
-    /// Workload 13: the SQLite store beside raw sqlx on SQLite, one row per operation and
+    /// The sqlite workload: the SQLite store beside raw sqlx on SQLite, one row per operation and
     /// client count.
     pub sqlite: Vec<EngineRun>,
-    /// Workload 14: the MariaDB engine beside raw sqlx on MariaDB.
+    /// The mariadb workload: the MariaDB engine beside raw sqlx on MariaDB.
     pub mariadb: Option<crate::mariadb::MariaDb>,
-    /// Workload 15: the Redis engine beside PostgreSQL.
+    /// The redis workload: the Redis engine beside PostgreSQL.
     pub redis: Option<crate::redis::RedisBeside>,
     pub targets: Vec<Target>,
-    /// The 1, 5 and 15 minute load averages as each section began: other work on the machine.
+    /// The 1, 5 and 15 minute load averages as each workload began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
     pub notes: Vec<String>,
     pub seconds: f64,
@@ -140,8 +147,8 @@ pub struct Storm {
     pub replayed_latency: LatencySummary,
 }
 
-/// Workload 11: `requests` checkouts through `serves` serve and `workers` worker processes of the
-/// checkout example, with or without processes SIGKILLed at random and replaced.
+/// The fleet workload: `requests` checkouts through `serves` serve and `workers` worker processes
+/// of the checkout example, with or without processes SIGKILLed at random and replaced.
 #[derive(Debug, Clone, Serialize)]
 pub struct Fleet {
     pub serves: usize,
@@ -167,7 +174,7 @@ pub struct Fleet {
     pub seed: Option<u64>,
 }
 
-/// Workload 12: the partitioned layout (`idemflow::store::partitions`).
+/// The partitioned-expiry workload: the partitioned layout (`idemflow::store::partitions`).
 #[derive(Debug, Clone, Serialize)]
 pub struct PartitionedExpiry {
     /// Finished keys each expiry variant expires, and the clients of the load meanwhile.
@@ -231,7 +238,8 @@ pub struct LayoutCost {
     pub claim_ratio: f64,
 }
 
-/// Workload 10: keys answered with `body_bytes` bytes, stored in the row or apart.
+/// The large-responses workload: keys answered with `body_bytes` bytes, stored in the row or
+/// apart.
 #[derive(Debug, Clone, Serialize)]
 pub struct LargeResponse {
     pub body_bytes: usize,
@@ -249,8 +257,8 @@ pub struct LargeResponse {
     pub retention_micros_per_key: f64,
 }
 
-/// Workloads 13 and 14: one operation at one client count on another engine (SQLite, MariaDB),
-/// the engine and raw sqlx sending the same statements in alternating halves of the run.
+/// The sqlite and mariadb workloads: one operation at one client count on another engine (SQLite,
+/// MariaDB), the engine and raw sqlx sending the same statements in alternating halves of the run.
 #[derive(Debug, Clone, Serialize)]
 pub struct EngineRun {
     /// `request` (a new key: claim, one phase, finish, in one write transaction), `replay` (the
@@ -262,9 +270,9 @@ pub struct EngineRun {
     pub raw_per_second: f64,
 }
 
-/// Workload 8: `keys` keys, each sent `duplicates` times by `clients` clients taking the sends
-/// in order from one queue (a key's sends are consecutive, so they run at once on different
-/// clients), through the engine with a checkout workflow whose foreign phase charges the
+/// The provider-storm workload: `keys` keys, each sent `duplicates` times by `clients` clients
+/// taking the sends in order from one queue (a key's sends are consecutive, so they run at once on
+/// different clients), through the engine with a checkout workflow whose foreign phase charges the
 /// testkit's mock provider over HTTP.
 #[derive(Debug, Clone, Serialize)]
 pub struct ProviderStorm {
@@ -295,8 +303,8 @@ pub struct ProviderStorm {
     pub in_progress_latency: LatencySummary,
 }
 
-/// Workload 9: `serves` checkout `serve` processes SIGKILLed at once with requests in flight,
-/// then recovered by `workers` checkout `worker` processes (started before the load).
+/// The mass-crash workload: `serves` checkout `serve` processes SIGKILLed at once with requests in
+/// flight, then recovered by `workers` checkout `worker` processes (started before the load).
 #[derive(Debug, Clone, Serialize)]
 pub struct MassCrash {
     pub serves: usize,
@@ -357,7 +365,7 @@ pub struct Retention {
     pub seconds: f64,
     pub rows_per_second: f64,
     pub seed_seconds: f64,
-    /// Workload 1 just before, and while retention ran.
+    /// The checkout workload just before, and while retention ran.
     pub idle: Run,
     pub during: Run,
     /// The same rows again, deleted by the engine's paced retention (`expire_paced`).
@@ -383,7 +391,86 @@ pub struct Target {
     pub met: Option<bool>,
 }
 
+impl Target {
+    /// A ratio judged against a floor: `measured ≥ at_least×`.
+    pub(crate) fn ratio(name: String, ratio: Option<f64>, at_least: f64) -> Self {
+        Self {
+            name,
+            measured: ratio.map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
+            target: format!("≥ {at_least}×"),
+            met: ratio.map(|ratio| ratio >= at_least),
+        }
+    }
+
+    /// A count that must be exactly `expected` (commits or round trips per request).
+    pub(crate) fn exactly(name: &str, measured: Option<f64>, expected: f64) -> Self {
+        Self {
+            name: name.to_owned(),
+            measured: measured.map_or("-".to_owned(), |value| format!("{value:.2}")),
+            target: format!("{expected}"),
+            met: measured.map(|value| (value - expected).abs() < 1e-9),
+        }
+    }
+
+    /// Something that must happen exactly once per key (an execution, a charge).
+    pub(crate) fn exactly_once(name: String, once: bool) -> Self {
+        Self {
+            name,
+            measured: if once { "exactly 1" } else { "not 1" }.to_owned(),
+            target: "exactly 1".to_owned(),
+            met: Some(once),
+        }
+    }
+}
+
+/// `a ÷ b`, where both were measured.
+pub(crate) fn over(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    a.zip(b).map(|(a, b)| a / b)
+}
+
 impl Report {
+    /// An empty report of a run with `config` on `machine`: the workloads fill it in.
+    pub(crate) fn new(config: &Config, machine: Machine) -> Self {
+        Self {
+            quick: config.quick,
+            machine,
+            settings: Settings {
+                clients: config.clients.clone(),
+                duration_secs: config.duration.as_secs_f64(),
+                warm_up_secs: config.warm_up.as_secs_f64(),
+                replay_keys: config.replay_keys,
+                reference_clients: config.reference_clients(),
+            },
+            runs: Vec::new(),
+            wire: Vec::new(),
+            hook_calls_per_request: None,
+            hook_nanos_per_call: None,
+            storm: None,
+            drain: Vec::new(),
+            retention: None,
+            provider_storm: None,
+            mass_crash: Vec::new(),
+            large_responses: Vec::new(),
+            fleet: Vec::new(),
+            partitioned_expiry: None,
+            sqlite: Vec::new(),
+            mariadb: None,
+            redis: None,
+            targets: Vec::new(),
+            load_trace: Vec::new(),
+            notes: Vec::new(),
+            seconds: 0.0,
+        }
+    }
+
+    /// Notes the load average as `section` begins.
+    pub(crate) fn trace(&mut self, section: &str) {
+        self.load_trace.push((
+            section.to_owned(),
+            machine::load_average().unwrap_or_default(),
+        ));
+    }
+
     pub fn run(&self, workload: &str, variant: &str, clients: usize) -> Option<&Run> {
         self.runs.iter().find(|run| {
             run.workload == workload && run.variant == variant && run.clients == clients
@@ -394,6 +481,17 @@ impl Report {
         self.wire
             .iter()
             .find(|count| count.workload == workload && count.variant == variant)
+    }
+
+    /// The requests per second of a variant at the client count the targets are judged at.
+    pub(crate) fn rate(&self, workload: &str, variant: &str) -> Option<f64> {
+        self.run(workload, variant, self.settings.reference_clients)
+            .map(|run| run.per_second)
+    }
+
+    /// The name of the target judged from a variant's row at the reference client count.
+    pub(crate) fn target_name(&self, workload: &str, variant: &str) -> String {
+        target_name(workload, variant, self.settings.reference_clients).unwrap_or_default()
     }
 
     /// The ratio printed beside a run: engine variants against the raw baseline of the same
@@ -423,9 +521,22 @@ impl Report {
         self.targets.iter().find(|target| target.name == name)
     }
 
-    /// The tables, as printed.
+    /// The tables, as printed: the machine, every timed run, each workload's section in the
+    /// order they ran, the targets.
     pub fn table(&self) -> String {
         let mut out = String::new();
+        self.machine_lines(&mut out);
+        if !self.runs.is_empty() {
+            self.runs_table(&mut out);
+        }
+        for section in WORKLOADS.iter().filter_map(|workload| workload.section) {
+            section(self, &mut out);
+        }
+        self.targets_table(&mut out);
+        out
+    }
+
+    fn machine_lines(&self, out: &mut String) {
         let m = &self.machine;
         let _ = writeln!(
             out,
@@ -454,344 +565,69 @@ impl Report {
                 ""
             },
         );
-        if !self.runs.is_empty() {
-            let _ = writeln!(out);
-            let _ = writeln!(
-                out,
-                "{:<16} {:<33} {:>3} {:>9} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
-                "workload",
-                "variant",
-                "cl",
-                "req/s",
-                "p50 ms",
-                "p95 ms",
-                "p99 ms",
-                "ratio",
-                "cpu µs",
-                "xc/req",
-                "st/req",
-                "target",
-                "met?"
-            );
-            for run in &self.runs {
-                let target = self.target_for(run);
-                let _ = writeln!(
-                    out,
-                    "{:<16} {:<33} {:>3} {:>9.0} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
-                    run.workload,
-                    run.variant,
-                    run.clients,
-                    run.per_second,
-                    ms(run.latency.p50_ms.or(run.latency.mean_ms)),
-                    ms(run.latency.p95_ms),
-                    ms(run.latency.p99_ms),
-                    self.ratio(run)
-                        .map_or("".to_owned(), |ratio| format!("{ratio:.2}")),
-                    run.client_cpu_us_per_request
-                        .map_or("".to_owned(), |us| format!("{us:.0}")),
-                    run.server
-                        .map_or("".to_owned(), |s| format!("{:.2}", s.commits_per_request)),
-                    run.server
-                        .and_then(|s| s.statements_per_request)
-                        .map_or("".to_owned(), |s| format!("{s:.2}")),
-                    target.map_or("", |target| target.target.as_str()),
-                    target.map_or("", |target| met(target.met)),
-                );
-            }
-            let _ = writeln!(
-                out,
-                "ratio: engine rows ÷ raw sqlx at the same clients; pgbench rows: engine ÷ pgbench. \
-                 cpu µs: this process's CPU time per request (engine + sqlx + tokio; HTTP rows: + server and client). \
-                 xc/req: pg_stat_database xact_commit per request (read-only transactions included); \
-                 st/req: pg_stat_statements calls per request."
-            );
-        }
+    }
 
-        if !self.wire.is_empty() {
-            let _ = writeln!(out, "\ncounted on the wire (one client, after a warm-up):");
-            let _ = writeln!(
-                out,
-                "{:<16} {:<33} {:>5} {:>8} {:>12} {:>6} {:>10}",
-                "workload", "variant", "reqs", "commits", "round trips", "pings", "documented"
-            );
-            for count in &self.wire {
-                let documented = match (count.expected_commits, count.expected_round_trips) {
-                    (Some(commits), Some(trips)) => format!(
-                        "{commits}/{trips} {}",
-                        if count.as_documented() {
-                            "ok"
-                        } else {
-                            "DIFFERS"
-                        }
-                    ),
-                    _ => String::new(),
-                };
-                let _ = writeln!(
-                    out,
-                    "{:<16} {:<33} {:>5} {:>8.2} {:>12.2} {:>6.2} {:>10}",
-                    count.workload,
-                    count.variant,
-                    count.requests,
-                    count.commits_per_request,
-                    count.round_trips_per_request,
-                    count.pings_per_request,
-                    documented
-                );
-            }
+    /// Every timed run (the checkout, local-only, replay, pgbench and http workloads'), with its
+    /// ratio to the baseline and the target judged from it.
+    fn runs_table(&self, out: &mut String) {
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "{:<16} {:<33} {:>3} {:>9} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
+            "workload",
+            "variant",
+            "cl",
+            "req/s",
+            "p50 ms",
+            "p95 ms",
+            "p99 ms",
+            "ratio",
+            "cpu µs",
+            "xc/req",
+            "st/req",
+            "target",
+            "met?"
+        );
+        for run in &self.runs {
+            self.run_line(out, run);
         }
-        if let Some(calls) = self.hook_calls_per_request {
-            let _ = writeln!(
-                out,
-                "crash hook consulted {calls:.1} times per checkout request"
-            );
-        }
+        let _ = writeln!(
+            out,
+            "ratio: engine rows ÷ raw sqlx at the same clients; pgbench rows: engine ÷ pgbench. \
+             cpu µs: this process's CPU time per request (engine + sqlx + tokio; HTTP rows: + server and client). \
+             xc/req: pg_stat_database xact_commit per request (read-only transactions included); \
+             st/req: pg_stat_statements calls per request."
+        );
+    }
 
-        if let Some(storm) = &self.storm {
-            let _ = writeln!(
-                out,
-                "\nduplicate storm: {} clients on {} keys × {} rounds: {} executed, {} answered 409 in progress, \
-                 {} replayed, {} other; one execution per key: {}",
-                storm.clients,
-                storm.keys_per_round,
-                storm.rounds,
-                storm.executed,
-                storm.in_progress,
-                storm.replayed,
-                storm.other,
-                storm.one_execution_per_key
-            );
-            let _ = writeln!(
-                out,
-                "  latency p50/p99/max ms: winners {}, 409 losers {}, replayed losers {}",
-                triple(&storm.winners),
-                triple(&storm.in_progress_latency),
-                triple(&storm.replayed_latency)
-            );
-        }
-        if !self.drain.is_empty() {
-            let _ = writeln!(out, "\nresumer drain:");
-            for drain in &self.drain {
-                let _ = writeln!(
-                    out,
-                    "  {} resumer(s) × concurrency {}: {} keys in {:.2} s = {:.0} keys/s ({:.0} per resumer)",
-                    drain.resumers,
-                    drain.concurrency_per_resumer,
-                    drain.finished,
-                    drain.seconds,
-                    drain.keys_per_second,
-                    drain.keys_per_second_per_resumer
-                );
-            }
-        }
-        if let Some(retention) = &self.retention {
-            let _ = writeln!(
-                out,
-                "\nretention: {} of {} finished keys deleted in batches of {} in {:.2} s = {:.0} rows/s \
-                 (seeded in {:.1} s), with workload 1 at {} clients:",
-                retention.deleted,
-                retention.rows,
-                retention.batch,
-                retention.seconds,
-                retention.rows_per_second,
-                retention.seed_seconds,
-                retention.idle.clients
-            );
-            let mut rows = vec![("idle", &retention.idle), ("during", &retention.during)];
-            if let Some(paced) = &retention.paced {
-                let _ = writeln!(
-                    out,
-                    "  paced (expire_paced, batches of {}, at most {:.0} rows/s): {} rows in {:.2} s = {:.0} rows/s",
-                    paced.batch,
-                    paced.budget_rows_per_second,
-                    paced.deleted,
-                    paced.seconds,
-                    paced.rows_per_second
-                );
-                rows.push(("paced", &paced.during));
-            }
-            for (label, run) in rows {
-                let _ = writeln!(
-                    out,
-                    "  {label:<6} {:>7.0} req/s, request p99 {} ms, claim p50/p99/max {} ms",
-                    run.per_second,
-                    ms(run.latency.p99_ms),
-                    run.claim.as_ref().map_or("-".to_owned(), triple)
-                );
-            }
-        }
+    fn run_line(&self, out: &mut String, run: &Run) {
+        let target = self.target_for(run);
+        let _ = writeln!(
+            out,
+            "{:<16} {:<33} {:>3} {:>9.0} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>5}",
+            run.workload,
+            run.variant,
+            run.clients,
+            run.per_second,
+            ms(run.latency.p50_ms.or(run.latency.mean_ms)),
+            ms(run.latency.p95_ms),
+            ms(run.latency.p99_ms),
+            self.ratio(run)
+                .map_or("".to_owned(), |ratio| format!("{ratio:.2}")),
+            run.client_cpu_us_per_request
+                .map_or("".to_owned(), |us| format!("{us:.0}")),
+            run.server
+                .map_or("".to_owned(), |s| format!("{:.2}", s.commits_per_request)),
+            run.server
+                .and_then(|s| s.statements_per_request)
+                .map_or("".to_owned(), |s| format!("{s:.2}")),
+            target.map_or("", |target| target.target.as_str()),
+            target.map_or("", |target| met(target.met)),
+        );
+    }
 
-        if let Some(storm) = &self.provider_storm {
-            let _ = writeln!(
-                out,
-                "\nduplicate storm through the mock provider (8): {} keys × {} sends from {} clients = {} \
-                 requests in {:.2} s ({:.0}/s): {} executed, {} answered 409 in progress, {} replayed, {} other",
-                storm.keys,
-                storm.duplicates,
-                storm.clients,
-                storm.requests,
-                storm.seconds,
-                storm.per_second,
-                storm.executed,
-                storm.in_progress,
-                storm.replayed,
-                storm.other
-            );
-            let _ = writeln!(
-                out,
-                "  orders {}, provider charges {} (calls {}), executions per key at most {}, replays \
-                 byte-equal: {}; one execution per key: {}",
-                storm.orders,
-                storm.provider_charges,
-                storm.provider_calls,
-                storm.max_executions_per_key,
-                storm.replays_byte_equal,
-                storm.one_execution_per_key
-            );
-            let _ = writeln!(
-                out,
-                "  latency p50/p99/max ms: first runs {}, replays {}, 409s {}",
-                triple(&storm.executed_latency),
-                triple(&storm.replayed_latency),
-                triple(&storm.in_progress_latency)
-            );
-        }
-        if !self.fleet.is_empty() {
-            let _ = writeln!(
-                out,
-                "\nfleet (11): checkouts over HTTP through the example's serve and worker processes, \
-                 each key sent until answered"
-            );
-            for run in &self.fleet {
-                let _ = writeln!(
-                    out,
-                    "  {} serve × {} worker{}: {} requests from {} clients in {:.2} s = {:.0}/s \
-                     ({:.2}× one process); kills {} serve + {} worker; retries {} connection, {} \
-                     409, {} 503; all done {}, one order {}, one charge {}, replays byte-equal {}",
-                    run.serves,
-                    run.workers,
-                    if run.kills { ", killed at random" } else { "" },
-                    run.requests,
-                    run.clients,
-                    run.seconds,
-                    run.per_second,
-                    run.ratio_to_single,
-                    run.serve_kills,
-                    run.worker_kills,
-                    run.connection_errors,
-                    run.in_progress,
-                    run.unavailable,
-                    run.all_done,
-                    run.one_order_per_key,
-                    run.one_charge_per_key,
-                    run.sampled_replays_byte_equal
-                );
-            }
-        }
-        if !self.large_responses.is_empty() {
-            let _ = writeln!(
-                out,
-                "\nlarge responses (10): bytes per key added to the keys heap / its TOAST / the \
-                 bodies apart; replays/s (8 clients) engine vs raw select of the same bytes; retention µs per key"
-            );
-            for row in &self.large_responses {
-                let _ = writeln!(
-                    out,
-                    "  {:>8} B {:<6} {:>5} keys: heap {:>7.0}  toast {:>8.0}  apart {:>8.0}   \
-                     replays {:>7.0}/s  raw {:>7.0}/s  ({:.2}×)   retention {:>6.1} µs/key",
-                    row.body_bytes,
-                    if row.apart { "apart" } else { "in row" },
-                    row.keys,
-                    row.heap_bytes_per_key,
-                    row.toast_bytes_per_key,
-                    row.apart_bytes_per_key,
-                    row.replays_per_second,
-                    row.raw_selects_per_second,
-                    row.replays_per_second / row.raw_selects_per_second,
-                    row.retention_micros_per_key
-                );
-            }
-        }
-        if let Some(partitioned) = &self.partitioned_expiry {
-            partitioned_table(&mut out, partitioned);
-        }
-        if !self.sqlite.is_empty() {
-            let _ = writeln!(
-                out,
-                "\nsqlite (13): one file, WAL, synchronous = FULL; per second, engine vs raw sqlx. \
-                 The store: request (claim, one phase, finish, one write transaction) and replay \
-                 (the look-up), the same statements; the runner: checkout, local-only and \
-                 run-replay (Runner<SqliteStore>) and http-checkout, http-replay (WorkflowService) \
-                 vs what a hand-written service sends"
-            );
-            engine_rows(&mut out, &self.sqlite);
-        }
-        if let Some(mariadb) = &self.mariadb {
-            mariadb_table(&mut out, mariadb);
-        }
-        if let Some(redis) = &self.redis {
-            redis_table(&mut out, redis);
-        }
-        if !self.mass_crash.is_empty() {
-            let _ = writeln!(
-                out,
-                "\nmass crash (9): checkout serve processes SIGKILLed at once with requests in flight, \
-                 leases then ended in SQL; worker processes finish the keys:"
-            );
-            let _ = writeln!(
-                out,
-                "  {:>2} {:>7} {:>6} {:>6} {:>9} {:>7} {:>7} {:>8} {:>9} {:>9} {:>9} {:>6} {:>5} {:>5} {:>5}",
-                "sv",
-                "workers",
-                "keys",
-                "kill@s",
-                "in flight",
-                "claimed",
-                "done@k",
-                "charged",
-                "settle s",
-                "drain s",
-                "workers s",
-                "keys/s",
-                "calls",
-                "1 chg",
-                "stuck"
-            );
-            for run in &self.mass_crash {
-                let _ = writeln!(
-                    out,
-                    "  {:>2} {:>7} {:>6} {:>6.2} {:>9} {:>7} {:>7} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>6.0} {:>5} {:>5} {:>5}",
-                    run.serves,
-                    run.workers,
-                    run.keys,
-                    run.kill_at_secs,
-                    run.in_flight_at_kill,
-                    run.claimed,
-                    run.done_at_kill,
-                    format!("{}+{}", run.charged_at_kill, run.charged_after_kill),
-                    run.settle_seconds,
-                    run.drain_seconds,
-                    run.workers_seconds,
-                    run.keys_per_second,
-                    run.max_provider_calls_per_key,
-                    if run.one_charge_per_key && run.one_order_per_key {
-                        "yes"
-                    } else {
-                        "NO"
-                    },
-                    run.stuck
-                );
-            }
-            let _ = writeln!(
-                out,
-                "  kill@s: load start → kill (every call at the provider by then; ramp {:.1} s); \
-                 in flight: sent, not answered at the kill; done@k: keys already done then; charged: \
-                 provider charges by the kill + after it (delayed calls whose callers were gone); \
-                 settle: kill → the provider has nothing in flight and the leases are ended; drain: \
-                 kill → every claimed key done; workers s: leases ended → done; calls: most provider \
-                 calls under one derived key; 1 chg: one charge and one paid order per key",
-                self.mass_crash[0].ramp_secs
-            );
-        }
+    /// The targets, the load average at each workload's start, and the notes.
+    fn targets_table(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "\ntargets (judged at {} clients):",
@@ -824,89 +660,6 @@ impl Report {
         for note in &self.notes {
             let _ = writeln!(out, "note: {note}");
         }
-        out
-    }
-}
-
-fn partitioned_table(out: &mut String, p: &PartitionedExpiry) {
-    let _ = writeln!(
-        out,
-        "\npartitioned expiry (12): {} finished keys past a {:.0} h window, expired while {} clients \
-         send new one-local-phase requests (claim p50/p99 ms before → during, samples during)",
-        p.keys, p.keep_for_hours, p.clients
-    );
-    let _ = writeln!(
-        out,
-        "  {:<72} {:>5} {:>8} {:>17} {:>17} {:>6} {:>9} {:>9} {:>13} {:>8}",
-        "expiry",
-        "parts",
-        "seconds",
-        "claim before",
-        "claim during",
-        "n",
-        "dead left",
-        "dead all",
-        "MB bef→aft",
-        "VACUUM s"
-    );
-    for e in &p.expiries {
-        let pair = |run: &Run| {
-            run.claim.as_ref().map_or("-".to_owned(), |claim| {
-                format!("{}/{}", ms(claim.p50_ms), ms(claim.p99_ms))
-            })
-        };
-        let _ = writeln!(
-            out,
-            "  {:<72} {:>5} {:>8.2} {:>17} {:>17} {:>6} {:>9} {:>9} {:>13} {:>8.2}",
-            e.how,
-            format!("{}→{}", e.partitions_before, e.partitions_after),
-            e.seconds,
-            pair(&e.before),
-            pair(&e.during),
-            e.during.claim.map_or(0, |claim| claim.samples),
-            e.dead_tuples_left_by_expiry,
-            e.dead_tuples_after,
-            format!(
-                "{}→{}",
-                e.bytes_before / 1_000_000,
-                e.bytes_after / 1_000_000
-            ),
-            e.vacuum_seconds
-        );
-    }
-    let _ = writeln!(
-        out,
-        "  dead left: n_dead_tup after, minus the load's own updates (one per request); autovacuum \
-         off on the keys table meanwhile (runs: {}); VACUUM s: a manual VACUUM after, the work left",
-        p.expiries
-            .iter()
-            .map(|e| e.autovacuums.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let _ = writeln!(
-        out,
-        "  layout cost at {} clients, interleaved: {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>10}",
-        p.cost_clients, "replays/s", "ratio", "p99 ms", "claims/s", "ratio", "p99 ms", "claim p99"
-    );
-    for cost in &p.costs {
-        let label = if cost.partitions == 0 {
-            "unpartitioned".to_owned()
-        } else {
-            format!("{} partitions", cost.partitions)
-        };
-        let _ = writeln!(
-            out,
-            "  {:<36} {:>10.0} {:>7.2}× {:>8} {:>10.0} {:>7.2}× {:>8} {:>10}",
-            label,
-            cost.replays_per_second,
-            cost.replay_ratio,
-            ms(cost.replay_latency.p99_ms),
-            cost.claims_per_second,
-            cost.claim_ratio,
-            ms(cost.claim_latency.p99_ms),
-            ms(cost.claim_time.p99_ms)
-        );
     }
 }
 
@@ -926,7 +679,8 @@ pub fn target_name(workload: &str, variant: &str, clients: usize) -> Option<Stri
     Some(format!("{name} @{clients}"))
 }
 
-fn ms(value: Option<f64>) -> String {
+/// Milliseconds, two decimals below 10 and one above; `-` when not measured.
+pub(crate) fn ms(value: Option<f64>) -> String {
     value.map_or("-".to_owned(), |ms| {
         if ms < 10.0 {
             format!("{ms:.2}")
@@ -936,7 +690,8 @@ fn ms(value: Option<f64>) -> String {
     })
 }
 
-fn triple(summary: &LatencySummary) -> String {
+/// p50/p99/max in milliseconds.
+pub(crate) fn triple(summary: &LatencySummary) -> String {
     format!(
         "{}/{}/{}",
         ms(summary.p50_ms),
@@ -945,7 +700,7 @@ fn triple(summary: &LatencySummary) -> String {
     )
 }
 
-fn met(met: Option<bool>) -> &'static str {
+pub(crate) fn met(met: Option<bool>) -> &'static str {
     match met {
         Some(true) => "yes",
         Some(false) => "NO",
@@ -953,103 +708,8 @@ fn met(met: Option<bool>) -> &'static str {
     }
 }
 
-/// Workload 14's tables: engine vs raw per operation, the storm, the wire counts.
-fn redis_table(out: &mut String, redis: &crate::redis::RedisBeside) {
-    let _ = writeln!(
-        out,
-        "\nredis (15): Redis {} beside PostgreSQL, the same foreign-only workflow (one phase that \
-         answers at once) and plain-handler layer; per second",
-        redis.server
-    );
-    let _ = writeln!(
-        out,
-        "  {:<10} {:>7} {:>12} {:>12} {:>8}",
-        "operation", "clients", "redis", "postgres", "ratio"
-    );
-    for run in &redis.runs {
-        let _ = writeln!(
-            out,
-            "  {:<10} {:>7} {:>12.0} {:>12.0} {:>8}",
-            run.operation,
-            run.clients,
-            run.redis_per_second,
-            run.postgres_per_second,
-            run.ratio()
-                .map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
-        );
-    }
-    for storm in &redis.storm {
-        let _ = writeln!(
-            out,
-            "  storm on {:<8} {} clients, {} keys a round, {} rounds: {:.0} copies/s; executed {}, \
-             replayed {}, in progress {}, failed {}",
-            storm.engine,
-            storm.clients,
-            storm.keys_per_round,
-            storm.rounds,
-            storm.per_second,
-            storm.executed,
-            storm.replayed,
-            storm.in_progress,
-            storm.failed
-        );
-    }
-    for ((operation, round_trips), (_, commands)) in redis.round_trips.iter().zip(&redis.commands) {
-        let _ = writeln!(
-            out,
-            "  per {operation} request: {round_trips:.2} round trips to Redis, {commands:.2} \
-             commands run there (inside the scripts included)"
-        );
-    }
-}
-
-fn mariadb_table(out: &mut String, mariadb: &crate::mariadb::MariaDb) {
-    let _ = writeln!(
-        out,
-        "\nmariadb (14): {}, READ COMMITTED; per second, engine vs raw sqlx with the same \
-         statements: checkout, local-only and run-replay (Runner<MySqlStore>), http-checkout and \
-         http-replay (WorkflowService) vs what a hand-written service sends",
-        mariadb.server
-    );
-    engine_rows(out, &mariadb.runs);
-    for storm in &mariadb.storm {
-        let _ = writeln!(
-            out,
-            "  storm {:<6} {} clients on {} keys × {} rounds: {:>6.0} copies/s; executed {}, \
-             replayed {}, 409 {}, failed {} (deadlocks seen {}); InnoDB deadlocks {}",
-            storm.side,
-            storm.clients,
-            storm.keys_per_round,
-            storm.rounds,
-            storm.per_second,
-            storm.executed,
-            storm.replayed,
-            storm.in_progress,
-            storm.failed,
-            storm.deadlocks_seen_by_clients,
-            storm.deadlocks
-        );
-    }
-    for count in &mariadb.wire {
-        let _ = writeln!(
-            out,
-            "  wire  {:<11} {:<6}: {:.2} commits, {:.2} round trips, {:.2} pings per request{}",
-            count.workload,
-            count.variant,
-            count.commits_per_request,
-            count.round_trips_per_request,
-            count.pings_per_request,
-            if count.as_documented() {
-                ""
-            } else {
-                " (NOT as documented)"
-            }
-        );
-    }
-}
-
-/// Workloads 13 and 14's rows: one operation at one client count, engine beside raw.
-fn engine_rows(out: &mut String, rows: &[EngineRun]) {
+/// The sqlite and mariadb workloads' rows: one operation at one client count, engine beside raw.
+pub(crate) fn engine_rows(out: &mut String, rows: &[EngineRun]) {
     for row in rows {
         let _ = writeln!(
             out,

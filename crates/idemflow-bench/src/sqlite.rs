@@ -1,10 +1,11 @@
-//! Workload 13: the SQLite store beside raw sqlx on SQLite sending the same statements, on one
-//! database file (WAL, `synchronous = FULL`), at each client count: a new key's whole request in
-//! one write transaction (claim, one phase's record, finish), and a replay's look-up. Engine and
+//! The sqlite workload: the SQLite store beside raw sqlx on SQLite sending the same statements, on
+//! one database file (WAL, `synchronous = FULL`), at each client count: a new key's whole request
+//! in one write transaction (claim, one phase's record, finish), and a replay's look-up. Engine and
 //! raw alternate in halves of the run, so drift (the file growing, the page cache) falls on both.
-//! The claims' requests per second across client counts show the single-writer ceiling: every
-//! write transaction holds SQLite's one write lock, so unrelated keys queue on it.
+//! The claims' requests per second across client counts show the single-writer ceiling: every write
+//! transaction holds SQLite's one write lock, so unrelated keys queue on it.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +18,17 @@ use sqlx::SqlitePool;
 
 use crate::Error;
 use crate::config::Config;
-use crate::report::EngineRun;
+use crate::report::{EngineRun, Report, Target, engine_rows};
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "sqlite",
+    number: Some(13),
+    measures: "the SQLite store and runner vs raw sqlx on SQLite",
+    runs: Runs::Once(run),
+    targets: Some(targets),
+    section: Some(section),
+};
 
 const LEASE: Duration = Duration::from_secs(30);
 const REPLAY_KEYS: u64 = 1_000;
@@ -37,8 +48,15 @@ enum Side {
     Raw,
 }
 
-/// Runs both operations at each of the configured client counts.
-pub async fn run(config: &Config) -> Result<Vec<EngineRun>, Error> {
+fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        report.sqlite = measure(ctx.config).await?;
+        Ok(())
+    })
+}
+
+/// Runs both operations at each of the configured client counts, then the runner's.
+async fn measure(config: &Config) -> Result<Vec<EngineRun>, Error> {
     let path = database()?;
     let pool =
         idemflow_sqlite::open_file(&path, &OpenOptions::default().with_max_connections(32)).await?;
@@ -125,83 +143,115 @@ async fn request(pool: &SqlitePool, side: Side, tenant: &TenantId, key: &str) ->
     let fingerprint = Fingerprint::from_slice(&[5; 32]).ok_or("a fingerprint")?;
     let input = json!({"amount": 1200, "currency": "usd"});
     let output = json!({"order": "ord_1"});
+    let new = New {
+        tenant,
+        key: &key,
+        fingerprint: &fingerprint,
+        input: &input,
+        output: &output,
+    };
     match side {
-        Side::Engine => {
-            let claim = ClaimRequest {
-                tenant,
-                key: &key,
-                fingerprint: &fingerprint,
-                workflow: "bench@1",
-                request: &input,
-                lease: LEASE,
-            };
-            let Claimed::Owned(mut transaction, owner) =
-                idemflow_sqlite::begin_claim(pool.acquire().await?, &claim).await?
-            else {
-                return Err("a new key was found claimed".into());
-            };
-            idemflow_sqlite::advance(transaction.connection(), &owner, "reserve", &output, LEASE)
-                .await?;
-            idemflow_sqlite::finish(
-                transaction.connection(),
-                &owner,
-                "complete",
-                &response(),
-                usize::MAX,
-            )
-            .await?;
-            transaction.commit().await?;
-        }
-        Side::Raw => {
-            let mut connection = pool.acquire().await?;
-            sqlx::query("BEGIN IMMEDIATE")
-                .execute(&mut *connection)
-                .await?;
-            let exists = sqlx::query(statements::EXISTS)
-                .bind(tenant.as_str())
-                .bind(key.as_str())
-                .fetch_optional(&mut *connection)
-                .await?;
-            if exists.is_some() {
-                return Err("a new key was found claimed".into());
-            }
-            let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
-                .fetch_one(&mut *connection)
-                .await?;
-            sqlx::query(statements::CLAIM)
-                .bind(tenant.as_str())
-                .bind(key.as_str())
-                .bind(fingerprint.as_bytes().as_slice())
-                .bind("bench@1")
-                .bind(input.to_string())
-                .bind(30_000_i64)
-                .bind(token)
-                .execute(&mut *connection)
-                .await?;
-            sqlx::query(statements::ADVANCE)
-                .bind(tenant.as_str())
-                .bind(key.as_str())
-                .bind(token)
-                .bind("reserve")
-                .bind(output.to_string())
-                .bind(30_000_i64)
-                .execute(&mut *connection)
-                .await?;
-            let response = response();
-            let _: Option<i64> = sqlx::query_scalar(statements::FINISH)
-                .bind(tenant.as_str())
-                .bind(key.as_str())
-                .bind(token)
-                .bind("complete")
-                .bind(i64::from(response.status))
-                .bind(serde_json::to_string(&response.headers)?)
-                .bind(response.body.as_slice())
-                .fetch_optional(&mut *connection)
-                .await?;
-            sqlx::query("COMMIT").execute(&mut *connection).await?;
-        }
+        Side::Engine => new.through_store(pool).await,
+        Side::Raw => new.raw(pool).await,
     }
-    Ok(())
+}
+
+/// What a new key's request stores.
+struct New<'a> {
+    tenant: &'a TenantId,
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+    input: &'a serde_json::Value,
+    output: &'a serde_json::Value,
+}
+
+impl New<'_> {
+    /// Through the store's functions.
+    async fn through_store(&self, pool: &SqlitePool) -> Result<(), Error> {
+        let claim = ClaimRequest {
+            tenant: self.tenant,
+            key: self.key,
+            fingerprint: self.fingerprint,
+            workflow: "bench@1",
+            request: self.input,
+            lease: LEASE,
+        };
+        let Claimed::Owned(mut transaction, owner) =
+            idemflow_sqlite::begin_claim(pool.acquire().await?, &claim).await?
+        else {
+            return Err("a new key was found claimed".into());
+        };
+        idemflow_sqlite::advance(
+            transaction.connection(),
+            &owner,
+            "reserve",
+            self.output,
+            LEASE,
+        )
+        .await?;
+        idemflow_sqlite::finish(
+            transaction.connection(),
+            &owner,
+            "complete",
+            &response(),
+            usize::MAX,
+        )
+        .await?;
+        transaction.commit().await?;
+        Ok(())
+    }
+
+    /// The store's statements sent by plain sqlx code.
+    async fn raw(&self, pool: &SqlitePool) -> Result<(), Error> {
+        let (tenant, key) = (self.tenant.as_str(), self.key.as_str());
+        let mut connection = pool.acquire().await?;
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut *connection)
+            .await?;
+        let exists = sqlx::query(statements::EXISTS)
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&mut *connection)
+            .await?;
+        if exists.is_some() {
+            return Err("a new key was found claimed".into());
+        }
+        let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
+            .fetch_one(&mut *connection)
+            .await?;
+        sqlx::query(statements::CLAIM)
+            .bind(tenant)
+            .bind(key)
+            .bind(self.fingerprint.as_bytes().as_slice())
+            .bind("bench@1")
+            .bind(self.input.to_string())
+            .bind(30_000_i64)
+            .bind(token)
+            .execute(&mut *connection)
+            .await?;
+        sqlx::query(statements::ADVANCE)
+            .bind(tenant)
+            .bind(key)
+            .bind(token)
+            .bind("reserve")
+            .bind(self.output.to_string())
+            .bind(30_000_i64)
+            .execute(&mut *connection)
+            .await?;
+        let response = response();
+        let _: Option<i64> = sqlx::query_scalar(statements::FINISH)
+            .bind(tenant)
+            .bind(key)
+            .bind(token)
+            .bind("complete")
+            .bind(i64::from(response.status))
+            .bind(serde_json::to_string(&response.headers)?)
+            .bind(response.body.as_slice())
+            .fetch_optional(&mut *connection)
+            .await?;
+        sqlx::query("COMMIT").execute(&mut *connection).await?;
+        Ok(())
+    }
 }
 
 /// A replay's read: the engine's look-up, or the raw select of the same row.
@@ -232,4 +282,52 @@ async fn look_up(pool: &SqlitePool, side: Side, tenant: &TenantId, key: &str) ->
         }
     }
     Ok(())
+}
+
+/// Engine ÷ raw ≥ 0.9× for each operation on SQLite, judged at the largest client count it ran
+/// (the single writer holds both sides there), and the several processes at the most processes.
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    let runs = &report.sqlite;
+    let mut operations: Vec<&str> = Vec::new();
+    for run in runs {
+        let judged_by = if run.operation.ends_with("-processes") {
+            "processes"
+        } else {
+            run.operation.as_str()
+        };
+        if !operations.contains(&judged_by) {
+            operations.push(judged_by);
+        }
+    }
+    for operation in operations {
+        let judged = runs
+            .iter()
+            .filter(|run| {
+                run.operation == operation
+                    || (operation == "processes" && run.operation.ends_with("-processes"))
+            })
+            .max_by_key(|run| run.clients);
+        if let Some(run) = judged {
+            targets.push(Target::ratio(
+                format!("13 sqlite {} @{}: engine ÷ raw", run.operation, run.clients),
+                (run.raw_per_second > 0.0).then(|| run.engine_per_second / run.raw_per_second),
+                0.9,
+            ));
+        }
+    }
+}
+
+fn section(report: &Report, out: &mut String) {
+    if report.sqlite.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nsqlite (13): one file, WAL, synchronous = FULL; per second, engine vs raw sqlx. \
+         The store: request (claim, one phase, finish, one write transaction) and replay \
+         (the look-up), the same statements; the runner: checkout, local-only and \
+         run-replay (Runner<SqliteStore>) and http-checkout, http-replay (WorkflowService) \
+         vs what a hand-written service sends"
+    );
+    engine_rows(out, &report.sqlite);
 }

@@ -1,8 +1,9 @@
-//! Workload 13, the runner's part: the engine on SQLite (`Runner<SqliteStore>`, the same checkout
-//! and one-phase workflows as workloads 1 to 3, their local phases in SQLite's SQL) beside raw
-//! sqlx on SQLite sending the statements a hand-written service would, on one database file; and
-//! through HTTP (workload 7's route and hand-written handler, on SQLite). Engine and raw alternate
-//! in halves of the run, as in the store's part (`sqlite.rs`).
+//! The sqlite workload, the runner's part: the engine on SQLite (`Runner<SqliteStore>`, the same
+//! checkout and one-phase workflows as the checkout, local-only and replay workloads, their local
+//! phases in SQLite's SQL) beside raw sqlx on SQLite sending the statements a hand-written service
+//! would, on one database file; and through HTTP (the http workload's route and hand-written
+//! handler, on SQLite). Engine and raw alternate in halves of the run, as in the store's part
+//! (`sqlite.rs`).
 //!
 //! Statements per request (read off the code, SQLite has no wire to count): a checkout, engine 13
 //! (look-up; BEGIN IMMEDIATE, exists, fence, claim, savepoint, order, advance, COMMIT; BEGIN

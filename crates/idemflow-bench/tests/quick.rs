@@ -26,7 +26,18 @@ async fn quick_mode_completes_with_the_documented_counts() {
     let url = std::env::var("DATABASE_URL")
         .expect("DATABASE_URL must name a PostgreSQL server (scripts/test finds one)");
     let report = idemflow_bench::run(&Config::quick(url)).await.unwrap();
+    wire_counts_are_the_documented_ones(&report);
+    sqlite_ran_every_operation(&report);
+    mariadb_ran_every_operation_and_storm(&report);
+    redis_ran_every_operation_and_storm(&report);
+    the_server_agrees(&report);
+    storm_drain_retention_and_partitions_held(&report);
+    assert!(!report.targets.is_empty());
+    assert!(!report.table().is_empty());
+    serde_json::to_string(&report).unwrap();
+}
 
+fn wire_counts_are_the_documented_ones(report: &Report) {
     // The numbers of docs/protocol.md, as tests/round_trips.rs asserts them: new local →
     // foreign → local: 2 commits, look-up, BEGIN with the claim, advance, COMMIT; BEGIN, finish,
     // COMMIT (7) + its two phase statements; one local phase: 1 commit, 4 + 1; a replay: the
@@ -34,19 +45,22 @@ async fn quick_mode_completes_with_the_documented_counts() {
     assert_eq!(idemflow_bench::DOCUMENTED_CHECKOUT, (2, 9));
     assert_eq!(idemflow_bench::DOCUMENTED_LOCAL_ONLY, (1, 5));
     assert_eq!(idemflow_bench::DOCUMENTED_REPLAY, (0, 1));
-    assert_counts(&report, CHECKOUT, ENGINE, 2, 7 + 2);
-    assert_counts(&report, CHECKOUT, ENGINE_HOOK, 2, 7 + 2);
-    assert_counts(&report, LOCAL_ONLY, ENGINE, 1, 4 + 1);
-    assert_counts(&report, REPLAY, ENGINE, 0, 1);
-    assert_counts(&report, HTTP_CHECKOUT, HTTP, 2, 7 + 2);
-    assert_counts(&report, HTTP_REPLAY, HTTP, 0, 1);
+    assert_counts(report, CHECKOUT, ENGINE, 2, 7 + 2);
+    assert_counts(report, CHECKOUT, ENGINE_HOOK, 2, 7 + 2);
+    assert_counts(report, LOCAL_ONLY, ENGINE, 1, 4 + 1);
+    assert_counts(report, REPLAY, ENGINE, 0, 1);
+    assert_counts(report, HTTP_CHECKOUT, HTTP, 2, 7 + 2);
+    assert_counts(report, HTTP_REPLAY, HTTP, 0, 1);
     // The raw baseline: the same statements for new requests, one select for a replay.
-    assert_counts(&report, CHECKOUT, RAW, 2, 9);
-    assert_counts(&report, LOCAL_ONLY, RAW, 1, 5);
-    assert_counts(&report, REPLAY, RAW, 0, 1);
+    assert_counts(report, CHECKOUT, RAW, 2, 9);
+    assert_counts(report, LOCAL_ONLY, RAW, 1, 5);
+    assert_counts(report, REPLAY, RAW, 0, 1);
     assert_eq!(report.hook_calls_per_request, Some(6.0));
-    // Workload 13: the store's two operations and the runner's five on SQLite, at every client
-    // count, engine and raw.
+}
+
+/// The sqlite workload: the store's two operations and the runner's five on SQLite, at every
+/// client count, engine and raw.
+fn sqlite_ran_every_operation(report: &Report) {
     assert_eq!(report.sqlite.len(), 7 * report.settings.clients.len());
     assert!(
         report
@@ -56,10 +70,12 @@ async fn quick_mode_completes_with_the_documented_counts() {
         "{:?}",
         report.sqlite
     );
+}
 
-    // Workload 14: the runner's five operations on MariaDB at every client count, engine and raw;
-    // the storm answered every copy on both sides; the engine's wire counts as documented.
-    let mariadb = report.mariadb.as_ref().expect("workload 14 ran");
+/// The mariadb workload: the runner's five operations on MariaDB at every client count, engine
+/// and raw; the storm answered every copy on both sides; the engine's wire counts as documented.
+fn mariadb_ran_every_operation_and_storm(report: &Report) {
+    let mariadb = report.mariadb.as_ref().expect("the mariadb workload ran");
     assert_eq!(mariadb.runs.len(), 5 * report.settings.clients.len());
     assert!(
         mariadb
@@ -84,11 +100,13 @@ async fn quick_mode_completes_with_the_documented_counts() {
         "{:?}",
         mariadb.wire
     );
+}
 
-    // Workload 15: the three operations on Redis and PostgreSQL at every client count; the storm
-    // answered every copy on both; round trips to Redis per request as docs/engines.md documents:
-    // a new key is its look-up, its claim and its finish, a replay its look-up alone.
-    let redis = report.redis.as_ref().expect("workload 15 ran");
+/// The redis workload: the three operations on Redis and PostgreSQL at every client count; the
+/// storm answered every copy on both; round trips to Redis per request as docs/engines.md
+/// documents: a new key is its look-up, its claim and its finish, a replay its look-up alone.
+fn redis_ran_every_operation_and_storm(report: &Report) {
+    let redis = report.redis.as_ref().expect("the redis workload ran");
     assert_eq!(redis.runs.len(), 3 * report.settings.clients.len());
     assert!(
         redis
@@ -117,10 +135,12 @@ async fn quick_mode_completes_with_the_documented_counts() {
         [("new", 3.0), ("replay", 1.0), ("http-new", 3.0)],
         "round trips to Redis per request"
     );
+}
 
-    // The server agrees: xact_commit per request. It also counts read-only autocommit
-    // statements as commits (they write no WAL and wait for no flush): the engine's look-up is
-    // one, so a new request shows its durable commits + 1 there, a replay 1.
+/// The server agrees: xact_commit per request. It also counts read-only autocommit statements
+/// as commits (they write no WAL and wait for no flush): the engine's look-up is one, so a new
+/// request shows its durable commits + 1 there, a replay 1.
+fn the_server_agrees(report: &Report) {
     for (workload, variant, commits) in [
         (CHECKOUT, ENGINE, 3.0),
         (LOCAL_ONLY, ENGINE, 2.0),
@@ -142,7 +162,12 @@ async fn quick_mode_completes_with_the_documented_counts() {
             );
         }
     }
+}
 
+/// The storm executed each key once, the drains finished every key, retention deleted every
+/// row; the partitioned-expiry workload's variants each expired every key, dropping partitions
+/// deleted no row one by one and left no dead tuple, and each layout was measured.
+fn storm_drain_retention_and_partitions_held(report: &Report) {
     let storm = report.storm.as_ref().unwrap();
     assert!(storm.one_execution_per_key);
     assert_eq!(storm.executed as usize, storm.rounds * storm.keys_per_round);
@@ -155,8 +180,6 @@ async fn quick_mode_completes_with_the_documented_counts() {
     }
     let retention = report.retention.as_ref().unwrap();
     assert_eq!(retention.deleted, retention.rows);
-    // Workload 12: every variant expired every key; dropping partitions deleted no row one by
-    // one and left no dead tuple; each layout was measured.
     let partitioned = report.partitioned_expiry.as_ref().unwrap();
     assert_eq!(partitioned.expiries.len(), 3);
     for expiry in &partitioned.expiries {
@@ -173,7 +196,4 @@ async fn quick_mode_completes_with_the_documented_counts() {
         }
     }
     assert_eq!(partitioned.costs.len(), 4, "{:?}", partitioned.costs);
-    assert!(!report.targets.is_empty());
-    assert!(!report.table().is_empty());
-    serde_json::to_string(&report).unwrap();
 }

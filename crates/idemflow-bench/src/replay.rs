@@ -1,0 +1,45 @@
+//! The replay workload: requests for the finished keys seeded before the first workload runs,
+//! answered from the stored response; through the engine (`Runner::run`, its look-up) and the
+//! raw baseline (one primary-key select of the stored response), interleaved at each client
+//! count.
+
+use crate::report::{ENGINE, RAW, REPLAY, Report, Target, over};
+use crate::requests;
+use crate::timed::interleaved;
+use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+
+pub(crate) const WORKLOAD: Workload = Workload {
+    name: "replay",
+    number: Some(3),
+    measures: "replays of finished keys: the engine vs a raw primary-key select",
+    runs: Runs::AtEachClientCount(run),
+    targets: Some(targets),
+    section: None,
+};
+
+const PLAN: &[(&str, &str)] = &[(REPLAY, ENGINE), (REPLAY, RAW)];
+
+fn run<'a>(ctx: &'a Ctx<'a>, clients: usize, report: &'a mut Report) -> BoxFuture<'a, ()> {
+    Box::pin(async move {
+        report
+            .runs
+            .extend(interleaved(ctx, clients, PLAN, requests::sample).await?);
+        Ok(())
+    })
+}
+
+/// Engine ÷ raw ≥ 0.9×; one round trip per replay (counted on the wire).
+fn targets(report: &Report, targets: &mut Vec<Target>) {
+    targets.push(Target::ratio(
+        report.target_name(REPLAY, ENGINE),
+        over(report.rate(REPLAY, ENGINE), report.rate(REPLAY, RAW)),
+        0.9,
+    ));
+    targets.push(Target::exactly(
+        "3 replay: round trips per request",
+        report
+            .wire(REPLAY, ENGINE)
+            .map(|count| count.round_trips_per_request),
+        1.0,
+    ));
+}
