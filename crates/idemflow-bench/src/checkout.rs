@@ -4,29 +4,18 @@
 //! baseline sending the same statements, interleaved at each client count.
 
 use crate::report::{CHECKOUT, ENGINE, ENGINE_HOOK, RAW, Report, Target, over};
-use crate::requests;
-use crate::timed::interleaved;
-use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+use crate::workloads::{Runs, Workload};
 
 pub(crate) const WORKLOAD: Workload = Workload {
     name: "checkout",
     number: Some(1),
     measures: "new requests, local → foreign → local: engine, engine + crash hook, raw sqlx",
-    runs: Runs::AtEachClientCount(run),
+    runs: Runs::Interleaved(PLAN),
     targets: Some(targets),
     section: None,
 };
 
 const PLAN: &[(&str, &str)] = &[(CHECKOUT, ENGINE), (CHECKOUT, ENGINE_HOOK), (CHECKOUT, RAW)];
-
-fn run<'a>(ctx: &'a Ctx<'a>, clients: usize, report: &'a mut Report) -> BoxFuture<'a, ()> {
-    Box::pin(async move {
-        report
-            .runs
-            .extend(interleaved(ctx, clients, PLAN, requests::sample).await?);
-        Ok(())
-    })
-}
 
 /// Engine ÷ raw ≥ 0.8×; 2 commits per request and no more round trips than raw (counted on the
 /// wire); the crash hook costs < 1%.

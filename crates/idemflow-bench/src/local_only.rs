@@ -2,29 +2,18 @@
 //! one-commit path; through the engine and the raw baseline, interleaved at each client count.
 
 use crate::report::{ENGINE, LOCAL_ONLY, RAW, Report, Target, over};
-use crate::requests;
-use crate::timed::interleaved;
-use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+use crate::workloads::{Runs, Workload};
 
 pub(crate) const WORKLOAD: Workload = Workload {
     name: "local-only",
     number: Some(2),
     measures: "new requests of one local phase: the engine vs raw sqlx",
-    runs: Runs::AtEachClientCount(run),
+    runs: Runs::Interleaved(PLAN),
     targets: Some(targets),
     section: None,
 };
 
 const PLAN: &[(&str, &str)] = &[(LOCAL_ONLY, ENGINE), (LOCAL_ONLY, RAW)];
-
-fn run<'a>(ctx: &'a Ctx<'a>, clients: usize, report: &'a mut Report) -> BoxFuture<'a, ()> {
-    Box::pin(async move {
-        report
-            .runs
-            .extend(interleaved(ctx, clients, PLAN, requests::sample).await?);
-        Ok(())
-    })
-}
 
 /// Engine ÷ raw ≥ 0.85×; one commit per request (counted on the wire).
 fn targets(report: &Report, targets: &mut Vec<Target>) {

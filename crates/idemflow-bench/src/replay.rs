@@ -4,29 +4,18 @@
 //! count.
 
 use crate::report::{ENGINE, RAW, REPLAY, Report, Target, over};
-use crate::requests;
-use crate::timed::interleaved;
-use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
+use crate::workloads::{Runs, Workload};
 
 pub(crate) const WORKLOAD: Workload = Workload {
     name: "replay",
     number: Some(3),
     measures: "replays of finished keys: the engine vs a raw primary-key select",
-    runs: Runs::AtEachClientCount(run),
+    runs: Runs::Interleaved(PLAN),
     targets: Some(targets),
     section: None,
 };
 
 const PLAN: &[(&str, &str)] = &[(REPLAY, ENGINE), (REPLAY, RAW)];
-
-fn run<'a>(ctx: &'a Ctx<'a>, clients: usize, report: &'a mut Report) -> BoxFuture<'a, ()> {
-    Box::pin(async move {
-        report
-            .runs
-            .extend(interleaved(ctx, clients, PLAN, requests::sample).await?);
-        Ok(())
-    })
-}
 
 /// Engine ÷ raw ≥ 0.9×; one round trip per replay (counted on the wire).
 fn targets(report: &Report, targets: &mut Vec<Target>) {

@@ -15,9 +15,11 @@ use crate::config::Config;
 use crate::db::{Scratch, literal};
 use crate::raw::Shape;
 use crate::report::{Report, Target};
+use crate::timed::interleaved;
 use crate::{
     Error, checkout, drain, fleet, http, large_responses, local_only, machine, mariadb, mass_crash,
-    partitioned, pgbench, provider_storm, redis, replay, retention, sqlite, storm, wire, workflows,
+    partitioned, pgbench, provider_storm, redis, replay, requests, retention, sqlite, storm, wire,
+    workflows,
 };
 
 /// A future the registry stores behind a function pointer.
@@ -48,11 +50,14 @@ pub(crate) enum Runs {
     /// registry take turns at each count, so the drift over the invocation (the table grows,
     /// autovacuum, other load on the machine) falls on each of them alike.
     AtEachClientCount(for<'a> fn(&'a Ctx<'a>, usize, &'a mut Report) -> BoxFuture<'a, ()>),
+    /// Once per client count, as the timed request loops of these (workload, variant) pairs,
+    /// interleaved (`timed::interleaved`, one request each through `requests::sample`).
+    Interleaved(&'static [(&'static str, &'static str)]),
 }
 
 impl Runs {
     fn at_each_client_count(&self) -> bool {
-        matches!(self, Self::AtEachClientCount(_))
+        matches!(self, Self::AtEachClientCount(_) | Self::Interleaved(_))
     }
 }
 
@@ -144,8 +149,12 @@ async fn run_group(ctx: &Ctx<'_>, group: &[&Workload], report: &mut Report) -> R
     for &clients in &ctx.config.clients {
         report.trace(&format!("{} at {clients} clients", names.join(", ")));
         for workload in group {
-            if let Runs::AtEachClientCount(run) = workload.runs {
-                run(ctx, clients, report).await?;
+            match workload.runs {
+                Runs::AtEachClientCount(run) => run(ctx, clients, report).await?,
+                Runs::Interleaved(plan) => report
+                    .runs
+                    .extend(interleaved(ctx, clients, plan, requests::sample).await?),
+                Runs::Once(_) => {}
             }
         }
     }
