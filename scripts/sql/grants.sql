@@ -22,7 +22,7 @@ REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE ON SCHEMA public TO :"runtime_role";
 
 -- The keys table. SELECT: the look-up, the reports, and every WHERE clause of the writes.
--- INSERT: the claim (also through its prepared statement, idemflow_claim_v3). UPDATE: the fenced
+-- INSERT: the claim (through its function, idemflow_claim, below). UPDATE: the fenced
 -- writes (advance, finish, renew, postpone), the takeovers, end-lease, and the row locks of
 -- `FOR UPDATE SKIP LOCKED` (the resumer's scan, retention). DELETE: retention and the forget
 -- policy. Revoked first, so a re-run also takes back anything granted by hand since
@@ -61,13 +61,19 @@ BEGIN
 END
 $temporary$;
 
+-- The claim's function (the migration claim_function): a new key's claim calls it. It runs with
+-- its caller's rights, or with its owner's where it quiets a lost race's ERROR line (and then does
+-- nothing but the claim: it takes the key's claim lock and inserts one row).
+GRANT EXECUTE ON FUNCTION idemflow_claim(bigint, text, text, bytea, text, jsonb, bigint, bigint)
+    TO :"runtime_role";
+
 -- The migrations' history is the owner's alone: a runtime role cannot make the migrator skip or
 -- re-run a migration.
 REVOKE ALL ON TABLE _sqlx_migrations FROM :"runtime_role";
 
--- Nothing else: the migrations create no function (the engine calls only built-ins that every
--- role may execute: pg_advisory_xact_lock, pg_try_advisory_xact_lock(_shared), pg_notify; the
--- partitioned layout's trigger functions run with their owner's rights, on a fixed search path,
+-- Nothing else: the migrations create no other function for the runtime role (besides the claim's,
+-- the engine calls only built-ins that every role may execute: pg_advisory_xact_lock,
+-- pg_try_advisory_xact_lock(_shared), pg_notify; the partitioned layout's trigger functions run with their owner's rights, on a fixed search path,
 -- and are executable by no one else), the partitions of a partitioned keys table are reached through it and need no grant,
 -- LISTEN/NOTIFY and SET LOCAL of statement_timeout and idle_in_transaction_session_timeout need
 -- no grant, and advisory locks none either.

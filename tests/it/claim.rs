@@ -5,12 +5,14 @@
 
 use std::time::Duration;
 
+use crate::support::server_log::ServerLog;
 use crate::support::*;
 use idemflow::{Fingerprint, Key, Outcome, Runner, RunnerConfig, TenantId, TerminalPolicy};
-use idemflow_pg::{self as store, ClaimRequest, Claimed, LookUp};
+use idemflow_pg::partitions::{self, PartitionPlan};
+use idemflow_pg::{self as store, ClaimRequest, Claimed, LookUp, statements};
 use serde_json::{Value, json};
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool};
 use std::sync::atomic::Ordering;
 
 fn claim_of<'a>(
@@ -259,10 +261,13 @@ async fn a_connection_whose_prepared_claim_was_discarded_prepares_it_again(
     let workflow = harness.local_only();
     executed(&run(&runner, &workflow, &tenant(1), "first", &body(1)).await);
     // As a `DISCARD ALL` (from a pooler, say) would, for the claim's statement.
-    sqlx::query("DEALLOCATE idemflow_claim_v3")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "DEALLOCATE {}",
+        statements::CLAIM_NAME
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
     executed(&run(&runner, &workflow, &tenant(1), "second", &body(1)).await);
     let mut connection = pool.acquire().await.unwrap();
     assert!(idle(&mut connection).await);
@@ -452,4 +457,145 @@ async fn a_claim_told_wrongly_that_its_connection_lacks_the_prepared_claim_still
     );
     let mut connection = pool.acquire().await.unwrap();
     assert!(idle(&mut connection).await);
+}
+
+/// Two copies of one request that both found their key absent both claim it; the second waits
+/// for the first's claim lock and loses when it commits. That is an answer (the loser replies
+/// from the winner's row), not a fault: the server's log gets no `ERROR` line for it, whichever
+/// form the claim's message took, on either layout of the keys table. (An operator who alerts on
+/// `ERROR` lines would be paged for a request that was served correctly.)
+async fn races_quietly(pool: &PgPool, layout: &str) {
+    let log = ServerLog::from_now(pool).await;
+    let mut keys = Vec::new();
+    for claim_prepared in [false, true] {
+        keys.push(lose_a_race(pool, &format!("quiet-{layout}"), claim_prepared).await);
+    }
+    assert_eq!(
+        logged_lines(pool, &log, &keys).await,
+        Vec::<String>::new(),
+        "{layout}"
+    );
+}
+
+/// One lost race on `pool`'s connections: a key (named from `prefix`) that two claims race for,
+/// the second (whose connection holds the prepared claim or not, as `claim_prepared` says)
+/// waiting for the first's claim lock and losing when it commits.
+pub(crate) async fn lose_a_race(pool: &PgPool, prefix: &str, claim_prepared: bool) -> Key {
+    let tenant = tenant(1);
+    let fingerprint = Fingerprint::from_slice(&[3; 32]).unwrap();
+    let request = json!({"amount": 1});
+    let key = Key::parse(&format!("{prefix}-{}", unique())).unwrap();
+    let claim = claim_of(&tenant, &key, &fingerprint, &request);
+    // The loser's connection, whose look-up found the key absent before the winner claimed.
+    let mut loser = pool.acquire().await.unwrap();
+    let LookUp::Absent { .. } = store::look_up(&mut loser, &tenant, &key).await.unwrap() else {
+        panic!("the key is new");
+    };
+    if claim_prepared {
+        sqlx::Executor::execute(&mut *loser, statements::PREPARE_CLAIM)
+            .await
+            .unwrap();
+    }
+    // The winner claims as the runner does: told by its look-up whether its connection holds
+    // the prepared claim (a claim not told could fail once for it, a line of its own).
+    let mut first = pool.acquire().await.unwrap();
+    let LookUp::Absent {
+        claim_prepared: prepared,
+        ..
+    } = store::look_up(&mut first, &tenant, &key).await.unwrap()
+    else {
+        panic!("the key is new");
+    };
+    let Claimed::Owned(winner, _) =
+        store::begin_claim_knowing(first, &claim, &Default::default(), prepared)
+            .await
+            .unwrap()
+    else {
+        panic!("the key is new");
+    };
+    let second = {
+        let (tenant, key, request) = (tenant.clone(), key.clone(), request.clone());
+        tokio::spawn(async move {
+            let claim = claim_of(&tenant, &key, &fingerprint, &request);
+            matches!(
+                store::begin_claim_knowing(loser, &claim, &Default::default(), claim_prepared)
+                    .await
+                    .unwrap(),
+                Claimed::Lost(_)
+            )
+        })
+    };
+    eventually(
+        pool,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        1,
+    )
+    .await;
+    winner.commit().await.unwrap();
+    assert!(second.await.unwrap(), "the second claim must lose");
+    key
+}
+
+/// The lines the server logged since `log` began that name one of `keys` (as text, or in hex as
+/// the claim's message carries it). `admin` must be a superuser's pool. A control error of its
+/// own, which the log must show, first: an empty reading cannot pass for a quiet one.
+pub(crate) async fn logged_lines(admin: &PgPool, log: &ServerLog, keys: &[Key]) -> Vec<String> {
+    let marker = format!("control-{}", unique());
+    let control = sqlx::query(AssertSqlSafe(format!("SELECT 1 / 0 AS \"{marker}\"")))
+        .execute(admin)
+        .await;
+    assert!(control.is_err());
+    let logged = eventually_logged(admin, log, &marker).await;
+    logged
+        .lines()
+        .filter(|line| {
+            keys.iter().any(|key| {
+                line.contains(key.as_str())
+                    || line.contains(&idemflow_core::hex::encode(key.as_str().as_bytes()))
+            })
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A name no other test (of this run or another) puts in the server's log.
+fn unique() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!(
+        "{}-{now}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The log from `log`'s start, once it shows `marker`.
+async fn eventually_logged(pool: &PgPool, log: &ServerLog, marker: &str) -> String {
+    for _ in 0..100 {
+        let logged = log.since(pool).await;
+        if logged.contains(marker) {
+            return logged;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the server's log never showed {marker}: it is not the log being read");
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_that_loses_the_race_writes_no_error_to_the_servers_log(pool: PgPool) {
+    races_quietly(&pool, "table").await;
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_that_loses_the_race_on_partitions_writes_no_error_to_the_servers_log(
+    pool: PgPool,
+) {
+    partitions::adopt(&pool, &PartitionPlan::default())
+        .await
+        .expect("adopt");
+    races_quietly(&pool, "partitions").await;
 }

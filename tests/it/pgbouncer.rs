@@ -8,7 +8,7 @@
 //!   statement of the connection: behind a transaction pooler that is only correct with
 //!   PgBouncer's own prepared statement support (1.21+, `max_prepared_statements`). Without it a
 //!   client can run *another client's* statement of the same name.
-//! - the claim's SQL-level `PREPARE` (`idemflow_claim_v3`) is not tracked by PgBouncer: the claim
+//! - the claim's SQL-level `PREPARE` (`idemflow_claim_v4`) is not tracked by PgBouncer: the claim
 //!   prepares it again where it lands, or sends the insert in full.
 //! - startup `options` (`PoolSettings`' session limits) are refused unless PgBouncer ignores them,
 //!   and then they are lost: set them on the role or database instead.

@@ -25,6 +25,8 @@ use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
+use crate::claim::{logged_lines, lose_a_race};
+use crate::support::server_log::ServerLog;
 use crate::support::{patient, request};
 
 /// The grants, as operators run them: `psql -v runtime_role=... -f scripts/sql/grants.sql`.
@@ -36,6 +38,10 @@ pub(crate) const GRANTS_FILE: &str = "scripts/sql/grants.sql";
 /// away.
 pub(crate) const RUNTIME_PRIVILEGES: &[(&str, &str)] = &[
     ("database", "CONNECT"),
+    (
+        "function idemflow_claim(bigint,text,text,bytea,text,jsonb,bigint,bigint)",
+        "EXECUTE",
+    ),
     ("idempotency_keys", "DELETE"),
     ("idempotency_keys", "INSERT"),
     ("idempotency_keys", "SELECT"),
@@ -595,16 +601,20 @@ async fn the_grants_file_gives_the_runtime_role_exactly_what_the_engine_needs(
             Vec::<String>::new(),
             "the owner role owns every relation the migrations created"
         );
-        // The migrations create no function: none needs an EXECUTE grant. (One that does must be
-        // granted in the file, and listed in RUNTIME_PRIVILEGES.)
-        let functions: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_proc f JOIN pg_namespace n ON n.oid = f.pronamespace \
-             WHERE n.nspname = 'public'",
+        // The functions the migrations created: the claim's, granted in the file. (A new one
+        // fails here until the file grants what the runtime role needs of it, and
+        // RUNTIME_PRIVILEGES lists it.)
+        let functions: Vec<String> = sqlx::query_scalar(
+            "SELECT f.oid::regprocedure::text FROM pg_proc f \
+             JOIN pg_namespace n ON n.oid = f.pronamespace WHERE n.nspname = 'public'",
         )
-        .fetch_one(&admin)
+        .fetch_all(&admin)
         .await
         .unwrap();
-        assert_eq!(functions, 0);
+        assert_eq!(
+            functions,
+            ["idemflow_claim(bigint,text,text,bytea,text,jsonb,bigint,bigint)"]
+        );
         // Every relation the migrations created, so a new one fails here until the file (and
         // RUNTIME_PRIVILEGES) say what the runtime role may do with it.
         let relations: Vec<String> = sqlx::query_scalar(
@@ -1360,6 +1370,70 @@ async fn the_runtime_role_cannot_run_sql_as_the_owner_through_the_partitioned_tr
             .unwrap_err();
         assert_eq!(sqlstate(&duplicate), "23505", "{duplicate}");
         drop(session);
+    })
+    .await;
+}
+
+/// Whether the claim's function runs with its owner's rights: it does only where it quiets a lost
+/// race (its owner may set `log_min_messages`).
+async fn claim_quiets(admin: &PgPool) -> bool {
+    sqlx::query_scalar(
+        "SELECT prosecdef AND prosrc LIKE '%log_min_messages%' FROM pg_proc \
+         WHERE proname = 'idemflow_claim'",
+    )
+    .fetch_one(admin)
+    .await
+    .unwrap()
+}
+
+/// Migrated by a least-privilege owner, a claim that loses the race for its key still answers
+/// (the runtime role's claim comes back lost) and its ERROR line is logged, as it must be where
+/// the owner may not set `log_min_messages`. Once a superuser grants the owner that and the owner
+/// defines the claim's function again (the migration's file, run again), the lost race is quiet;
+/// the function keeps its owner and the runtime role keeps exactly its grants.
+#[sqlx::test(migrations = false)]
+async fn a_lost_race_is_quiet_once_the_owner_may_set_log_min_messages(
+    _: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    deployed(connect, |deployment| async move {
+        let Deployment {
+            admin,
+            owner,
+            runtime,
+            roles,
+        } = deployment;
+        assert!(!claim_quiets(&admin).await);
+        let log = ServerLog::from_now(&admin).await;
+        let loud = lose_a_race(&runtime, "loud", true).await;
+        assert_ne!(
+            logged_lines(&admin, &log, &[loud]).await,
+            Vec::<String>::new()
+        );
+
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "GRANT SET ON PARAMETER log_min_messages TO \"{}\"",
+            roles.owner.name
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+        sqlx::raw_sql(store::statements::DEFINE_CLAIM)
+            .execute(&owner)
+            .await
+            .unwrap();
+        assert!(claim_quiets(&admin).await);
+        let log = ServerLog::from_now(&admin).await;
+        let quiet = lose_a_race(&runtime, "quiet", true).await;
+        assert_eq!(
+            logged_lines(&admin, &log, &[quiet]).await,
+            Vec::<String>::new()
+        );
+        assert_eq!(owned_by(&admin, &roles.runtime.name).await, 0);
+        assert_eq!(
+            privileges(&admin, &roles.runtime.name).await,
+            expected_runtime_privileges()
+        );
     })
     .await;
 }

@@ -3,7 +3,7 @@
 //! same client counts for the same duration. Scripts are written into a temporary directory.
 //!
 //! The engine's new-request scripts send the engine's very messages, so they run in pgbench's
-//! simple query mode: the claim is `BEGIN; EXECUTE idemflow_claim_v3(…)` in one message, which
+//! simple query mode: the claim is `BEGIN; EXECUTE idemflow_claim_v4(…)` in one message, which
 //! prepared mode refuses. In simple mode the server also parses the statements the engine sends
 //! prepared (the look-up, the phases' statements, advance and finish), so these figures
 //! understate what a C client could do, and the engine's ratio to them flatters the engine; the

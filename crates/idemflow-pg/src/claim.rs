@@ -3,25 +3,28 @@
 //!
 //! A new request's first transaction is `BEGIN`, the claim, the leading local phases, and the
 //! commit. Sent one by one, `BEGIN` costs a round trip of its own; here it shares one with the
-//! claim: the message is `BEGIN; EXECUTE idemflow_claim_v3(…)` in PostgreSQL's simple query
+//! claim: the message is `BEGIN; EXECUTE idemflow_claim_v4(…)` in PostgreSQL's simple query
 //! protocol. That protocol takes no bind parameters, so the values travel as hex literals
 //! (`decode('…', 'hex')`): only the digits 0-9a-f and integers this module formats ever enter the
 //! SQL text, whatever the key, tenant or request holds.
 //!
-//! `idemflow_claim_v3` is a prepared statement of the connection (SQL `PREPARE`): the advisory
-//! lock and the insert in one statement, so the server parses and plans the insert once per
-//! connection rather than once per request (measured with pgbench: 8% more claims per second).
-//! The look-up says whether the connection holds it; where it does not, the claim's message
-//! prepares it first ([`begin_claim_knowing`]), so a new connection's first claim fails no
-//! message (each failure is an `ERROR` line in the server's log). A claim that was not told
-//! ([`begin_claim`]) finds out: on a connection without it the message fails with "prepared
-//! statement does not exist", is rolled back, and goes again after a `PREPARE`. Where it cannot
-//! stick (a pooler that hands each transaction another server connection), the claim falls back
-//! to the same statement written out in full.
+//! The claim itself is a function of the schema, `idemflow_claim` (its one definition is the
+//! migration `claim_function`, [`statements::DEFINE_CLAIM`]): it takes the key's advisory lock
+//! and inserts the key's row. `idemflow_claim_v4` is a prepared statement of the connection (SQL
+//! `PREPARE`) calling it, so the server parses and plans the call once per connection. The
+//! look-up says whether the connection holds it; where it does not, the claim's message prepares
+//! it first ([`begin_claim_knowing`]), so a new connection's first claim fails no message (each
+//! failure is an `ERROR` line in the server's log). A claim that was not told ([`begin_claim`])
+//! finds out: on a connection without it the message fails with "prepared statement does not
+//! exist", is rolled back, and goes again after a `PREPARE`. Where it cannot stick (a pooler that
+//! hands each transaction another server connection), the claim calls the function by name.
 //!
-//! The insert has no `ON CONFLICT`: losing the race for a key is an error (unique violation) that
-//! aborts the transaction, and [`Transaction`] rolls it back and hands the connection back. The
-//! caller then looks the key up again and answers from the winner's row.
+//! Losing the race for a key is an error (unique violation) that aborts the transaction, and
+//! [`Transaction`] rolls it back and hands the connection back. The caller then looks the key up
+//! again and answers from the winner's row. The error is the only way the message can say "lost"
+//! (its `BEGIN` returns no results), so the function raises it without an `ERROR` line in the
+//! server's log where its owner may set `log_min_messages` (the migration says how; an operator
+//! who alerts on `ERROR` lines is not paged for a request that was served correctly).
 //!
 //! The advisory lock ([`crate::claim_lock`]: on a 64-bit hash of tenant and key, held until the
 //! claim's transaction ends) is what lets [`look_up`](fn@crate::look_up) tell "no such key" from
@@ -164,11 +167,11 @@ async fn begin_claim_in(
 /// How the claim's message carries the insert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Form {
-    /// `EXECUTE idemflow_claim_v3(…)`.
+    /// `EXECUTE idemflow_claim_v4(…)`.
     Prepared,
-    /// `PREPARE idemflow_claim_v3 … ; EXECUTE idemflow_claim_v3(…)`: on a connection without it.
+    /// `PREPARE idemflow_claim_v4 … ; EXECUTE idemflow_claim_v4(…)`: on a connection without it.
     PrepareFirst,
-    /// The statement in full.
+    /// The claim's function called by name.
     Inline,
 }
 
@@ -191,8 +194,8 @@ fn has_code(error: &sqlx::Error, code: &str) -> bool {
     matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(code))
 }
 
-/// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v3(…); SAVEPOINT idemflow_claimed` (or the insert
-/// in full), every value a hex literal or an integer formatted here.
+/// `BEGIN; [SET LOCAL …;] EXECUTE idemflow_claim_v4(…); SAVEPOINT idemflow_claimed` (or the claim's
+/// function called by name), every value a hex literal or an integer formatted here.
 fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> String {
     let request = serde_json::to_string(claim.request).unwrap_or_else(|_| "null".to_owned());
     let lease_ms = millis(claim.lease);
@@ -208,11 +211,7 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
             let _ = write!(sql, "; EXECUTE {}({lock}, ", statements::CLAIM_NAME);
         }
         Form::Inline => {
-            sql.push_str(
-                "; INSERT INTO idempotency_keys \
-                 (tenant, key, fingerprint, workflow, request, locked_until, lock_version, \
-                  journal) SELECT ",
-            );
+            let _ = write!(sql, "; SELECT {}({lock}, ", statements::CLAIM_FUNCTION);
         }
     }
     text_literal(&mut sql, claim.tenant.as_str());
@@ -224,21 +223,7 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
     text_literal(&mut sql, claim.workflow);
     sql.push_str(", ");
     text_literal(&mut sql, &request);
-    match form {
-        Form::Prepared | Form::PrepareFirst => {
-            let _ = write!(sql, "::jsonb, {lease_ms}, {token})");
-        }
-        Form::Inline => {
-            let _ = write!(
-                sql,
-                "::jsonb, clock_timestamp() + {lease_ms} * interval '1 millisecond', {token}, \
-                 jsonb_build_array(jsonb_build_object('at', {}, 'event', 'claimed', \
-                                                      'token', {token}::bigint)) \
-                 FROM (SELECT pg_advisory_xact_lock({lock})) AS locked",
-                statements::JOURNAL_AT
-            );
-        }
-    }
+    let _ = write!(sql, "::jsonb, {lease_ms}, {token})");
     let _ = write!(sql, "; {}", statements::CLAIMED_SAVEPOINT);
     sql
 }
@@ -285,21 +270,11 @@ mod tests {
         };
         for form in [Form::Prepared, Form::PrepareFirst, Form::Inline] {
             let sql = claim_statement(&claim, &limits, form);
-            // Every quoted span is hex digits or one of the fixed words (the journal's among them).
+            // Every quoted span is hex digits or one of the fixed words.
             let quoted: Vec<&str> = sql.split('\'').skip(1).step_by(2).collect();
             for span in &quoted {
                 assert!(
-                    span.bytes().all(|b| b.is_ascii_hexdigit())
-                        || [
-                            "hex",
-                            "UTF8",
-                            "1 millisecond",
-                            "at",
-                            "event",
-                            "claimed",
-                            "token"
-                        ]
-                        .contains(span),
+                    span.bytes().all(|b| b.is_ascii_hexdigit()) || ["hex", "UTF8"].contains(span),
                     "unexpected literal {span:?} in {sql}"
                 );
             }
@@ -313,8 +288,8 @@ mod tests {
         }
     }
 
-    /// The fallback where the prepared statement cannot stick: the insert written out in full
-    /// claims the same way (the prepared form is what every other test exercises).
+    /// The fallback where the prepared statement cannot stick: the claim's function called by
+    /// name claims the same way (the prepared form is what every other test exercises).
     #[sqlx::test(migrator = "crate::MIGRATOR")]
     async fn the_inline_form_claims_and_loses_like_the_prepared_one(pool: sqlx::PgPool) {
         let tenant = TenantId::new("t-1").expect("tenant");

@@ -28,7 +28,7 @@ pub enum LookUp {
         /// A fresh fencing token for its claim, drawn from the `idempotency_keys_fence` sequence
         /// in the same statement.
         lock_version: i64,
-        /// Whether this connection holds the prepared claim (`idemflow_claim_v3`): a claim on
+        /// Whether this connection holds the prepared claim (`idemflow_claim_v4`): a claim on
         /// the same connection that does not prepares it in its own message
         /// ([`crate::begin_claim_knowing`]), so no message fails for it.
         claim_prepared: bool,

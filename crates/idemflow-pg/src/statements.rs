@@ -22,26 +22,31 @@ pub const LOOK_UP: &str = "(SELECT fingerprint, workflow, state = 'done' AS done
  (SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
          NOT pg_try_advisory_xact_lock_shared($3), \
          nextval('idempotency_keys_fence'), \
-         EXISTS (SELECT FROM pg_prepared_statements WHERE name = 'idemflow_claim_v3')) \
+         EXISTS (SELECT FROM pg_prepared_statements WHERE name = 'idemflow_claim_v4')) \
  LIMIT 1";
 
 /// The name the claim is prepared under on each connection.
-pub const CLAIM_NAME: &str = "idemflow_claim_v3";
+pub const CLAIM_NAME: &str = "idemflow_claim_v4";
 
-/// The connection's prepared claim: the advisory lock and the insert in one statement. The lease
-/// is measured from the insert itself (`clock_timestamp()`), not from the transaction's start.
-/// The key's journal starts with its `claimed` entry ([`JOURNAL_AT`]). `$1` claim lock, `$2`
-/// tenant, `$3` key, `$4` fingerprint, `$5` workflow, `$6` request, `$7` lease in ms, `$8`
-/// fencing token.
-pub const PREPARE_CLAIM: &str = "PREPARE idemflow_claim_v3 \
+/// The connection's prepared claim: a call of the claim's function, `idemflow_claim` (defined by
+/// the migration `claim_function`, its one definition), which takes the key's claim lock and
+/// inserts the key's row. The lease is measured from the insert itself (`clock_timestamp()`), not
+/// from the transaction's start. The key's journal starts with its `claimed` entry. A claim that
+/// lost the race for its key (the key was claimed while this one waited for the lock) raises the
+/// insert's unique violation, without an ERROR line in the server's log where the function's owner
+/// may set `log_min_messages`. `$1` claim lock, `$2` tenant, `$3` key, `$4` fingerprint, `$5`
+/// workflow, `$6` request, `$7` lease in ms, `$8` fencing token.
+pub const PREPARE_CLAIM: &str = "PREPARE idemflow_claim_v4 \
      (bigint, text, text, bytea, text, jsonb, bigint, bigint) AS \
-     INSERT INTO idempotency_keys \
-         (tenant, key, fingerprint, workflow, request, locked_until, lock_version, journal) \
-     SELECT $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 millisecond', $8, \
-            jsonb_build_array(jsonb_build_object( \
-                'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
-                'event', 'claimed', 'token', $8)) \
-     FROM (SELECT pg_advisory_xact_lock($1)) AS locked";
+     SELECT idemflow_claim($1, $2, $3, $4, $5, $6, $7, $8)";
+
+/// The claim's function, called by name where a prepared statement cannot stick: its arguments
+/// are [`PREPARE_CLAIM`]'s parameters, in their order.
+pub const CLAIM_FUNCTION: &str = "idemflow_claim";
+
+/// The migration that defines the claim's function (its one definition; running it again defines
+/// the function anew, e.g. once its owner may quiet a lost race).
+pub const DEFINE_CLAIM: &str = include_str!("../migrations/20261204000100_claim_function.sql");
 
 /// An entry's time in a key's journal: milliseconds since the Unix epoch by the server's clock,
 /// read when the statement writing the entry runs. Every statement that changes a key appends
@@ -169,7 +174,7 @@ mod tests {
     #[test]
     fn every_change_of_a_key_appends_to_its_journal_within_the_limit() {
         for (statement, event) in [
-            (PREPARE_CLAIM, "'claimed'"),
+            (DEFINE_CLAIM, "'claimed'"),
             (ADVANCE, "'phase'"),
             (FINISH, "'finished'"),
             (FINISH_APART, "'finished'"),
