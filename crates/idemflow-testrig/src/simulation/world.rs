@@ -572,6 +572,11 @@ pub(crate) struct World<E: SimEngine> {
     step: usize,
     /// Keys whose lease the schedule expired lately: a client is likelier to retry them now.
     lapsed: Vec<usize>,
+    /// Per resumer, each key's token as last sampled when its latest drain began. While that
+    /// drain runs, a key whose token has changed since may be one it took over: its owner relies
+    /// on the lease it wrote from the takeover on, before it reaches any point that says so (the
+    /// takeover is the drain's, not the key's run's), so its lease is not the world's to expire.
+    drain_tokens: Vec<Vec<Option<i64>>>,
     /// The key page an operator has open in the console, as it was when read: an action on it
     /// comes later, when the key may have moved on.
     page: Option<(usize, RowSeen)>,
@@ -680,6 +685,7 @@ where
         lives: HashMap::new(),
         step: 0,
         lapsed: Vec::new(),
+        drain_tokens: Vec::new(),
         page: None,
         shared,
         rng,
@@ -1268,6 +1274,11 @@ impl<E: SimEngine> World<E> {
             return;
         }
         let (resumer, busy, shared) = (resumer.clone(), busy.clone(), self.shared.clone());
+        let tokens = self.sampled_tokens();
+        if self.drain_tokens.len() <= index {
+            self.drain_tokens.resize(index + 1, Vec::new());
+        }
+        self.drain_tokens[index] = tokens;
         let actor = shared.scheduler.new_actor();
         shared.log().counts.drains += 1;
         shared.event(actor, format!("resumer {index} drains"));
@@ -1315,9 +1326,31 @@ impl<E: SimEngine> World<E> {
             .filter(|(_, key)| key.settled)
             .filter_map(|(index, key)| Some((index, key.row.clone()?)))
             .filter(|(index, row)| {
-                row.state == "started" && !self.shared.scheduler.is_exposed(&key_name(*index))
+                row.state == "started"
+                    && !self.shared.scheduler.is_exposed(&key_name(*index))
+                    && !self.maybe_taken_by_a_drain(*index, row)
             })
             .collect()
+    }
+
+    /// Each key's token as last sampled.
+    fn sampled_tokens(&self) -> Vec<Option<i64>> {
+        self.keys
+            .iter()
+            .map(|key| key.row.as_ref().map(|row| row.lock_version))
+            .collect()
+    }
+
+    /// Whether a drain still running may have taken the key over since it began
+    /// ([`World::drain_tokens`]).
+    fn maybe_taken_by_a_drain(&self, index: usize, row: &RowSeen) -> bool {
+        self.resumers
+            .iter()
+            .zip(&self.drain_tokens)
+            .any(|((_, busy), tokens)| {
+                busy.load(Ordering::SeqCst)
+                    && tokens.get(index).copied().flatten() != Some(row.lock_version)
+            })
     }
 
     /// The owner of a key is presumed gone: its lease is rewound, as if it had lapsed.

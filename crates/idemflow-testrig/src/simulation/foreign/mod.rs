@@ -459,6 +459,10 @@ struct World<E: ForeignSimEngine> {
     runner: Runner<E>,
     workflow: Arc<Workflow<E>>,
     resumers: Vec<(Arc<Resumer<E>>, Arc<AtomicBool>)>,
+    /// Per resumer, each slot's token as last sampled when its latest drain began: while that
+    /// drain runs, a slot whose token has changed since may be one it took over, whose owner
+    /// relies on its lease before reaching any point that says so.
+    drain_tokens: Vec<Vec<Option<i64>>>,
     actors: JoinSet<()>,
 }
 
@@ -549,6 +553,7 @@ pub(crate) async fn run<E: ForeignSimEngine>(
         runner,
         workflow,
         resumers,
+        drain_tokens: Vec::new(),
         actors: JoinSet::new(),
     };
     for _ in 0..setup.steps {
@@ -694,6 +699,15 @@ impl<E: ForeignSimEngine> World<E> {
             return;
         }
         let (resumer, busy, shared) = (resumer.clone(), busy.clone(), self.shared.clone());
+        let tokens = self
+            .slots
+            .iter()
+            .map(|slot| slot.seen[0].as_ref().map(|seen| seen.token))
+            .collect();
+        if self.drain_tokens.len() <= index {
+            self.drain_tokens.resize(index + 1, Vec::new());
+        }
+        self.drain_tokens[index] = tokens;
         let actor = shared.scheduler.new_actor();
         shared.log().counts.drains += 1;
         shared.event(actor, format!("resumer {index} drains"));
@@ -705,6 +719,16 @@ impl<E: ForeignSimEngine> World<E> {
         }));
     }
 
+    /// Whether a drain still running may have taken slot `index` over since it began.
+    fn maybe_taken_by_a_drain(&self, index: usize, token: i64) -> bool {
+        self.resumers
+            .iter()
+            .zip(&self.drain_tokens)
+            .any(|((_, busy), tokens)| {
+                busy.load(Ordering::SeqCst) && tokens.get(index).copied().flatten() != Some(token)
+            })
+    }
+
     /// Ends the lease of a started key no owner relies on, whose row was the same in the last two
     /// samples (an owner that wrote its lease a moment ago may be on its way to its call).
     async fn lapse(&mut self) {
@@ -712,7 +736,8 @@ impl<E: ForeignSimEngine> World<E> {
             .filter(|&index| {
                 let slot = &self.slots[index];
                 matches!(&slot.seen, [Some(now), Some(before)]
-                    if now.state == "started" && now == before)
+                    if now.state == "started" && now == before
+                        && !self.maybe_taken_by_a_drain(index, now.token))
                     && !self.shared.scheduler.is_exposed(&slot.name())
             })
             .collect();
