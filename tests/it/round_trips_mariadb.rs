@@ -11,153 +11,32 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use idemflow::{
-    DerivedKey, ForeignPhase, Key, LocalPhase, MySqlConnection, MySqlStore, Outcome, PhaseContext,
-    PhaseError, Request, Runner, StoredResponse, TenantId, Workflow,
-};
+use idemflow::{Key, MySqlStore, Outcome, Request, Runner, TenantId, Workflow};
+use idemflow_testrig::checkout::{self as reference, Orders};
 use idemflow_testrig::wire::mysql::start_proxy;
 use idemflow_testrig::wire::{Counts, WireCounts};
-use serde::{Deserialize, Serialize};
 use sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 
 use crate::support::mariadb;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Order {
-    amount: i64,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Placed {
-    order_id: u64,
-}
-
-struct CreateOrder;
-
-#[async_trait]
-impl LocalPhase<MySqlStore> for CreateOrder {
-    const NAME: &'static str = "create_order";
-    type Input = Order;
-    type Output = Placed;
-
-    async fn run(
-        &self,
-        connection: &mut MySqlConnection,
-        order: Order,
-        context: &PhaseContext,
-    ) -> Result<Placed, PhaseError> {
-        let done = sqlx::query("INSERT INTO rt_orders (`key`, amount) VALUES (?, ?)")
-            .bind(context.key.as_str())
-            .bind(order.amount)
-            .execute(connection)
-            .await?;
-        Ok(Placed {
-            order_id: done.last_insert_id(),
-        })
-    }
-}
-
-struct Charge;
-
-#[async_trait]
-impl ForeignPhase for Charge {
-    const NAME: &'static str = "charge";
-    type Input = Placed;
-    type Output = Placed;
-
-    fn timeout(&self) -> Duration {
-        Duration::from_secs(5)
-    }
-
-    async fn call(
-        &self,
-        _: &DerivedKey,
-        placed: Placed,
-        _: &PhaseContext,
-    ) -> Result<Placed, PhaseError> {
-        Ok(placed)
-    }
-}
-
-struct MarkPaid;
-
-#[async_trait]
-impl LocalPhase<MySqlStore> for MarkPaid {
-    const NAME: &'static str = "mark_paid";
-    type Input = Placed;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut MySqlConnection,
-        placed: Placed,
-        _: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        sqlx::query("UPDATE rt_orders SET paid = 1 WHERE id = ?")
-            .bind(placed.order_id)
-            .execute(connection)
-            .await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order": placed.order_id}),
-        ))
-    }
-}
-
-struct PlaceOrder;
-
-#[async_trait]
-impl LocalPhase<MySqlStore> for PlaceOrder {
-    const NAME: &'static str = "place_order";
-    type Input = Order;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut MySqlConnection,
-        order: Order,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        let done = sqlx::query("INSERT INTO rt_orders (`key`, amount) VALUES (?, ?)")
-            .bind(context.key.as_str())
-            .bind(order.amount)
-            .execute(connection)
-            .await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order": done.last_insert_id()}),
-        ))
-    }
-}
-
+/// The reference checkout (`idemflow_testrig::checkout`): create_order, charge, mark_paid.
 fn checkout() -> Workflow<MySqlStore> {
-    Workflow::<MySqlStore>::builder_on::<Order>("checkout.v1")
-        .local(CreateOrder)
-        .foreign(Charge)
-        .local(MarkPaid)
-        .build()
-        .unwrap()
+    reference::checkout::<MySqlStore>(None).unwrap()
 }
 
+/// The reference one-phase order: place_order.
 fn local_only() -> Workflow<MySqlStore> {
-    Workflow::<MySqlStore>::builder_on::<Order>("place.v1")
-        .local(PlaceOrder)
-        .build()
-        .unwrap()
+    reference::place::<MySqlStore>().unwrap()
 }
 
 /// A migrated database for `test` and a runner on a pool of one connection through the
 /// counting proxy (no ping before acquire, no TLS: the proxy reads the packets).
 async fn counted(test: &str) -> (Runner<MySqlStore>, Arc<WireCounts>) {
     let direct = mariadb::fresh(test).await;
-    sqlx::query(
-        "CREATE TABLE rt_orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
-         `key` VARBINARY(255) NOT NULL, amount BIGINT NOT NULL, paid BOOL NOT NULL DEFAULT 0)",
-    )
-    .execute(&direct)
-    .await
-    .unwrap();
+    sqlx::query(MySqlStore::ORDERS_TABLE)
+        .execute(&direct)
+        .await
+        .unwrap();
     direct.close().await;
     let connect =
         MySqlConnectOptions::from_str(&mariadb::url_of(&mariadb::database_name(test))).unwrap();
@@ -187,7 +66,7 @@ async fn run(runner: &Runner<MySqlStore>, workflow: &Workflow<MySqlStore>, key: 
     let request = Request {
         method: "POST",
         path: "/v1/orders",
-        body: br#"{"amount": 100}"#,
+        body: br#"{"amount": 100, "source": "tok_visa"}"#,
     };
     runner
         .run(workflow, &tenant, &Key::parse(key).unwrap(), request)

@@ -23,11 +23,9 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing;
-use idemflow::{
-    Key, LocalPhase, MySqlConnection, MySqlStore, Outcome, PhaseContext, PhaseError, Runner,
-    StoredResponse, Workflow,
-};
+use idemflow::{Key, MySqlConnection, MySqlStore, Outcome, Runner, Workflow};
 use idemflow_mysql::statements::{self, FENCES_PER_LIFE};
+use idemflow_testrig::checkout::{self as reference, Orders};
 use serde::Serialize;
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlSslMode};
 use sqlx::{Connection, Executor, MySqlPool};
@@ -37,10 +35,7 @@ use crate::config::Config;
 use crate::http::{self, Server};
 use crate::report::{EngineRun, Report, Target, engine_rows};
 use crate::wire_counts::{self, WireCount};
-use crate::workflows::{
-    CHECKOUT, Charge, Charged, CheckoutRequest, OrderCreated, PATH, PLACE, TENANT,
-    fingerprint_and_request, request, tenant,
-};
+use crate::workflows::{CHECKOUT, PATH, PLACE, TENANT, fingerprint_and_request, request, tenant};
 use crate::workloads::{BoxFuture, Ctx, Runs, Workload};
 
 pub(crate) const WORKLOAD: Workload = Workload {
@@ -95,11 +90,7 @@ pub struct StormRun {
     pub deadlocks: u64,
 }
 
-const ORDERS: &str = "CREATE TABLE IF NOT EXISTS orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
-     tenant VARBINARY(255) NOT NULL, `key` VARBINARY(255) NOT NULL, amount BIGINT NOT NULL, \
-     status VARCHAR(16) NOT NULL DEFAULT 'created', paid_by VARCHAR(64)) ENGINE = InnoDB";
-const INSERT_ORDER: &str = "INSERT INTO orders (tenant, `key`, amount) VALUES (?, ?, ?)";
-const MARK_PAID: &str = "UPDATE orders SET status = ?, paid_by = ? WHERE id = ?";
+use idemflow_testrig::checkout::mysql::{MARK_PAID, ORDERS_TABLE as ORDERS};
 const SELECT_RESPONSE: &str = "SELECT response_status, response_headers, response_body \
      FROM idempotency_keys WHERE tenant = ? AND `key` = ? AND state = 'done'";
 const LEASE_MS: i64 = 60_000;
@@ -108,106 +99,12 @@ const REPLAY_KEYS: u64 = 1_000;
 const DUPLICATE_KEY: u16 = 1062;
 const DEADLOCK: u16 = 1213;
 
-struct CreateOrder;
-
-#[async_trait::async_trait]
-impl LocalPhase<MySqlStore> for CreateOrder {
-    const NAME: &'static str = "create_order";
-    type Input = CheckoutRequest;
-    type Output = OrderCreated;
-
-    async fn run(
-        &self,
-        connection: &mut MySqlConnection,
-        input: CheckoutRequest,
-        context: &PhaseContext,
-    ) -> Result<OrderCreated, PhaseError> {
-        let order_id = insert_order(connection, context.key.as_str(), input.amount).await?;
-        Ok(OrderCreated {
-            order_id,
-            amount: input.amount,
-            source: input.source,
-        })
-    }
-}
-
-struct MarkPaid;
-
-#[async_trait::async_trait]
-impl LocalPhase<MySqlStore> for MarkPaid {
-    const NAME: &'static str = "mark_paid";
-    type Input = Charged;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut MySqlConnection,
-        charged: Charged,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        sqlx::query(MARK_PAID)
-            .bind("paid")
-            .bind(format!("attempt-{}", context.attempt))
-            .bind(charged.order_id)
-            .execute(connection)
-            .await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order_id": charged.order_id, "charge_id": charged.charge_id, "status": "paid"}),
-        ))
-    }
-}
-
-struct PlaceOrder;
-
-#[async_trait::async_trait]
-impl LocalPhase<MySqlStore> for PlaceOrder {
-    const NAME: &'static str = "place_order";
-    type Input = CheckoutRequest;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut MySqlConnection,
-        input: CheckoutRequest,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        let order_id = insert_order(connection, context.key.as_str(), input.amount).await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order_id": order_id, "status": "created"}),
-        ))
-    }
-}
-
-async fn insert_order(
-    connection: &mut MySqlConnection,
-    key: &str,
-    amount: i64,
-) -> Result<i64, sqlx::Error> {
-    let done = sqlx::query(INSERT_ORDER)
-        .bind(TENANT)
-        .bind(key)
-        .bind(amount)
-        .execute(connection)
-        .await?;
-    i64::try_from(done.last_insert_id()).map_err(|error| sqlx::Error::Decode(Box::new(error)))
-}
-
 fn checkout() -> Result<Workflow<MySqlStore>, Error> {
-    Ok(
-        Workflow::<MySqlStore>::builder_on::<CheckoutRequest>(CHECKOUT)
-            .local(CreateOrder)
-            .foreign(Charge(None))
-            .local(MarkPaid)
-            .build()?,
-    )
+    Ok(reference::checkout::<MySqlStore>(None)?)
 }
 
 fn place() -> Result<Workflow<MySqlStore>, Error> {
-    Ok(Workflow::<MySqlStore>::builder_on::<CheckoutRequest>(PLACE)
-        .local(PlaceOrder)
-        .build()?)
+    Ok(reference::place::<MySqlStore>()?)
 }
 
 /// What the raw requests store, fixed: the engine computes these per request.
@@ -281,7 +178,7 @@ async fn raw_checkout(pool: &MySqlPool, shape: &Shape, key: &str) -> Result<Stri
     let mut connection = pool.acquire().await?;
     let mut transaction = connection.begin().await?;
     let token = raw_claim(&mut transaction, shape, CHECKOUT, key).await?;
-    let order_id = insert_order(&mut transaction, key, 100).await?;
+    let order_id = MySqlStore::insert_order(&mut transaction, TENANT, key, 100).await?;
     let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
     sqlx::query(statements::ADVANCE)
         .bind("create_order")
@@ -333,7 +230,7 @@ async fn raw_place(pool: &MySqlPool, shape: &Shape, key: &str) -> Result<RawPlac
         }
         Err(error) => return Err(error.into()),
     };
-    let order_id = insert_order(&mut transaction, key, 100).await?;
+    let order_id = MySqlStore::insert_order(&mut transaction, TENANT, key, 100).await?;
     let body = format!(r#"{{"order_id":{order_id},"status":"created"}}"#);
     raw_finish(&mut transaction, key, token, "place_order", &body).await?;
     transaction.commit().await?;

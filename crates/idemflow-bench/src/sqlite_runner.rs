@@ -21,129 +21,29 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing;
-use idemflow::{
-    Key, LocalPhase, Outcome, PhaseContext, PhaseError, Runner, SqliteConnection, SqliteStore,
-    StoredResponse, Workflow,
-};
+use idemflow::{Key, Outcome, Runner, SqliteConnection, SqliteStore, Workflow};
 use idemflow_sqlite::statements;
+use idemflow_testrig::checkout as reference;
 use sqlx::SqlitePool;
 
 use crate::Error;
 use crate::http::{self, Server};
 use crate::report::EngineRun;
-use crate::workflows::{
-    CHECKOUT, Charge, Charged, CheckoutRequest, OrderCreated, PATH, PLACE, TENANT,
-    fingerprint_and_request, request, tenant,
-};
+use crate::workflows::{CHECKOUT, PATH, PLACE, TENANT, fingerprint_and_request, request, tenant};
 
-const ORDERS: &str = "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, tenant TEXT NOT NULL, \
-     key TEXT NOT NULL, amount INTEGER NOT NULL, status TEXT NOT NULL DEFAULT 'created', paid_by TEXT) STRICT";
-const INSERT_ORDER: &str =
-    "INSERT INTO orders (tenant, key, amount) VALUES (?1, ?2, ?3) RETURNING id";
-const MARK_PAID: &str = "UPDATE orders SET status = ?2, paid_by = ?3 WHERE id = ?1";
+use idemflow_testrig::checkout::sqlite::{INSERT_ORDER, MARK_PAID, ORDERS_TABLE as ORDERS};
+
 const SELECT_RESPONSE: &str = "SELECT response_status, response_headers, response_body \
      FROM idempotency_keys WHERE tenant = ?1 AND key = ?2";
 const LEASE_MS: i64 = 60_000;
 const REPLAY_KEYS: u64 = 1_000;
 
-struct CreateOrder;
-
-#[async_trait::async_trait]
-impl LocalPhase<SqliteStore> for CreateOrder {
-    const NAME: &'static str = "create_order";
-    type Input = CheckoutRequest;
-    type Output = OrderCreated;
-
-    async fn run(
-        &self,
-        connection: &mut SqliteConnection,
-        input: CheckoutRequest,
-        context: &PhaseContext,
-    ) -> Result<OrderCreated, PhaseError> {
-        let order_id: i64 = sqlx::query_scalar(INSERT_ORDER)
-            .bind(context.tenant.as_str())
-            .bind(context.key.as_str())
-            .bind(input.amount)
-            .fetch_one(connection)
-            .await?;
-        Ok(OrderCreated {
-            order_id,
-            amount: input.amount,
-            source: input.source,
-        })
-    }
-}
-
-struct MarkPaid;
-
-#[async_trait::async_trait]
-impl LocalPhase<SqliteStore> for MarkPaid {
-    const NAME: &'static str = "mark_paid";
-    type Input = Charged;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut SqliteConnection,
-        charged: Charged,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        sqlx::query(MARK_PAID)
-            .bind(charged.order_id)
-            .bind("paid")
-            .bind(format!("attempt-{}", context.attempt))
-            .execute(connection)
-            .await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order_id": charged.order_id, "charge_id": charged.charge_id, "status": "paid"}),
-        ))
-    }
-}
-
-struct PlaceOrder;
-
-#[async_trait::async_trait]
-impl LocalPhase<SqliteStore> for PlaceOrder {
-    const NAME: &'static str = "place_order";
-    type Input = CheckoutRequest;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut SqliteConnection,
-        input: CheckoutRequest,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        let order_id: i64 = sqlx::query_scalar(INSERT_ORDER)
-            .bind(context.tenant.as_str())
-            .bind(context.key.as_str())
-            .bind(input.amount)
-            .fetch_one(connection)
-            .await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order_id": order_id, "status": "created"}),
-        ))
-    }
-}
-
 fn checkout() -> Result<Workflow<SqliteStore>, Error> {
-    Ok(
-        Workflow::<SqliteStore>::builder_on::<CheckoutRequest>(CHECKOUT)
-            .local(CreateOrder)
-            .foreign(Charge(None))
-            .local(MarkPaid)
-            .build()?,
-    )
+    Ok(reference::checkout::<SqliteStore>(None)?)
 }
 
 fn place() -> Result<Workflow<SqliteStore>, Error> {
-    Ok(
-        Workflow::<SqliteStore>::builder_on::<CheckoutRequest>(PLACE)
-            .local(PlaceOrder)
-            .build()?,
-    )
+    Ok(reference::place::<SqliteStore>()?)
 }
 
 /// What the raw requests store, fixed: the engine computes these per request.

@@ -1,32 +1,27 @@
-//! The benchmark's workflows: a checkout (create_order → charge → mark_paid) whose foreign phase
-//! is an in-process no-op, and a one-phase order, over a small `orders` table.
+//! The benchmark's workflows: the reference checkout (create_order → charge → mark_paid, whose
+//! foreign phase is an in-process no-op) and the one-phase order, over a small `orders` table.
+//! Their phases are written once, for every engine, in `idemflow_testrig::checkout`; this module
+//! holds the request the workloads send and the crash hooks whose cost they measure.
 
-use std::cell::Cell;
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use idemflow::{
-    CrashHook, CrashPoint, DerivedKey, Fingerprint, ForeignPhase, Key, LocalPhase, PhaseContext,
-    PhaseError, Request, StoredResponse, TenantId, Workflow,
-};
-use serde::{Deserialize, Serialize};
-use sqlx::PgConnection;
+use idemflow::{CrashHook, CrashPoint, Fingerprint, Key, PgStore, Request, TenantId, Workflow};
+use idemflow_testrig::checkout as reference;
 
 use crate::Error;
+
+pub use idemflow_testrig::checkout::pg::{INSERT_ORDER, MARK_PAID, ORDERS_TABLE};
+pub use idemflow_testrig::checkout::{
+    CHECKOUT, CLAIMED_AT, Charged, CheckoutRequest, CreateOrder, Ledger, MarkPaid, OrderCreated,
+    PLACE,
+};
 
 pub const TENANT: &str = "bench";
 pub const METHOD: &str = "POST";
 pub const PATH: &str = "/v1/checkouts";
 pub const BODY: &[u8] = br#"{"amount": 100, "source": "tok_visa"}"#;
-pub const CHECKOUT: &str = "checkout.v1";
-pub const PLACE: &str = "place.v1";
-
-pub const ORDERS_TABLE: &str = "CREATE TABLE orders (\
-    id bigserial PRIMARY KEY, tenant text NOT NULL, key text NOT NULL, amount bigint NOT NULL, \
-    status text NOT NULL DEFAULT 'created', paid_by text)";
-
 pub fn tenant() -> TenantId {
     TenantId::new(TENANT).unwrap_or_else(|_| unreachable!("a valid tenant literal"))
 }
@@ -47,176 +42,14 @@ pub fn fingerprint_and_request() -> Result<(Fingerprint, serde_json::Value), Err
     Ok((fingerprint, serde_json::from_slice(&canonical)?))
 }
 
-tokio::task_local! {
-    /// When the first local phase of the current request began: the claim (BEGIN, claim) is
-    /// done by then. Read by the workloads that report claim latency.
-    pub static CLAIMED_AT: Cell<Option<Instant>>;
-}
-
-fn mark_claimed() {
-    let _ = CLAIMED_AT.try_with(|cell| {
-        if cell.get().is_none() {
-            cell.set(Some(Instant::now()));
-        }
-    });
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CheckoutRequest {
-    pub amount: i64,
-    pub source: String,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct OrderCreated {
-    pub order_id: i64,
-    pub amount: i64,
-    pub source: String,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Charged {
-    pub order_id: i64,
-    pub charge_id: String,
-}
-
-pub const INSERT_ORDER: &str =
-    "INSERT INTO orders (tenant, key, amount) VALUES ($1, $2, $3) RETURNING id";
-pub const MARK_PAID: &str = "UPDATE orders SET status = $2, paid_by = $3 WHERE id = $1";
-
-pub(crate) struct CreateOrder;
-
-#[async_trait::async_trait]
-impl LocalPhase for CreateOrder {
-    const NAME: &'static str = "create_order";
-    type Input = CheckoutRequest;
-    type Output = OrderCreated;
-
-    async fn run(
-        &self,
-        connection: &mut PgConnection,
-        input: CheckoutRequest,
-        context: &PhaseContext,
-    ) -> Result<OrderCreated, PhaseError> {
-        mark_claimed();
-        let (order_id,): (i64,) = sqlx::query_as(INSERT_ORDER)
-            .bind(context.tenant.as_str())
-            .bind(context.key.as_str())
-            .bind(input.amount)
-            .fetch_one(connection)
-            .await?;
-        Ok(OrderCreated {
-            order_id,
-            amount: input.amount,
-            source: input.source,
-        })
-    }
-}
-
-/// Foreign calls made, by derived key; kept only where a workload checks them (the storm).
-pub type Ledger = Arc<Mutex<HashMap<String, u32>>>;
-
-/// The foreign phase: an in-process no-op, so the database is what is measured.
-pub(crate) struct Charge(pub(crate) Option<Ledger>);
-
-#[async_trait::async_trait]
-impl ForeignPhase for Charge {
-    const NAME: &'static str = "charge";
-    type Input = OrderCreated;
-    type Output = Charged;
-
-    fn timeout(&self) -> Duration {
-        Duration::from_secs(10)
-    }
-
-    async fn call(
-        &self,
-        key: &DerivedKey,
-        input: OrderCreated,
-        _: &PhaseContext,
-    ) -> Result<Charged, PhaseError> {
-        if let Some(ledger) = &self.0 {
-            let mut calls = ledger
-                .lock()
-                .map_err(|_| PhaseError::terminal("ledger poisoned"))?;
-            *calls.entry(key.to_string()).or_default() += 1;
-        }
-        Ok(Charged {
-            order_id: input.order_id,
-            charge_id: format!("ch_{}", input.order_id),
-        })
-    }
-}
-
-pub(crate) struct MarkPaid;
-
-#[async_trait::async_trait]
-impl LocalPhase for MarkPaid {
-    const NAME: &'static str = "mark_paid";
-    type Input = Charged;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut PgConnection,
-        charged: Charged,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        sqlx::query(MARK_PAID)
-            .bind(charged.order_id)
-            .bind("paid")
-            .bind(format!("attempt-{}", context.attempt))
-            .execute(connection)
-            .await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order_id": charged.order_id, "charge_id": charged.charge_id, "status": "paid"}),
-        ))
-    }
-}
-
-struct PlaceOrder;
-
-#[async_trait::async_trait]
-impl LocalPhase for PlaceOrder {
-    const NAME: &'static str = "place_order";
-    type Input = CheckoutRequest;
-    type Output = StoredResponse;
-
-    async fn run(
-        &self,
-        connection: &mut PgConnection,
-        input: CheckoutRequest,
-        context: &PhaseContext,
-    ) -> Result<StoredResponse, PhaseError> {
-        mark_claimed();
-        let (order_id,): (i64,) = sqlx::query_as(INSERT_ORDER)
-            .bind(context.tenant.as_str())
-            .bind(context.key.as_str())
-            .bind(input.amount)
-            .fetch_one(connection)
-            .await?;
-        Ok(StoredResponse::json(
-            201,
-            &serde_json::json!({"order_id": order_id, "status": "created"}),
-        ))
-    }
-}
-
-/// create_order (local) → charge (foreign, a no-op) → mark_paid (local).
+/// create_order (local) → charge (foreign, a no-op) → mark_paid (local), on PostgreSQL.
 pub fn checkout(ledger: Option<Ledger>) -> Result<Workflow, Error> {
-    Ok(Workflow::builder::<CheckoutRequest>(CHECKOUT)
-        .local(CreateOrder)
-        .foreign(Charge(ledger))
-        .local(MarkPaid)
-        .build()?)
+    Ok(reference::checkout::<PgStore>(ledger)?)
 }
 
-/// place_order (local) only: the one-commit path.
+/// place_order (local) only, on PostgreSQL: the one-commit path.
 pub fn place() -> Result<Workflow, Error> {
-    Ok(Workflow::builder::<CheckoutRequest>(PLACE)
-        .local(PlaceOrder)
-        .build()?)
+    Ok(reference::place::<PgStore>()?)
 }
 
 /// A crash hook that never fires: what installing one costs.

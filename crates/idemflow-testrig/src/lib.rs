@@ -7,11 +7,14 @@
 //!   invariants after each (docs/simulation.md; the `idemflow-simulate` binary);
 //! - [`faults`]: a loopback TCP proxy in front of PostgreSQL that breaks connections on command;
 //! - [`wire`]: a loopback TCP proxy that counts round trips and commits on the wire;
-//! - [`browser`]: a headless Chromium driven over WebDriver, for the console's tests.
+//! - [`browser`]: a headless Chromium driven over WebDriver, for the console's tests;
+//! - [`checkout`]: the reference checkout, its phases written once for every SQL engine, which
+//!   the benchmark measures and the round-trip tests count.
 
 #![deny(missing_docs)]
 
 pub mod browser;
+pub mod checkout;
 pub mod faults;
 pub mod simulation;
 pub mod wire;
