@@ -29,7 +29,7 @@
 //! | choose an engine | [`PgPool`] with [`migrate`] (PostgreSQL), [`sqlite::open_file`], [`mysql::open`]; [`PgStore`], [`SqliteStore`], [`MySqlStore`]; [`PoolSettings`] |
 //! | write a local phase's SQL | [`sqlx`], [`PgConnection`], [`SqliteConnection`], [`MySqlConnection`] |
 //! | seal stored bodies | [`Keyring`] |
-//! | test crash points | [`CrashHook`], [`CrashPoint`] (and the `idemflow-testkit` crate) |
+//! | test crash points | `CrashHook`, `CrashPoint`, `Runner::with_crash_hook`: feature `crash-hooks`, for dev-dependencies (and the `idemflow-testkit` crate) |
 //!
 //! The statement-level store functions, the engines' internals and the engine's own test rig are
 //! not part of this API: they live in `idemflow-pg`, `idemflow-store` and friends, whose
@@ -95,13 +95,17 @@ pub mod redis {
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
 pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
 pub use idemflow_runner::{
-    BuildError, ConnectionOf, CrashHook, CrashPoint, DrainReport, Engine, EngineError, EngineOf,
-    Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, MySqlStore, Outcome,
-    PgStore, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolEngine,
-    PoolOf, RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention,
-    RetryPolicy, RunError, Runner, RunnerConfig, SealError, SqlEngine, SqliteStore, TerminalPolicy,
-    Workflow, WorkflowBuilder, expire, expire_paced, shutdown_signal,
+    BuildError, ConnectionOf, DrainReport, Engine, EngineError, EngineOf, Failure, FailurePhase,
+    ForeignPhase, Keyring, KeyringError, LocalPhase, MySqlStore, Outcome, PgStore, PhaseContext,
+    PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolEngine, PoolOf, RegisterError,
+    Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner,
+    RunnerConfig, SealError, SqlEngine, SqliteStore, TerminalPolicy, Workflow, WorkflowBuilder,
+    expire, expire_paced, shutdown_signal,
 };
+/// Crash points, for tests (feature `crash-hooks`, which `idemflow-testkit` enables): a hook that
+/// stops a run where a crash would, installed with `Runner::with_crash_hook`.
+#[cfg(feature = "crash-hooks")]
+pub use idemflow_runner::{CrashHook, CrashPoint};
 /// The sqlx this engine is built with: a local phase gets its `PgConnection` (or, on SQLite, its
 /// `SqliteConnection`; on MySQL/MariaDB, its `MySqlConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.
 pub use idemflow_runner::{

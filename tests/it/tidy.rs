@@ -723,6 +723,44 @@ fn the_checkout_example_compiles_no_message_broker_client() {
     assert!(consumer.iter().any(|name| name == "lapin"), "{consumer:?}");
 }
 
+/// The features `cargo tree` resolves for `dependency` when `package` alone is built (no
+/// dev-dependencies): each line's bracketed list.
+fn features_of(package: &str, dependency: &str) -> Vec<String> {
+    let output = std::process::Command::new(env!("CARGO"))
+        .args(["tree", "--quiet", "-p", package, "-e", "normal,build"])
+        .args(["--prefix", "none", "--format", "{p} [{f}]"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo runs");
+    assert!(
+        output.status.success(),
+        "cargo tree -p {package}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let lines: Vec<String> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| line.starts_with(&format!("{dependency} v")))
+        .map(str::to_owned)
+        .collect();
+    assert!(!lines.is_empty(), "{package} does not build {dependency}");
+    lines
+}
+
+/// Crash hooks are for tests: a service built on the facade's default features (and a demo that
+/// runs the testkit's mock provider in its own process) has none, so no production build can
+/// install one and its crash points cost nothing. The crash tools turn them on for test builds.
+#[test]
+fn a_production_build_has_no_crash_hooks() {
+    for package in ["idemflow", "example-hello"] {
+        for line in features_of(package, "idemflow-runner") {
+            assert!(!line.contains("crash-hooks"), "{package}: {line}");
+        }
+    }
+    for line in features_of("idemflow-testkit", "idemflow-runner") {
+        assert!(line.contains("crash-hooks"), "{line}");
+    }
+}
+
 /// The names a configuration struct goes by: such a struct grows a setting now and then.
 const CONFIGURATION: &[&str] = &[
     "Config",

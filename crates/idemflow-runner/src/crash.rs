@@ -1,15 +1,18 @@
 //! Crash points: named places at every step boundary where a test can make a run stop as a crash
-//! would. In production no hook is installed and each point costs one branch.
+//! would. The hook that decides ([`CrashHook`]) exists only with the `crash-hooks` feature, which
+//! the testkit enables for test builds: without it a point costs nothing (the check is empty), and
+//! a production build has no way to install one.
 
 use std::fmt;
+#[cfg(feature = "crash-hooks")]
 use std::sync::Arc;
 
+#[cfg(feature = "crash-hooks")]
 use async_trait::async_trait;
 use idemflow_core::{Key, TenantId};
 
-use crate::engine::Engine;
-use crate::erased::Step;
-use crate::workflow::Workflow;
+#[cfg(feature = "crash-hooks")]
+use crate::{engine::Engine, erased::Step, workflow::Workflow};
 
 /// A step boundary of a run.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -46,6 +49,7 @@ pub enum CrashPoint {
     BeforeReplayBody,
 }
 
+#[cfg(feature = "crash-hooks")]
 impl CrashPoint {
     /// Every crash point a fresh run of `workflow` passes, in order.
     pub fn all<E: Engine>(workflow: &Workflow<E>) -> Vec<CrashPoint> {
@@ -92,7 +96,8 @@ impl fmt::Display for CrashPoint {
 }
 
 /// Decides, at each crash point, whether the run stops there. It may also take its time: a
-/// schedule explorer holds a run at a point while others act.
+/// schedule explorer holds a run at a point while others act. (Feature `crash-hooks`.)
+#[cfg(feature = "crash-hooks")]
 #[async_trait]
 pub trait CrashHook: Send + Sync + fmt::Debug {
     /// `true`: the run stops at once as if its process died: it writes nothing more, its open
@@ -104,13 +109,16 @@ pub trait CrashHook: Send + Sync + fmt::Debug {
 
 /// The hook a runner holds: none in production.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct CrashPoints(Option<Arc<dyn CrashHook>>);
+pub(crate) struct CrashPoints(#[cfg(feature = "crash-hooks")] Option<Arc<dyn CrashHook>>);
 
 impl CrashPoints {
+    #[cfg(feature = "crash-hooks")]
     pub(crate) fn new(hook: Arc<dyn CrashHook>) -> Self {
         Self(Some(hook))
     }
 
+    /// Whether the run stops at `point` (built only when a hook is installed to ask).
+    #[cfg(feature = "crash-hooks")]
     #[inline]
     pub(crate) async fn check(
         &self,
@@ -130,5 +138,17 @@ impl CrashPoints {
                 }
             }
         }
+    }
+
+    /// Without the `crash-hooks` feature no hook can be installed: the run never stops here.
+    #[cfg(not(feature = "crash-hooks"))]
+    #[inline(always)]
+    pub(crate) async fn check(
+        &self,
+        _point: impl FnOnce() -> CrashPoint,
+        _tenant: &TenantId,
+        _key: &Key,
+    ) -> Result<(), crate::RunError> {
+        Ok(())
     }
 }

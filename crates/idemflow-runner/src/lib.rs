@@ -39,6 +39,7 @@ mod warm;
 mod workflow;
 
 pub use config::{RunnerConfig, TerminalPolicy};
+#[cfg(feature = "crash-hooks")]
 pub use crash::{CrashHook, CrashPoint};
 pub use error::RunError;
 pub use outcome::{Outcome, Rejection};

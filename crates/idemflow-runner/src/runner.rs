@@ -6,7 +6,9 @@ use tracing::Instrument;
 
 use crate::admission::{accept, canonical_request};
 use crate::config::RunnerConfig;
-use crate::crash::{CrashHook, CrashPoints};
+#[cfg(feature = "crash-hooks")]
+use crate::crash::CrashHook;
+use crate::crash::CrashPoints;
 use crate::drive::{Hold, Start};
 use crate::engine::{Engine, KeyOwner, PgStore, PoolEngine, PoolOf};
 use crate::error::RunError;
@@ -77,8 +79,10 @@ impl<E: Engine> Runner<E> {
         }
     }
 
-    /// Installs a crash hook: at each [`crate::CrashPoint`] the hook may stop the run as a crash would.
-    /// For tests (see the testkit's explorer); without one, each point costs a branch.
+    /// Installs a crash hook: at each [`crate::CrashPoint`] the hook may stop the run as a crash
+    /// would. For tests (see the testkit's explorer), with the `crash-hooks` feature; without
+    /// one, each point costs a branch, and without the feature nothing.
+    #[cfg(feature = "crash-hooks")]
     pub fn with_crash_hook(mut self, hook: Arc<dyn CrashHook>) -> Self {
         self.crash_points = CrashPoints::new(hook);
         self

@@ -35,11 +35,15 @@
 //! [`explorer`] proves a workflow crash-safe: it crashes it at every step boundary, breaks its
 //! provider calls the ways networks break, recovers each case by a resumer and by a client retry,
 //! and checks that nothing was done twice (docs/testing-your-workflows.md). [`crash`] stops a
-//! whole process at a crash point, for tests that kill a real process there.
+//! whole process at a crash point, for tests that kill a real process there. Both come with the
+//! `crash` feature (on by default), which turns on the runner's `crash-hooks`: keep the testkit
+//! in dev-dependencies, or take it with `default-features = false` for the provider alone.
 
 #![deny(missing_docs)]
 
+#[cfg(feature = "crash")]
 pub mod crash;
+#[cfg(feature = "crash")]
 pub mod explorer;
 pub mod provider;
 pub mod provider_client;
