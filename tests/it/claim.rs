@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use crate::support::server_log::ServerLog;
 use crate::support::*;
 use idemflow::{Fingerprint, Key, Outcome, Runner, RunnerConfig, TenantId, TerminalPolicy};
 use idemflow_pg::partitions::{self, PartitionPlan};
 use idemflow_pg::{self as store, ClaimRequest, Claimed, LookUp, statements};
+use idemflow_testrig::server_log::ServerLog;
 use serde_json::{Value, json};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
@@ -465,7 +465,7 @@ async fn a_claim_told_wrongly_that_its_connection_lacks_the_prepared_claim_still
 /// form the claim's message took, on either layout of the keys table. (An operator who alerts on
 /// `ERROR` lines would be paged for a request that was served correctly.)
 async fn races_quietly(pool: &PgPool, layout: &str) {
-    let log = ServerLog::from_now(pool).await;
+    let log = ServerLog::from_now(pool).await.expect("the server's log");
     let mut keys = Vec::new();
     for claim_prepared in [false, true] {
         keys.push(lose_a_race(pool, &format!("quiet-{layout}"), claim_prepared).await);
@@ -576,7 +576,7 @@ fn unique() -> String {
 /// The log from `log`'s start, once it shows `marker`.
 async fn eventually_logged(pool: &PgPool, log: &ServerLog, marker: &str) -> String {
     for _ in 0..100 {
-        let logged = log.since(pool).await;
+        let logged = log.since(pool).await.expect("the server's log");
         if logged.contains(marker) {
             return logged;
         }

@@ -26,8 +26,8 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::claim::{logged_lines, lose_a_race};
-use crate::support::server_log::ServerLog;
 use crate::support::{patient, request};
+use idemflow_testrig::server_log::ServerLog;
 
 /// The grants, as operators run them: `psql -v runtime_role=... -f scripts/sql/grants.sql`.
 pub(crate) const GRANTS_FILE: &str = "scripts/sql/grants.sql";
@@ -1404,7 +1404,7 @@ async fn a_lost_race_is_quiet_once_the_owner_may_set_log_min_messages(
             roles,
         } = deployment;
         assert!(!claim_quiets(&admin).await);
-        let log = ServerLog::from_now(&admin).await;
+        let log = ServerLog::from_now(&admin).await.expect("the server's log");
         let loud = lose_a_race(&runtime, "loud", true).await;
         assert_ne!(
             logged_lines(&admin, &log, &[loud]).await,
@@ -1423,7 +1423,7 @@ async fn a_lost_race_is_quiet_once_the_owner_may_set_log_min_messages(
             .await
             .unwrap();
         assert!(claim_quiets(&admin).await);
-        let log = ServerLog::from_now(&admin).await;
+        let log = ServerLog::from_now(&admin).await.expect("the server's log");
         let quiet = lose_a_race(&runtime, "quiet", true).await;
         assert_eq!(
             logged_lines(&admin, &log, &[quiet]).await,

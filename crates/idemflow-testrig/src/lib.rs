@@ -7,6 +7,7 @@
 //!   invariants after each (docs/simulation.md; the `idemflow-simulate` binary);
 //! - [`faults`]: a loopback TCP proxy in front of PostgreSQL that breaks connections on command;
 //! - [`wire`]: a loopback TCP proxy that counts round trips and commits on the wire;
+//! - [`server_log`]: PostgreSQL's own log read through SQL, and the lost claims it shows;
 //! - [`browser`]: a headless Chromium driven over WebDriver, for the console's tests;
 //! - [`checkout`]: the reference checkout, its phases written once for every SQL engine, which
 //!   the benchmark measures and the round-trip tests count.
@@ -16,5 +17,6 @@
 pub mod browser;
 pub mod checkout;
 pub mod faults;
+pub mod server_log;
 pub mod simulation;
 pub mod wire;

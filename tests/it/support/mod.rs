@@ -6,7 +6,6 @@ pub mod example;
 pub mod mariadb;
 pub mod redis;
 pub mod report;
-pub mod server_log;
 
 // The wire-counting proxy lives in the testkit (the benchmark uses it too); only some tests count.
 #[allow(unused_imports)]

@@ -18,6 +18,7 @@
 //! recorded; no two calls with one derived key overlap; retention deletes no key within its window;
 //! every actor ends; client retries alone bring every key to an end within its attempt budget.
 
+use crate::server_log::ServerLog;
 use std::collections::HashMap;
 
 use idemflow_core::{Key, StoredResponse};
@@ -317,6 +318,38 @@ pub(crate) async fn messages_applied_once(shared: &Shared) {
         shared.violation(format!(
             "message {message} has an effect without its identity, or an identity without its effect"
         ));
+    }
+}
+
+/// No claim of the schedule's keys that lost the race for its key was logged by the server as an
+/// `ERROR`: the engine answered it from the winner's row, so an operator alerting on `ERROR` lines
+/// must not be paged for it (docs/operations.md, "What the server's log shows"). A log the
+/// observer cannot read is a violation too: a check not made never passes.
+pub(crate) async fn no_lost_claim_logged(
+    shared: &Shared,
+    start: Option<Result<ServerLog, String>>,
+) {
+    let Some(start) = start else {
+        return;
+    };
+    let lines = match start {
+        Ok(start) => {
+            shared
+                .observer
+                .lost_claims_logged(&shared.tenant, &start)
+                .await
+        }
+        Err(error) => Err(error),
+    };
+    match lines {
+        Ok(lines) => {
+            for line in lines {
+                shared.violation(format!(
+                    "a claim that lost the race for its key was logged as an error: {line}"
+                ));
+            }
+        }
+        Err(error) => shared.violation(format!("the server's log could not be read: {error}")),
     }
 }
 

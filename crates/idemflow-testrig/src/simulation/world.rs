@@ -577,6 +577,9 @@ pub(crate) struct World<E: SimEngine> {
     /// on the lease it wrote from the takeover on, before it reaches any point that says so (the
     /// takeover is the drain's, not the key's run's), so its lease is not the world's to expire.
     drain_tokens: Vec<Vec<Option<i64>>>,
+    /// Where the server's log ended when the schedule began (PostgreSQL): what it logs for the
+    /// schedule's keys is checked at the end.
+    server_log: Option<Result<crate::server_log::ServerLog, String>>,
     /// The key page an operator has open in the console, as it was when read: an action on it
     /// comes later, when the key may have moved on.
     page: Option<(usize, RowSeen)>,
@@ -678,7 +681,9 @@ where
         ActorId(0),
         format!("seed {seed} on {}: {setup:?}", shared.observer.engine()),
     );
+    let server_log = shared.observer.server_log_start().await;
     let mut world = World {
+        server_log,
         engine: engine.clone(),
         frozen_until: HashMap::new(),
         patient: HashMap::new(),
@@ -1690,6 +1695,7 @@ impl<E: SimEngine> World<E> {
         super::check::replays_and_ends(&mut self).await;
         super::check::messages_applied_once(&self.shared).await;
         super::check::no_connection_left_in_a_transaction(&self.shared).await;
+        super::check::no_lost_claim_logged(&self.shared, self.server_log.take()).await;
         let log = std::mem::take(&mut *self.shared.log());
         ScheduleReport {
             seed,

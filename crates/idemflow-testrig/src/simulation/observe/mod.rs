@@ -11,6 +11,7 @@ mod mysql;
 mod pg;
 mod sqlite;
 
+use crate::server_log::ServerLog;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -158,6 +159,24 @@ pub(crate) trait Observe: Send + Sync {
     /// Transactions the engine's pool left open once every actor ended (PostgreSQL: its sessions
     /// idle in a transaction; SQLite: the write lock still held).
     async fn transactions_left_open(&self) -> i64;
+
+    /// Where the server's own log ends now, for [`Observe::lost_claims_logged`]: `None` where
+    /// there is no such log to check (SQLite has no server; MySQL and MariaDB do not log the
+    /// errors they send clients).
+    async fn server_log_start(&self) -> Option<Result<ServerLog, String>> {
+        None
+    }
+
+    /// The `ERROR` lines the server logged since `start` for claims of `tenant`'s keys that lost
+    /// the race for their key: the engine answers those from the winner's row, and must not
+    /// page an operator for them.
+    async fn lost_claims_logged(
+        &self,
+        _tenant: &TenantId,
+        _start: &ServerLog,
+    ) -> Result<Vec<String>, String> {
+        Ok(Vec::new())
+    }
 
     /// How long a transaction may take to end on its own after every actor ended (a connection
     /// handed back and tested by the pool, a statement the server runs on until its timeout).

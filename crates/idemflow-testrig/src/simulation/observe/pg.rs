@@ -10,6 +10,7 @@ use sqlx::PgPool;
 use sqlx::types::Json;
 
 use super::{CallerView, Lapse, Observe, SampledRow, Stored};
+use crate::server_log::{ServerLog, lost_claims};
 
 /// The observer's pool on the schedule's layout (its own connections, never killed).
 pub(crate) struct PgObserver(pub PgPool);
@@ -362,6 +363,22 @@ impl Observe for PgObserver {
         .fetch_all(&self.0)
         .await
         .unwrap_or_default()
+    }
+
+    async fn server_log_start(&self) -> Option<Result<ServerLog, String>> {
+        Some(ServerLog::from_now(&self.0).await)
+    }
+
+    async fn lost_claims_logged(
+        &self,
+        tenant: &TenantId,
+        start: &ServerLog,
+    ) -> Result<Vec<String>, String> {
+        let log = start.since(&self.0).await?;
+        Ok(lost_claims(
+            &log,
+            &idemflow_core::hex::encode(tenant.as_str().as_bytes()),
+        ))
     }
 
     async fn transactions_left_open(&self) -> i64 {
