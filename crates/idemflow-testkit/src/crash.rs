@@ -24,7 +24,10 @@ use std::io::Write;
 use std::sync::Arc;
 
 use idemflow_core::{Key, TenantId};
-use idemflow_runner::{CrashHook, CrashPoint};
+/// The runner's crash points and hooks, named here for tests: the testkit turns them on (the
+/// runner's `crash-hooks` feature), while `idemflow::CrashHook` also needs idemflow's own
+/// `crash-hooks` feature in your dev-dependencies.
+pub use idemflow_runner::{CrashHook, CrashPoint};
 
 /// Stops the process at one crash point: prints `crash point reached: <point>` and then makes no
 /// further progress on that run, as a hung or dying process would, until the process is killed.
