@@ -126,71 +126,46 @@ pub mod mysql {
     pub const MARK_PAID: &str = "UPDATE orders SET status = ?, paid_by = ? WHERE id = ?";
 }
 
-#[async_trait::async_trait]
-impl Orders for PgStore {
-    const ORDERS_TABLE: &'static str = pg::ORDERS_TABLE;
+/// `Orders` for an engine whose insert returns the id (`RETURNING`): its statements in `$sql`.
+macro_rules! orders_returning_id {
+    ($engine:ty, $sql:ident) => {
+        #[async_trait::async_trait]
+        impl Orders for $engine {
+            const ORDERS_TABLE: &'static str = $sql::ORDERS_TABLE;
 
-    async fn insert_order(
-        connection: &mut ConnectionOf<Self>,
-        tenant: &str,
-        key: &str,
-        amount: i64,
-    ) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar(pg::INSERT_ORDER)
-            .bind(tenant)
-            .bind(key)
-            .bind(amount)
-            .fetch_one(connection)
-            .await
-    }
+            async fn insert_order(
+                connection: &mut ConnectionOf<Self>,
+                tenant: &str,
+                key: &str,
+                amount: i64,
+            ) -> Result<i64, sqlx::Error> {
+                sqlx::query_scalar($sql::INSERT_ORDER)
+                    .bind(tenant)
+                    .bind(key)
+                    .bind(amount)
+                    .fetch_one(connection)
+                    .await
+            }
 
-    async fn mark_paid(
-        connection: &mut ConnectionOf<Self>,
-        order_id: i64,
-        paid_by: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(pg::MARK_PAID)
-            .bind(order_id)
-            .bind("paid")
-            .bind(paid_by)
-            .execute(connection)
-            .await
-            .map(drop)
-    }
+            async fn mark_paid(
+                connection: &mut ConnectionOf<Self>,
+                order_id: i64,
+                paid_by: &str,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query($sql::MARK_PAID)
+                    .bind(order_id)
+                    .bind("paid")
+                    .bind(paid_by)
+                    .execute(connection)
+                    .await
+                    .map(drop)
+            }
+        }
+    };
 }
 
-#[async_trait::async_trait]
-impl Orders for SqliteStore {
-    const ORDERS_TABLE: &'static str = sqlite::ORDERS_TABLE;
-
-    async fn insert_order(
-        connection: &mut ConnectionOf<Self>,
-        tenant: &str,
-        key: &str,
-        amount: i64,
-    ) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar(sqlite::INSERT_ORDER)
-            .bind(tenant)
-            .bind(key)
-            .bind(amount)
-            .fetch_one(connection)
-            .await
-    }
-
-    async fn mark_paid(
-        connection: &mut ConnectionOf<Self>,
-        order_id: i64,
-        paid_by: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(sqlite::MARK_PAID)
-            .bind(order_id)
-            .bind("paid")
-            .bind(paid_by)
-            .execute(connection)
-            .await
-            .map(drop)
-    }
-}
+orders_returning_id!(PgStore, pg);
+orders_returning_id!(SqliteStore, sqlite);
 
 #[async_trait::async_trait]
 impl Orders for MySqlStore {
