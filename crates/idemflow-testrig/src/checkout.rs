@@ -59,12 +59,24 @@ tokio::task_local! {
     pub static CLAIMED_AT: Cell<Option<Instant>>;
 }
 
-fn mark_claimed() {
+/// The first local phase's statement: notes when it began ([`CLAIMED_AT`]), inserts the order.
+async fn insert_order<E: Orders>(
+    connection: &mut ConnectionOf<E>,
+    context: &PhaseContext,
+    amount: i64,
+) -> Result<i64, sqlx::Error> {
     let _ = CLAIMED_AT.try_with(|cell| {
         if cell.get().is_none() {
             cell.set(Some(Instant::now()));
         }
     });
+    E::insert_order(
+        connection,
+        context.tenant.as_str(),
+        context.key.as_str(),
+        amount,
+    )
+    .await
 }
 
 /// The orders table and the phases' two statements, in one engine's SQL.
@@ -217,14 +229,7 @@ impl<E: Orders> LocalPhase<E> for CreateOrder {
         input: CheckoutRequest,
         context: &PhaseContext,
     ) -> Result<OrderCreated, PhaseError> {
-        mark_claimed();
-        let order_id = E::insert_order(
-            connection,
-            context.tenant.as_str(),
-            context.key.as_str(),
-            input.amount,
-        )
-        .await?;
+        let order_id = insert_order::<E>(connection, context, input.amount).await?;
         Ok(OrderCreated {
             order_id,
             amount: input.amount,
@@ -316,14 +321,7 @@ impl<E: Orders> LocalPhase<E> for PlaceOrder {
         input: CheckoutRequest,
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
-        mark_claimed();
-        let order_id = E::insert_order(
-            connection,
-            context.tenant.as_str(),
-            context.key.as_str(),
-            input.amount,
-        )
-        .await?;
+        let order_id = insert_order::<E>(connection, context, input.amount).await?;
         Ok(StoredResponse::json(
             201,
             &serde_json::json!({"order_id": order_id, "status": "created"}),
