@@ -1,21 +1,34 @@
-//! idemflow: durable multi-phase requests made safe by idempotency keys, on PostgreSQL, SQLite or
-//! MySQL/MariaDB.
+//! idemflow: durable multi-phase requests made safe by idempotency keys, on PostgreSQL, SQLite,
+//! MySQL/MariaDB or Redis.
 //!
 //! A client sends an idempotency key with a request. The first attempt runs the request as an
 //! ordered chain of typed phases; every retry with the same key gets the first result back; the
 //! same key with a different request is refused; a crash at any point is finished later from the
 //! last recovery point, without doing any effect twice. See `docs/ARCHITECTURE.md`.
 //!
-//! This crate gathers the parts:
+//! This crate gathers the parts, each engine by a feature, so a program compiles the database
+//! drivers of the engines it names and no other:
+//!
+//! | feature | brings |
+//! |---|---|
+//! | `sqlite` (default) | [`sqlite`]: the embedded engine, `SqliteStore`, a database file opened with [`sqlite::open_file`] |
+//! | `postgres` | [`postgres`]: `PgStore`, a `PgPool` with [`postgres::PoolSettings`], [`postgres::migrate`], the partitioned layout |
+//! | `mysql` | [`mysql`]: `MySqlStore`, [`mysql::open`] |
+//! | `redis` | [`redis`]: `RedisStore`, for workflows whose phases are all foreign |
+//! | `http` (default) | `http`: the Idempotency-Key layer for axum/tower |
+//! | `client` | `client`: a client that sends requests under Idempotency-Keys |
+//! | `cli` | the `idemflow` operator binary, over the engines the other features name |
+//! | `crash-hooks` | crash points, for tests (dev-dependencies only) |
+//!
+//! SQLite is the default so a first program runs with no server; `default-features = false,
+//! features = ["http", "postgres"]` builds no SQLite.
+//!
+//! Whatever the engine:
 //! - [`core`]: keys, tenants, canonical JSON fingerprints and the claim decision (pure, no IO);
-//! - [`store`]: PostgreSQL's operators' tools and the partitioned layout; the migrations are
-//!   [`migrate`] and [`MIGRATOR`];
-//! - [`sqlite`] and [`mysql`]: opening those engines' databases (PostgreSQL's pool is sqlx's own);
-//! - the runner, workflows and phases, re-exported at the top level;
-//! - `http` (the `http` feature, on by default): the Idempotency-Key layer for axum/tower;
-//! - `client` (the `client` feature): a client that sends requests under Idempotency-Keys;
-//! - `redis` (the `redis` feature): keys in Redis, for workflows whose phases are all foreign;
+//! - the runner, workflows and phases, re-exported at the top level, generic over the engine
+//!   ([`Engine`], [`SqlEngine`]: a workflow, its local phases and its runner name one);
 //! - [`consumer`]: the idempotent consumer, a message applied at most once per subscriber;
+//! - [`operator`]: what operators' tools read and do, on any engine, opened by URL;
 //! - [`metrics`]: the runner's metric catalogue.
 //!
 //! At the top level, what an application uses:
@@ -26,8 +39,8 @@
 //! | run it | [`Runner`], [`RunnerConfig`], [`Request`], [`Outcome`], [`Rejection`], [`RunError`], [`TenantId`], [`Key`] |
 //! | finish what a crash left | [`Resumer`], [`ResumerConfig`], [`Registry`], [`DrainReport`], [`shutdown_signal`] |
 //! | expire old keys | [`Retention`], [`expire`], [`expire_paced`] |
-//! | choose an engine | [`PgPool`] with [`migrate`] (PostgreSQL), [`sqlite::open_file`], [`mysql::open`]; [`PgStore`], [`SqliteStore`], [`MySqlStore`]; [`PoolSettings`] |
-//! | write a local phase's SQL | [`sqlx`], [`PgConnection`], [`SqliteConnection`], [`MySqlConnection`] |
+//! | choose an engine | a feature, then its module: `sqlite::open_file`, `postgres::PoolSettings`, `mysql::open`, `redis::RedisPool::connect` |
+//! | write a local phase's SQL | [`sqlx`] (with the drivers of the engines built), the engine's connection (`sqlx::SqliteConnection`, …) |
 //! | seal stored bodies | [`Keyring`] |
 //! | test crash points | `CrashHook`, `CrashPoint`, `Runner::with_crash_hook`: feature `crash-hooks`, for dev-dependencies (and the `idemflow-testkit` crate) |
 //!
@@ -51,17 +64,73 @@ pub use idemflow_http as http;
 #[cfg(feature = "client")]
 pub use idemflow_client as client;
 
-/// PostgreSQL's store, for what an application does besides running workflows: the partitioned
-/// layout ([`store::partitions`]), a key's report and the stuck keys (what `idemflow inspect` and
-/// `list --stuck` show), ending a lease, the table's statistics and the resumer's lag, the
-/// channel a resumer listens on, and the transaction a consumer's handler writes in. The
-/// statements a request sends are the engine's own business and not part of this API.
-pub mod store {
+/// PostgreSQL (the `postgres` feature): its engine ([`postgres::PgStore`]), the pool it runs best
+/// on ([`postgres::PoolSettings`]), its migrations, the partitioned layout
+/// ([`postgres::partitions`]), and what an application does besides running workflows: a key's
+/// report and the stuck keys, ending a lease, the table's statistics and the resumer's lag, the
+/// channel a resumer listens on. The statements a request sends are the engine's own business
+/// and not part of this API.
+#[cfg(feature = "postgres")]
+pub mod postgres {
     pub use idemflow_pg::partitions;
     pub use idemflow_pg::{
-        DUE_CHANNEL, KeyReport, StoreError, TableStats, Transaction, end_lease, key_report,
-        resumer_lag, stuck_keys, table_stats,
+        DUE_CHANNEL, KeyReport, MIGRATOR, PgOperator, PgStore, PoolSettings, StoreError,
+        TableStats, Transaction, end_lease, key_report, migrate, resumer_lag, stuck_keys,
+        table_stats,
     };
+    pub use idemflow_store::sqlx::{PgConnection, PgPool};
+}
+
+/// SQLite (the `sqlite` feature, on by default): its engine ([`sqlite::SqliteStore`]), and
+/// opening a database file for it: WAL, a busy timeout, the migrations run.
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    pub use idemflow_sqlite::{
+        MIGRATOR, OpenOptions, SqliteOperator, SqliteStore, open, open_file,
+    };
+    pub use idemflow_store::sqlx::{SqliteConnection, SqlitePool};
+}
+
+/// MySQL or MariaDB (the `mysql` feature): its engine ([`mysql::MySqlStore`]), and opening a
+/// database for it: its session settings, the migrations run.
+#[cfg(feature = "mysql")]
+pub mod mysql {
+    pub use idemflow_mysql::{MIGRATOR, MySqlOperator, MySqlStore, OpenOptions, open};
+    pub use idemflow_store::sqlx::{MySqlConnection, MySqlPool};
+}
+
+/// Keys in Redis (the `redis` feature): [`redis::RedisPool::connect`], then a runner on it runs
+/// workflows whose phases are all foreign (`Workflow::<redis::RedisStore>`). A local phase does not
+/// compile on it. Redis can lose acknowledged writes (a restart, a failover), and a lost key's
+/// retry runs again: docs/engines.md says when that is acceptable.
+#[cfg(feature = "redis")]
+pub mod redis {
+    pub use idemflow_redis::{DEFAULT_PREFIX, RedisOperator, RedisPool, RedisStore, StoreError};
+}
+
+/// What operators' tools read and do, on any engine ([`operator::Operator`]), and the engines
+/// this build has, as tools open them by URL ([`operator::engines`]).
+pub mod operator {
+    pub use idemflow_store::layout;
+    pub use idemflow_store::{
+        KeyBodies, KeyReport, KeyResponse, Migration, Operator, OperatorEngine, OperatorError,
+        OperatorOptions, Overview, Partitions, ScanFrom, TableStats, engine_for,
+    };
+
+    /// The engines this build has (its engine features), as tools open them by URL: the CLI and
+    /// a standalone console pick the one whose scheme the URL has.
+    pub fn engines() -> Vec<&'static dyn OperatorEngine> {
+        vec![
+            #[cfg(feature = "postgres")]
+            &idemflow_pg::PgStore,
+            #[cfg(feature = "sqlite")]
+            &idemflow_sqlite::SqliteStore,
+            #[cfg(feature = "mysql")]
+            &idemflow_mysql::MySqlStore,
+            #[cfg(feature = "redis")]
+            &idemflow_redis::RedisStore,
+        ]
+    }
 }
 
 /// The metrics the runner, the resumer and retention record: their catalogue (name, kind, what it
@@ -72,45 +141,37 @@ pub mod metrics {
     pub use idemflow_runner::{CATALOGUE, describe_metrics};
 }
 
-/// Opening a SQLite database for the engine: WAL, a busy timeout, the migrations run.
-pub mod sqlite {
-    pub use idemflow_sqlite::{MIGRATOR, OpenOptions, open, open_file};
-}
-
-/// Opening a MySQL or MariaDB database for the engine: its session settings, the migrations run.
-pub mod mysql {
-    pub use idemflow_mysql::{MIGRATOR, OpenOptions, open};
-}
-
-/// Keys in Redis (the `redis` feature): [`redis::RedisPool::connect`], then a runner on it runs
-/// workflows whose phases are all foreign (`Workflow::<redis::RedisStore>`). A local phase does not
-/// compile on it. Redis can lose acknowledged writes (a restart, a failover), and a lost key's
-/// retry runs again: docs/engines.md says when that is acceptable.
-#[cfg(feature = "redis")]
-pub mod redis {
-    pub use idemflow_redis::{DEFAULT_PREFIX, RedisPool, StoreError};
-    pub use idemflow_runner::RedisStore;
-}
-
 pub use idemflow_core::{DerivedKey, Fingerprint, Key, StoredResponse, TenantId};
-pub use idemflow_pg::{MIGRATOR, PoolSettings, migrate};
+#[cfg(feature = "mysql")]
+pub use idemflow_mysql::MySqlStore;
+#[cfg(feature = "postgres")]
+pub use idemflow_pg::{MIGRATOR, PgStore, PoolSettings, migrate};
+#[cfg(feature = "redis")]
+pub use idemflow_redis::RedisStore;
 pub use idemflow_runner::{
-    BuildError, ConnectionOf, DrainReport, Engine, EngineError, EngineOf, Failure, FailurePhase,
-    ForeignPhase, Keyring, KeyringError, LocalPhase, MySqlStore, Outcome, PgStore, PhaseContext,
-    PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolEngine, PoolOf, RegisterError,
+    BuildError, ConnectionOf, DatabaseError, DatabaseErrorKind, DrainReport, Engine, EngineError,
+    EnginePool, Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, Outcome,
+    PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf, RegisterError,
     Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner,
-    RunnerConfig, SealError, SqlEngine, SqliteStore, TerminalPolicy, Workflow, WorkflowBuilder,
-    expire, expire_paced, shutdown_signal,
+    RunnerConfig, SealError, SqlEngine, TerminalPolicy, Workflow, WorkflowBuilder, expire,
+    expire_paced, shutdown_signal,
 };
 /// Crash points, for tests (feature `crash-hooks`, which `idemflow-testkit` enables): a hook that
 /// stops a run where a crash would, installed with `Runner::with_crash_hook`.
 #[cfg(feature = "crash-hooks")]
 pub use idemflow_runner::{CrashHook, CrashPoint};
-/// The sqlx this engine is built with: a local phase gets its `PgConnection` (or, on SQLite, its
-/// `SqliteConnection`; on MySQL/MariaDB, its `MySqlConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.
-pub use idemflow_runner::{
-    MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool, sqlx,
-};
+#[cfg(feature = "sqlite")]
+pub use idemflow_sqlite::SqliteStore;
+/// The sqlx this engine is built with, with the driver of each engine the build has: a local
+/// phase gets its connection (`sqlx::SqliteConnection`, `sqlx::PgConnection`,
+/// `sqlx::MySqlConnection`). Use this one (`idemflow::sqlx`) rather than pinning a second copy.
+pub use idemflow_store::sqlx;
+#[cfg(feature = "mysql")]
+pub use idemflow_store::sqlx::{MySqlConnection, MySqlPool};
+#[cfg(feature = "postgres")]
+pub use idemflow_store::sqlx::{PgConnection, PgPool};
+#[cfg(feature = "sqlite")]
+pub use idemflow_store::sqlx::{SqliteConnection, SqlitePool};
 
 /// The attribute the phase traits are implemented with (`#[idemflow::async_trait]`), re-exported
 /// so an application needs no async-trait dependency of its own.

@@ -17,6 +17,7 @@
 //! delivery to pass that point, printing `crash point reached: <point> <id>`, until the process is
 //! killed: tests/it/consumer.rs kills it there with SIGKILL.
 
+use idemflow::PgStore;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -122,7 +123,7 @@ struct Ledger {
 }
 
 #[idemflow::async_trait]
-impl Handler for Ledger {
+impl Handler<PgStore> for Ledger {
     async fn handle(
         &self,
         connection: &mut PgConnection,
@@ -342,7 +343,12 @@ async fn consume(args: ConsumeArgs) -> Result<(), Failure> {
 
 /// One delivery: processed, then acknowledged (applied or duplicate), rejected for good (a
 /// message that can never apply), or handed back to be delivered again (a failure).
-async fn deliver(consumer: &Consumer, ledger: &Ledger, mut delivery: Delivery, tallies: &Tallies) {
+async fn deliver(
+    consumer: &Consumer<PgStore>,
+    ledger: &Ledger,
+    mut delivery: Delivery,
+    tallies: &Tallies,
+) {
     let redelivered = delivery.redelivered;
     let id = delivery
         .properties

@@ -1,197 +1,175 @@
-//! The conformance suite of the store boundary: every case is written once, generic over
-//! [`Store`], and runs against each engine (`conformance!` below makes one test per case and
+//! The conformance suite of the engine boundary: every case is written once, generic over
+//! [`Engine`], and runs against each engine (`conformance!` below makes one test per case and
 //! engine). A new engine is proven by adding its line here, not by tests of its own.
 //!
-//! Each engine brings a [`Bench`]: a fresh database, and the two things a case does behind the
-//! store's back, in the engine's SQL: ending every lease, ageing every finished key, and
-//! damaging every key's journal; and its operators' report of a key. Leases are ended by
-//! rewinding them, never by sleeping.
+//! A case speaks only the boundary: the protocol's steps ([`Engine`], each on a connection of its
+//! own, as a runner takes them: [`steps`]), what a test does behind the engine's back in the
+//! engine's own statements ([`Tamper`]: leases ended and keys aged by rewinding them, never by
+//! sleeping; journals damaged), and what operators read and do ([`Engine::operator`]: reports,
+//! the console's scan, overview and expiry).
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
-use idemflow_mysql::MySqlStore;
-use idemflow_pg::PgStore;
-use idemflow_redis::{RedisPool, RedisStore};
-use idemflow_sqlite::SqliteStore;
-use idemflow_store::{Claim, Failure, JournalEntry, KeyReport, LookUp, Store};
+use idemflow_store::{
+    Claim, Claimed, Engine, EngineError, FoundKey, JournalEntry, KeyOwner, KeyReport, Limits,
+    LookUp, Operator, Tamper,
+};
 use serde_json::{Value, json};
 
-/// An engine's database for one case.
-#[async_trait]
-trait Bench: Store {
-    /// Ends every started key's lease.
-    async fn lapse_leases(pool: &Self::Pool);
-    /// Moves every finished key's finish two days back.
-    async fn age_finished(pool: &Self::Pool);
+/// What a failed step means to the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// A fenced write changed nothing: another owner holds the key.
+    Fenced,
+    /// The database was busy past its limit.
+    Busy,
+    /// Anything else.
+    Other,
 }
 
-/// What operators read of an engine (journals, reports, the console).
-#[async_trait]
-trait Inspect: Bench {
-    /// Writes over every key's journal what no report can read.
-    async fn damage_journals(pool: &Self::Pool);
-    /// The operators' report of the conformance tenant's `key` (`idemflow inspect`).
-    async fn report(pool: &Self::Pool, key: &Key) -> KeyReport;
-    /// The console's door to the same database (its scan, overview and expiry of one key).
-    fn console(pool: &Self::Pool) -> Box<dyn idemflow_console::Backend>;
-}
+/// The protocol's steps on a pool, each on a connection (or in a transaction) of its own, as a
+/// runner takes them.
+mod steps {
+    use super::*;
+    use idemflow_store::ConnectionPool;
 
-#[async_trait]
-impl Bench for PgStore {
-    async fn lapse_leases(pool: &sqlx::PgPool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE state = 'started'")
-            .execute(pool)
+    pub async fn look_up<S: Engine>(
+        pool: &S::Pool,
+        tenant: &TenantId,
+        key: &Key,
+    ) -> Result<LookUp<S::Ticket>, EngineError> {
+        let mut connection = pool.acquire().await?;
+        S::look_up(&mut connection, tenant, key).await
+    }
+
+    /// Begins the claim of a key a look-up found absent; `None` when another claim of it
+    /// committed first.
+    pub async fn begin_claim<S: Engine>(
+        pool: &S::Pool,
+        claim: Claim<'_>,
+        ticket: S::Ticket,
+    ) -> Result<Option<(S::Transaction, S::Owner)>, EngineError> {
+        let connection = pool.acquire().await?;
+        Ok(
+            match S::begin_claim(connection, claim, ticket, &Limits::default()).await? {
+                Claimed::Owned(transaction, owner) => Some((transaction, owner)),
+                Claimed::Lost(_) => None,
+            },
+        )
+    }
+
+    pub async fn begin<S: Engine>(pool: &S::Pool) -> Result<S::Transaction, EngineError> {
+        S::begin(pool.acquire().await?, &Limits::default()).await
+    }
+
+    pub async fn commit<S: Engine>(transaction: S::Transaction) -> Result<(), EngineError> {
+        S::commit_keeping(transaction).await.map(drop)
+    }
+
+    pub async fn rollback<S: Engine>(transaction: S::Transaction) -> Result<(), EngineError> {
+        S::rollback(transaction).await
+    }
+
+    pub async fn renew_lease<S: Engine>(
+        pool: &S::Pool,
+        owner: &S::Owner,
+        lease: Duration,
+    ) -> Result<(), EngineError> {
+        let mut connection = pool.acquire().await?;
+        S::renew_lease(&mut connection, owner, lease).await
+    }
+
+    pub async fn postpone<S: Engine>(
+        pool: &S::Pool,
+        owner: &S::Owner,
+        retry_after: Duration,
+        last_error: &str,
+    ) -> Result<(), EngineError> {
+        S::postpone_alone(pool, owner, retry_after, last_error).await
+    }
+
+    /// Takes `key` over from the owner holding `seen`, in a transaction of its own.
+    pub async fn take_over<S: Engine>(
+        pool: &S::Pool,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+        lease: Duration,
+    ) -> Result<Option<idemflow_store::Taken<S::Owner>>, EngineError> {
+        let mut transaction = begin::<S>(pool).await?;
+        let taken = S::take_over(&mut transaction, tenant, key, seen, lease).await?;
+        commit::<S>(transaction).await?;
+        Ok(taken)
+    }
+
+    pub async fn take_over_due<S: Engine>(
+        pool: &S::Pool,
+        workflows: &[(String, Duration)],
+        batch: i64,
+    ) -> Result<Vec<(String, idemflow_store::Taken<S::Owner>)>, EngineError> {
+        S::take_over_due(pool, workflows, batch).await
+    }
+
+    pub async fn response_apart<S: Engine>(
+        pool: &S::Pool,
+        tenant: &TenantId,
+        key: &Key,
+        life: i64,
+    ) -> Result<Option<Vec<u8>>, EngineError> {
+        let mut connection = pool.acquire().await?;
+        S::response_apart(&mut connection, tenant, key, life).await
+    }
+
+    pub async fn expire_batch<S: Engine>(
+        pool: &S::Pool,
+        keep_for: Duration,
+        batch: i64,
+    ) -> Result<u64, EngineError> {
+        S::expire_batch(pool, keep_for, batch).await
+    }
+
+    /// An operator ends a lease (fenced by the token it saw).
+    pub async fn end_lease<S: Engine>(
+        pool: &S::Pool,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+    ) -> Result<Option<i64>, EngineError> {
+        S::operator(pool)
+            .end_lease(tenant.as_str(), key.as_str(), seen)
             .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::PgPool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - interval '2 days' WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-}
-
-#[async_trait]
-impl Inspect for PgStore {
-    fn console(pool: &sqlx::PgPool) -> Box<dyn idemflow_console::Backend> {
-        Box::new(idemflow_console::backend::Postgres(pool.clone()))
-    }
-
-    async fn damage_journals(pool: &sqlx::PgPool) {
-        // jsonb holds only valid JSON: an object where a list of entries belongs.
-        sqlx::query(r#"UPDATE idempotency_keys SET journal = '{"not": "a journal"}'"#)
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn report(pool: &sqlx::PgPool, key: &Key) -> KeyReport {
-        let mut connection = pool.acquire().await.unwrap();
-        idemflow_pg::key_report(&mut connection, tenant().as_str(), key.as_str())
-            .await
-            .unwrap()
-            .expect("the key is there")
-    }
-}
-
-#[async_trait]
-impl Bench for SqliteStore {
-    async fn lapse_leases(pool: &sqlx::SqlitePool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::SqlitePool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-}
-
-#[async_trait]
-impl Inspect for SqliteStore {
-    fn console(pool: &sqlx::SqlitePool) -> Box<dyn idemflow_console::Backend> {
-        Box::new(idemflow_console::backend::Sqlite(pool.clone()))
-    }
-
-    async fn damage_journals(pool: &sqlx::SqlitePool) {
-        sqlx::query("UPDATE idempotency_keys SET journal = '[{\"at\": oops'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn report(pool: &sqlx::SqlitePool, key: &Key) -> KeyReport {
-        let mut connection = pool.acquire().await.unwrap();
-        idemflow_sqlite::key_report(&mut connection, tenant().as_str(), key.as_str())
-            .await
-            .unwrap()
-            .expect("the key is there")
-    }
-}
-
-#[async_trait]
-impl Bench for MySqlStore {
-    async fn lapse_leases(pool: &sqlx::MySqlPool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::MySqlPool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-}
-
-#[async_trait]
-impl Inspect for MySqlStore {
-    fn console(pool: &sqlx::MySqlPool) -> Box<dyn idemflow_console::Backend> {
-        Box::new(idemflow_console::backend::MySql(pool.clone()))
-    }
-
-    async fn damage_journals(pool: &sqlx::MySqlPool) {
-        sqlx::query("UPDATE idempotency_keys SET journal = '[{\"at\": oops'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn report(pool: &sqlx::MySqlPool, key: &Key) -> KeyReport {
-        let mut connection = pool.acquire().await.unwrap();
-        idemflow_mysql::key_report(&mut connection, tenant().as_str(), key.as_str())
-            .await
-            .unwrap()
-            .expect("the key is there")
+            .map_err(|error| match error {
+                idemflow_store::OperatorError::Engine(error) => error,
+                other => EngineError::Corrupt(other.to_string()),
+            })
     }
 }
 
-/// Redis, behind the scripts' back (`support::redis`).
-#[async_trait]
-impl Bench for RedisStore {
-    async fn lapse_leases(pool: &RedisPool) {
-        crate::support::redis::lapse_leases(pool).await;
-    }
-
-    async fn age_finished(pool: &RedisPool) {
-        crate::support::redis::age_finished(pool).await;
-    }
+/// Ends every started key's lease.
+async fn lapse_leases<S: Tamper>(pool: &S::Pool) {
+    S::lapse_leases(pool, None).await.unwrap();
 }
 
-#[async_trait]
-impl Inspect for RedisStore {
-    fn console(pool: &RedisPool) -> Box<dyn idemflow_console::Backend> {
-        Box::new(idemflow_console::backend::Redis(pool.clone()))
-    }
+/// Moves every finished key's finish two days back.
+async fn age_finished<S: Tamper>(pool: &S::Pool) {
+    S::age_finished(pool, Duration::from_secs(2 * 86_400))
+        .await
+        .unwrap();
+}
 
-    async fn damage_journals(pool: &RedisPool) {
-        for row in crate::support::redis::rows(pool).await {
-            let _: () = ::redis::cmd("HSET")
-                .arg(&row)
-                .arg("jr")
-                .arg("{\"at\": oops")
-                .query_async(&mut pool.connection())
-                .await
-                .unwrap();
-        }
-    }
+/// The operators' report of the conformance tenant's `key` (`idemflow inspect`).
+async fn report_of<S: Engine>(pool: &S::Pool, key: &Key) -> KeyReport {
+    S::operator(pool)
+        .key_report(tenant().as_str(), key.as_str())
+        .await
+        .unwrap()
+        .expect("the key is there")
+}
 
-    async fn report(pool: &RedisPool, key: &Key) -> KeyReport {
-        idemflow_redis::key_report(pool, tenant().as_str(), key.as_str())
-            .await
-            .unwrap()
-            .expect("the key is there")
-    }
+/// The console's door to the same database (its scan, overview and expiry of one key).
+fn console<S: Engine>(pool: &S::Pool) -> Box<dyn Operator> {
+    S::operator(pool)
 }
 
 /// A fresh SQLite database file for `case`, removed at the next run of the same case.
@@ -305,18 +283,18 @@ const LEASE: Duration = Duration::from_secs(30);
 const REQUEST: &str = r#"{"amount": 1200}"#;
 
 /// Looks `key` up, expecting it absent, and begins its claim under `workflow`.
-async fn claim<S: Store>(
+async fn claim<S: Tamper>(
     pool: &S::Pool,
     key: &Key,
     workflow: &str,
 ) -> Option<(S::Transaction, S::Owner)> {
-    let LookUp::Absent(ticket) = S::look_up(pool, &tenant(), key).await.unwrap() else {
+    let LookUp::Absent(ticket) = steps::look_up::<S>(pool, &tenant(), key).await.unwrap() else {
         panic!("{key:?} is new");
     };
     claim_with::<S>(pool, key, workflow, ticket).await
 }
 
-async fn claim_with<S: Store>(
+async fn claim_with<S: Tamper>(
     pool: &S::Pool,
     key: &Key,
     workflow: &str,
@@ -324,7 +302,7 @@ async fn claim_with<S: Store>(
 ) -> Option<(S::Transaction, S::Owner)> {
     let request: Value = serde_json::from_str(REQUEST).unwrap();
     let (tenant, fingerprint) = (tenant(), fingerprint());
-    S::begin_claim(
+    steps::begin_claim::<S>(
         pool,
         Claim {
             tenant: &tenant,
@@ -341,7 +319,7 @@ async fn claim_with<S: Store>(
 }
 
 /// Claims `key` and finishes it at once with `body`, stored apart above `apart_above` bytes.
-async fn claim_and_finish<S: Store>(pool: &S::Pool, key: &Key, body: &[u8], apart_above: usize) {
+async fn claim_and_finish<S: Tamper>(pool: &S::Pool, key: &Key, body: &[u8], apart_above: usize) {
     let (mut transaction, owner) = claim::<S>(pool, key, "checkout@1").await.unwrap();
     S::finish(
         &mut transaction,
@@ -352,24 +330,26 @@ async fn claim_and_finish<S: Store>(pool: &S::Pool, key: &Key, body: &[u8], apar
     )
     .await
     .unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
 }
 
-async fn found<S: Store>(pool: &S::Pool, key: &Key) -> idemflow_store::FoundKey {
-    match S::look_up(pool, &tenant(), key).await.unwrap() {
+async fn found<S: Tamper>(pool: &S::Pool, key: &Key) -> FoundKey {
+    match steps::look_up::<S>(pool, &tenant(), key).await.unwrap() {
         LookUp::Found(found) => found,
         _ => panic!("{key:?} is there"),
     }
 }
 
-fn refused<S: Store, T: std::fmt::Debug>(result: Result<T, S::Error>) -> Failure {
+fn refused<T: std::fmt::Debug>(result: Result<T, EngineError>) -> Failure {
     match result {
         Ok(value) => panic!("refused, not {value:?}"),
-        Err(error) => S::failure(&error),
+        Err(EngineError::Fenced) => Failure::Fenced,
+        Err(EngineError::Busy) => Failure::Busy,
+        Err(_) => Failure::Other,
     }
 }
 
-async fn a_claimed_key_is_replayed_from_its_stored_response<S: Store>(pool: S::Pool) {
+async fn a_claimed_key_is_replayed_from_its_stored_response<S: Tamper>(pool: S::Pool) {
     let key = key("k-replay");
     let (mut transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
     S::advance(
@@ -391,12 +371,12 @@ async fn a_claimed_key_is_replayed_from_its_stored_response<S: Store>(pool: S::P
     )
     .await
     .unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
     let found = found::<S>(&pool, &key).await;
     assert!(found.done);
     assert_eq!(found.fingerprint, fingerprint());
     assert_eq!(found.workflow, "checkout@1");
-    assert_eq!(found.lock_version, S::token(&owner));
+    assert_eq!(found.lock_version, owner.lock_version());
     assert_eq!(found.body_apart, None);
     let stored = found.response.unwrap();
     assert_eq!(
@@ -406,13 +386,13 @@ async fn a_claimed_key_is_replayed_from_its_stored_response<S: Store>(pool: S::P
     assert_eq!(stored.headers, response(b"").headers);
 }
 
-async fn of_two_claims_of_one_key_the_second_loses_and_writes_nothing<S: Store>(pool: S::Pool) {
+async fn of_two_claims_of_one_key_the_second_loses_and_writes_nothing<S: Tamper>(pool: S::Pool) {
     let key = key("k-race");
     // Both look the key up before either claims it.
-    let LookUp::Absent(first) = S::look_up(&pool, &tenant(), &key).await.unwrap() else {
+    let LookUp::Absent(first) = steps::look_up::<S>(&pool, &tenant(), &key).await.unwrap() else {
         panic!("new");
     };
-    let LookUp::Absent(second) = S::look_up(&pool, &tenant(), &key).await.unwrap() else {
+    let LookUp::Absent(second) = steps::look_up::<S>(&pool, &tenant(), &key).await.unwrap() else {
         panic!("new");
     };
     let (mut transaction, owner) = claim_with::<S>(&pool, &key, "checkout@1", first)
@@ -421,7 +401,7 @@ async fn of_two_claims_of_one_key_the_second_loses_and_writes_nothing<S: Store>(
     S::advance(&mut transaction, &owner, "reserve", &json!(1), LEASE)
         .await
         .unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
     assert!(
         claim_with::<S>(&pool, &key, "other@1", second)
             .await
@@ -430,11 +410,11 @@ async fn of_two_claims_of_one_key_the_second_loses_and_writes_nothing<S: Store>(
     );
     let found = found::<S>(&pool, &key).await;
     assert_eq!((found.workflow.as_str(), found.done), ("checkout@1", false));
-    assert_eq!(found.lock_version, S::token(&owner));
+    assert_eq!(found.lock_version, owner.lock_version());
     assert!(found.lease_left > LEASE - Duration::from_secs(5));
 }
 
-async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Bench>(pool: S::Pool) {
+async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Tamper>(pool: S::Pool) {
     let key = key("k-fence");
     let (mut transaction, old) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
     S::advance(
@@ -446,20 +426,20 @@ async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Bench>(pool: S::P
     )
     .await
     .unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
     // A live lease is not taken over.
     assert!(
-        S::take_over(&pool, &tenant(), &key, S::token(&old), LEASE)
+        steps::take_over::<S>(&pool, &tenant(), &key, old.lock_version(), LEASE)
             .await
             .unwrap()
             .is_none()
     );
-    S::lapse_leases(&pool).await;
-    let taken = S::take_over(&pool, &tenant(), &key, S::token(&old), LEASE)
+    lapse_leases::<S>(&pool).await;
+    let taken = steps::take_over::<S>(&pool, &tenant(), &key, old.lock_version(), LEASE)
         .await
         .unwrap()
         .expect("a lapsed lease is taken over");
-    assert_ne!(S::token(&taken.owner), S::token(&old));
+    assert_ne!(taken.owner.lock_version(), old.lock_version());
     assert_eq!(taken.attempts, 2);
     assert_eq!(taken.recovery_point, "reserve");
     assert_eq!(taken.phase_output, Some(json!({"order": 7})));
@@ -469,25 +449,25 @@ async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Bench>(pool: S::P
     );
     // The same takeover again names a token that moved on.
     assert!(
-        S::take_over(&pool, &tenant(), &key, S::token(&old), LEASE)
+        steps::take_over::<S>(&pool, &tenant(), &key, old.lock_version(), LEASE)
             .await
             .unwrap()
             .is_none()
     );
     // The old owner wakes up: its renewal, its advance and its finish are refused.
     assert_eq!(
-        refused::<S, _>(S::renew_lease(&pool, &old, LEASE).await),
+        refused(steps::renew_lease::<S>(&pool, &old, LEASE).await),
         Failure::Fenced
     );
-    let mut transaction = S::begin(&pool).await.unwrap();
+    let mut transaction = steps::begin::<S>(&pool).await.unwrap();
     assert_eq!(
-        refused::<S, _>(S::advance(&mut transaction, &old, "charge", &json!(2), LEASE).await),
+        refused(S::advance(&mut transaction, &old, "charge", &json!(2), LEASE).await),
         Failure::Fenced
     );
-    S::rollback(transaction).await.unwrap();
-    let mut transaction = S::begin(&pool).await.unwrap();
+    steps::rollback::<S>(transaction).await.unwrap();
+    let mut transaction = steps::begin::<S>(&pool).await.unwrap();
     assert_eq!(
-        refused::<S, _>(
+        refused(
             S::finish(
                 &mut transaction,
                 &old,
@@ -499,10 +479,12 @@ async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Bench>(pool: S::P
         ),
         Failure::Fenced
     );
-    S::rollback(transaction).await.unwrap();
+    steps::rollback::<S>(transaction).await.unwrap();
     // The new owner's writes stand.
-    S::renew_lease(&pool, &taken.owner, LEASE).await.unwrap();
-    let mut transaction = S::begin(&pool).await.unwrap();
+    steps::renew_lease::<S>(&pool, &taken.owner, LEASE)
+        .await
+        .unwrap();
+    let mut transaction = steps::begin::<S>(&pool).await.unwrap();
     S::finish(
         &mut transaction,
         &taken.owner,
@@ -512,16 +494,16 @@ async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Bench>(pool: S::P
     )
     .await
     .unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
     assert_eq!(found::<S>(&pool, &key).await.response.unwrap().body, b"new");
 }
 
-async fn tokens_never_repeat_for_a_key_across_deletes<S: Bench>(pool: S::Pool) {
+async fn tokens_never_repeat_for_a_key_across_deletes<S: Tamper>(pool: S::Pool) {
     let key = key("k-lives");
     let mut seen = Vec::new();
     for _ in 0..3 {
         let (mut transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
-        seen.push(S::token(&owner));
+        seen.push(owner.lock_version());
         S::finish(
             &mut transaction,
             &owner,
@@ -531,10 +513,10 @@ async fn tokens_never_repeat_for_a_key_across_deletes<S: Bench>(pool: S::Pool) {
         )
         .await
         .unwrap();
-        S::commit(transaction).await.unwrap();
-        S::age_finished(&pool).await;
+        steps::commit::<S>(transaction).await.unwrap();
+        age_finished::<S>(&pool).await;
         assert_eq!(
-            S::expire_batch(&pool, Duration::from_secs(86_400), 10)
+            steps::expire_batch::<S>(&pool, Duration::from_secs(86_400), 10)
                 .await
                 .unwrap(),
             1
@@ -545,14 +527,14 @@ async fn tokens_never_repeat_for_a_key_across_deletes<S: Bench>(pool: S::Pool) {
     assert_eq!(distinct.len(), seen.len(), "{seen:?}");
 }
 
-async fn a_body_apart_is_read_for_its_own_life_only<S: Bench>(pool: S::Pool) {
+async fn a_body_apart_is_read_for_its_own_life_only<S: Tamper>(pool: S::Pool) {
     let key = key("k-apart");
     claim_and_finish::<S>(&pool, &key, b"first life", 0).await;
     let first = found::<S>(&pool, &key).await;
     let life = first.body_apart.expect("stored apart");
     assert!(first.response.unwrap().body.is_empty());
     assert_eq!(
-        S::response_apart(&pool, &tenant(), &key, life)
+        steps::response_apart::<S>(&pool, &tenant(), &key, life)
             .await
             .unwrap()
             .as_deref(),
@@ -560,22 +542,22 @@ async fn a_body_apart_is_read_for_its_own_life_only<S: Bench>(pool: S::Pool) {
     );
     // Between a replay's look-up and its body read: the window ends, retention deletes the key
     // (and its body), and a new life of the key finishes with a body of its own.
-    S::age_finished(&pool).await;
+    age_finished::<S>(&pool).await;
     assert_eq!(
-        S::expire_batch(&pool, Duration::from_secs(86_400), 10)
+        steps::expire_batch::<S>(&pool, Duration::from_secs(86_400), 10)
             .await
             .unwrap(),
         1
     );
     assert_eq!(
-        S::response_apart(&pool, &tenant(), &key, life)
+        steps::response_apart::<S>(&pool, &tenant(), &key, life)
             .await
             .unwrap(),
         None
     );
     claim_and_finish::<S>(&pool, &key, b"second life", 0).await;
     assert_eq!(
-        S::response_apart(&pool, &tenant(), &key, life)
+        steps::response_apart::<S>(&pool, &tenant(), &key, life)
             .await
             .unwrap(),
         None,
@@ -584,7 +566,7 @@ async fn a_body_apart_is_read_for_its_own_life_only<S: Bench>(pool: S::Pool) {
     let second = found::<S>(&pool, &key).await.body_apart.unwrap();
     assert_ne!(second, life);
     assert_eq!(
-        S::response_apart(&pool, &tenant(), &key, second)
+        steps::response_apart::<S>(&pool, &tenant(), &key, second)
             .await
             .unwrap()
             .as_deref(),
@@ -592,7 +574,7 @@ async fn a_body_apart_is_read_for_its_own_life_only<S: Bench>(pool: S::Pool) {
     );
 }
 
-async fn retention_deletes_finished_keys_past_their_window_in_batches_only<S: Bench>(
+async fn retention_deletes_finished_keys_past_their_window_in_batches_only<S: Tamper>(
     pool: S::Pool,
 ) {
     for index in 0..3 {
@@ -601,15 +583,15 @@ async fn retention_deletes_finished_keys_past_their_window_in_batches_only<S: Be
     let (transaction, _) = claim::<S>(&pool, &key("k-started"), "checkout@1")
         .await
         .unwrap();
-    S::commit(transaction).await.unwrap();
-    S::age_finished(&pool).await;
-    S::lapse_leases(&pool).await;
+    steps::commit::<S>(transaction).await.unwrap();
+    age_finished::<S>(&pool).await;
+    lapse_leases::<S>(&pool).await;
     claim_and_finish::<S>(&pool, &key("k-recent"), b"{}", usize::MAX).await;
     let keep_for = Duration::from_secs(86_400);
     let batches = (
-        S::expire_batch(&pool, keep_for, 2).await.unwrap(),
-        S::expire_batch(&pool, keep_for, 2).await.unwrap(),
-        S::expire_batch(&pool, keep_for, 2).await.unwrap(),
+        steps::expire_batch::<S>(&pool, keep_for, 2).await.unwrap(),
+        steps::expire_batch::<S>(&pool, keep_for, 2).await.unwrap(),
+        steps::expire_batch::<S>(&pool, keep_for, 2).await.unwrap(),
     );
     assert_eq!(batches, (2, 1, 0));
     for kept in ["k-started", "k-recent"] {
@@ -617,7 +599,7 @@ async fn retention_deletes_finished_keys_past_their_window_in_batches_only<S: Be
     }
     for index in 0..3 {
         assert!(matches!(
-            S::look_up(&pool, &tenant(), &key(&format!("k-old-{index}")))
+            steps::look_up::<S>(&pool, &tenant(), &key(&format!("k-old-{index}")))
                 .await
                 .unwrap(),
             LookUp::Absent(_)
@@ -628,7 +610,7 @@ async fn retention_deletes_finished_keys_past_their_window_in_batches_only<S: Be
 /// The scan takes the keys whose leases lapsed longest ago first, whatever their workflow and
 /// whatever order the resumer lists its workflows in: a workflow with a steady stream of due keys
 /// must not starve another.
-async fn the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows<S: Bench>(
+async fn the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows<S: Tamper>(
     pool: S::Pool,
 ) {
     for (name, workflow) in [
@@ -637,10 +619,10 @@ async fn the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows<
         ("k-third", "refund@1"),
     ] {
         let (transaction, owner) = claim::<S>(&pool, &key(name), workflow).await.unwrap();
-        S::commit(transaction).await.unwrap();
+        steps::commit::<S>(transaction).await.unwrap();
         // Due now, in this order: lease ends apart on every engine's clock (SQLite and MariaDB
         // count milliseconds).
-        S::postpone(&pool, &owner, Duration::ZERO, "provider: 503")
+        steps::postpone::<S>(&pool, &owner, Duration::ZERO, "provider: 503")
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -652,7 +634,9 @@ async fn the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows<
     ];
     let mut order = Vec::new();
     for _ in 0..3 {
-        let taken = S::take_over_due(&pool, &workflows, 1).await.unwrap();
+        let taken = steps::take_over_due::<S>(&pool, &workflows, 1)
+            .await
+            .unwrap();
         assert_eq!(taken.len(), 1, "one key a scan");
         order.push(taken[0].0.clone());
     }
@@ -662,25 +646,27 @@ async fn the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows<
     }
 }
 
-async fn the_resumers_scan_takes_lapsed_keys_of_its_workflows_only<S: Bench>(pool: S::Pool) {
+async fn the_resumers_scan_takes_lapsed_keys_of_its_workflows_only<S: Tamper>(pool: S::Pool) {
     for (name, workflow) in [
         ("k-a", "checkout@1"),
         ("k-b", "checkout@1"),
         ("k-c", "refund@1"),
     ] {
         let (transaction, _) = claim::<S>(&pool, &key(name), workflow).await.unwrap();
-        S::commit(transaction).await.unwrap();
+        steps::commit::<S>(transaction).await.unwrap();
     }
     let workflows = [("checkout@1".to_owned(), Duration::from_secs(45))];
     // Nothing is due while the leases live.
     assert!(
-        S::take_over_due(&pool, &workflows, 10)
+        steps::take_over_due::<S>(&pool, &workflows, 10)
             .await
             .unwrap()
             .is_empty()
     );
-    S::lapse_leases(&pool).await;
-    let taken = S::take_over_due(&pool, &workflows, 10).await.unwrap();
+    lapse_leases::<S>(&pool).await;
+    let taken = steps::take_over_due::<S>(&pool, &workflows, 10)
+        .await
+        .unwrap();
     let mut names: Vec<(String, String)> = taken
         .iter()
         .map(|(workflow, one)| (workflow.clone(), format!("{:?}", one.attempts)))
@@ -699,7 +685,7 @@ async fn the_resumers_scan_takes_lapsed_keys_of_its_workflows_only<S: Bench>(poo
         assert!(lease > Duration::from_secs(40), "{name}: {lease:?}");
     }
     assert!(
-        S::take_over_due(&pool, &workflows, 10)
+        steps::take_over_due::<S>(&pool, &workflows, 10)
             .await
             .unwrap()
             .is_empty()
@@ -707,21 +693,24 @@ async fn the_resumers_scan_takes_lapsed_keys_of_its_workflows_only<S: Bench>(poo
     // A workflow this resumer does not know is left for one that does.
     let refunds = [("refund@1".to_owned(), Duration::from_secs(30))];
     assert_eq!(
-        S::take_over_due(&pool, &refunds, 10).await.unwrap().len(),
+        steps::take_over_due::<S>(&pool, &refunds, 10)
+            .await
+            .unwrap()
+            .len(),
         1
     );
 }
 
-async fn a_postponed_key_waits_its_retry_after_under_a_new_token<S: Store>(pool: S::Pool) {
+async fn a_postponed_key_waits_its_retry_after_under_a_new_token<S: Tamper>(pool: S::Pool) {
     let key = key("k-postpone");
     let (transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
-    S::postpone(&pool, &owner, Duration::from_secs(60), "provider: 503")
+    steps::commit::<S>(transaction).await.unwrap();
+    steps::postpone::<S>(&pool, &owner, Duration::from_secs(60), "provider: 503")
         .await
         .unwrap();
     let postponed = found::<S>(&pool, &key).await;
     assert!(
-        postponed.lock_version != S::token(&owner),
+        postponed.lock_version != owner.lock_version(),
         "the fence advanced"
     );
     assert!(
@@ -732,29 +721,29 @@ async fn a_postponed_key_waits_its_retry_after_under_a_new_token<S: Store>(pool:
     );
     // The owner is done with the key: its heartbeat, and a second postpone, change nothing.
     assert_eq!(
-        refused::<S, _>(S::renew_lease(&pool, &owner, LEASE).await),
+        refused(steps::renew_lease::<S>(&pool, &owner, LEASE).await),
         Failure::Fenced
     );
     assert_eq!(
-        refused::<S, _>(S::postpone(&pool, &owner, Duration::ZERO, "again").await),
+        refused(steps::postpone::<S>(&pool, &owner, Duration::ZERO, "again").await),
         Failure::Fenced
     );
     // Not before its retry-after; at once with a zero one, the error recorded for the next.
     assert!(
-        S::take_over(&pool, &tenant(), &key, postponed.lock_version, LEASE)
+        steps::take_over::<S>(&pool, &tenant(), &key, postponed.lock_version, LEASE)
             .await
             .unwrap()
             .is_none()
     );
     let key2 = self::key("k-postpone-now");
     let (transaction, owner) = claim::<S>(&pool, &key2, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
-    S::postpone(&pool, &owner, Duration::ZERO, "provider: 503")
+    steps::commit::<S>(transaction).await.unwrap();
+    steps::postpone::<S>(&pool, &owner, Duration::ZERO, "provider: 503")
         .await
         .unwrap();
     let seen = found::<S>(&pool, &key2).await;
     assert_eq!(seen.lease_left, Duration::ZERO);
-    let taken = S::take_over(&pool, &tenant(), &key2, seen.lock_version, LEASE)
+    let taken = steps::take_over::<S>(&pool, &tenant(), &key2, seen.lock_version, LEASE)
         .await
         .unwrap()
         .expect("a zero retry-after gives the key back at once");
@@ -762,68 +751,68 @@ async fn a_postponed_key_waits_its_retry_after_under_a_new_token<S: Store>(pool:
     assert_eq!(taken.attempts, 2);
 }
 
-async fn a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing<S: Bench>(
+async fn a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing<S: Tamper>(
     pool: S::Pool,
 ) {
     let key = key("k-forget");
     let (transaction, old) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
-    S::lapse_leases(&pool).await;
-    let taken = S::take_over(&pool, &tenant(), &key, S::token(&old), LEASE)
+    steps::commit::<S>(transaction).await.unwrap();
+    lapse_leases::<S>(&pool).await;
+    let taken = steps::take_over::<S>(&pool, &tenant(), &key, old.lock_version(), LEASE)
         .await
         .unwrap()
         .unwrap();
     // The replaced owner's delete is fenced out.
-    let mut transaction = S::begin(&pool).await.unwrap();
+    let mut transaction = steps::begin::<S>(&pool).await.unwrap();
     assert_eq!(
-        refused::<S, _>(S::delete_owned(&mut transaction, &old).await),
+        refused(S::delete_owned(&mut transaction, &old).await),
         Failure::Fenced
     );
-    S::rollback(transaction).await.unwrap();
+    steps::rollback::<S>(transaction).await.unwrap();
     found::<S>(&pool, &key).await;
     // The owner's delete frees the key for a new request.
-    let mut transaction = S::begin(&pool).await.unwrap();
+    let mut transaction = steps::begin::<S>(&pool).await.unwrap();
     S::delete_owned(&mut transaction, &taken.owner)
         .await
         .unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
     let (transaction, next) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
-    assert!(![S::token(&old), S::token(&taken.owner)].contains(&S::token(&next)));
+    steps::commit::<S>(transaction).await.unwrap();
+    assert!(![old.lock_version(), taken.owner.lock_version()].contains(&next.lock_version()));
 }
 
-async fn an_ended_lease_advances_the_fence_and_frees_the_key_at_once<S: Store>(pool: S::Pool) {
+async fn an_ended_lease_advances_the_fence_and_frees_the_key_at_once<S: Tamper>(pool: S::Pool) {
     let key = key("k-end");
     let (transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
-    let token = S::end_lease(&pool, &tenant(), &key, S::token(&owner))
+    steps::commit::<S>(transaction).await.unwrap();
+    let token = steps::end_lease::<S>(&pool, &tenant(), &key, owner.lock_version())
         .await
         .unwrap()
         .expect("a started key's lease ends");
-    assert_ne!(token, S::token(&owner));
+    assert_ne!(token, owner.lock_version());
     // Naming the old token again ends nothing.
     assert_eq!(
-        S::end_lease(&pool, &tenant(), &key, S::token(&owner))
+        steps::end_lease::<S>(&pool, &tenant(), &key, owner.lock_version())
             .await
             .unwrap(),
         None
     );
     assert_eq!(
-        refused::<S, _>(S::renew_lease(&pool, &owner, LEASE).await),
+        refused(steps::renew_lease::<S>(&pool, &owner, LEASE).await),
         Failure::Fenced
     );
-    let taken = S::take_over(&pool, &tenant(), &key, token, LEASE)
+    let taken = steps::take_over::<S>(&pool, &tenant(), &key, token, LEASE)
         .await
         .unwrap()
         .expect("taken over at once");
-    assert!(![token, S::token(&owner)].contains(&S::token(&taken.owner)));
+    assert!(![token, owner.lock_version()].contains(&taken.owner.lock_version()));
 }
 
 /// Keys that differ only in case or in a trailing space are two keys, and so are tenants that
 /// differ only in case: a key generator that treats case as significant must not have its
 /// identities collapsed by a case-insensitive or padding comparison (MariaDB's text collations
 /// all pad, `utf8mb4_bin` included).
-async fn keys_and_tenants_are_compared_byte_for_byte<S: Store>(pool: S::Pool) {
+async fn keys_and_tenants_are_compared_byte_for_byte<S: Tamper>(pool: S::Pool) {
     let names = ["Key-A", "key-a", "a", "a ", "a  "];
     for name in names {
         claim_and_finish::<S>(&pool, &key(name), name.as_bytes(), usize::MAX).await;
@@ -837,7 +826,10 @@ async fn keys_and_tenants_are_compared_byte_for_byte<S: Store>(pool: S::Pool) {
         );
     }
     let upper = TenantId::new("T-Conformance").unwrap();
-    match S::look_up(&pool, &upper, &key("Key-A")).await.unwrap() {
+    match steps::look_up::<S>(&pool, &upper, &key("Key-A"))
+        .await
+        .unwrap()
+    {
         LookUp::Absent(_) => {}
         LookUp::Found(_) | LookUp::Claiming => {
             panic!("tenant T-Conformance found t-conformance's key")
@@ -856,7 +848,7 @@ fn events(journal: &[JournalEntry]) -> Vec<(&str, i64)> {
 /// A key claimed, a phase done, a failed attempt recorded, taken over by a client retry after its
 /// lease is rewound, another phase done, finished: the journal lists each of these, in order,
 /// each with the token the key held after it and the database's time.
-async fn a_keys_journal_is_its_timeline_in_order<S: Inspect>(pool: S::Pool) {
+async fn a_keys_journal_is_its_timeline_in_order<S: Tamper>(pool: S::Pool) {
     let key = key("k-journal");
     let (mut transaction, first) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
     S::advance(
@@ -868,8 +860,8 @@ async fn a_keys_journal_is_its_timeline_in_order<S: Inspect>(pool: S::Pool) {
     )
     .await
     .unwrap();
-    S::commit(transaction).await.unwrap();
-    S::postpone(
+    steps::commit::<S>(transaction).await.unwrap();
+    steps::postpone::<S>(
         &pool,
         &first,
         Duration::from_secs(60),
@@ -878,13 +870,13 @@ async fn a_keys_journal_is_its_timeline_in_order<S: Inspect>(pool: S::Pool) {
     .await
     .unwrap();
     let failed = found::<S>(&pool, &key).await.lock_version;
-    S::lapse_leases(&pool).await;
-    let taken = S::take_over(&pool, &tenant(), &key, failed, LEASE)
+    lapse_leases::<S>(&pool).await;
+    let taken = steps::take_over::<S>(&pool, &tenant(), &key, failed, LEASE)
         .await
         .unwrap()
         .expect("a lapsed lease is taken over");
-    let second = S::token(&taken.owner);
-    let mut transaction = S::begin(&pool).await.unwrap();
+    let second = taken.owner.lock_version();
+    let mut transaction = steps::begin::<S>(&pool).await.unwrap();
     S::advance(
         &mut transaction,
         &taken.owner,
@@ -903,10 +895,10 @@ async fn a_keys_journal_is_its_timeline_in_order<S: Inspect>(pool: S::Pool) {
     )
     .await
     .unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
 
-    let report = S::report(&pool, &key).await;
-    let token = S::token(&first);
+    let report = report_of::<S>(&pool, &key).await;
+    let token = first.lock_version();
     // Each change that moved the fence names the new token (unique, not ordered: no case
     // compares tokens by size).
     assert!(token != failed && failed != second && second != token);
@@ -976,23 +968,22 @@ async fn a_keys_journal_is_its_timeline_in_order<S: Inspect>(pool: S::Pool) {
 
 /// 70 takeovers of a key that never gets anywhere: its journal keeps 64 entries, the claim first
 /// and the newest takeover last, the oldest takeovers dropped.
-async fn a_full_journal_keeps_the_claim_first_and_the_newest_last<S: Inspect>(pool: S::Pool) {
+async fn a_full_journal_keeps_the_claim_first_and_the_newest_last<S: Tamper>(pool: S::Pool) {
     let key = key("k-crash-loop");
     let (transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
-    let claimed = S::token(&owner);
+    steps::commit::<S>(transaction).await.unwrap();
+    let claimed = owner.lock_version();
     let mut token = claimed;
     for _ in 0..70 {
-        S::lapse_leases(&pool).await;
-        token = S::token(
-            &S::take_over(&pool, &tenant(), &key, token, LEASE)
-                .await
-                .unwrap()
-                .expect("a lapsed lease is taken over")
-                .owner,
-        );
+        lapse_leases::<S>(&pool).await;
+        token = steps::take_over::<S>(&pool, &tenant(), &key, token, LEASE)
+            .await
+            .unwrap()
+            .expect("a lapsed lease is taken over")
+            .owner
+            .lock_version();
     }
-    let report = S::report(&pool, &key).await;
+    let report = report_of::<S>(&pool, &key).await;
     assert_eq!(report.journal.len(), idemflow_store::JOURNAL_LIMIT);
     assert_eq!(events(&report.journal[..1]), [("claimed", claimed)]);
     let last = report.journal.last().unwrap();
@@ -1011,39 +1002,41 @@ async fn a_full_journal_keeps_the_claim_first_and_the_newest_last<S: Inspect>(po
 
 /// A resumer's takeover is marked `resumer`, an operator's ended lease `operator`, each with the
 /// token it drew.
-async fn the_journal_names_who_took_a_key_over_and_who_ended_its_lease<S: Inspect>(pool: S::Pool) {
+async fn the_journal_names_who_took_a_key_over_and_who_ended_its_lease<S: Tamper>(pool: S::Pool) {
     let (resumed, ended) = (key("k-resumed"), key("k-ended"));
     let (transaction, first) = claim::<S>(&pool, &resumed, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
     let (transaction, second) = claim::<S>(&pool, &ended, "refund@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
 
-    let token = S::end_lease(&pool, &tenant(), &ended, S::token(&second))
+    let token = steps::end_lease::<S>(&pool, &tenant(), &ended, second.lock_version())
         .await
         .unwrap()
         .expect("a started key's lease ends");
-    let report = S::report(&pool, &ended).await;
+    let report = report_of::<S>(&pool, &ended).await;
     assert_eq!(
         events(&report.journal),
-        [("claimed", S::token(&second)), ("lease_ended", token)]
+        [("claimed", second.lock_version()), ("lease_ended", token)]
     );
     assert_eq!(
         (report.journal[1].by.as_deref(), report.journal[1].attempt),
         (Some("operator"), None)
     );
 
-    S::lapse_leases(&pool).await;
+    lapse_leases::<S>(&pool).await;
     let workflows = [("checkout@1".to_owned(), LEASE)];
-    let taken = S::take_over_due(&pool, &workflows, 10).await.unwrap();
+    let taken = steps::take_over_due::<S>(&pool, &workflows, 10)
+        .await
+        .unwrap();
     let [(_, taken)] = taken.as_slice() else {
         panic!("one checkout is due: {taken:?}");
     };
-    let report = S::report(&pool, &resumed).await;
+    let report = report_of::<S>(&pool, &resumed).await;
     assert_eq!(
         events(&report.journal),
         [
-            ("claimed", S::token(&first)),
-            ("taken_over", S::token(&taken.owner))
+            ("claimed", first.lock_version()),
+            ("taken_over", taken.owner.lock_version())
         ]
     );
     assert_eq!(
@@ -1053,11 +1046,11 @@ async fn the_journal_names_who_took_a_key_over_and_who_ended_its_lease<S: Inspec
 }
 
 /// A journal damaged behind the store's back is reported empty; the rest of the report stands.
-async fn a_journal_no_report_can_read_is_reported_empty<S: Inspect>(pool: S::Pool) {
+async fn a_journal_no_report_can_read_is_reported_empty<S: Tamper>(pool: S::Pool) {
     let key = key("k-damaged");
     claim_and_finish::<S>(&pool, &key, b"{}", usize::MAX).await;
-    S::damage_journals(&pool).await;
-    let report = S::report(&pool, &key).await;
+    S::damage_journals(&pool).await.unwrap();
+    let report = report_of::<S>(&pool, &key).await;
     assert_eq!(report.journal, []);
     assert_eq!(
         (report.state.as_str(), report.response_status),
@@ -1069,11 +1062,11 @@ fn keys_of(reports: &[KeyReport]) -> Vec<&str> {
     reports.iter().map(|report| report.key.as_str()).collect()
 }
 
-async fn the_consoles_scan_walks_the_primary_key_from_a_position<S: Inspect>(pool: S::Pool) {
+async fn the_consoles_scan_walks_the_primary_key_from_a_position<S: Tamper>(pool: S::Pool) {
     for name in ["b-1", "a-2", "a-1"] {
         claim_and_finish::<S>(&pool, &key(name), b"{}", usize::MAX).await;
     }
-    let console = S::console(&pool);
+    let console = console::<S>(&pool);
     let from = |tenant: Option<&str>, after: (&str, &str), inclusive| idemflow_store::ScanFrom {
         tenant: tenant.map(str::to_owned),
         after: (after.0.to_owned(), after.1.to_owned()),
@@ -1082,40 +1075,46 @@ async fn the_consoles_scan_walks_the_primary_key_from_a_position<S: Inspect>(poo
     let t = tenant();
     let t = t.as_str();
     // From the start of the table, in key order, bounded.
-    let all = console.scan(&from(None, ("", ""), true), 10).await.unwrap();
+    let all = console
+        .scan_keys(&from(None, ("", ""), true), 10)
+        .await
+        .unwrap();
     assert_eq!(keys_of(&all), ["a-1", "a-2", "b-1"]);
     assert_eq!(all[0].tenant, t);
-    let first = console.scan(&from(None, ("", ""), true), 1).await.unwrap();
+    let first = console
+        .scan_keys(&from(None, ("", ""), true), 1)
+        .await
+        .unwrap();
     assert_eq!(keys_of(&first), ["a-1"]);
     // The next page starts after the last key of the previous one.
     let next = console
-        .scan(&from(None, (t, "a-1"), false), 10)
+        .scan_keys(&from(None, (t, "a-1"), false), 10)
         .await
         .unwrap();
     assert_eq!(keys_of(&next), ["a-2", "b-1"]);
     // Within a tenant, from a key prefix (inclusive) or after a key.
     let prefix = console
-        .scan(&from(Some(t), (t, "a-2"), true), 10)
+        .scan_keys(&from(Some(t), (t, "a-2"), true), 10)
         .await
         .unwrap();
     assert_eq!(keys_of(&prefix), ["a-2", "b-1"]);
     let after = console
-        .scan(&from(Some(t), (t, "a-2"), false), 10)
+        .scan_keys(&from(Some(t), (t, "a-2"), false), 10)
         .await
         .unwrap();
     assert_eq!(keys_of(&after), ["b-1"]);
     // Another tenant's range is empty.
     let other = console
-        .scan(&from(Some("t-other"), ("t-other", ""), true), 10)
+        .scan_keys(&from(Some("t-other"), ("t-other", ""), true), 10)
         .await
         .unwrap();
     assert!(other.is_empty(), "{other:?}");
 }
 
-async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: Inspect>(
+async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: Tamper>(
     pool: S::Pool,
 ) {
-    let console = S::console(&pool);
+    let console = console::<S>(&pool);
     let empty = console.overview().await.unwrap();
     assert!(empty.started.is_empty());
     assert_eq!((empty.finished_last_minute, empty.resumer_lag_ms), (0, 0));
@@ -1126,7 +1125,7 @@ async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: In
         ("s-3", "refund@1"),
     ] {
         let (transaction, _owner) = claim::<S>(&pool, &key(name), workflow).await.unwrap();
-        S::commit(transaction).await.unwrap();
+        steps::commit::<S>(transaction).await.unwrap();
     }
     let live = console.overview().await.unwrap();
     let started: Vec<(&str, i64, i64)> = live
@@ -1140,8 +1139,8 @@ async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: In
         (1, 1)
     );
     assert!(live.oldest_started_seconds.is_some());
-    S::lapse_leases(&pool).await;
-    S::age_finished(&pool).await;
+    lapse_leases::<S>(&pool).await;
+    age_finished::<S>(&pool).await;
     let due = console.overview().await.unwrap();
     let started: Vec<(&str, i64, i64)> = due
         .started
@@ -1154,16 +1153,16 @@ async fn the_consoles_overview_counts_started_due_and_lately_finished_keys<S: In
     assert_eq!(due.finished_last_15_minutes, 0);
 }
 
-async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Inspect>(pool: S::Pool) {
-    let console = S::console(&pool);
+async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Tamper>(pool: S::Pool) {
+    let console = console::<S>(&pool);
     let t = tenant();
     // A finished key whose body is stored apart, and a started one.
     let done = key("done-apart");
     claim_and_finish::<S>(&pool, &done, b"{\"receipt\": 1}", 0).await;
     let started = key("started");
     let (transaction, owner) = claim::<S>(&pool, &started, "checkout@1").await.unwrap();
-    S::commit(transaction).await.unwrap();
-    let shown = S::report(&pool, &done).await.lock_version;
+    steps::commit::<S>(transaction).await.unwrap();
+    let shown = report_of::<S>(&pool, &done).await.lock_version;
     let expire = |key: &Key, token: i64, state: &'static str| {
         let (console, tenant, key) = (&console, t.as_str().to_owned(), key.as_str().to_owned());
         async move {
@@ -1181,7 +1180,7 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Inspec
     assert_eq!(expire(&done, shown, "done").await.as_deref(), Some("done"));
     assert!(
         console
-            .key(t.as_str(), done.as_str())
+            .key_report(t.as_str(), done.as_str())
             .await
             .unwrap()
             .is_none()
@@ -1189,7 +1188,7 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Inspec
     // Its body apart went with it: a new life of the key finished in its row reads its own body.
     claim_and_finish::<S>(&pool, &done, b"{\"receipt\": 2}", usize::MAX).await;
     let bodies = console
-        .bodies(t.as_str(), done.as_str())
+        .key_bodies(t.as_str(), done.as_str())
         .await
         .unwrap()
         .expect("the new life");
@@ -1200,17 +1199,17 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Inspec
     );
     // A started key goes too, and its owner is fenced out of every write after.
     assert_eq!(
-        expire(&started, S::token(&owner), "started")
+        expire(&started, owner.lock_version(), "started")
             .await
             .as_deref(),
         Some("started")
     );
     assert!(matches!(
-        S::look_up(&pool, &t, &started).await.unwrap(),
+        steps::look_up::<S>(&pool, &t, &started).await.unwrap(),
         LookUp::Absent(_)
     ));
     assert_eq!(
-        refused::<S, _>(S::renew_lease(&pool, &owner, LEASE).await),
+        refused(steps::renew_lease::<S>(&pool, &owner, LEASE).await),
         Failure::Fenced
     );
     // A key shown started that finished since keeps its token: named started, it is kept, and
@@ -1226,7 +1225,10 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Inspec
     )
     .await
     .unwrap();
-    S::commit(transaction).await.unwrap();
-    assert_eq!(expire(&finishing, S::token(&owner), "started").await, None);
+    steps::commit::<S>(transaction).await.unwrap();
+    assert_eq!(
+        expire(&finishing, owner.lock_version(), "started").await,
+        None
+    );
     assert!(found::<S>(&pool, &finishing).await.done);
 }

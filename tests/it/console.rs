@@ -115,7 +115,11 @@ async fn token(pool: &PgPool, key: &str) -> i64 {
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn a_keys_page_shows_its_timeline_derived_keys_and_what_is_stored(pool: PgPool) {
     let seeded = seed(&pool).await;
-    let root = serve(Console::postgres(pool.clone()).workflow(&seeded.harness.checkout())).await;
+    let root = serve(
+        Console::new(idemflow_pg::PgOperator::new(pool.clone()))
+            .workflow(&seeded.harness.checkout()),
+    )
+    .await;
     let (status, html) = page(&key_url(&root, CRASHED)).await;
     assert_eq!(status, StatusCode::OK, "{html}");
     // The timeline: the claim, the first phase, the takeover by the resumer, the rest, the finish.
@@ -180,7 +184,7 @@ async fn the_search_finds_keys_by_tenant_prefix_and_state_and_pages_through_them
         .await;
     }
     run(&runner, &workflow, &tenant(2), "batch-000", &body(1)).await;
-    let root = serve(Console::postgres(pool.clone())).await;
+    let root = serve(Console::new(idemflow_pg::PgOperator::new(pool.clone()))).await;
     // A tenant's prefix: the first page of 50, then the rest.
     let (status, html) = page(&format!("{root}/keys?tenant=1&key=batch-&prefix=on")).await;
     assert_eq!(status, StatusCode::OK);
@@ -209,7 +213,7 @@ async fn the_search_finds_keys_by_tenant_prefix_and_state_and_pages_through_them
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn actions_are_confirmed_fenced_and_refused_for_a_live_owner_unless_forced(pool: PgPool) {
     let _seeded = seed(&pool).await;
-    let root = serve(Console::postgres(pool.clone())).await;
+    let root = serve(Console::new(idemflow_pg::PgOperator::new(pool.clone()))).await;
     let live = token(&pool, LIVE).await;
     let shown = live.to_string();
     let end = format!("{root}/key/end-lease");
@@ -315,7 +319,8 @@ async fn actions_are_confirmed_fenced_and_refused_for_a_live_owner_unless_forced
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn a_read_only_console_refuses_every_action_on_the_server(pool: PgPool) {
     let _seeded = seed(&pool).await;
-    let root = serve(Console::postgres(pool.clone()).read_only(true)).await;
+    let root =
+        serve(Console::new(idemflow_pg::PgOperator::new(pool.clone())).read_only(true)).await;
     let (_, html) = page(&key_url(&root, LIVE)).await;
     assert!(html.contains(r#"id="actions-off""#) && !html.contains("<form method=\"post\""));
     let live = token(&pool, LIVE).await.to_string();
@@ -348,7 +353,7 @@ async fn the_standalone_console_asks_for_its_password_and_never_binds_beyond_loo
 ) {
     let anywhere: SocketAddr = "0.0.0.0:0".parse().unwrap();
     let refused = idemflow_console::serve(
-        Console::postgres(pool.clone()),
+        Console::new(idemflow_pg::PgOperator::new(pool.clone())),
         ServeOptions::new(anywhere),
         |_| {},
     )
@@ -358,7 +363,7 @@ async fn the_standalone_console_asks_for_its_password_and_never_binds_beyond_loo
         "{refused:?}"
     );
     let (sender, bound) = tokio::sync::oneshot::channel();
-    let console = Console::postgres(pool.clone());
+    let console = Console::new(idemflow_pg::PgOperator::new(pool.clone()));
     tokio::spawn(async move {
         idemflow_console::serve(
             console,
@@ -424,8 +429,13 @@ async fn in_a_browser_an_operator_finds_a_crashed_key_reads_its_timeline_and_end
         .hang_next
         .store(false, Ordering::SeqCst);
     let shots = screenshots();
-    let root = serve(Console::postgres(pool.clone()).workflow(&seeded.harness.checkout())).await;
-    let read_only = serve(Console::postgres(pool.clone()).read_only(true)).await;
+    let root = serve(
+        Console::new(idemflow_pg::PgOperator::new(pool.clone()))
+            .workflow(&seeded.harness.checkout()),
+    )
+    .await;
+    let read_only =
+        serve(Console::new(idemflow_pg::PgOperator::new(pool.clone())).read_only(true)).await;
     let browser = Browser::start().await.unwrap();
     let wait = Duration::from_secs(10);
 
@@ -652,7 +662,7 @@ async fn the_console_runs_as_the_runtime_role_and_read_only_as_the_read_only_rol
         );
         assert!(gone.await.is_err());
         // The full console as the runtime role: it reads, and its actions write.
-        let root = serve(Console::postgres(runtime.clone())).await;
+        let root = serve(Console::new(idemflow_pg::PgOperator::new(runtime.clone()))).await;
         assert_eq!(page(&root).await.0, StatusCode::OK);
         assert_eq!(page(&key_url(&root, "order-1")).await.0, StatusCode::OK);
         let shown: i64 =
@@ -691,7 +701,8 @@ async fn the_console_runs_as_the_runtime_role_and_read_only_as_the_read_only_rol
             .connect_with(connect.clone().username(&name).password("read"))
             .await
             .unwrap();
-        let root = serve(Console::postgres(reader.clone()).read_only(true)).await;
+        let root =
+            serve(Console::new(idemflow_pg::PgOperator::new(reader.clone())).read_only(true)).await;
         for url in [
             root.clone(),
             format!("{root}/keys?tenant=1"),

@@ -12,6 +12,8 @@
 //! test has a queue of its own, deleted at the end. Without a broker these tests fail, saying so:
 //! they are never skipped.
 
+use idemflow::PgStore;
+use idemflow::consumer::ConsumerStore;
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -51,7 +53,7 @@ struct Effects {
 }
 
 #[idemflow::async_trait]
-impl Handler for Effects {
+impl Handler<PgStore> for Effects {
     async fn handle(
         &self,
         connection: &mut PgConnection,
@@ -77,7 +79,7 @@ impl Handler for Effects {
 struct Named(&'static str);
 
 #[idemflow::async_trait]
-impl Handler for Named {
+impl Handler<PgStore> for Named {
     async fn handle(
         &self,
         connection: &mut PgConnection,
@@ -108,7 +110,7 @@ async fn recorded(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-fn consumer(pool: &PgPool, subscriber: &str) -> Consumer {
+fn consumer(pool: &PgPool, subscriber: &str) -> Consumer<PgStore> {
     Consumer::new(pool.clone(), Subscriber::new(subscriber).unwrap())
 }
 
@@ -344,7 +346,7 @@ async fn a_delivery_held_past_the_wait_limit_is_told_so_and_runs_nothing(pool: P
 struct Panics;
 
 #[idemflow::async_trait]
-impl Handler for Panics {
+impl Handler<PgStore> for Panics {
     async fn handle(
         &self,
         connection: &mut PgConnection,
@@ -508,13 +510,11 @@ async fn retention_deletes_old_records_in_batches_and_keeps_the_window(pool: PgP
     .unwrap();
 
     // A batch at a time: batches of two delete 2, 2, 1.
-    let mut connection = pool.acquire().await.unwrap();
     let week = Duration::from_secs(7 * 24 * 60 * 60);
-    let batch = idemflow::consumer::expire_processed_batch(&mut connection, week, 2)
+    let batch = <PgStore as ConsumerStore>::expire_identities(&pool, week, 2)
         .await
         .unwrap();
     assert_eq!(batch, 2);
-    drop(connection);
     assert_eq!(expire_processed(&pool, week, 2, None).await.unwrap(), 3);
     assert_eq!(MessageRetention::default().expire(&pool).await.unwrap(), 0);
     let kept: Vec<String> =

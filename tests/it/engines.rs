@@ -12,11 +12,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
+use idemflow_mysql::MySqlStore;
+use idemflow_pg::PgStore;
 use idemflow_runner::{
-    ConnectionOf, CrashHook, CrashPoint, ForeignPhase, LocalPhase, MySqlStore, Outcome, PgStore,
-    PhaseContext, PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError, Runner,
-    RunnerConfig, SqliteStore, Workflow,
+    ConnectionOf, CrashHook, CrashPoint, ForeignPhase, LocalPhase, Outcome, PhaseContext,
+    PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError, Runner, RunnerConfig,
+    Workflow,
 };
+use idemflow_sqlite::SqliteStore;
 use idemflow_testkit::provider::{Fault, MockProvider};
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 use serde::{Deserialize, Serialize};
@@ -24,8 +27,7 @@ use serde::{Deserialize, Serialize};
 /// What a case does on an engine's database behind the runner's back, in the engine's SQL.
 #[async_trait]
 trait Lab:
-    idemflow_runner::SqlEngine<Database: idemflow_runner::EngineOf<Engine = Self>>
-    + idemflow_consumer::ConsumerStore
+    idemflow_runner::SqlEngine + idemflow_consumer::ConsumerStore + idemflow_store::Tamper
 {
     /// Creates the table the checkout's local phases write.
     async fn create_orders(pool: &PoolOf<Self>);
@@ -37,10 +39,6 @@ trait Lab:
     ) -> Result<(), sqlx::Error>;
     /// Orders stored under `key`.
     async fn orders(pool: &PoolOf<Self>, key: &str) -> i64;
-    /// Ends every started key's lease.
-    async fn lapse_leases(pool: &PoolOf<Self>);
-    /// Moves every finished key's finish two days back.
-    async fn age_finished(pool: &PoolOf<Self>);
     /// Rows in the keys table.
     async fn keys(pool: &PoolOf<Self>) -> i64;
     /// Moves every processed message's time two days back.
@@ -75,20 +73,6 @@ impl Lab for PgStore {
             .fetch_one(pool)
             .await
             .unwrap()
-    }
-
-    async fn lapse_leases(pool: &sqlx::PgPool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::PgPool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - interval '2 days' WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
     }
 
     async fn keys(pool: &sqlx::PgPool) -> i64 {
@@ -136,20 +120,6 @@ impl Lab for SqliteStore {
             .fetch_one(pool)
             .await
             .unwrap()
-    }
-
-    async fn lapse_leases(pool: &sqlx::SqlitePool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::SqlitePool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
     }
 
     async fn keys(pool: &sqlx::SqlitePool) -> i64 {
@@ -200,20 +170,6 @@ impl Lab for MySqlStore {
             .unwrap()
     }
 
-    async fn lapse_leases(pool: &sqlx::MySqlPool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::MySqlPool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
     async fn keys(pool: &sqlx::MySqlPool) -> i64 {
         sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_keys")
             .fetch_one(pool)
@@ -250,7 +206,7 @@ macro_rules! engines {
             $(
                 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
                 async fn $case(pool: sqlx::PgPool) {
-                    super::$case::<idemflow_runner::PgStore>(pool).await;
+                    super::$case::<idemflow_pg::PgStore>(pool).await;
                 }
             )*
         }
@@ -259,7 +215,7 @@ macro_rules! engines {
                 #[tokio::test]
                 async fn $case() {
                     let pool = super::sqlite(stringify!($case)).await;
-                    super::$case::<idemflow_runner::SqliteStore>(pool).await;
+                    super::$case::<idemflow_sqlite::SqliteStore>(pool).await;
                 }
             )*
         }
@@ -271,7 +227,7 @@ macro_rules! engines {
                         concat!("engines_", stringify!($case)),
                     )
                     .await;
-                    super::$case::<idemflow_runner::MySqlStore>(pool).await;
+                    super::$case::<idemflow_mysql::MySqlStore>(pool).await;
                 }
             )*
         }
@@ -554,7 +510,7 @@ async fn a_crash_at_any_point_is_finished_by_the_resumer_and_runs_nothing_twice<
             "{point:?}: {crashed:?}"
         );
         // The crashed process's lease runs out; a resumer in another process finishes the key.
-        E::lapse_leases(&pool).await;
+        E::lapse_leases(&pool, None).await.unwrap();
         let mut registry = Registry::<E>::new();
         registry.register(checkout::<E>(&provider)).unwrap();
         let resumer = Resumer::new(
@@ -621,7 +577,7 @@ async fn a_retryable_failure_is_postponed_and_the_resumer_finishes_it<E: Lab>(po
         .await
         .unwrap();
     assert!(matches!(retried, Outcome::InProgress { .. }), "{retried:?}");
-    E::lapse_leases(&pool).await;
+    E::lapse_leases(&pool, None).await.unwrap();
     let mut registry = Registry::<E>::new();
     registry.register(checkout::<E>(&provider)).unwrap();
     let drained = Resumer::new(runner.clone(), registry)
@@ -652,7 +608,9 @@ async fn retention_frees_a_finished_key_for_a_new_request<E: Lab>(pool: PoolOf<E
     // Within the window nothing goes.
     let retention = Retention::default().with_keep_for(Duration::from_secs(86_400));
     assert_eq!(retention.expire(&pool).await.unwrap(), 0);
-    E::age_finished(&pool).await;
+    E::age_finished(&pool, Duration::from_secs(2 * 86_400))
+        .await
+        .unwrap();
     assert_eq!(retention.expire(&pool).await.unwrap(), 1);
     assert_eq!(E::keys(&pool).await, 0);
     // The key is new again: the same request under it runs again (retention is the horizon of
@@ -994,7 +952,9 @@ async fn on_sqlite_a_phase_hung_in_a_statement_counts_its_attempts_and_gives_up(
         if ended {
             break;
         }
-        SqliteStore::lapse_leases(&pool).await;
+        <SqliteStore as idemflow_store::Tamper>::lapse_leases(&pool, None)
+            .await
+            .unwrap();
     }
     let state: Option<String> =
         sqlx::query_scalar("SELECT state FROM idempotency_keys WHERE key = 'hung-1'")

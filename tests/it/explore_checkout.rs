@@ -10,6 +10,7 @@ mod workflow;
 #[allow(dead_code, clippy::duplicate_mod)]
 mod orders;
 
+use idemflow::PgStore;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idemflow::{
@@ -49,7 +50,7 @@ fn one_final_order<'a>(pool: &'a PgPool, case: &'a Case) -> CheckFuture<'a> {
     })
 }
 
-async fn explore(pool: &PgPool, workflow: Workflow, provider: &MockProvider) -> Report {
+async fn explore(pool: &PgPool, workflow: Workflow<PgStore>, provider: &MockProvider) -> Report {
     sqlx::query(orders::PG_ORDERS_TABLE)
         .execute(pool)
         .await
@@ -173,7 +174,7 @@ impl ForeignPhase for FreshKeyCharge {
 struct CreateOrderOutside(PgPool);
 
 #[idemflow::async_trait]
-impl LocalPhase for CreateOrderOutside {
+impl LocalPhase<PgStore> for CreateOrderOutside {
     const NAME: &'static str = "create_order";
     type Input = CheckoutRequest;
     type Output = OrderCreated;

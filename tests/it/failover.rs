@@ -26,6 +26,7 @@ mod workflow;
 #[allow(dead_code, clippy::duplicate_mod)]
 mod orders;
 
+use idemflow::PgStore;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -509,7 +510,7 @@ async fn unstreamed(primary: &Cluster, from: &str) -> Unstreamed {
 struct NotedFinish(Arc<Mutex<HashSet<String>>>);
 
 #[idemflow::async_trait]
-impl LocalPhase for NotedFinish {
+impl LocalPhase<PgStore> for NotedFinish {
     const NAME: &'static str = "finish";
     type Input = workflow::ChargeOutcome;
     type Output = StoredResponse;
@@ -584,8 +585,8 @@ fn tenant() -> TenantId {
 
 /// One client: new keys one after another until `stop`, each sent until answered.
 async fn client(
-    runner: Runner,
-    checkout: Arc<Workflow>,
+    runner: Runner<PgStore>,
+    checkout: Arc<Workflow<PgStore>>,
     tally: Arc<Tally>,
     stop: Arc<AtomicBool>,
     number: usize,
@@ -613,8 +614,8 @@ async fn client(
 /// Sends `key` until a final answer comes, as a client does: after an error or a 503 in a
 /// moment, after a 409 when its `Retry-After` says (at most a second).
 async fn answer(
-    runner: &Runner,
-    checkout: &Workflow,
+    runner: &Runner<PgStore>,
+    checkout: &Workflow<PgStore>,
     tally: &Tally,
     key: &str,
     body: &[u8],
@@ -684,8 +685,8 @@ struct Failover {
     /// The new primary, seen directly.
     observer: PgPool,
     provider: MockProvider,
-    runner: Runner,
-    checkout: Arc<Workflow>,
+    runner: Runner<PgStore>,
+    checkout: Arc<Workflow<PgStore>>,
     // Kept to the end: dropping them stops the clusters.
     _pair: Pair,
 }

@@ -4,6 +4,7 @@
 //! store cannot hold). Each is recorded as the attempt it was, so no key is retried without bound:
 //! after the policy's attempts the failure path runs and a response is stored.
 
+use idemflow::PgStore;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -186,7 +187,7 @@ async fn act(
 struct Place(Arc<Script>, RetryPolicy);
 
 #[async_trait::async_trait]
-impl LocalPhase for Place {
+impl LocalPhase<PgStore> for Place {
     const NAME: &'static str = "place";
     type Input = Order;
     type Output = Placed;
@@ -243,7 +244,7 @@ impl ForeignPhase for Notify {
 struct Answer(Arc<Script>, RetryPolicy);
 
 #[async_trait::async_trait]
-impl LocalPhase for Answer {
+impl LocalPhase<PgStore> for Answer {
     const NAME: &'static str = "answer";
     type Input = Placed;
     type Output = StoredResponse;
@@ -280,7 +281,7 @@ struct Scripts {
 
 impl Scripts {
     /// place (local) only, with a lease of 2 s (so a local phase may take 1 s).
-    fn local_only(&self, attempts: u32) -> Workflow {
+    fn local_only(&self, attempts: u32) -> Workflow<PgStore> {
         Workflow::builder::<Order>("place-only.v1")
             .local(PlaceAndAnswer(self.place.clone(), quick_retries(attempts)))
             .lease(Duration::from_secs(2))
@@ -289,11 +290,11 @@ impl Scripts {
     }
 
     /// place (local) → notify (foreign) → answer (local).
-    fn chain(&self, attempts: u32) -> Workflow {
+    fn chain(&self, attempts: u32) -> Workflow<PgStore> {
         self.chain_with(quick_retries(attempts))
     }
 
-    fn chain_with(&self, policy: RetryPolicy) -> Workflow {
+    fn chain_with(&self, policy: RetryPolicy) -> Workflow<PgStore> {
         Workflow::builder::<Order>("chain.v1")
             .local(Place(self.place.clone(), policy))
             .foreign(Notify(self.notify.clone(), policy))
@@ -308,7 +309,7 @@ impl Scripts {
 struct PlaceAndAnswer(Arc<Script>, RetryPolicy);
 
 #[async_trait::async_trait]
-impl LocalPhase for PlaceAndAnswer {
+impl LocalPhase<PgStore> for PlaceAndAnswer {
     const NAME: &'static str = "place";
     type Input = Order;
     type Output = StoredResponse;
@@ -383,8 +384,8 @@ async fn stored(pool: &PgPool, key: &str) -> Option<StoredResponse> {
 
 /// Client retries after each lease, up to `rounds`; the outcome of each.
 async fn retry_until_done(
-    runner: &Runner,
-    workflow: &Workflow,
+    runner: &Runner<PgStore>,
+    workflow: &Workflow<PgStore>,
     key: &str,
     rounds: usize,
 ) -> Vec<Result<Outcome, RunError>> {
@@ -834,7 +835,7 @@ async fn a_foreign_output_the_store_cannot_hold_counts_and_is_given_up_on(pool: 
     assert_eq!(effects(&pool, "k", "place").await, 1);
 }
 
-fn drainer(pool: &PgPool, workflow: Workflow) -> Resumer {
+fn drainer(pool: &PgPool, workflow: Workflow<PgStore>) -> Resumer<PgStore> {
     let mut registry = Registry::new();
     registry.register(workflow).unwrap();
     let config = ResumerConfig::default().with_retention(None);
@@ -842,7 +843,7 @@ fn drainer(pool: &PgPool, workflow: Workflow) -> Resumer {
 }
 
 /// Resumers drain and rewind until the key is done, at most `rounds` times.
-async fn drain_until_done(pool: &PgPool, resumer: &Resumer, key: &str, rounds: usize) {
+async fn drain_until_done(pool: &PgPool, resumer: &Resumer<PgStore>, key: &str, rounds: usize) {
     for _ in 0..rounds {
         if stored(pool, key).await.is_some() {
             return;
@@ -962,7 +963,7 @@ async fn a_give_up_meeting_a_connection_that_died_idle_is_made_on_another(pool: 
         let mut due = idemflow_pg::take_over_due(&mut connection, &names, 10)
             .await
             .unwrap();
-        (due.pop().unwrap().taken, backend)
+        (due.pop().unwrap().1, backend)
     };
     assert_eq!(taken.attempts, 4, "the takeover past the budget");
     // Killed only once back in the pool: sqlx pings a connection as it returns, and would drop

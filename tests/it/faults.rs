@@ -3,6 +3,7 @@
 //! answer, a database that stops answering. Every request ends, nothing runs twice, nothing is
 //! lost, and the service serves again as soon as the database does.
 
+use idemflow::PgStore;
 use std::time::{Duration, Instant};
 
 use idemflow::{Outcome, Runner};
@@ -448,7 +449,12 @@ async fn a_cut_at_every_statement_of_a_checkout_runs_it_once(
 }
 
 /// Ends every lease and lets a resumer finish what is left, from its recovery point.
-async fn resume_everything(pool: &PgPool, runner: &Runner, harness: &Harness, lease: Duration) {
+async fn resume_everything(
+    pool: &PgPool,
+    runner: &Runner<PgStore>,
+    harness: &Harness,
+    lease: Duration,
+) {
     expire_all_leases(pool).await;
     let mut registry = idemflow::Registry::new();
     registry.register(harness.checkout_leased(lease)).unwrap();
@@ -485,8 +491,8 @@ async fn each_key_ran_once(pool: &PgPool, harness: &Harness) -> i64 {
 
 /// One attempt of `key`; `None` when it ended in an error (the cut connection, say).
 async fn run_key(
-    runner: &Runner,
-    workflow: &idemflow::Workflow,
+    runner: &Runner<PgStore>,
+    workflow: &idemflow::Workflow<PgStore>,
     key: &str,
     body: &[u8],
 ) -> Option<Outcome> {

@@ -1,6 +1,7 @@
 //! Fencing tokens and leases at the store's level: a token never repeats for a key, a lease is
 //! measured from the statement that writes it, and an owner never shortens its own lease.
 
+use idemflow::PgStore;
 use std::time::Duration;
 
 use crate::support::*;
@@ -238,7 +239,7 @@ mod slow {
     pub struct Slow;
 
     #[async_trait::async_trait]
-    impl LocalPhase for Slow {
+    impl LocalPhase<PgStore> for Slow {
         const NAME: &'static str = "slow";
         type Input = serde_json::Value;
         type Output = f64;
@@ -281,7 +282,7 @@ mod slow {
     pub struct Answer;
 
     #[async_trait::async_trait]
-    impl LocalPhase for Answer {
+    impl LocalPhase<PgStore> for Answer {
         const NAME: &'static str = "answer";
         type Input = f64;
         type Output = StoredResponse;

@@ -16,23 +16,21 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
+use idemflow_mysql::MySqlStore;
+use idemflow_pg::PgStore;
 use idemflow_redis::RedisPool;
 use idemflow_runner::{
-    CrashHook, CrashPoint, Engine, ForeignPhase, MySqlStore, Outcome, PgStore, PhaseContext,
-    PhaseError, PoolOf, Registry, Request, Resumer, Retention, RunError, Runner, RunnerConfig,
-    SqliteStore, Workflow,
+    CrashHook, CrashPoint, Engine, ForeignPhase, Outcome, PhaseContext, PhaseError, PoolOf,
+    Registry, Request, Resumer, Retention, RunError, Runner, RunnerConfig, Workflow,
 };
+use idemflow_sqlite::SqliteStore;
 use idemflow_testkit::provider::{Fault, MockProvider};
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 use serde::{Deserialize, Serialize};
 
 /// An engine's keys, behind the runner's back.
 #[async_trait]
-trait Keys: Engine<Pool: idemflow_runner::PoolEngine<Engine = Self>> {
-    /// Ends every started key's lease.
-    async fn lapse_leases(pool: &PoolOf<Self>);
-    /// Moves every finished key's finish two days back.
-    async fn age_finished(pool: &PoolOf<Self>);
+trait Keys: Engine + idemflow_store::Tamper {
     /// Keys stored, of any state.
     async fn keys(pool: &PoolOf<Self>) -> usize;
 }
@@ -55,20 +53,6 @@ where
 
 #[async_trait]
 impl Keys for PgStore {
-    async fn lapse_leases(pool: &sqlx::PgPool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::PgPool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - interval '2 days' WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
     async fn keys(pool: &sqlx::PgPool) -> usize {
         sql_keys(pool).await
     }
@@ -76,20 +60,6 @@ impl Keys for PgStore {
 
 #[async_trait]
 impl Keys for SqliteStore {
-    async fn lapse_leases(pool: &sqlx::SqlitePool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::SqlitePool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
     async fn keys(pool: &sqlx::SqlitePool) -> usize {
         sql_keys(pool).await
     }
@@ -97,35 +67,13 @@ impl Keys for SqliteStore {
 
 #[async_trait]
 impl Keys for MySqlStore {
-    async fn lapse_leases(pool: &sqlx::MySqlPool) {
-        sqlx::query("UPDATE idempotency_keys SET locked_until = locked_until - 86400000 WHERE state = 'started'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
-    async fn age_finished(pool: &sqlx::MySqlPool) {
-        sqlx::query("UPDATE idempotency_keys SET finished_at = finished_at - 2 * 86400000 WHERE state = 'done'")
-            .execute(pool)
-            .await
-            .unwrap();
-    }
-
     async fn keys(pool: &sqlx::MySqlPool) -> usize {
         sql_keys(pool).await
     }
 }
 
 #[async_trait]
-impl Keys for idemflow_runner::RedisStore {
-    async fn lapse_leases(pool: &RedisPool) {
-        crate::support::redis::lapse_leases(pool).await;
-    }
-
-    async fn age_finished(pool: &RedisPool) {
-        crate::support::redis::age_finished(pool).await;
-    }
-
+impl Keys for idemflow_redis::RedisStore {
     async fn keys(pool: &RedisPool) -> usize {
         crate::support::redis::rows(pool).await.len()
     }
@@ -138,7 +86,7 @@ macro_rules! every_engine {
             $(
                 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
                 async fn $case(pool: sqlx::PgPool) {
-                    super::$case::<idemflow_runner::PgStore>(pool).await;
+                    super::$case::<idemflow_pg::PgStore>(pool).await;
                 }
             )*
         }
@@ -147,7 +95,7 @@ macro_rules! every_engine {
                 #[tokio::test]
                 async fn $case() {
                     let pool = crate::engines::sqlite(concat!("foreign-", stringify!($case))).await;
-                    super::$case::<idemflow_runner::SqliteStore>(pool).await;
+                    super::$case::<idemflow_sqlite::SqliteStore>(pool).await;
                 }
             )*
         }
@@ -159,7 +107,7 @@ macro_rules! every_engine {
                         concat!("foreign_", stringify!($case)),
                     )
                     .await;
-                    super::$case::<idemflow_runner::MySqlStore>(pool).await;
+                    super::$case::<idemflow_mysql::MySqlStore>(pool).await;
                 }
             )*
         }
@@ -171,7 +119,7 @@ macro_rules! every_engine {
                         concat!("foreign-", stringify!($case)),
                     )
                     .await;
-                    super::$case::<idemflow_runner::RedisStore>(pool).await;
+                    super::$case::<idemflow_redis::RedisStore>(pool).await;
                 }
             )*
         }
@@ -394,7 +342,7 @@ async fn a_crash_at_any_point_is_finished_by_the_resumer_and_charges_once<E: Key
             "{point:?}: {crashed:?}"
         );
         // The crashed process's lease runs out; a resumer in another process finishes the key.
-        E::lapse_leases(&pool).await;
+        E::lapse_leases(&pool, None).await.unwrap();
         let mut registry = Registry::<E>::new();
         registry.register(payment::<E>(&provider)).unwrap();
         let resumer = Resumer::new(
@@ -450,7 +398,7 @@ async fn a_failed_call_is_postponed_and_the_resumer_finishes_it<E: Keys>(pool: P
         .await
         .unwrap();
     assert!(matches!(retried, Outcome::InProgress { .. }), "{retried:?}");
-    E::lapse_leases(&pool).await;
+    E::lapse_leases(&pool, None).await.unwrap();
     let mut registry = Registry::<E>::new();
     registry.register(payment::<E>(&provider)).unwrap();
     let drained = Resumer::new(runner.clone(), registry)
@@ -479,7 +427,9 @@ async fn retention_frees_a_finished_key_for_a_new_request<E: Keys>(pool: PoolOf<
     let retention = Retention::default().with_keep_for(Duration::from_secs(86_400));
     // Within the window nothing goes.
     assert_eq!(retention.expire(&pool).await.unwrap(), 0);
-    E::age_finished(&pool).await;
+    E::age_finished(&pool, Duration::from_secs(2 * 86_400))
+        .await
+        .unwrap();
     assert_eq!(retention.expire(&pool).await.unwrap(), 1);
     assert_eq!(E::keys(&pool).await, 0);
     // The key is new again: the request runs again, and the provider's own idempotency answers

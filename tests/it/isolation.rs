@@ -18,39 +18,10 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use crate::roles::{PAYMENTS_TABLE, key_state, pay, payment_body, payments, rewind_lease};
 use crate::support::example::database_url;
 
-/// Builds the `idemflow` CLI (a binary of another package: no `CARGO_BIN_EXE_*` here) into this
-/// test binary's target directory and profile, and returns its path.
+/// The `idemflow` CLI: this crate's binary (its `cli` feature, on in its tests), built with
+/// every engine.
 pub(crate) fn cli_binary() -> PathBuf {
-    let test_binary = std::env::current_exe().unwrap();
-    let profile_dir = test_binary
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let profile = match profile_dir.file_name().and_then(|name| name.to_str()) {
-        Some("debug") | None => "dev".to_owned(),
-        Some(name) => name.to_owned(),
-    };
-    let target_dir = profile_dir.parent().unwrap();
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "idemflow-cli",
-            "--bin",
-            "idemflow",
-            "--profile",
-        ])
-        .arg(&profile)
-        .arg("--target-dir")
-        .arg(target_dir)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .unwrap();
-    assert!(status.success(), "building the idemflow CLI failed");
-    profile_dir.join(format!("idemflow{}", std::env::consts::EXE_SUFFIX))
+    PathBuf::from(env!("CARGO_BIN_EXE_idemflow"))
 }
 
 /// Runs the CLI with `DATABASE_URL` set to `url`: (exit code, stdout, stderr).

@@ -4,6 +4,7 @@
 //! by a crash, and deleted with its key by retention.
 #![allow(clippy::unwrap_used)]
 
+use idemflow::PgStore;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +18,7 @@ use sqlx::PgPool;
 use crate::support::report::{CrashBeforeFinish, body_of, setup, workflow};
 use crate::support::{expire_all_leases, request, tenant};
 
-fn runner(pool: &PgPool, keyring: Option<Keyring>) -> Runner {
+fn runner(pool: &PgPool, keyring: Option<Keyring>) -> Runner<PgStore> {
     Runner::with_config(pool.clone(), RunnerConfig::default().with_keyring(keyring))
 }
 
@@ -25,7 +26,7 @@ fn report(bytes: usize) -> Vec<u8> {
     format!(r#"{{"bytes": {bytes}}}"#).into_bytes()
 }
 
-async fn send(runner: &Runner, key: &str, bytes: usize) -> Outcome {
+async fn send(runner: &Runner<PgStore>, key: &str, bytes: usize) -> Outcome {
     let body = report(bytes);
     let key = Key::parse(key).unwrap();
     runner
@@ -223,7 +224,7 @@ async fn an_owner_that_lost_its_fence_stores_no_body(pool: PgPool) {
         0
     );
     // The owner that holds the fence stores it.
-    let owner = &taken[0].taken.owner;
+    let owner = &taken[0].1.owner;
     store::finish(&mut connection, owner, "render", &response, 1024)
         .await
         .unwrap();

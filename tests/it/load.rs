@@ -283,7 +283,7 @@ async fn two_services_killed_with_requests_in_flight_are_recovered_by_two_worker
     .await
     .unwrap();
     sqlx::query("SELECT pg_notify($1, '')")
-        .bind(idemflow::store::DUE_CHANNEL)
+        .bind(idemflow::postgres::DUE_CHANNEL)
         .execute(&pool)
         .await
         .unwrap();

@@ -10,6 +10,7 @@ mod support;
 mod browser;
 mod checkout_example;
 mod claim;
+mod cli_binary;
 mod clock_skew;
 mod conformance;
 mod console;

@@ -242,7 +242,7 @@ async fn serves_and_workers_killed_at_random_execute_each_key_once(
         .await
         .unwrap();
         sqlx::query("SELECT pg_notify($1, '')")
-            .bind(idemflow::store::DUE_CHANNEL)
+            .bind(idemflow::postgres::DUE_CHANNEL)
             .execute(&pool)
             .await
             .unwrap();

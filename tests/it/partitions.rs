@@ -7,6 +7,7 @@
 //! key into an older partition, `finished_at` ages its window), never by waiting.
 #![allow(clippy::unwrap_used)]
 
+use idemflow::PgStore;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,14 +25,14 @@ use crate::support::{count, expire_all_leases, request, tenant};
 const HOUR: Duration = Duration::from_secs(60 * 60);
 
 /// A runner that stores bodies above 1 KiB apart.
-fn runner(pool: &PgPool) -> Runner {
+fn runner(pool: &PgPool) -> Runner<PgStore> {
     Runner::with_config(
         pool.clone(),
         RunnerConfig::default().with_response_apart_above(1024),
     )
 }
 
-async fn send(runner: &Runner, key: &str, bytes: usize) -> Outcome {
+async fn send(runner: &Runner<PgStore>, key: &str, bytes: usize) -> Outcome {
     let body = format!(r#"{{"bytes": {bytes}}}"#).into_bytes();
     runner
         .run(

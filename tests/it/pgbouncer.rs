@@ -26,6 +26,7 @@
 //! scripts/lib/postgres.sh runs its throwaway cluster as (`IDEMFLOW_POSTGRES_OS_USER`, default
 //! `idemflow-pg`), else `postgres`, else `nobody`, from a directory under /tmp it owns.
 
+use idemflow::PgStore;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -980,7 +981,7 @@ async fn fifty_concurrent_requests_over_ten_keys_execute_each_key_once(
     );
 }
 
-fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer {
+fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer<PgStore> {
     let mut registry = Registry::new();
     registry
         .register(harness.checkout_with_failure_path())
@@ -990,7 +991,7 @@ fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer {
 
 /// Leaves `keys` started through the pooler: each request's charge fails once (retried after a
 /// minute), so each key waits at `create_order` with its order made.
-async fn interrupted_keys(runner: &Runner, harness: &Harness, keys: &[&str]) {
+async fn interrupted_keys(runner: &Runner<PgStore>, harness: &Harness, keys: &[&str]) {
     let workflow = harness.checkout_with_failure_path();
     for key in keys {
         harness.provider.script.fail_next.store(1, Ordering::SeqCst);

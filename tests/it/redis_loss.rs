@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemflow_core::{Key, StoredResponse};
+use idemflow_redis::RedisPool;
 use idemflow_redis::RedisStore as Store;
 use idemflow_runner::{Outcome, Request, RunError, Runner, RunnerConfig, Workflow};
-use idemflow_store::{Claim, Failure, LookUp, Store as _};
+use idemflow_store::{Claim, Claimed, Engine as _, EngineError, Limits, LookUp};
 use idemflow_testkit::provider::{Fault, MockProvider};
 use serde_json::json;
 
@@ -43,18 +44,21 @@ async fn after_redis_loses_its_data_no_token_repeats_and_an_old_owner_writes_not
         request: &request,
         lease: Duration::from_secs(30),
     };
-    let LookUp::Absent(()) = Store::look_up(&pool, &tenant, &key).await.unwrap() else {
+    let LookUp::Absent(()) = Store::look_up(&mut pool.clone(), &tenant, &key)
+        .await
+        .unwrap()
+    else {
         panic!("new");
     };
-    let (mut old_transaction, old) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+    let (mut old_transaction, old) = claimed(&pool, claim).await;
 
     lose_everything(&pool).await;
-    let (_transaction, new) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+    let (_transaction, new) = claimed(&pool, claim).await;
     assert!(
-        Store::token(&new) > Store::token(&old),
+        new.lock_version() > old.lock_version(),
         "the token after the loss ({}) is not above the one before ({})",
-        Store::token(&new),
-        Store::token(&old)
+        new.lock_version(),
+        old.lock_version()
     );
     let advanced = Store::advance(
         &mut old_transaction,
@@ -65,7 +69,7 @@ async fn after_redis_loses_its_data_no_token_repeats_and_an_old_owner_writes_not
     )
     .await;
     assert!(
-        matches!(&advanced, Err(error) if Store::failure(error) == Failure::Fenced),
+        matches!(&advanced, Err(EngineError::Fenced)),
         "the owner from before the loss wrote over the new owner's key: {advanced:?}"
     );
     let finished = Store::finish(
@@ -77,9 +81,21 @@ async fn after_redis_loses_its_data_no_token_repeats_and_an_old_owner_writes_not
     )
     .await;
     assert!(
-        matches!(&finished, Err(error) if Store::failure(error) == Failure::Fenced),
+        matches!(&finished, Err(EngineError::Fenced)),
         "{finished:?}"
     );
+}
+
+/// Claims a key the caller found absent: its transaction and owner.
+async fn claimed(
+    pool: &RedisPool,
+    claim: Claim<'_>,
+) -> (idemflow_redis::Transaction, idemflow_redis::Owner) {
+    let connection = Box::new(pool.clone());
+    match Store::begin_claim(connection, claim, (), &Limits::default()).await {
+        Ok(Claimed::Owned(transaction, owner)) => (transaction, owner),
+        other => panic!("not claimed: {other:?}"),
+    }
 }
 
 /// What a client saw, by kind.
@@ -114,7 +130,7 @@ async fn redis_losing_its_data_mid_run_reruns_the_lost_keys_and_the_provider_cha
         provider.push_fault_for(pay_key(key), Fault::Delay(Duration::from_millis(delay)));
     }
     let workflow = Arc::new(
-        Workflow::<idemflow_runner::RedisStore>::builder_on::<Payment>("payment.v1")
+        Workflow::<idemflow_redis::RedisStore>::builder_on::<Payment>("payment.v1")
             .foreign(Pay {
                 provider: provider.client(),
             })
@@ -228,7 +244,7 @@ async fn redis_losing_its_data_mid_run_reruns_the_lost_keys_and_the_provider_cha
 async fn after_redis_closes_the_connection_the_store_reconnects_and_requests_succeed_again() {
     let pool = fresh("loss-connection").await;
     let provider = MockProvider::start().await;
-    let workflow = Workflow::<idemflow_runner::RedisStore>::builder_on::<Payment>("payment.v1")
+    let workflow = Workflow::<idemflow_redis::RedisStore>::builder_on::<Payment>("payment.v1")
         .foreign(Pay {
             provider: provider.client(),
         })
@@ -298,7 +314,7 @@ async fn retention_never_deletes_a_key_claimed_again_after_its_finished_row_was_
         request: &request,
         lease: Duration::from_secs(30),
     };
-    let (mut transaction, owner) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+    let (mut transaction, owner) = claimed(&pool, claim).await;
     Store::finish(
         &mut transaction,
         &owner,
@@ -316,15 +332,18 @@ async fn retention_never_deletes_a_key_claimed_again_after_its_finished_row_was_
         .await
         .unwrap();
 
-    let (_running, again) = Store::begin_claim(&pool, claim, ()).await.unwrap().unwrap();
+    let (_running, again) = claimed(&pool, claim).await;
     let expired = idemflow_runner::expire(&pool, Duration::from_secs(24 * 60 * 60), 100)
         .await
         .unwrap();
     assert_eq!(expired, 0, "retention deleted a key that runs");
-    let LookUp::Found(found) = Store::look_up(&pool, &tenant, &key).await.unwrap() else {
+    let LookUp::Found(found) = Store::look_up(&mut pool.clone(), &tenant, &key)
+        .await
+        .unwrap()
+    else {
         panic!("the running key's row is gone");
     };
-    assert_eq!(found.lock_version, Store::token(&again));
+    assert_eq!(found.lock_version, again.lock_version());
 }
 
 /// A server whose `maxmemory-policy` may evict any key may evict the store's rows (each eviction a
@@ -403,7 +422,7 @@ async fn a_redis_user_without_admin_commands_runs_the_store() {
         "CONFIG GET is refused to this user"
     );
     let provider = MockProvider::start().await;
-    let workflow = Workflow::<idemflow_runner::RedisStore>::builder_on::<Payment>("payment.v1")
+    let workflow = Workflow::<idemflow_redis::RedisStore>::builder_on::<Payment>("payment.v1")
         .foreign(Pay {
             provider: provider.client(),
         })

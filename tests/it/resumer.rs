@@ -2,6 +2,7 @@
 //! points, concurrent resumers split the work, retries back off in the lease, exhausted keys take
 //! the failure path, and shutdown gives leases back.
 
+use idemflow::PgStore;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use idemflow::{DrainReport, Outcome, Registry, Resumer, ResumerConfig, Runner};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer {
+fn resumer(pool: &PgPool, harness: &Harness, config: ResumerConfig) -> Resumer<PgStore> {
     logs();
     let mut registry = Registry::new();
     registry
@@ -27,7 +28,7 @@ struct Running {
 }
 
 impl Running {
-    fn start(worker: Resumer) -> Self {
+    fn start(worker: Resumer<PgStore>) -> Self {
         let stop = Arc::new(tokio::sync::Notify::new());
         let stopped = stop.clone();
         let task = tokio::spawn(worker.run(async move { stopped.notified().await }));
@@ -606,7 +607,7 @@ async fn a_resumed_key_confirms_its_fence_before_calling_out(pool: PgPool) {
     assert_eq!(current.len(), 1);
 
     // It was handed over after a wait longer than its lease could cover a call for.
-    let mut stale = stale.taken;
+    let mut stale = stale.1;
     stale.lease_from = std::time::Instant::now()
         .checked_sub(Duration::from_secs(3600))
         .unwrap();

@@ -7,6 +7,7 @@
 //! password, so the tests also run where the server asks for one), makes its owner role the owner
 //! of the test's database, and drops them at the end, whatever happened in between.
 
+use idemflow::PgStore;
 use std::future::Future;
 use std::path::Path;
 use std::process::Command;
@@ -420,7 +421,7 @@ pub(crate) struct Recorded {
 struct RecordPayment;
 
 #[idemflow::async_trait]
-impl LocalPhase for RecordPayment {
+impl LocalPhase<PgStore> for RecordPayment {
     const NAME: &'static str = "record_payment";
     type Input = Payment;
     type Output = Recorded;
@@ -494,7 +495,7 @@ impl ForeignPhase for ChargeCard {
 }
 
 /// record_payment (local) → charge (foreign, the mock provider).
-pub(crate) fn payments(provider: &MockProvider) -> Workflow {
+pub(crate) fn payments(provider: &MockProvider) -> Workflow<PgStore> {
     let client = ProviderClient::builder(provider.url())
         .timeout(Duration::from_secs(4))
         .build();
@@ -510,8 +511,8 @@ pub(crate) fn payment_body(amount: u64, source: &str) -> Vec<u8> {
 }
 
 pub(crate) async fn pay(
-    runner: &Runner,
-    workflow: &Workflow,
+    runner: &Runner<PgStore>,
+    workflow: &Workflow<PgStore>,
     tenant: &TenantId,
     key: &str,
     body: &[u8],
@@ -995,7 +996,7 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
         };
         let response = StoredResponse::json(201, &json!({"ok": true}));
         // Stored out of the row (any body is above a threshold of 0), and read back from there.
-        store::finish(&mut connection, &due.taken.owner, "charge", &response, 0)
+        store::finish(&mut connection, &due.1.owner, "charge", &response, 0)
             .await
             .unwrap();
         let LookUp::Found(found) = store::look_up(&mut connection, &tenant, &key)

@@ -8,6 +8,7 @@
 
 use crate::support::wire::{Counts, WireCounts, start_proxy};
 use crate::support::*;
+use idemflow::PgStore;
 use idemflow::{Outcome, Runner, Workflow};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -35,8 +36,8 @@ async fn counted_pool(
 /// Runs `warm_up` first, then `key`, and counts the second run: the first use of a statement on
 /// a connection also prepares it, and preparing is not what is measured.
 async fn measure(
-    runner: &Runner,
-    workflow: &Workflow,
+    runner: &Runner<PgStore>,
+    workflow: &Workflow<PgStore>,
     counts: &WireCounts,
     warm_up: &str,
     key: &str,
@@ -147,7 +148,7 @@ async fn a_key_resumed_before_a_foreign_phase_calls_out_at_once(
     .await
     .unwrap();
     drop(connection);
-    let taken = due.into_iter().next().unwrap().taken;
+    let taken = due.into_iter().next().unwrap().1;
     assert_eq!(taken.recovery_point, "create_order");
 
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;

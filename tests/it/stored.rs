@@ -2,6 +2,7 @@
 //! table, whatever crashes, and a keyring seals what is stored so a dump of the table shows no
 //! request, output or response, opens a value only where it was sealed, and rotates.
 
+use idemflow::PgStore;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -57,7 +58,7 @@ struct Shop {
 struct VaultCard(Arc<Shop>);
 
 #[async_trait::async_trait]
-impl LocalPhase for VaultCard {
+impl LocalPhase<PgStore> for VaultCard {
     const NAME: &'static str = "vault";
     type Input = Payment;
     type Output = Vaulted;
@@ -137,7 +138,7 @@ impl ForeignPhase for ChargeToken {
 struct Receipt;
 
 #[async_trait::async_trait]
-impl LocalPhase for Receipt {
+impl LocalPhase<PgStore> for Receipt {
     const NAME: &'static str = "receipt";
     type Input = Charged;
     type Output = StoredResponse;
@@ -201,7 +202,7 @@ fn mask_response(response: &mut StoredResponse) {
 }
 
 /// vault (local) → charge (foreign) → receipt (local); with the redactions or without.
-fn payments(shop: &Arc<Shop>, redacting: bool) -> Workflow {
+fn payments(shop: &Arc<Shop>, redacting: bool) -> Workflow<PgStore> {
     let builder = Workflow::builder::<Payment>("payments.v1");
     let builder = if redacting {
         builder.redact_request(|payment| payment.card = mask_pans(&payment.card))
@@ -235,8 +236,8 @@ fn payment(amount: i64, card: &str) -> Vec<u8> {
 }
 
 async fn pay(
-    runner: &Runner,
-    workflow: &Workflow,
+    runner: &Runner<PgStore>,
+    workflow: &Workflow<PgStore>,
     key: &str,
     body: &[u8],
 ) -> Result<Outcome, RunError> {
@@ -255,7 +256,7 @@ impl CrashHook for CrashAt {
     }
 }
 
-fn sealing(pool: &PgPool, keyring: Option<Keyring>) -> Runner {
+fn sealing(pool: &PgPool, keyring: Option<Keyring>) -> Runner<PgStore> {
     Runner::with_config(pool.clone(), RunnerConfig::default().with_keyring(keyring))
 }
 
@@ -263,7 +264,7 @@ fn keyring(id: &str, byte: u8) -> Keyring {
     Keyring::new(id, [byte; 32]).unwrap()
 }
 
-async fn drain(runner: Runner, workflow: Workflow) -> idemflow::DrainReport {
+async fn drain(runner: Runner<PgStore>, workflow: Workflow<PgStore>) -> idemflow::DrainReport {
     let mut registry = Registry::new();
     registry.register(workflow).unwrap();
     Resumer::new(runner, registry).drain().await.unwrap()

@@ -293,8 +293,11 @@ fn every_code_block_in_the_documents_is_tagged_and_rust_ones_are_doctests() {
 /// The binaries of the workspace's crates, by the name `cargo run --bin` takes.
 fn binaries(root: &Path) -> Vec<String> {
     let mut binaries = Vec::new();
-    for entry in std::fs::read_dir(root.join("crates")).unwrap() {
-        let crate_dir = entry.unwrap().path();
+    let crates = std::fs::read_dir(root.join("crates"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path());
+    // The facade's own binaries (src/bin/) too.
+    for crate_dir in crates.chain([root.to_path_buf()]) {
         if let Ok(bins) = std::fs::read_dir(crate_dir.join("src/bin")) {
             for bin in bins {
                 let path = bin.unwrap().path();
@@ -824,4 +827,196 @@ fn configuration_structs_are_non_exhaustive() {
     }
     assert!(checked >= 10, "only {checked} configuration structs found");
     assert!(offences.is_empty(), "\n{}", offences.join("\n"));
+}
+
+/// The workspace's packages by layer: the layers point one way, and [`the_layers_point_one_way`]
+/// holds the build to it.
+const CORE: &[&str] = &["idemflow-core"];
+/// The engine boundary: the one crate every engine implements and everything above speaks.
+const BOUNDARY: &[&str] = &["idemflow-store"];
+/// One crate per engine, each behind the boundary.
+const ENGINES: &[&str] = &[
+    "idemflow-pg",
+    "idemflow-sqlite",
+    "idemflow-mysql",
+    "idemflow-redis",
+];
+/// What runs on any engine: it names none.
+const ENGINE_BLIND: &[&str] = &[
+    "idemflow-runner",
+    "idemflow-http",
+    "idemflow-consumer",
+    "idemflow-client",
+    "idemflow-console",
+    "idemflow-cli",
+    "idemflow-testkit",
+];
+
+/// Every package each workspace package builds on (normal and build dependencies, not
+/// dev-dependencies, transitively), from `cargo metadata`'s resolved graph.
+fn reaches() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let output = std::process::Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .args(["--filter-platform", "x86_64-unknown-linux-gnu"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let name_of: BTreeMap<&str, &str> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|package| {
+            (
+                package["id"].as_str().unwrap(),
+                package["name"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let mut direct: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for node in metadata["resolve"]["nodes"].as_array().unwrap() {
+        let id = node["id"].as_str().unwrap();
+        let built_on = node["deps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|dependency| {
+                dependency["dep_kinds"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|kind| kind["kind"].is_null() || kind["kind"] == "build")
+            })
+            .map(|dependency| dependency["pkg"].as_str().unwrap())
+            .collect();
+        direct.insert(id, built_on);
+    }
+    let members: Vec<&str> = metadata["workspace_members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_str().unwrap())
+        .collect();
+    let mut reaches = BTreeMap::new();
+    for member in members {
+        let mut seen: BTreeSet<&str> = BTreeSet::new();
+        let mut todo = direct.get(member).cloned().unwrap_or_default();
+        while let Some(id) = todo.pop() {
+            if seen.insert(id) {
+                todo.extend(direct.get(id).into_iter().flatten().copied());
+            }
+        }
+        reaches.insert(
+            name_of[member].to_owned(),
+            seen.iter().map(|id| name_of[id].to_owned()).collect(),
+        );
+    }
+    reaches
+}
+
+/// The layers point one way: the core (no IO: no sqlx, no tokio) <- the engine boundary <- each
+/// engine's crate; the runner, the HTTP layer, the consumer, the client, the console, the CLI and
+/// the testkit speak only the boundary and reach no engine crate, by any path; no engine reaches
+/// another, nor anything above the boundary. Only the composition roots (the facade, which brings
+/// each engine by a feature, the examples, the bench and the test rig) name engines.
+#[test]
+fn the_layers_point_one_way() {
+    let reaches = reaches();
+    let offences = std::cell::RefCell::new(Vec::new());
+    let forbid = |package: &str, forbidden: &[&str], why: &str| {
+        let reached = reaches
+            .get(package)
+            .unwrap_or_else(|| panic!("{package} is not a workspace member"));
+        for name in forbidden {
+            if reached.contains(*name) {
+                offences
+                    .borrow_mut()
+                    .push(format!("{package} reaches {name}: {why}"));
+            }
+        }
+    };
+    let above: Vec<&str> = ENGINES.iter().chain(ENGINE_BLIND).copied().collect();
+    for core in CORE {
+        let io = ["sqlx", "sqlx-core", "tokio", "idemflow-store"];
+        forbid(core, &io, "the core does no IO");
+        forbid(core, &above, "the core is the bottom layer");
+    }
+    for boundary in BOUNDARY {
+        forbid(
+            boundary,
+            &above,
+            "the boundary sits below the engines and what uses them",
+        );
+    }
+    for engine in ENGINES {
+        let others: Vec<&str> = ENGINES
+            .iter()
+            .filter(|other| *other != engine)
+            .copied()
+            .collect();
+        forbid(
+            engine,
+            &others,
+            "an engine stands alone behind the boundary",
+        );
+        forbid(engine, ENGINE_BLIND, "an engine sits below what uses it");
+    }
+    for blind in ENGINE_BLIND {
+        forbid(blind, ENGINES, "it speaks only the boundary");
+        // Built alone (cargo tree resolves its features, not the workspace's union).
+        let built = built_packages(blind);
+        for driver in ["sqlx-postgres", "sqlx-mysql", "sqlx-sqlite", "redis"] {
+            if built.iter().any(|name| name == driver) {
+                offences.borrow_mut().push(format!(
+                    "{blind} builds {driver}: it compiles no database driver"
+                ));
+            }
+        }
+    }
+    let offences = offences.into_inner();
+    assert!(offences.is_empty(), "\n{}", offences.join("\n"));
+}
+
+/// A program built with one engine compiles one sqlx driver: the SQLite-only hello example
+/// builds neither PostgreSQL's nor MySQL's, the PostgreSQL-only consumer example neither SQLite's
+/// nor MySQL's (nor a Redis client).
+#[test]
+fn a_program_built_with_one_engine_compiles_its_driver_only() {
+    let hello = built_packages("example-hello");
+    assert!(hello.iter().any(|name| name == "sqlx-sqlite"), "{hello:?}");
+    for other in [
+        "sqlx-postgres",
+        "sqlx-mysql",
+        "idemflow-pg",
+        "idemflow-mysql",
+        "redis",
+    ] {
+        assert!(
+            !hello.iter().any(|name| name == other),
+            "hello builds {other}"
+        );
+    }
+    let consumer = built_packages("example-consumer");
+    assert!(
+        consumer.iter().any(|name| name == "sqlx-postgres"),
+        "{consumer:?}"
+    );
+    for other in [
+        "sqlx-sqlite",
+        "sqlx-mysql",
+        "idemflow-sqlite",
+        "idemflow-mysql",
+        "redis",
+    ] {
+        assert!(
+            !consumer.iter().any(|name| name == other),
+            "the consumer example builds {other}"
+        );
+    }
 }

@@ -6,6 +6,7 @@
 //! is busy, closing the pool is not held up, and with keeping turned off every connection goes
 //! through the pool and its hooks.
 
+use idemflow::PgStore;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -245,7 +246,7 @@ async fn with_warm_connections_off_every_request_hands_its_connection_to_the_poo
     let runner = Runner::with_config(pool.clone(), config);
     // New keys, then replays of them.
     let workflow = &workflow;
-    let request = |runner: Runner, n: usize| async move {
+    let request = |runner: Runner<PgStore>, n: usize| async move {
         run(
             &runner,
             workflow,

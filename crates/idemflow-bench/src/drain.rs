@@ -3,6 +3,7 @@
 //! resumers at once (`drain_resumers`), each with its default configuration and a pool of its
 //! own. Checked, or the run fails: every key finished.
 
+use idemflow::PgStore;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -33,7 +34,7 @@ fn run<'a>(ctx: &'a Ctx<'a>, report: &'a mut Report) -> BoxFuture<'a, ()> {
 }
 
 /// A resumer of the checkout workflow on `pool`, its retention off (nothing here expires).
-pub(crate) fn resumer(pool: PgPool) -> Result<Resumer, Error> {
+pub(crate) fn resumer(pool: PgPool) -> Result<Resumer<PgStore>, Error> {
     let mut registry = Registry::new();
     registry.register(workflows::checkout(None)?)?;
     Ok(Resumer::with_config(

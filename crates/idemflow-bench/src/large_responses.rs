@@ -6,6 +6,7 @@
 //! and to the table of bodies apart; replays per second through the engine against the raw select
 //! of the same bytes, interleaved; and the time retention takes per key to delete them.
 
+use idemflow::PgStore;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,7 +47,7 @@ struct Ask {
 struct Render;
 
 #[async_trait::async_trait]
-impl LocalPhase for Render {
+impl LocalPhase<PgStore> for Render {
     const NAME: &'static str = "render";
     type Input = Ask;
     type Output = StoredResponse;
@@ -74,7 +75,7 @@ fn incompressible(bytes: usize) -> Vec<u8> {
         .collect()
 }
 
-fn workflow() -> Result<Workflow, Error> {
+fn workflow() -> Result<Workflow<PgStore>, Error> {
     Ok(Workflow::builder::<Ask>(WORKFLOW).local(Render).build()?)
 }
 
@@ -140,7 +141,7 @@ impl Variant<'_> {
     async fn measure(
         &self,
         ctx: &Ctx<'_>,
-        workflow: &Arc<Workflow>,
+        workflow: &Arc<Workflow<PgStore>>,
     ) -> Result<LargeResponse, Error> {
         let schema = format!("large_{}_{}", self.bytes, self.place());
         ctx.scratch
@@ -224,8 +225,8 @@ impl Variant<'_> {
 /// What the variant's requests run: the runner, the workflow, the tenant, the request's body.
 #[derive(Clone)]
 struct Engine {
-    runner: Runner,
-    workflow: Arc<Workflow>,
+    runner: Runner<PgStore>,
+    workflow: Arc<Workflow<PgStore>>,
     tenant: TenantId,
     body: Vec<u8>,
 }

@@ -385,7 +385,7 @@ async fn end_leases(
                  updated_at = now() \
              WHERE state = 'started' AND key LIKE {like}; \
              SELECT pg_notify('{}', '')",
-            idemflow::store::DUE_CHANNEL
+            idemflow::postgres::DUE_CHANNEL
         ))
         .await?;
     Ok(Instant::now())

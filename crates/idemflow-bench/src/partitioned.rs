@@ -1,4 +1,4 @@
-//! The partitioned-expiry workload (`idemflow::store::partitions`). Every variant runs in a schema
+//! The partitioned-expiry workload (`idemflow::postgres::partitions`). Every variant runs in a schema
 //! of its own (first on the search path, as the large-responses workload does), created, measured
 //! and dropped in turn, so no variant inherits another's bloat or free space.
 //!
@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use idemflow::store::partitions::{self, PartitionPlan};
+use idemflow::postgres::partitions::{self, PartitionPlan};
 use idemflow::{Retention, Runner, TenantId};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};

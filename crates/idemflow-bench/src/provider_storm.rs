@@ -5,6 +5,7 @@
 //! charge, foreign → mark_paid, local) whose charge calls the testkit's mock provider over HTTP on
 //! 127.0.0.1 under the derived key, so what was charged is counted by the provider's own ledger.
 
+use idemflow::PgStore;
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -85,7 +86,7 @@ impl ForeignPhase for ProviderCharge {
 }
 
 /// create_order (local) → charge at the provider (foreign) → mark_paid (local).
-pub fn checkout(provider: ProviderClient) -> Result<Workflow, Error> {
+pub fn checkout(provider: ProviderClient) -> Result<Workflow<PgStore>, Error> {
     Ok(Workflow::builder::<CheckoutRequest>(WORKFLOW)
         .local(CreateOrder)
         .foreign(ProviderCharge(provider))
@@ -110,8 +111,8 @@ struct Sample {
 }
 
 struct Engine {
-    runner: Runner,
-    workflow: Workflow,
+    runner: Runner<PgStore>,
+    workflow: Workflow<PgStore>,
     tenant: TenantId,
 }
 

@@ -23,7 +23,7 @@ use idemflow::{
 };
 use idemflow_http::{BearerTenant, IdempotencyLayer};
 use idemflow_redis::RedisPool;
-use idemflow_runner::RedisStore;
+use idemflow_redis::RedisStore;
 use serde::Serialize;
 
 use crate::Error;

@@ -174,7 +174,7 @@ pub struct Fleet {
     pub seed: Option<u64>,
 }
 
-/// The partitioned-expiry workload: the partitioned layout (`idemflow::store::partitions`).
+/// The partitioned-expiry workload: the partitioned layout (`idemflow::postgres::partitions`).
 #[derive(Debug, Clone, Serialize)]
 pub struct PartitionedExpiry {
     /// Finished keys each expiry variant expires, and the clients of the load meanwhile.

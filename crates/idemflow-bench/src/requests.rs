@@ -3,6 +3,7 @@
 //! local-only and replay workloads time them; the wire, storm, retention and partitioned-expiry
 //! workloads send them too.
 
+use idemflow::PgStore;
 use std::cell::Cell;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -21,8 +22,8 @@ use crate::workloads::{BoxFuture, Ctx};
 /// What an engine request runs: the runner, the workflow, the tenant.
 #[derive(Clone)]
 pub(crate) struct Engine {
-    pub(crate) runner: Runner,
-    pub(crate) workflow: Arc<Workflow>,
+    pub(crate) runner: Runner<PgStore>,
+    pub(crate) workflow: Arc<Workflow<PgStore>>,
     pub(crate) tenant: TenantId,
 }
 
@@ -87,7 +88,7 @@ pub(crate) fn runner_for(
     variant: &str,
     pool: PgPool,
     hook: Arc<dyn idemflow::CrashHook>,
-) -> Runner {
+) -> Runner<PgStore> {
     let runner = Runner::with_config(pool, RunnerConfig::default());
     if variant == ENGINE_HOOK {
         runner.with_crash_hook(hook)
@@ -97,7 +98,7 @@ pub(crate) fn runner_for(
 }
 
 /// The workflow of an in-process workload: one local phase for local-only, else the checkout.
-pub(crate) fn workflow_for(workload: &str) -> Result<Workflow, Error> {
+pub(crate) fn workflow_for(workload: &str) -> Result<Workflow<PgStore>, Error> {
     match workload {
         LOCAL_ONLY => workflows::place(),
         _ => workflows::checkout(None),

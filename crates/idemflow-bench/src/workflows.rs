@@ -43,12 +43,12 @@ pub fn fingerprint_and_request() -> Result<(Fingerprint, serde_json::Value), Err
 }
 
 /// create_order (local) → charge (foreign, a no-op) → mark_paid (local), on PostgreSQL.
-pub fn checkout(ledger: Option<Ledger>) -> Result<Workflow, Error> {
+pub fn checkout(ledger: Option<Ledger>) -> Result<Workflow<PgStore>, Error> {
     Ok(reference::checkout::<PgStore>(ledger)?)
 }
 
 /// place_order (local) only, on PostgreSQL: the one-commit path.
-pub fn place() -> Result<Workflow, Error> {
+pub fn place() -> Result<Workflow<PgStore>, Error> {
     Ok(reference::place::<PgStore>()?)
 }
 

@@ -1,6 +1,9 @@
-//! The `idemflow` operator CLI as a library: each command is a function that returns what to
-//! print and the exit code ([`Output`]), so tests call it in-process and `main.rs` only parses
-//! arguments, connects, calls and prints. See `docs/cli.md`.
+//! The `idemflow` operator CLI as a library: each command is a function of an engine's
+//! [`Operator`] that returns what to print and the exit code ([`Output`]), so tests call it
+//! in-process; [`run`] parses a command line, opens the database its URL names with the engine
+//! of that URL's scheme, and answers. The crate names no engine: the program that runs it (the
+//! `idemflow` binary of the `idemflow` crate, feature `cli`) hands it the engines it was built
+//! with. See `docs/cli.md`.
 //!
 //! Every command answers on stdout, in plain aligned text or, with [`Format::Json`], as one JSON
 //! document. A command that cannot answer (bad input, no database, a database error) says why on
@@ -12,24 +15,24 @@
 
 #![deny(missing_docs)]
 
+mod args;
 pub mod console;
 pub mod duration;
-pub mod mysql;
-pub mod redis;
 mod render;
-pub mod sqlite;
 
 use std::fmt;
 use std::time::Duration;
 
 use idemflow_core::FieldValue;
 use idemflow_core::{CanonicalError, Fingerprint, Key, TenantId, canonicalize_exact};
-use idemflow_pg::{KeyBodies, KeyReport, StoreError, TableStats};
-use idemflow_runner::RunError;
+use idemflow_store::layout::PartitionPlan;
+use idemflow_store::{
+    KeyBodies, KeyReport, KeyResponse, Operator, OperatorEngine, OperatorError, OperatorOptions,
+    TableStats,
+};
 use serde::Serialize;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool};
 
+pub use args::{main, run, run_with};
 pub use duration::{DurationError, parse_duration};
 
 use duration::{human, human_elapsed_ms, lease};
@@ -140,39 +143,16 @@ impl fmt::Display for CliError {
 
 impl std::error::Error for CliError {}
 
-fn database_error(error: &sqlx::Error) -> CliError {
-    let undefined_table = error
-        .as_database_error()
-        .and_then(|error| error.code())
-        .is_some_and(|code| code == "42P01");
-    if undefined_table {
-        CliError::Database(format!(
-            "database error: {error} (run `idemflow migrate` to create the schema)"
-        ))
-    } else {
-        CliError::Database(format!("database error: {error}"))
-    }
-}
-
-impl From<sqlx::Error> for CliError {
-    fn from(error: sqlx::Error) -> Self {
-        database_error(&error)
-    }
-}
-
-impl From<StoreError> for CliError {
-    fn from(error: StoreError) -> Self {
+impl From<OperatorError> for CliError {
+    fn from(error: OperatorError) -> Self {
         match error {
-            StoreError::Database(error) => database_error(&error),
-            other => Self::Database(other.to_string()),
-        }
-    }
-}
-
-impl From<RunError> for CliError {
-    fn from(error: RunError) -> Self {
-        match error {
-            RunError::Database(error) => database_error(&error),
+            OperatorError::Usage(message) | OperatorError::Unsupported(message) => {
+                Self::Usage(message)
+            }
+            OperatorError::Connect(message) => Self::Database(message),
+            error if error.is_no_schema() => Self::Database(format!(
+                "{error} (run `idemflow migrate` to create the schema)"
+            )),
             other => Self::Database(other.to_string()),
         }
     }
@@ -229,81 +209,39 @@ pub fn database_url(flag: Option<String>, env: Option<String>) -> Result<String,
     })
 }
 
-/// A small pool for one command, its connections named `idemflow-cli` in `pg_stat_activity`.
-///
-/// One connection is opened first on its own: a pool that cannot connect reports only that it
-/// timed out, while a single connection says why (refused, authentication, no such database).
-pub async fn connect(url: &str) -> Result<PgPool, CliError> {
-    const TIMEOUT: Duration = Duration::from_secs(10);
-    let options: PgConnectOptions = url
-        .parse::<PgConnectOptions>()
-        .map_err(|error| CliError::Usage(format!("invalid database URL: {error}")))?
-        .application_name("idemflow-cli");
-    let cannot_connect =
-        |why: String| CliError::Database(format!("cannot connect to the database: {why}"));
-    let probe = tokio::time::timeout(TIMEOUT, PgConnection::connect_with(&options))
-        .await
-        .map_err(|_| cannot_connect(format!("no answer within {}", human(TIMEOUT.as_secs()))))?
-        .map_err(|error| cannot_connect(error.to_string()))?;
-    // Closing politely is a courtesy; the pool opens its own connections.
-    let _ = probe.close().await;
-    Ok(PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(TIMEOUT)
-        .test_before_acquire(false)
-        .connect_lazy_with(options))
+/// The environment variable naming the prefix of the keys, on an engine that namespaces them by
+/// one (Redis; default `idemflow`).
+pub const PREFIX_ENV: &str = "IDEMFLOW_REDIS_PREFIX";
+
+/// Opens the database `url` names, with the engine among `engines` whose scheme it has, for one
+/// command: a small pool, its connections named `idemflow-cli` where the engine shows names.
+pub async fn open(
+    url: &str,
+    engines: &[&dyn OperatorEngine],
+    options: &OperatorOptions,
+) -> Result<Box<dyn Operator>, CliError> {
+    let Some(engine) = idemflow_store::engine_for(engines, url) else {
+        let known: Vec<&str> = engines
+            .iter()
+            .flat_map(|engine| engine.schemes().iter().copied())
+            .collect();
+        return Err(CliError::Usage(format!(
+            "no engine for this URL: it must start with one of {} (this build's engines)",
+            known
+                .iter()
+                .map(|scheme| format!("{scheme}://"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    };
+    Ok(engine.open(url, options).await?)
 }
 
-/// Where the key-level commands (`inspect`, `list --stuck`, `end-lease`) read and write: one
-/// engine's database. The answers are written once, whatever the engine.
-trait Keys {
-    async fn key_report(&mut self, tenant: &str, key: &str) -> Result<Option<KeyReport>, CliError>;
-    /// The key's stored request and response, and how long ago it finished.
-    async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError>;
-    async fn stuck_keys(
-        &mut self,
-        min_attempts: i32,
-        limit: i64,
-    ) -> Result<Vec<KeyReport>, CliError>;
-    /// Ends the lease if its token is still `lock_version`, and wakes resumers where the engine
-    /// can: the new token.
-    async fn end_lease(
-        &mut self,
-        tenant: &str,
-        key: &str,
-        lock_version: i64,
-    ) -> Result<Option<i64>, CliError>;
-}
-
-impl Keys for PgConnection {
-    async fn key_report(&mut self, tenant: &str, key: &str) -> Result<Option<KeyReport>, CliError> {
-        Ok(idemflow_pg::key_report(self, tenant, key).await?)
-    }
-
-    async fn key_bodies(&mut self, tenant: &str, key: &str) -> Result<Option<KeyBodies>, CliError> {
-        Ok(idemflow_pg::key_bodies(self, tenant, key).await?)
-    }
-
-    async fn stuck_keys(
-        &mut self,
-        min_attempts: i32,
-        limit: i64,
-    ) -> Result<Vec<KeyReport>, CliError> {
-        Ok(idemflow_pg::stuck_keys(self, min_attempts, limit).await?)
-    }
-
-    async fn end_lease(
-        &mut self,
-        tenant: &str,
-        key: &str,
-        lock_version: i64,
-    ) -> Result<Option<i64>, CliError> {
-        let advanced = idemflow_pg::end_lease(self, tenant, key, lock_version).await?;
-        if advanced.is_some() {
-            idemflow_pg::notify_due(self).await?;
-        }
-        Ok(advanced)
-    }
+/// The options one command opens its database with.
+pub fn command_options() -> OperatorOptions {
+    OperatorOptions::default()
+        .with_application_name("idemflow-cli".to_owned())
+        .with_key_prefix(std::env::var(PREFIX_ENV).ok())
 }
 
 fn validate(tenant: &str, key: &str) -> Result<(), CliError> {
@@ -319,48 +257,32 @@ fn who(tenant: &str, key: &str) -> String {
 // ---------------------------------------------------------------------------------------------
 // migrate
 
-#[derive(Serialize)]
-struct MigrationReport {
-    version: i64,
-    description: String,
-}
-
 /// `idemflow migrate`: applies every pending migration, then lists the schema's migrations.
-pub async fn migrate(pool: &PgPool, format: Format) -> Output {
-    emit(format, migrate_answer(pool).await)
+pub async fn migrate(operator: &dyn Operator, format: Format) -> Output {
+    emit(format, migrate_answer(operator).await)
 }
 
-async fn migrate_answer(pool: &PgPool) -> Result<Answer, CliError> {
-    idemflow_pg::migrate(pool)
-        .await
-        .map_err(|error| CliError::Database(format!("migration failed: {error}")))?;
-    Ok(migrated(
-        "schema up to date; migrations applied:\n".to_owned(),
-        &idemflow_pg::MIGRATOR,
-    ))
-}
-
-/// `migrate`'s answer once `migrator` ran, whatever the engine: `human` heads the list.
-fn migrated(mut human: String, migrator: &sqlx::migrate::Migrator) -> Answer {
-    let migrations: Vec<MigrationReport> = migrator
-        .iter()
-        .filter(|migration| migration.migration_type.is_up_migration())
-        .map(|migration| MigrationReport {
-            version: migration.version,
-            description: migration.description.to_string(),
-        })
-        .collect();
+async fn migrate_answer(operator: &dyn Operator) -> Result<Answer, CliError> {
+    let Some(migrations) = operator.migrate().await? else {
+        let human = format!("{} has no schema: nothing to migrate\n", operator.engine());
+        return Ok(Answer::new(
+            exit::OK,
+            human,
+            &serde_json::json!({ "migrations": [] }),
+        ));
+    };
+    let mut human = "schema up to date; migrations applied:\n".to_owned();
     for migration in &migrations {
         human.push_str(&format!(
             "  {}  {}\n",
             migration.version, migration.description
         ));
     }
-    Answer::new(
+    Ok(Answer::new(
         exit::OK,
         human,
         &serde_json::json!({ "migrations": migrations }),
-    )
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -514,7 +436,7 @@ fn request_view(bodies: &KeyBodies) -> RequestView<'_> {
     }
 }
 
-fn response_view(response: &idemflow_pg::KeyResponse) -> ResponseView<'_> {
+fn response_view(response: &KeyResponse) -> ResponseView<'_> {
     let sealed_under = response.sealed_under();
     let (headers, body_encoding, body) = if sealed_under.is_some() {
         (None, None, None)
@@ -580,7 +502,7 @@ fn request_text(bodies: &KeyBodies) -> String {
 /// The stored response, for the text answer: the status and what the body is, the headers, then
 /// the body (text as it is, control characters but newlines and tabs escaped; bytes that are not
 /// UTF-8 as base64), cut at [`SHOWN_BYTES`].
-fn response_text(response: Option<&idemflow_pg::KeyResponse>) -> String {
+fn response_text(response: Option<&KeyResponse>) -> String {
     let Some(response) = response else {
         return "\nresponse\n- (started: no response is stored yet)\n".to_owned();
     };
@@ -675,32 +597,24 @@ fn header_value(value: &FieldValue) -> String {
 }
 
 /// `idemflow inspect --tenant T --key K`: everything about one key. Exit 1 when it does not exist.
-pub async fn inspect(
-    connection: &mut PgConnection,
-    format: Format,
-    tenant: &str,
-    key: &str,
-) -> Output {
-    inspect_with(connection, format, tenant, key, &InspectOptions::default()).await
+pub async fn inspect(operator: &dyn Operator, format: Format, tenant: &str, key: &str) -> Output {
+    inspect_with(operator, format, tenant, key, &InspectOptions::default()).await
 }
 
 /// `idemflow inspect` with its options: the stored request and response
 /// (`--show-request`, `--show-response`), and the retention period its expiry is told against.
 pub async fn inspect_with(
-    connection: &mut PgConnection,
+    operator: &dyn Operator,
     format: Format,
     tenant: &str,
     key: &str,
     options: &InspectOptions,
 ) -> Output {
-    emit(
-        format,
-        inspect_answer(connection, tenant, key, options).await,
-    )
+    emit(format, inspect_answer(operator, tenant, key, options).await)
 }
 
 async fn inspect_answer(
-    keys: &mut impl Keys,
+    keys: &dyn Operator,
     tenant: &str,
     key: &str,
     options: &InspectOptions,
@@ -786,19 +700,19 @@ fn fingerprint_answer(method: &str, path: &str, body: &[u8]) -> Result<Answer, C
 /// `idemflow list --stuck`: started keys past their lease or with at least `min_attempts`
 /// attempts, oldest lease first, at most `limit`.
 pub async fn list_stuck(
-    connection: &mut PgConnection,
+    operator: &dyn Operator,
     format: Format,
     min_attempts: i32,
     limit: i64,
 ) -> Output {
     emit(
         format,
-        list_stuck_answer(connection, min_attempts, limit).await,
+        list_stuck_answer(operator, min_attempts, limit).await,
     )
 }
 
 async fn list_stuck_answer(
-    store: &mut impl Keys,
+    store: &dyn Operator,
     min_attempts: i32,
     limit: i64,
 ) -> Result<Answer, CliError> {
@@ -888,20 +802,17 @@ struct EndLeaseReport<'a> {
 /// see docs/cli.md). Exit 1 when no lease was ended (no such key, done, taken over, a live owner
 /// without `force`); exit 0 when it was, or when the lease had already expired.
 pub async fn end_lease(
-    connection: &mut PgConnection,
+    operator: &dyn Operator,
     format: Format,
     tenant: &str,
     key: &str,
     force: bool,
 ) -> Output {
-    emit(
-        format,
-        end_lease_answer(connection, tenant, key, force).await,
-    )
+    emit(format, end_lease_answer(operator, tenant, key, force).await)
 }
 
 async fn end_lease_answer(
-    keys: &mut impl Keys,
+    keys: &dyn Operator,
     tenant: &str,
     key: &str,
     force: bool,
@@ -1028,22 +939,34 @@ struct ExpireReport {
 }
 
 /// `idemflow expire --older-than D`: deletes every key finished more than `older_than`
-/// ago, `batch_size` rows per transaction. Started keys are never deleted.
+/// ago, `batch_size` rows per transaction (per script on Redis), back to back, so requests'
+/// writes interleave with it. Started keys are never deleted.
 pub async fn expire(
-    pool: &PgPool,
+    operator: &dyn Operator,
     format: Format,
     older_than: Duration,
     batch_size: i64,
 ) -> Output {
-    emit(format, expire_answer(pool, older_than, batch_size).await)
+    emit(
+        format,
+        expire_answer(operator, older_than, batch_size).await,
+    )
 }
 
 async fn expire_answer(
-    pool: &PgPool,
+    operator: &dyn Operator,
     older_than: Duration,
     batch_size: i64,
 ) -> Result<Answer, CliError> {
-    let deleted = idemflow_runner::expire(pool, older_than, batch_size).await?;
+    if batch_size < 1 {
+        return Err(CliError::Usage(
+            "--batch-size must be at least 1".to_owned(),
+        ));
+    }
+    let deleted = idemflow_store::retention::paced(batch_size, None, |batch| {
+        operator.expire_batch(older_than, batch)
+    })
+    .await?;
     Ok(expired(deleted, older_than, batch_size))
 }
 
@@ -1067,24 +990,35 @@ fn expired(deleted: u64, older_than: Duration, batch_size: i64) -> Answer {
 
 /// `idemflow partitions adopt`: converts the keys table to the partitioned layout (as its owner).
 pub async fn partitions_adopt(
-    pool: &PgPool,
+    operator: &dyn Operator,
     format: Format,
     width: Duration,
     ahead: u32,
 ) -> Output {
-    emit(format, partitions_adopt_answer(pool, width, ahead).await)
+    emit(
+        format,
+        partitions_adopt_answer(operator, width, ahead).await,
+    )
+}
+
+/// The engine's partitioned layout, or the answer that it has none.
+fn partitions_of(operator: &dyn Operator) -> Result<&dyn idemflow_store::Partitions, CliError> {
+    operator.partitions().ok_or_else(|| {
+        CliError::Usage(format!(
+            "`idemflow partitions` is PostgreSQL's only: the partitioned layout has no {} form \
+             (docs/engines.md)",
+            operator.engine()
+        ))
+    })
 }
 
 async fn partitions_adopt_answer(
-    pool: &PgPool,
+    operator: &dyn Operator,
     width: Duration,
     ahead: u32,
 ) -> Result<Answer, CliError> {
-    let plan = idemflow_pg::partitions::PartitionPlan { width, ahead };
-    let adopted = match idemflow_pg::partitions::adopt(pool, &plan).await {
-        Err(StoreError::Layout(message)) => return Err(CliError::Usage(message)),
-        other => other?,
-    };
+    let plan = PartitionPlan { width, ahead };
+    let adopted = partitions_of(operator)?.adopt(&plan).await?;
     let human = format!(
         "the keys table is partitioned by creation time, {} per partition: {} partitions, {} keys copied\n",
         human(width.as_secs()),
@@ -1098,12 +1032,19 @@ async fn partitions_adopt_answer(
 /// those whose every key finished more than `keep_for` ago (as the table's owner). Exits with
 /// [`exit::NO`] when a partition past the window is kept for its started keys: a scheduler that
 /// runs it alerts on that.
-pub async fn partitions_maintain(pool: &PgPool, format: Format, keep_for: Duration) -> Output {
-    emit(format, partitions_maintain_answer(pool, keep_for).await)
+pub async fn partitions_maintain(
+    operator: &dyn Operator,
+    format: Format,
+    keep_for: Duration,
+) -> Output {
+    emit(format, partitions_maintain_answer(operator, keep_for).await)
 }
 
-async fn partitions_maintain_answer(pool: &PgPool, keep_for: Duration) -> Result<Answer, CliError> {
-    let maintained = idemflow_pg::partitions::maintain(pool, keep_for).await?;
+async fn partitions_maintain_answer(
+    operator: &dyn Operator,
+    keep_for: Duration,
+) -> Result<Answer, CliError> {
+    let maintained = partitions_of(operator)?.maintain(keep_for).await?;
     let mut human = String::new();
     if maintained.skipped {
         human.push_str("another maintenance is running; nothing done\n");
@@ -1135,17 +1076,16 @@ async fn partitions_maintain_answer(pool: &PgPool, keep_for: Duration) -> Result
 }
 
 /// `idemflow partitions list`: the partitions of the keys table, oldest first.
-pub async fn partitions_list(connection: &mut PgConnection, format: Format) -> Output {
-    emit(format, partitions_list_answer(connection).await)
+pub async fn partitions_list(operator: &dyn Operator, format: Format) -> Output {
+    emit(format, partitions_list_answer(operator).await)
 }
 
-async fn partitions_list_answer(connection: &mut PgConnection) -> Result<Answer, CliError> {
-    if !idemflow_pg::partitions::is_partitioned(connection).await? {
+async fn partitions_list_answer(operator: &dyn Operator) -> Result<Answer, CliError> {
+    let Some(partitions) = partitions_of(operator)?.list().await? else {
         return Err(CliError::Usage(
             "the keys table is not partitioned (see `idemflow partitions adopt`)".to_owned(),
         ));
-    }
-    let partitions = idemflow_pg::partitions::partitions(connection).await?;
+    };
     let rows: Vec<Vec<String>> = partitions
         .iter()
         .map(|partition| {
@@ -1203,12 +1143,12 @@ fn stats_text(stats: &TableStats) -> String {
 
 /// `idemflow stats`: keys by workflow and state, the age of the oldest started key, and how far
 /// behind the resumers are (the oldest expired lease of a started key).
-pub async fn stats(connection: &mut PgConnection, format: Format) -> Output {
-    emit(format, stats_answer(connection).await)
+pub async fn stats(operator: &dyn Operator, format: Format) -> Output {
+    emit(format, stats_answer(operator).await)
 }
 
-async fn stats_answer(connection: &mut PgConnection) -> Result<Answer, CliError> {
-    let stats = idemflow_pg::table_stats(connection).await?;
+async fn stats_answer(operator: &dyn Operator) -> Result<Answer, CliError> {
+    let stats = operator.table_stats().await?;
     Ok(stats_of(&stats))
 }
 

@@ -1,5 +1,6 @@
 //! The CLI's commands against a real PostgreSQL, one fresh database per test, each output
-//! compared whole with a snapshot (text and JSON), and the real binary run once end to end.
+//! compared whole with a snapshot (text and JSON). The real binary is run end to end by the
+//! `idemflow` crate's tests (`tests/it/cli_binary.rs`), which build it.
 //!
 //! Snapshots: each compared output is a file in `tests/snapshots/`, named at its assertion.
 //! `UPDATE_SNAPSHOTS=1` makes the tests write what the commands print now to those files instead
@@ -17,14 +18,129 @@
 //! seconds, time elapsed rounds down, seeds sit hours away from a unit boundary).
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use idemflow_cli::{Format, InspectOptions, Output};
 use idemflow_core::Fingerprint;
+use idemflow_pg::PgOperator;
+use idemflow_store::{
+    KeyBodies, KeyReport, Migration, Operator, OperatorError, Overview, ScanFrom, TableStats,
+};
 use sqlx::{PgConnection, PgPool};
+use tokio::sync::Mutex;
+
+/// The operator's door to one connection the test holds, often inside its transaction (where
+/// `now()` stands still, so leases and ages print exact): each read is the engine's own
+/// function on that connection.
+#[derive(Debug)]
+struct Held<'a>(Mutex<&'a mut PgConnection>);
+
+impl<'a> Held<'a> {
+    fn new(connection: &'a mut PgConnection) -> Self {
+        Self(Mutex::new(connection))
+    }
+}
+
+fn failed(error: idemflow_pg::StoreError) -> OperatorError {
+    OperatorError::Engine(error.into())
+}
+
+#[async_trait::async_trait]
+impl Operator for Held<'_> {
+    fn engine(&self) -> &'static str {
+        "PostgreSQL"
+    }
+
+    async fn migrate(&self) -> Result<Option<Vec<Migration>>, OperatorError> {
+        unreachable!("migrate runs on a pool: PgOperator")
+    }
+
+    async fn key_report(
+        &self,
+        tenant: &str,
+        key: &str,
+    ) -> Result<Option<KeyReport>, OperatorError> {
+        let mut connection = self.0.lock().await;
+        idemflow_pg::key_report(&mut connection, tenant, key)
+            .await
+            .map_err(failed)
+    }
+
+    async fn key_bodies(
+        &self,
+        tenant: &str,
+        key: &str,
+    ) -> Result<Option<KeyBodies>, OperatorError> {
+        let mut connection = self.0.lock().await;
+        idemflow_pg::key_bodies(&mut connection, tenant, key)
+            .await
+            .map_err(failed)
+    }
+
+    async fn stuck_keys(
+        &self,
+        min_attempts: i32,
+        limit: i64,
+    ) -> Result<Vec<KeyReport>, OperatorError> {
+        let mut connection = self.0.lock().await;
+        idemflow_pg::stuck_keys(&mut connection, min_attempts, limit)
+            .await
+            .map_err(failed)
+    }
+
+    async fn end_lease(
+        &self,
+        tenant: &str,
+        key: &str,
+        lock_version: i64,
+    ) -> Result<Option<i64>, OperatorError> {
+        let mut connection = self.0.lock().await;
+        let advanced = idemflow_pg::end_lease(&mut connection, tenant, key, lock_version)
+            .await
+            .map_err(failed)?;
+        if advanced.is_some() {
+            idemflow_pg::notify_due(&mut connection)
+                .await
+                .map_err(failed)?;
+        }
+        Ok(advanced)
+    }
+
+    async fn expire_key(
+        &self,
+        _: &str,
+        _: &str,
+        _: i64,
+        _: &str,
+    ) -> Result<Option<String>, OperatorError> {
+        unreachable!("the CLI expires by age")
+    }
+
+    async fn expire_batch(&self, older_than: Duration, batch: i64) -> Result<u64, OperatorError> {
+        let mut connection = self.0.lock().await;
+        idemflow_pg::expire_batch(&mut connection, older_than, batch)
+            .await
+            .map_err(failed)
+    }
+
+    async fn table_stats(&self) -> Result<TableStats, OperatorError> {
+        let mut connection = self.0.lock().await;
+        idemflow_pg::table_stats(&mut connection)
+            .await
+            .map_err(failed)
+    }
+
+    async fn overview(&self) -> Result<Overview, OperatorError> {
+        unreachable!("the console's")
+    }
+
+    async fn scan_keys(&self, _: &ScanFrom, _: i64) -> Result<Vec<KeyReport>, OperatorError> {
+        unreachable!("the console's")
+    }
+
+    async fn close(&self) {}
+}
 
 /// One row of `idempotency_keys`; times are intervals relative to `now()`.
 #[derive(Debug, Clone, Copy)]
@@ -191,10 +307,10 @@ async fn inspect_shows_a_done_key(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed(&mut tx, DONE).await;
 
-    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-1").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Human, "acme", "order-1").await;
     assert_stdout(output, 0, "inspect_done.txt");
 
-    let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-1").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Json, "acme", "order-1").await;
     assert_stdout(output, 0, "inspect_done.json");
 }
 
@@ -203,10 +319,10 @@ async fn inspect_shows_a_started_key_and_its_lease_left(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed(&mut tx, LIVE).await;
 
-    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Human, "acme", "order-2").await;
     assert_stdout(output, 0, "inspect_started.txt");
 
-    let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-2").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Json, "acme", "order-2").await;
     assert_stdout(output, 0, "inspect_started.json");
 }
 
@@ -215,14 +331,15 @@ async fn inspect_shows_an_expired_lease_and_the_last_error(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed_all(&mut tx, &[EXPIRED, RETRIED]).await;
 
-    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-3").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Human, "acme", "order-3").await;
     assert_stdout(output, 0, "inspect_expired.txt");
 
-    let output = idemflow_cli::inspect(&mut tx, Format::Json, "acme", "order-3").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Json, "acme", "order-3").await;
     assert_stdout(output, 0, "inspect_expired.json");
 
     // A last error that spans lines stays on one line, escaped; JSON keeps it as it is.
-    let output = idemflow_cli::inspect(&mut tx, Format::Human, "globex", "refund-9").await;
+    let output =
+        idemflow_cli::inspect(&Held::new(&mut tx), Format::Human, "globex", "refund-9").await;
     assert!(
         output
             .stdout
@@ -230,7 +347,8 @@ async fn inspect_shows_an_expired_lease_and_the_last_error(pool: PgPool) {
         "{}",
         output.stdout
     );
-    let output = idemflow_cli::inspect(&mut tx, Format::Json, "globex", "refund-9").await;
+    let output =
+        idemflow_cli::inspect(&Held::new(&mut tx), Format::Json, "globex", "refund-9").await;
     assert!(
         output
             .stdout
@@ -245,20 +363,39 @@ async fn inspect_of_a_missing_key_exits_1(pool: PgPool) {
     let mut connection = pool.acquire().await.unwrap();
     seed(&mut connection, DONE).await;
 
-    let output = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-9").await;
+    let output = idemflow_cli::inspect(
+        &Held::new(&mut connection),
+        Format::Human,
+        "acme",
+        "order-9",
+    )
+    .await;
     assert_stderr(output, 1, "inspect_missing_key.txt");
     // The same key under another tenant is another key.
-    let output = idemflow_cli::inspect(&mut connection, Format::Json, "globex", "order-1").await;
+    let output = idemflow_cli::inspect(
+        &Held::new(&mut connection),
+        Format::Json,
+        "globex",
+        "order-1",
+    )
+    .await;
     assert_stdout(output, 1, "inspect_missing_key_other_tenant.json");
     // A tenant or key that could never exist is a usage error.
-    let output = idemflow_cli::inspect(&mut connection, Format::Human, "ac me", "order-1").await;
+    let output = idemflow_cli::inspect(
+        &Held::new(&mut connection),
+        Format::Human,
+        "ac me",
+        "order-1",
+    )
+    .await;
     assert_eq!(output.code, 2);
     assert!(
         output.stderr.starts_with("error: the tenant id "),
         "{}",
         output.stderr
     );
-    let output = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "").await;
+    let output =
+        idemflow_cli::inspect(&Held::new(&mut connection), Format::Human, "acme", "").await;
     assert_stderr(output, 2, "inspect_empty_key.txt");
 }
 
@@ -269,7 +406,13 @@ async fn inspect_does_not_flicker_on_the_real_clock(pool: PgPool) {
     tokio::time::sleep(Duration::from_millis(20)).await;
 
     let mut connection = pool.acquire().await.unwrap();
-    let live = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-2").await;
+    let live = idemflow_cli::inspect(
+        &Held::new(&mut connection),
+        Format::Human,
+        "acme",
+        "order-2",
+    )
+    .await;
     assert!(
         live.stdout.contains("\nlease           1h 0m left\n"),
         "{}",
@@ -281,7 +424,13 @@ async fn inspect_does_not_flicker_on_the_real_clock(pool: PgPool) {
         "{}",
         live.stdout
     );
-    let expired = idemflow_cli::inspect(&mut connection, Format::Human, "acme", "order-3").await;
+    let expired = idemflow_cli::inspect(
+        &Held::new(&mut connection),
+        Format::Human,
+        "acme",
+        "order-3",
+    )
+    .await;
     assert!(
         expired
             .stdout
@@ -370,17 +519,35 @@ async fn inspect_shows_the_stored_request_and_response(pool: PgPool) {
     )
     .await;
 
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-1",
+        &show(),
+    )
+    .await;
     assert_stdout(output, 0, "inspect_bodies.txt");
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Json,
+        "acme",
+        "order-1",
+        &show(),
+    )
+    .await;
     assert_stdout(output, 0, "inspect_bodies.json");
 
     // Only what is asked for.
     let request_only = show().with_show_response(false);
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &request_only).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-1",
+        &request_only,
+    )
+    .await;
     assert!(
         output.stdout.contains("\nrequest\n{\n"),
         "{}",
@@ -392,15 +559,28 @@ async fn inspect_shows_the_stored_request_and_response(pool: PgPool) {
         output.stdout
     );
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &request_only).await,
+        &idemflow_cli::inspect_with(
+            &Held::new(&mut tx),
+            Format::Json,
+            "acme",
+            "order-1",
+            &request_only,
+        )
+        .await,
     );
     assert_eq!(json["request"]["json"]["currency"], "EUR");
     assert!(json.get("response").is_none(), "{json}");
 
     // A body stored apart is read from there, and said to be.
     store_apart(&mut tx, "order-1").await;
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-1",
+        &show(),
+    )
+    .await;
     assert!(
         output.stdout.ends_with(
             "\nresponse 201, body 15 bytes, stored apart\ncontent-type: application/json\n\
@@ -410,18 +590,38 @@ async fn inspect_shows_the_stored_request_and_response(pool: PgPool) {
         output.stdout
     );
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await,
+        &idemflow_cli::inspect_with(
+            &Held::new(&mut tx),
+            Format::Json,
+            "acme",
+            "order-1",
+            &show(),
+        )
+        .await,
     );
     assert_eq!(json["response"]["body_apart"], true, "{json}");
     assert_eq!(json["response"]["body"], r#"{"order_id":41}"#);
     assert_eq!(json["response_bytes"], 15);
 
     // A started key has a request and no response yet.
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-2", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-2",
+        &show(),
+    )
+    .await;
     assert_stdout(output, 0, "inspect_bodies_started.txt");
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-2", &show()).await,
+        &idemflow_cli::inspect_with(
+            &Held::new(&mut tx),
+            Format::Json,
+            "acme",
+            "order-2",
+            &show(),
+        )
+        .await,
     );
     assert_eq!(json["request"]["json"]["order"], "order-2");
     assert_eq!(json["response"], serde_json::Value::Null, "{json}");
@@ -448,8 +648,14 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         &[0xde, 0xad, 0xbe, 0xef],
     )
     .await;
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-1",
+        &show(),
+    )
+    .await;
     assert!(
         output.stdout.ends_with(
             "\nresponse 201, body 4 bytes, not UTF-8: shown as base64\n\
@@ -459,7 +665,14 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         output.stdout
     );
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await,
+        &idemflow_cli::inspect_with(
+            &Held::new(&mut tx),
+            Format::Json,
+            "acme",
+            "order-1",
+            &show(),
+        )
+        .await,
     );
     assert_eq!(json["response"]["body_encoding"], "base64");
     assert_eq!(json["response"]["body"], "3q2+7w==");
@@ -468,8 +681,14 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
     // A large body is cut in text, with its size; JSON has it whole.
     let body = "é".repeat(5000);
     store_response(&mut tx, "order-7", "[]", body.as_bytes()).await;
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-7", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-7",
+        &show(),
+    )
+    .await;
     assert!(
         output.stdout.ends_with(&format!(
             "\nresponse 201, body 10000 bytes\n\n{}\n\
@@ -480,7 +699,14 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         output.stdout
     );
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-7", &show()).await,
+        &idemflow_cli::inspect_with(
+            &Held::new(&mut tx),
+            Format::Json,
+            "acme",
+            "order-7",
+            &show(),
+        )
+        .await,
     );
     assert_eq!(json["response"]["body"], body.as_str());
 
@@ -494,8 +720,14 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         b"line 1\n\tline 2\r\x1b[2J\xc2\x9b\x7f",
     )
     .await;
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-8", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-8",
+        &show(),
+    )
+    .await;
     assert!(
         output
             .stdout
@@ -511,8 +743,14 @@ async fn inspect_shows_bodies_that_are_not_text_too_large_or_hostile(pool: PgPoo
         "{}",
         output.stdout
     );
-    let json_output =
-        idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-8", &show()).await;
+    let json_output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Json,
+        "acme",
+        "order-8",
+        &show(),
+    )
+    .await;
     for output in [&output, &json_output] {
         assert!(
             !output.stdout.contains(['\u{1b}', '\u{9b}', '\u{7f}', '\r']),
@@ -547,8 +785,14 @@ async fn inspect_names_the_key_of_sealed_values_and_opens_none(pool: PgPool) {
     )
     .await;
 
-    let output =
-        idemflow_cli::inspect_with(&mut tx, Format::Human, "acme", "order-1", &show()).await;
+    let output = idemflow_cli::inspect_with(
+        &Held::new(&mut tx),
+        Format::Human,
+        "acme",
+        "order-1",
+        &show(),
+    )
+    .await;
     assert!(
         !output.stdout.contains("sealed-response"),
         "{}",
@@ -557,7 +801,14 @@ async fn inspect_names_the_key_of_sealed_values_and_opens_none(pool: PgPool) {
     assert!(!output.stdout.contains("AQBz"), "{}", output.stdout);
     assert_stdout(output, 0, "inspect_sealed.txt");
     let json = document(
-        &idemflow_cli::inspect_with(&mut tx, Format::Json, "acme", "order-1", &show()).await,
+        &idemflow_cli::inspect_with(
+            &Held::new(&mut tx),
+            Format::Json,
+            "acme",
+            "order-1",
+            &show(),
+        )
+        .await,
     );
     assert_eq!(
         json["request"],
@@ -591,14 +842,14 @@ async fn inspect_tells_when_retention_deletes_the_key(pool: PgPool) {
     let expiry = async |tx: &mut PgConnection, key: &str, retention: Option<Duration>| {
         let options = InspectOptions::default().with_retention(retention);
         let output =
-            idemflow_cli::inspect_with(&mut *tx, Format::Human, "acme", key, &options).await;
+            idemflow_cli::inspect_with(&Held::new(tx), Format::Human, "acme", key, &options).await;
         let line = output
             .stdout
             .lines()
             .find_map(|line| line.strip_prefix("expiry          "))
             .map(str::to_owned);
         let json = document(
-            &idemflow_cli::inspect_with(&mut *tx, Format::Json, "acme", key, &options).await,
+            &idemflow_cli::inspect_with(&Held::new(tx), Format::Json, "acme", key, &options).await,
         );
         (
             line.unwrap_or_else(|| panic!("no expiry line: {}", output.stdout)),
@@ -649,16 +900,16 @@ async fn list_stuck_shows_expired_and_much_retried_keys(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed_all(&mut tx, &[DONE, LIVE, EXPIRED, RETRIED]).await;
 
-    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 5, 100).await;
+    let output = idemflow_cli::list_stuck(&Held::new(&mut tx), Format::Human, 5, 100).await;
     assert_stdout(output, 0, "list_stuck.txt");
 
-    let output = idemflow_cli::list_stuck(&mut tx, Format::Json, 5, 100).await;
+    let output = idemflow_cli::list_stuck(&Held::new(&mut tx), Format::Json, 5, 100).await;
     assert_stdout(output, 0, "list_stuck.json");
 
     // Fewer attempts make more keys stuck; a limit says when it cut the list.
-    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 1, 2).await;
+    let output = idemflow_cli::list_stuck(&Held::new(&mut tx), Format::Human, 1, 2).await;
     assert_stdout(output, 0, "list_stuck_limited.txt");
-    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 1, 100).await;
+    let output = idemflow_cli::list_stuck(&Held::new(&mut tx), Format::Human, 1, 100).await;
     assert!(
         output.stdout.contains("\nacme    order-2   "),
         "{}",
@@ -671,9 +922,9 @@ async fn list_stuck_says_when_nothing_is_stuck(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed_all(&mut tx, &[DONE, LIVE]).await;
 
-    let output = idemflow_cli::list_stuck(&mut tx, Format::Human, 5, 100).await;
+    let output = idemflow_cli::list_stuck(&Held::new(&mut tx), Format::Human, 5, 100).await;
     assert_stdout(output, 0, "list_stuck_none.txt");
-    let output = idemflow_cli::list_stuck(&mut tx, Format::Json, 5, 100).await;
+    let output = idemflow_cli::list_stuck(&Held::new(&mut tx), Format::Json, 5, 100).await;
     assert_stdout(output, 0, "list_stuck_none.json");
 }
 
@@ -689,11 +940,13 @@ async fn end_lease_refuses_a_live_owner_unless_forced_and_forcing_advances_the_f
     let mut tx = pool.begin().await.unwrap();
     seed_all(&mut tx, &[DONE, LIVE]).await;
 
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2", false).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Human, "acme", "order-2", false).await;
     assert_stdout(output, 1, "end_lease_live_refused.txt");
-    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-2", false).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Json, "acme", "order-2", false).await;
     assert_stdout(output, 1, "end_lease_live_refused.json");
-    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Human, "acme", "order-2").await;
     assert!(
         output.stdout.contains("\nlease           1h 0m left\n"),
         "{}",
@@ -701,10 +954,11 @@ async fn end_lease_refuses_a_live_owner_unless_forced_and_forcing_advances_the_f
     );
     assert!(output.stdout.contains("\nlock_version    0\n"));
 
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2", true).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Human, "acme", "order-2", true).await;
     assert_stdout(output, 0, "end_lease_live.txt");
     // The lease ended at now(), which stands still in this transaction.
-    let output = idemflow_cli::inspect(&mut tx, Format::Human, "acme", "order-2").await;
+    let output = idemflow_cli::inspect(&Held::new(&mut tx), Format::Human, "acme", "order-2").await;
     assert!(
         output.stdout.contains("\nlease           expired 0s ago\n"),
         "{}",
@@ -726,18 +980,23 @@ async fn end_lease_refuses_a_live_owner_unless_forced_and_forcing_advances_the_f
     assert_eq!(held, 0);
 
     // Ended again: its lease already ended, there is nothing to do (forced or not).
-    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-2", false).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Json, "acme", "order-2", false).await;
     assert_stdout(output, 0, "end_lease_again.json");
 
     // A done key has no lease to end.
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-1", true).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Human, "acme", "order-1", true).await;
     assert_stdout(output, 1, "end_lease_done.txt");
-    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-1", true).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Json, "acme", "order-1", true).await;
     assert_stdout(output, 1, "end_lease_done.json");
 
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-9", true).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Human, "acme", "order-9", true).await;
     assert_stdout(output, 1, "end_lease_missing.txt");
-    let output = idemflow_cli::end_lease(&mut tx, Format::Json, "acme", "order-9", true).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Json, "acme", "order-9", true).await;
     assert_stdout(output, 1, "end_lease_missing.json");
 }
 
@@ -760,7 +1019,8 @@ async fn end_lease_says_who_takes_a_due_key_over(pool: PgPool) {
         )
     };
 
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-3", false).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Human, "acme", "order-3", false).await;
     assert_eq!(
         (output.code, output.stdout.as_str()),
         (
@@ -773,7 +1033,8 @@ async fn end_lease_says_who_takes_a_due_key_over(pool: PgPool) {
             .as_str()
         )
     );
-    let output = idemflow_cli::end_lease(&mut tx, Format::Human, "acme", "order-2", true).await;
+    let output =
+        idemflow_cli::end_lease(&Held::new(&mut tx), Format::Human, "acme", "order-2", true).await;
     assert_eq!(output.code, 0, "{output:?}");
     assert!(
         output.stdout.ends_with(&format!(
@@ -803,7 +1064,14 @@ async fn ending_a_lease_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
         let pool = pool.clone();
         async move {
             let mut connection = pool.acquire().await.unwrap();
-            idemflow_cli::end_lease(&mut connection, Format::Human, "acme", "order-2", true).await
+            idemflow_cli::end_lease(
+                &Held::new(&mut connection),
+                Format::Human,
+                "acme",
+                "order-2",
+                true,
+            )
+            .await
         }
     });
     tokio::time::timeout(Duration::from_secs(10), async {
@@ -828,7 +1096,7 @@ async fn ending_a_lease_is_fenced_by_the_lock_version_it_read(pool: PgPool) {
     // Its fenced update then matches no row: the new owner's lease is left alone.
     assert_stdout(release.await.unwrap(), 1, "end_lease_fenced.txt");
     let output = idemflow_cli::inspect(
-        &mut pool.acquire().await.unwrap(),
+        &Held::new(&mut pool.acquire().await.unwrap()),
         Format::Human,
         "acme",
         "order-2",
@@ -850,7 +1118,7 @@ async fn ending_a_lease_wakes_idle_resumers(pool: PgPool) {
     listener.listen(idemflow_pg::DUE_CHANNEL).await.unwrap();
 
     let output = idemflow_cli::end_lease(
-        &mut pool.acquire().await.unwrap(),
+        &Held::new(&mut pool.acquire().await.unwrap()),
         Format::Human,
         "acme",
         "order-2",
@@ -894,9 +1162,10 @@ async fn expire_deletes_only_old_finished_keys(pool: PgPool) {
 
     let day = Duration::from_secs(24 * 60 * 60);
     // One row per batch: expire goes on until nothing old is left.
-    let output = idemflow_cli::expire(&pool, Format::Human, day, 1).await;
+    let output = idemflow_cli::expire(&PgOperator::new(pool.clone()), Format::Human, day, 1).await;
     assert_stdout(output, 0, "expire_old.txt");
-    let output = idemflow_cli::expire(&pool, Format::Json, day, 1000).await;
+    let output =
+        idemflow_cli::expire(&PgOperator::new(pool.clone()), Format::Json, day, 1000).await;
     assert_stdout(output, 0, "expire_nothing_left.json");
 
     let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys ORDER BY key")
@@ -905,7 +1174,13 @@ async fn expire_deletes_only_old_finished_keys(pool: PgPool) {
         .unwrap();
     assert_eq!(left, ["order-2", "order-3", "order-8"]);
 
-    let output = idemflow_cli::expire(&pool, Format::Human, Duration::from_secs(60), 1000).await;
+    let output = idemflow_cli::expire(
+        &PgOperator::new(pool.clone()),
+        Format::Human,
+        Duration::from_secs(60),
+        1000,
+    )
+    .await;
     assert_stdout(output, 0, "expire_one_minute.txt");
 }
 
@@ -917,18 +1192,18 @@ async fn stats_counts_keys_and_measures_the_resumer_lag(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     seed_all(&mut tx, &[DONE, LIVE, EXPIRED, RETRIED]).await;
 
-    let output = idemflow_cli::stats(&mut tx, Format::Human).await;
+    let output = idemflow_cli::stats(&Held::new(&mut tx), Format::Human).await;
     assert_stdout(output, 0, "stats.txt");
-    let output = idemflow_cli::stats(&mut tx, Format::Json).await;
+    let output = idemflow_cli::stats(&Held::new(&mut tx), Format::Json).await;
     assert_stdout(output, 0, "stats.json");
 }
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
 async fn stats_of_an_empty_table(pool: PgPool) {
     let mut connection = pool.acquire().await.unwrap();
-    let output = idemflow_cli::stats(&mut connection, Format::Human).await;
+    let output = idemflow_cli::stats(&Held::new(&mut connection), Format::Human).await;
     assert_stdout(output, 0, "stats_empty.txt");
-    let output = idemflow_cli::stats(&mut connection, Format::Json).await;
+    let output = idemflow_cli::stats(&Held::new(&mut connection), Format::Json).await;
     assert_stdout(output, 0, "stats_empty.json");
 }
 
@@ -937,9 +1212,9 @@ async fn stats_of_an_empty_table(pool: PgPool) {
 
 #[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
 async fn migrate_again_changes_nothing_and_lists_the_migrations(pool: PgPool) {
-    let output = idemflow_cli::migrate(&pool, Format::Human).await;
+    let output = idemflow_cli::migrate(&PgOperator::new(pool.clone()), Format::Human).await;
     assert_stdout(output, 0, "migrate.txt");
-    let output = idemflow_cli::migrate(&pool, Format::Json).await;
+    let output = idemflow_cli::migrate(&PgOperator::new(pool.clone()), Format::Json).await;
     assert_stdout(output, 0, "migrate.json");
 }
 
@@ -1002,15 +1277,6 @@ fn fingerprint_prints_the_canonical_json_text_safe_for_a_terminal() {
             stderr: String::new()
         }
     );
-    // The binary prints the same bytes.
-    assert_eq!(
-        idemflow(
-            &["fingerprint", "--method", "POST", "--path", "/v1/checkouts"],
-            body,
-            None
-        ),
-        (0, expected, String::new())
-    );
     // JSON carries the same text as a JSON string.
     let output = idemflow_cli::fingerprint(Format::Json, "POST", "/v1/checkouts", body);
     let document: serde_json::Value = serde_json::from_str(&output.stdout).unwrap();
@@ -1040,193 +1306,6 @@ fn fingerprint_refuses_what_the_runner_refuses() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// the binary
-
-/// The URL of the test's own database: DATABASE_URL with its database name replaced.
-async fn test_database_url(pool: &PgPool) -> String {
-    let name: String = sqlx::query_scalar("SELECT current_database()")
-        .fetch_one(pool)
-        .await
-        .unwrap();
-    let base = std::env::var("DATABASE_URL").unwrap();
-    let (base, query) = match base.split_once('?') {
-        Some((base, query)) => (base.to_owned(), format!("?{query}")),
-        None => (base, String::new()),
-    };
-    let authority_start = base.find("://").map_or(0, |at| at + 3);
-    let server = match base[authority_start..].find('/') {
-        Some(slash) => &base[..authority_start + slash],
-        None => &base,
-    };
-    format!("{server}/{name}{query}")
-}
-
-/// Runs the real `idemflow` binary; returns (exit code, stdout, stderr).
-fn idemflow(args: &[&str], stdin: &[u8], database_url: Option<&str>) -> (i32, String, String) {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idemflow"));
-    command
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    match database_url {
-        Some(url) => command.env("DATABASE_URL", url),
-        None => command.env_remove("DATABASE_URL"),
-    };
-    let mut child = command.spawn().unwrap();
-    child.stdin.take().unwrap().write_all(stdin).unwrap();
-    let output = child.wait_with_output().unwrap();
-    (
-        output.status.code().unwrap(),
-        String::from_utf8(output.stdout).unwrap(),
-        String::from_utf8(output.stderr).unwrap(),
-    )
-}
-
-#[sqlx::test(migrator = "idemflow_pg::MIGRATOR")]
-async fn the_binary_reads_stdin_connects_and_exits_with_the_right_codes(pool: PgPool) {
-    seed_all(&mut pool.acquire().await.unwrap(), &[DONE, LIVE]).await;
-    let url = test_database_url(&pool).await;
-
-    // fingerprint: the body on stdin, no database needed.
-    let fingerprint = |body: &[u8]| {
-        idemflow(
-            &["fingerprint", "--method", "POST", "--path", "/v1/checkouts"],
-            body,
-            None,
-        )
-    };
-    let (code, stdout, stderr) = fingerprint(br#"{"amount":1200,"currency":"EUR"}"#);
-    assert_eq!((code, stderr.as_str()), (0, ""));
-    assert_snapshot("binary_fingerprint.txt", &stdout);
-    assert_eq!(
-        fingerprint(b"{\"currency\":\"EUR\", \"amount\":1200.0}"),
-        (code, stdout, stderr)
-    );
-    assert_eq!(
-        fingerprint(b"[1,]"),
-        (
-            1,
-            String::new(),
-            "error: the body is not valid JSON: expected a JSON value at byte 3\n".to_owned()
-        )
-    );
-
-    // inspect, on the real clock, with --database-url (DATABASE_URL unset) or DATABASE_URL.
-    let (code, stdout, stderr) = idemflow(
-        &[
-            "inspect",
-            "--tenant",
-            "acme",
-            "--key",
-            "order-2",
-            "--database-url",
-            &url,
-        ],
-        b"",
-        None,
-    );
-    assert_eq!((code, stderr.as_str()), (0, ""));
-    assert_snapshot("binary_inspect.txt", &stdout);
-    let (code, stdout, stderr) = idemflow(
-        &["--json", "inspect", "--tenant", "acme", "--key", "order-1"],
-        b"",
-        Some(&url),
-    );
-    assert_eq!((code, stderr.as_str()), (0, ""));
-    assert!(
-        stdout.contains("\n  \"response_status\": 201,\n"),
-        "{stdout}"
-    );
-
-    // The stored bodies and the time left before expiry, on the real clock: finished two days
-    // (and a few milliseconds) ago, so a retention of 72h 30m leaves a day and half an hour,
-    // which a few seconds more or less does not change.
-    let (code, stdout, stderr) = idemflow(
-        &[
-            "inspect",
-            "--tenant",
-            "acme",
-            "--key",
-            "order-1",
-            "--show-request",
-            "--show-response",
-            "--retention",
-            "4350m",
-        ],
-        b"",
-        Some(&url),
-    );
-    assert_eq!((code, stderr.as_str()), (0, ""));
-    assert!(
-        stdout.contains(
-            "\nexpiry          expires in ~1d 0h (finished 2d 0h ago; retention 3d 0h)\n\n\
-             request\n{\n  \"amount\": 1200,\n  \"currency\": \"EUR\"\n}\n"
-        ),
-        "{stdout}"
-    );
-    assert!(
-        stdout.ends_with("\nresponse 201, body 15 bytes\n\n{\"order_id\":41}\n"),
-        "{stdout}"
-    );
-    let (code, stdout, stderr) = idemflow(
-        &[
-            "inspect",
-            "--tenant",
-            "acme",
-            "--key",
-            "order-1",
-            "--retention",
-            "7",
-        ],
-        b"",
-        Some(&url),
-    );
-    assert_eq!((code, stdout.as_str()), (2, ""));
-    assert!(stderr.contains("invalid duration \"7\""), "{stderr}");
-
-    // A missing key: exit 1, the reason on stderr.
-    assert_eq!(
-        idemflow(
-            &["inspect", "--tenant", "acme", "--key", "order-9"],
-            b"",
-            Some(&url)
-        ),
-        (
-            1,
-            String::new(),
-            "error: no key \"order-9\" for tenant \"acme\"\n".to_owned()
-        )
-    );
-    // No database: exit 2.
-    assert_eq!(
-        idemflow(&["stats"], b"", None),
-        (
-            2,
-            String::new(),
-            "error: no database: pass --database-url postgres://... or set DATABASE_URL\n"
-                .to_owned()
-        )
-    );
-    // A bad duration is refused before connecting: exit 2 (clap's usage error).
-    let (code, stdout, stderr) = idemflow(&["expire", "--older-than", "24"], b"", Some(&url));
-    assert_eq!((code, stdout.as_str()), (2, ""));
-    assert!(
-        stderr.contains("invalid duration \"24\": the unit is missing"),
-        "{stderr}"
-    );
-    // Nothing was deleted by all this.
-    let (code, stdout, _) = idemflow(&["stats"], b"", Some(&url));
-    assert_eq!(code, 0);
-    assert!(
-        stdout.starts_with(
-            "WORKFLOW     STATE    KEYS\ncheckout.v1  done     1\ncheckout.v1  started  1\n"
-        ),
-        "{stdout}"
-    );
-}
-
-// ---------------------------------------------------------------------------------------------
 // partitions
 //
 // Partition names and ranges follow the clock, so these outputs are checked field by field, not
@@ -1247,13 +1326,15 @@ async fn partitions_adopt_list_and_maintain(pool: PgPool) {
         ],
     )
     .await;
-    let output = idemflow_cli::partitions_list(&mut connection, Format::Human).await;
+    let output = idemflow_cli::partitions_list(&PgOperator::new(pool.clone()), Format::Human).await;
     assert_eq!(output.code, idemflow_cli::exit::USAGE, "{output:?}");
     assert!(output.stderr.contains("not partitioned"), "{output:?}");
     drop(connection);
 
     let hour = Duration::from_secs(60 * 60);
-    let output = idemflow_cli::partitions_adopt(&pool, Format::Json, 6 * hour, 2).await;
+    let output =
+        idemflow_cli::partitions_adopt(&PgOperator::new(pool.clone()), Format::Json, 6 * hour, 2)
+            .await;
     assert_eq!((output.code, output.stderr.as_str()), (0, ""), "{output:?}");
     let adopted: serde_json::Value = serde_json::from_str(&output.stdout).unwrap();
     assert_eq!(adopted["keys"], 2);
@@ -1261,12 +1342,13 @@ async fn partitions_adopt_list_and_maintain(pool: PgPool) {
     let partitions = adopted["partitions"].as_u64().unwrap();
     assert!((13..=15).contains(&partitions), "{partitions}");
 
-    let output = idemflow_cli::partitions_adopt(&pool, Format::Human, hour, 2).await;
+    let output =
+        idemflow_cli::partitions_adopt(&PgOperator::new(pool.clone()), Format::Human, hour, 2)
+            .await;
     assert_eq!(output.code, idemflow_cli::exit::USAGE);
     assert!(output.stderr.contains("partitioned already"), "{output:?}");
 
-    let mut connection = pool.acquire().await.unwrap();
-    let output = idemflow_cli::partitions_list(&mut connection, Format::Human).await;
+    let output = idemflow_cli::partitions_list(&PgOperator::new(pool.clone()), Format::Human).await;
     assert_eq!(output.code, 0, "{output:?}");
     let lines: Vec<&str> = output.stdout.lines().collect();
     assert!(lines[0].starts_with("PARTITION"), "{}", output.stdout);
@@ -1277,11 +1359,12 @@ async fn partitions_adopt_list_and_maintain(pool: PgPool) {
         output.stdout
     );
     assert!(lines[1].ends_with("attached"), "{}", output.stdout);
-    drop(connection);
 
     // A day's window: the partition of the started key is kept (exit 1, an alert), the done
     // key's and the empty ones older than a day go.
-    let output = idemflow_cli::partitions_maintain(&pool, Format::Human, 24 * hour).await;
+    let output =
+        idemflow_cli::partitions_maintain(&PgOperator::new(pool.clone()), Format::Human, 24 * hour)
+            .await;
     assert_eq!(output.code, idemflow_cli::exit::NO, "{output:?}");
     assert!(
         output
@@ -1308,7 +1391,9 @@ async fn partitions_adopt_list_and_maintain(pool: PgPool) {
         .unwrap();
     assert_eq!(left, ["order-3"]);
 
-    let output = idemflow_cli::partitions_maintain(&pool, Format::Json, 24 * hour).await;
+    let output =
+        idemflow_cli::partitions_maintain(&PgOperator::new(pool.clone()), Format::Json, 24 * hour)
+            .await;
     let maintained: serde_json::Value = serde_json::from_str(&output.stdout).unwrap();
     assert_eq!(maintained["kept"][0]["started_keys"], 1);
     assert_eq!(maintained["dropped"], serde_json::json!([]));

@@ -52,7 +52,7 @@ pub async fn key_page(
             &reason,
         );
     }
-    let report = match console.backend.key(&query.tenant, &query.key).await {
+    let report = match console.operator.key_report(&query.tenant, &query.key).await {
         Ok(Some(report)) => report,
         Ok(None) => {
             let text = format!(
@@ -82,7 +82,7 @@ pub async fn key_page(
     let workflow = console.workflows.get(&report.workflow).map(Vec::as_slice);
     body.push_str(&pages::phases(&report, workflow));
     body.push_str(&pages::actions(&frame, &report));
-    match console.backend.bodies(&query.tenant, &query.key).await {
+    match console.operator.key_bodies(&query.tenant, &query.key).await {
         Ok(Some(bodies)) => body.push_str(&pages::bodies(&bodies)),
         // Deleted between the two reads: the page shows the key as it was.
         Ok(None) => {}
@@ -319,7 +319,7 @@ async fn decide(
         );
     };
     let who = format!("key {:?} of tenant {:?}", form.key, form.tenant);
-    let report = match console.backend.key(&form.tenant, &form.key).await {
+    let report = match console.operator.key_report(&form.tenant, &form.key).await {
         Ok(Some(report)) => report,
         Ok(None) => return (Some(Outcome::NotFound), format!("no {who}: it was deleted")),
         Err(error) => return (Some(Outcome::Failed), error.to_string()),
@@ -408,7 +408,7 @@ async fn end_lease_of(
         );
     }
     match console
-        .backend
+        .operator
         .end_lease(&report.tenant, &report.key, report.lock_version)
         .await
     {
@@ -445,7 +445,7 @@ async fn expire_of(
         );
     }
     match console
-        .backend
+        .operator
         .expire_key(
             &report.tenant,
             &report.key,

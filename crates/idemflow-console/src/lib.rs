@@ -1,10 +1,11 @@
-//! The operator console: an axum [`Router`] over one engine's keys, for an application to mount
+//! The operator console: an axum [`Router`] over one engine's keys (any engine's [`Operator`]), for an application to mount
 //! under a prefix of its choice (behind its own authentication layers), or to run alone with
 //! `idemflow console`.
 //!
 //! ```no_run
-//! # async fn mount(pool: sqlx::PgPool, app: axum::Router) {
-//! let console = idemflow_console::Console::postgres(pool).read_only(true);
+//! # async fn mount(pool: sqlx::SqlitePool, app: axum::Router) {
+//! let operator = idemflow_sqlite::SqliteOperator::new(pool);
+//! let console = idemflow_console::Console::new(operator).read_only(true);
 //! let app = app.nest("/ops/idemflow", console.router());
 //! # }
 //! ```
@@ -21,7 +22,6 @@
 #![deny(missing_docs)]
 
 mod actions;
-pub mod backend;
 mod html;
 mod pages;
 mod search;
@@ -36,9 +36,8 @@ use axum::http::{HeaderValue, Request, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use sqlx::{MySqlPool, PgPool, SqlitePool};
+use idemflow_store::Operator;
 
-pub use backend::{Backend, BackendError};
 pub use search::{PAGE, SCAN, SearchForm};
 pub use serve::{PASSWORD_ENV, ServeError, ServeOptions, serve};
 
@@ -59,7 +58,7 @@ pub struct Principal(pub String);
 /// The console over one engine's database.
 #[derive(Clone)]
 pub struct Console {
-    backend: Arc<dyn Backend>,
+    operator: Arc<dyn Operator>,
     read_only: bool,
     workflows: Arc<HashMap<String, Vec<(String, bool)>>>,
 }
@@ -68,35 +67,26 @@ impl std::fmt::Debug for Console {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("Console")
-            .field("engine", &self.backend.engine())
+            .field("engine", &self.operator.engine())
             .field("read_only", &self.read_only)
             .finish()
     }
 }
 
 impl Console {
-    /// A console over any [`Backend`].
-    pub fn new(backend: impl Backend) -> Self {
+    /// A console over any engine's [`Operator`] (`PgOperator`, `SqliteOperator`,
+    /// `MySqlOperator`, `RedisOperator`, or one opened by URL).
+    pub fn new(operator: impl Operator + 'static) -> Self {
+        Self::shared(Arc::new(operator))
+    }
+
+    /// A console over an operator already shared (one opened by URL, boxed).
+    pub fn shared(operator: Arc<dyn Operator>) -> Self {
         Self {
-            backend: Arc::new(backend),
+            operator,
             read_only: false,
             workflows: Arc::default(),
         }
-    }
-
-    /// A console over a PostgreSQL database of idemflow's keys.
-    pub fn postgres(pool: PgPool) -> Self {
-        Self::new(backend::Postgres(pool))
-    }
-
-    /// A console over a SQLite database of idemflow's keys.
-    pub fn sqlite(pool: SqlitePool) -> Self {
-        Self::new(backend::Sqlite(pool))
-    }
-
-    /// A console over a MariaDB (or MySQL) database of idemflow's keys.
-    pub fn mysql(pool: MySqlPool) -> Self {
-        Self::new(backend::MySql(pool))
     }
 
     /// Read-only: every action is refused by the server (403), and no action is offered.
@@ -141,7 +131,7 @@ impl Console {
     fn frame<'a>(&'a self, base: &'a str, principal: Option<&'a Principal>) -> Frame<'a> {
         Frame {
             base,
-            engine: self.backend.engine(),
+            engine: self.operator.engine(),
             read_only: self.read_only,
             principal: principal.map(|p| p.0.as_str()),
         }
@@ -195,7 +185,7 @@ async fn overview(
 ) -> Response {
     let base = base(&original, &uri);
     let principal = principal.map(|axum::Extension(p)| p);
-    match console.backend.overview().await {
+    match console.operator.overview().await {
         Ok(overview) => Html(pages::overview(
             &console.frame(&base, principal.as_ref()),
             &overview,
@@ -242,7 +232,7 @@ async fn search_page(
                 .into_response();
         }
     };
-    match search::run(console.backend.as_ref(), &parsed).await {
+    match search::run(console.operator.as_ref(), &parsed).await {
         Ok(found) => Html(pages::search(&frame, &form, Some(&found))).into_response(),
         Err(error) => failure(
             &console,
@@ -265,7 +255,7 @@ async fn stuck(
 ) -> Response {
     let base = base(&original, &uri);
     let principal = principal.map(|axum::Extension(p)| p);
-    match console.backend.stuck(STUCK_ATTEMPTS, 100).await {
+    match console.operator.stuck_keys(STUCK_ATTEMPTS, 100).await {
         Ok(keys) => Html(pages::stuck(
             &console.frame(&base, principal.as_ref()),
             &keys,

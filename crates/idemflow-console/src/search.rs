@@ -11,7 +11,7 @@ use idemflow_core::{Key, TenantId};
 use idemflow_store::{KeyReport, ScanFrom};
 use serde::Deserialize;
 
-use crate::backend::{Backend, BackendError};
+use idemflow_store::{Operator, OperatorError};
 
 /// Rows read per page.
 pub const SCAN: i64 = 500;
@@ -63,7 +63,7 @@ pub enum SearchError {
     },
     /// The database failed.
     #[error("the database failed: {0}")]
-    Database(#[from] BackendError),
+    Database(#[from] OperatorError),
 }
 
 fn invalid(field: &'static str, reason: impl std::fmt::Display) -> SearchError {
@@ -201,8 +201,8 @@ pub struct Found {
 }
 
 /// Runs one page of `search`.
-pub async fn run(backend: &dyn Backend, search: &Search) -> Result<Found, SearchError> {
-    let rows = backend.scan(&search.from(), SCAN).await?;
+pub async fn run(operator: &dyn Operator, search: &Search) -> Result<Found, SearchError> {
+    let rows = operator.scan_keys(&search.from(), SCAN).await?;
     let mut keys = Vec::new();
     let mut next = None;
     let mut scanned = 0;

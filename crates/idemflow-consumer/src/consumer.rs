@@ -10,12 +10,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idemflow_runner::{ConnectionOf, EngineOf, PgStore, PoolOf};
+use idemflow_store::{ConnectionOf, ConsumerStore, DatabaseError, EngineError, EnginePool, PoolOf};
 use tracing::Instrument;
 
 use crate::identity::{Message, Subscriber, hex};
 use crate::metrics::{self, DUPLICATES, FAILED, PROCESSED, REFUSED, count};
-use crate::store::{ConsumerStore, consumer_error};
 
 /// What a handler's error becomes: any error converts (`?` on sqlx's, serde's, yours).
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
@@ -26,10 +25,11 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 /// A handler must do nothing outside that transaction that it cannot do twice: a message whose
 /// commit failed, or whose process died before it, is delivered again and the handler runs again.
 ///
-/// A handler names the engine it writes through (`E`, PostgreSQL unless named): on SQLite,
-/// `impl Handler<SqliteStore> for …` receives a `SqliteConnection`.
+/// A handler names the engine it writes through (`E`): on SQLite, `impl Handler<SqliteStore> for
+/// …` receives a `SqliteConnection`; on PostgreSQL, `impl Handler<PgStore> for …` a
+/// `PgConnection`.
 #[async_trait]
-pub trait Handler<E: ConsumerStore = PgStore>: Send + Sync {
+pub trait Handler<E: ConsumerStore>: Send + Sync {
     /// The message's effects. An error rolls them back with the identity: the delivery is to be
     /// redelivered (negatively acknowledged, or left to the broker).
     async fn handle(
@@ -76,7 +76,7 @@ pub enum ConsumerError {
     /// The database failed; nothing was recorded unless the failure was the commit's answer
     /// lost, in which case a redelivery is recognised as a duplicate.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(#[from] DatabaseError),
     /// The message's identity was inserted and deleted again (retention) between two statements
     /// three times over: try the delivery again.
     #[error("message {0:?} kept changing under retention; try again")]
@@ -124,10 +124,10 @@ pub trait ConsumerCrashHook: Send + Sync + fmt::Debug {
     async fn crash_at(&self, point: ConsumerCrashPoint, message: &Message) -> bool;
 }
 
-/// Applies messages for one subscriber, each at most once, on a pool of engine `E` (PostgreSQL
-/// unless named; [`Consumer::new`] knows it from the pool).
+/// Applies messages for one subscriber, each at most once, on a pool of engine `E`
+/// ([`Consumer::new`] knows it from the pool).
 #[derive(Debug)]
-pub struct Consumer<E: ConsumerStore = PgStore> {
+pub struct Consumer<E: ConsumerStore> {
     pool: PoolOf<E>,
     subscriber: Subscriber,
     crash_hook: Option<Arc<dyn ConsumerCrashHook>>,
@@ -150,15 +150,18 @@ impl<E: ConsumerStore> Clone for Consumer<E> {
 /// How often an identity found and gone again is tried before [`ConsumerError::Contended`].
 const ROUNDS: usize = 3;
 
-impl Consumer {
-    /// A consumer for `subscriber` on `pool` (a `PgPool` or a `SqlitePool`: the engine follows
-    /// from it). Describes the metrics to the installed recorder once per process. The pool's
-    /// database must be migrated (`idemflow::migrate`, or `idemflow_sqlite::open`).
-    pub fn new<D>(pool: sqlx::Pool<D>, subscriber: Subscriber) -> Consumer<D::Engine>
-    where
-        D: EngineOf,
-        D::Engine: ConsumerStore,
-    {
+impl<E: ConsumerStore> Consumer<E> {
+    /// A consumer for `subscriber` on `pool` (a `PgPool`, a `SqlitePool`, a `MySqlPool`: the
+    /// engine follows from it). Describes the metrics to the installed recorder once per
+    /// process. The pool's database must be migrated (each engine's `migrate`, or `open`).
+    pub fn new(pool: impl EnginePool<E>, subscriber: Subscriber) -> Self {
+        Self::on(pool.into_pool(), subscriber)
+    }
+
+    /// [`Consumer::new`] on engine `E`'s pool, named through the engine: what code generic over
+    /// `E` calls (there the pool's type is `sqlx::Pool<E::Database>`, which the compiler does not
+    /// see as `E`'s pool).
+    pub fn on(pool: PoolOf<E>, subscriber: Subscriber) -> Self {
         metrics::describe_once();
         Consumer {
             pool,
@@ -167,9 +170,7 @@ impl Consumer {
             wait_limit: None,
         }
     }
-}
 
-impl<E: ConsumerStore> Consumer<E> {
     /// The same consumer, waiting at most `limit` on another delivery of the same message that
     /// is in flight (its uncommitted identity): past it the delivery ends with
     /// [`ConsumerError::HeldElsewhere`] rather than holding its connection and its broker slot
@@ -249,24 +250,30 @@ impl<E: ConsumerStore> Consumer<E> {
         handler: &H,
         message: &Message,
     ) -> Result<Processed, ConsumerError> {
-        let mut transaction = E::begin_delivery(&self.pool, self.wait_limit).await?;
+        let failed = |error| consumer_error(error, message.id());
+        let mut transaction = E::begin_delivery(&self.pool, self.wait_limit)
+            .await
+            .map_err(failed)?;
         let subscriber = self.subscriber.as_str();
         let mut rounds = 0;
         // The identity before the effects: a second delivery in flight waits here, behind the
         // first's uncommitted identity, rather than running the handler beside it.
         loop {
             let fingerprint = message.fingerprint().as_slice();
-            if E::insert_identity(&mut transaction, subscriber, message.id(), fingerprint).await? {
+            if E::insert_identity(&mut transaction, subscriber, message.id(), fingerprint)
+                .await
+                .map_err(failed)?
+            {
                 break;
             }
             // A separate statement, so a fresh snapshot (Read Committed) sees the row that the
             // insert found, committed by another transaction after this one began.
-            let stored = E::stored_fingerprint(&mut transaction, subscriber, message.id()).await?;
+            let stored = E::stored_fingerprint(&mut transaction, subscriber, message.id())
+                .await
+                .map_err(failed)?;
             match stored {
                 Some(stored) => {
-                    E::rollback(transaction)
-                        .await
-                        .map_err(|error| consumer_error(error, message.id()))?;
+                    E::rollback(transaction).await.map_err(failed)?;
                     if stored.as_slice() == message.fingerprint().as_slice() {
                         return Ok(Processed::Duplicate);
                     }
@@ -289,9 +296,7 @@ impl<E: ConsumerStore> Consumer<E> {
         match handled {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                E::rollback(transaction)
-                    .await
-                    .map_err(|error| consumer_error(error, message.id()))?;
+                E::rollback(transaction).await.map_err(failed)?;
                 return Err(ConsumerError::Handler(error));
             }
             Err(panic) => {
@@ -309,9 +314,7 @@ impl<E: ConsumerStore> Consumer<E> {
             drop(transaction);
             return Err(ConsumerError::Crashed(ConsumerCrashPoint::BeforeCommit));
         }
-        E::commit_keeping(transaction)
-            .await
-            .map_err(|error| consumer_error(error, message.id()))?;
+        E::commit_keeping(transaction).await.map_err(failed)?;
         if self
             .crashes_at(ConsumerCrashPoint::AfterCommit, message)
             .await
@@ -326,6 +329,16 @@ impl<E: ConsumerStore> Consumer<E> {
             None => false,
             Some(hook) => hook.crash_at(point, message).await,
         }
+    }
+}
+
+/// An engine's error as the consumer reports it: busy is another delivery of the message holding
+/// it past the wait limit.
+fn consumer_error(error: EngineError, message_id: &str) -> ConsumerError {
+    match error {
+        EngineError::Busy => ConsumerError::HeldElsewhere(message_id.to_owned()),
+        EngineError::Database(error) => ConsumerError::Database(error),
+        other => ConsumerError::Database(DatabaseError::other(other)),
     }
 }
 

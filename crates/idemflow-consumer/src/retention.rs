@@ -2,12 +2,9 @@
 //! as finished keys are.
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use idemflow_runner::EngineOf;
-use sqlx::{PgConnection, Pool};
-
-use crate::store::ConsumerStore;
+use idemflow_store::{ConsumerStore, EngineError, EnginePool};
 
 use crate::metrics::EXPIRED;
 
@@ -19,7 +16,7 @@ use crate::metrics::EXPIRED;
 /// own retry horizon.
 ///
 /// ```no_run
-/// # async fn example(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+/// # async fn example(pool: sqlx::SqlitePool) -> Result<(), idemflow_store::EngineError> {
 /// use std::time::Duration;
 /// use idemflow_consumer::MessageRetention;
 ///
@@ -60,11 +57,10 @@ impl Default for MessageRetention {
 impl MessageRetention {
     /// Deletes every record older than `keep_for`, in batches, at most `max_rows_per_second`;
     /// returns how many.
-    pub async fn expire<D>(&self, pool: &Pool<D>) -> Result<u64, sqlx::Error>
-    where
-        D: EngineOf,
-        D::Engine: ConsumerStore,
-    {
+    pub async fn expire<E: ConsumerStore>(
+        &self,
+        pool: &impl EnginePool<E>,
+    ) -> Result<u64, EngineError> {
         expire_processed(
             pool,
             self.keep_for,
@@ -76,11 +72,11 @@ impl MessageRetention {
 
     /// Expires now and then every `every` until `shutdown` completes. A failed run is logged and
     /// tried again at the next tick: retention is never urgent.
-    pub async fn run<D>(&self, pool: &Pool<D>, shutdown: impl Future<Output = ()>)
-    where
-        D: EngineOf,
-        D::Engine: ConsumerStore,
-    {
+    pub async fn run<E: ConsumerStore>(
+        &self,
+        pool: &impl EnginePool<E>,
+        shutdown: impl Future<Output = ()>,
+    ) {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut ticks = tokio::time::interval(self.every.max(Duration::from_millis(1)));
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -96,66 +92,24 @@ impl MessageRetention {
     }
 }
 
-/// Deletes up to `batch_size` records processed more than `older_than` ago; returns how many.
-/// The oldest are chosen through the `processed_at` index and deleted by primary key;
-/// `SKIP LOCKED` lets two workers' retention runs split the rows instead of queueing on each
-/// other. A delivery that found a record this deletes before it could read it inserts again
-/// ([`crate::Consumer::process`] loops).
-pub async fn expire_processed_batch(
-    connection: &mut PgConnection,
-    older_than: Duration,
-    batch_size: i64,
-) -> Result<u64, sqlx::Error> {
-    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-    let result = sqlx::query(
-        "DELETE FROM processed_messages AS processed USING ( \
-             SELECT subscriber, message_id FROM processed_messages \
-             WHERE processed_at < now() - $1::bigint * interval '1 millisecond' \
-             ORDER BY processed_at \
-             LIMIT $2 \
-             FOR UPDATE SKIP LOCKED \
-         ) AS old \
-         WHERE processed.subscriber = old.subscriber AND processed.message_id = old.message_id",
-    )
-    .bind(older_than_ms)
-    .bind(batch_size)
-    .execute(connection)
-    .await?;
-    Ok(result.rows_affected())
-}
-
 /// Deletes every record processed more than `older_than` ago, `batch_size` rows per
 /// transaction, paced to at most `max_rows_per_second` (`None`: back to back); returns how many.
-pub async fn expire_processed<D>(
-    pool: &Pool<D>,
+pub async fn expire_processed<E: ConsumerStore>(
+    pool: &impl EnginePool<E>,
     older_than: Duration,
     batch_size: i64,
     max_rows_per_second: Option<u32>,
-) -> Result<u64, sqlx::Error>
-where
-    D: EngineOf,
-    D::Engine: ConsumerStore,
-{
-    let batch_size = batch_size.max(1);
-    let rate = max_rows_per_second.filter(|&rate| rate > 0).map(f64::from);
-    let began = Instant::now();
-    let mut total = 0;
-    loop {
-        let deleted = D::Engine::expire_identities(pool, older_than, batch_size).await?;
-        total += deleted;
-        if deleted < u64::try_from(batch_size).unwrap_or(u64::MAX) {
-            if total > 0 {
-                tracing::info!(deleted = total, "retention expired processed messages");
-            }
-            metrics::counter!(EXPIRED).increment(total);
-            return Ok(total);
-        }
-        // Paced against the whole run's schedule, so each short sleep's rounding does not add up.
-        if let Some(rate) = rate {
-            let due = began + Duration::from_secs_f64(total as f64 / rate);
-            tokio::time::sleep_until(due.into()).await;
-        }
+) -> Result<u64, EngineError> {
+    let pool = pool.as_pool();
+    let total = idemflow_store::retention::paced(batch_size, max_rows_per_second, |batch| {
+        E::expire_identities(pool, older_than, batch)
+    })
+    .await?;
+    if total > 0 {
+        tracing::info!(deleted = total, "retention expired processed messages");
     }
+    metrics::counter!(EXPIRED).increment(total);
+    Ok(total)
 }
 
 idemflow_core::with_setters! {

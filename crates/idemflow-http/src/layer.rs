@@ -16,7 +16,7 @@ use axum::body::Body;
 use axum::extract::{MatchedPath, OriginalUri};
 use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use idemflow_runner::{BuildError, Engine, Outcome, PgStore, Rejection, Runner, Workflow};
+use idemflow_runner::{BuildError, Engine, Outcome, Rejection, Runner, Workflow};
 use tower::{Layer, Service, ServiceExt};
 
 use crate::config::{HttpConfig, KeyMode, Redaction, StatusRules};
@@ -59,7 +59,7 @@ use crate::wait::{Finishes, Waiting, ends_a_hold, run_or_wait};
 ///
 /// On SQLite, pass a runner on a `SqlitePool`: the layer is `IdempotencyLayer<SqliteStore>`.
 #[derive(Clone)]
-pub struct IdempotencyLayer<E: Engine = PgStore> {
+pub struct IdempotencyLayer<E: Engine> {
     runner: Runner<E>,
     name: String,
     resolver: Arc<dyn TenantResolver>,
@@ -93,7 +93,7 @@ pub enum LayerError {
 
 /// Builds an [`IdempotencyLayer`]; its settings are checked by [`IdempotencyLayerBuilder::build`].
 #[derive(Debug)]
-pub struct IdempotencyLayerBuilder<E: Engine = PgStore> {
+pub struct IdempotencyLayerBuilder<E: Engine> {
     layer: IdempotencyLayer<E>,
     redaction: Redaction,
     statuses: StatusRules,
@@ -277,7 +277,7 @@ where
 
 /// See [`IdempotencyLayer`].
 #[derive(Clone)]
-pub struct IdempotencyService<S, E: Engine = PgStore> {
+pub struct IdempotencyService<S, E: Engine> {
     inner: S,
     runner: Runner<E>,
     workflow: Arc<Workflow<E>>,

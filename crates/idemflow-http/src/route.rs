@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::extract::MatchedPath;
 use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use idemflow_runner::{Engine, PgStore, Request as RunRequest, Runner, Workflow};
+use idemflow_runner::{Engine, Request as RunRequest, Runner, Workflow};
 
 use crate::config::{HttpConfig, KeyMode};
 use crate::extract::key_problem;
@@ -36,7 +36,7 @@ use crate::wait::{Finishes, Waiting, ends_a_hold, run_or_wait};
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct WorkflowService<E: Engine = PgStore> {
+pub struct WorkflowService<E: Engine> {
     runner: Runner<E>,
     workflow: Arc<Workflow<E>>,
     resolver: Arc<dyn TenantResolver>,

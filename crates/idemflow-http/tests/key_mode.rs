@@ -4,6 +4,7 @@
 //! requiring keys breaks no client. A real server on loopback, reqwest, a real PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
+use idemflow_pg::PgStore;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -186,7 +187,7 @@ async fn enforce_is_the_default_and_counts_what_it_refuses(pool: PgPool) {
 struct Echo;
 
 #[async_trait::async_trait]
-impl idemflow_runner::LocalPhase for Echo {
+impl idemflow_runner::LocalPhase<PgStore> for Echo {
     const NAME: &'static str = "echo";
     type Input = serde_json::Value;
     type Output = idemflow_core::StoredResponse;

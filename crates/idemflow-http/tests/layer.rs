@@ -2,6 +2,7 @@
 //! real PostgreSQL. Each test names what would break.
 #![allow(clippy::unwrap_used)]
 
+use idemflow_pg::PgStore;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,7 +33,7 @@ async fn setup(pool: &PgPool) {
         .unwrap();
 }
 
-fn layer(pool: &PgPool) -> IdempotencyLayer {
+fn layer(pool: &PgPool) -> IdempotencyLayer<PgStore> {
     IdempotencyLayer::new(Runner::new(pool.clone()), "api.v1", BearerTenant).unwrap()
 }
 
@@ -968,7 +969,7 @@ async fn a_handler_that_runs_the_runner_itself_needs_no_glue(pool: PgPool) {
 struct Echo;
 
 #[async_trait::async_trait]
-impl idemflow_runner::LocalPhase for Echo {
+impl idemflow_runner::LocalPhase<PgStore> for Echo {
     const NAME: &'static str = "echo";
     type Input = serde_json::Value;
     type Output = idemflow_core::StoredResponse;

@@ -2,6 +2,7 @@
 //! real PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
+use idemflow_pg::PgStore;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,7 +35,7 @@ struct Order {
 struct CreateOrder;
 
 #[async_trait::async_trait]
-impl LocalPhase for CreateOrder {
+impl LocalPhase<PgStore> for CreateOrder {
     const NAME: &'static str = "create_order";
     type Input = Checkout;
     type Output = Order;
@@ -98,7 +99,7 @@ impl ForeignPhase for Charge {
 struct MarkPaid;
 
 #[async_trait::async_trait]
-impl LocalPhase for MarkPaid {
+impl LocalPhase<PgStore> for MarkPaid {
     const NAME: &'static str = "mark_paid";
     type Input = Order;
     type Output = StoredResponse;

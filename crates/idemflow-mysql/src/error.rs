@@ -2,6 +2,8 @@
 //! lock waits past `innodb_lock_wait_timeout` (1205) and its deadlock victims (1213) are
 //! [`StoreError::Busy`]: an answer to retry later, never a failure a client sees as a 500.
 
+use idemflow_store::{DatabaseError, DatabaseErrorKind, EngineError};
+
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -50,4 +52,38 @@ pub(crate) fn error_number(error: &sqlx::Error) -> Option<u16> {
     error
         .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
         .map(sqlx::mysql::MySqlDatabaseError::number)
+}
+
+/// The boundary's decoding of a row (`idemflow_store::rows`) fails only on a corrupt one.
+impl From<EngineError> for StoreError {
+    fn from(error: EngineError) -> Self {
+        match error {
+            EngineError::Corrupt(message) => Self::Corrupt(message),
+            other => Self::Corrupt(other.to_string()),
+        }
+    }
+}
+
+impl From<StoreError> for EngineError {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Fenced => Self::Fenced,
+            StoreError::Busy => Self::Busy,
+            StoreError::Database(error) => Self::Database(database_error(error)),
+            StoreError::Corrupt(message) => Self::Corrupt(message),
+        }
+    }
+}
+
+/// ER_NO_SUCH_TABLE: the migrations have not run.
+const NO_SUCH_TABLE: u16 = 1146;
+
+/// sqlx's error on MySQL/MariaDB, classified for the boundary.
+pub(crate) fn database_error(error: sqlx::Error) -> DatabaseError {
+    let kind = match (&error, error_number(&error)) {
+        (sqlx::Error::Io(_), _) => DatabaseErrorKind::ConnectionLost,
+        (_, Some(NO_SUCH_TABLE)) => DatabaseErrorKind::NoSchema,
+        _ => DatabaseErrorKind::Other,
+    };
+    DatabaseError::new(kind, error)
 }

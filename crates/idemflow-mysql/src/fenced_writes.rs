@@ -11,9 +11,9 @@ use sqlx::{MySql, MySqlConnection};
 
 use crate::claim::millis;
 use crate::error::StoreError;
-use crate::owner::Owner;
 use crate::statements::{self, FENCES_PER_LIFE};
 use crate::transaction::Transaction;
+use idemflow_store::Owner;
 
 /// Records a completed phase, in the owner's transaction: its recovery point and typed output,
 /// and a lease of `lease` from now (never shorter than the one held).

@@ -2,35 +2,15 @@
 //! ([`table_stats`]), in the store boundary's shared types, so the CLI renders every engine alike.
 
 use idemflow_store::{KeyReport, TableStats};
+use sqlx::MySqlConnection;
 use sqlx::mysql::MySqlRow;
-use sqlx::{MySqlConnection, Row};
 
 use crate::error::StoreError;
 use crate::statements;
 
+/// A key's report from its row: the boundary's decoding, every engine's.
 pub(crate) fn report(row: &MySqlRow) -> Result<KeyReport, StoreError> {
-    Ok(KeyReport {
-        tenant: row.try_get("tenant")?,
-        key: row.try_get("key")?,
-        workflow: row.try_get("workflow")?,
-        state: row.try_get("state")?,
-        recovery_point: row.try_get("recovery_point")?,
-        lease_left_ms: row.try_get("lease_left_ms")?,
-        lock_version: row.try_get("lock_version")?,
-        attempts: row.try_get("attempts")?,
-        last_error: row.try_get("last_error")?,
-        response_status: row.try_get("response_status")?,
-        response_bytes: row
-            .try_get::<Option<i64>, _>("response_bytes")?
-            .map(|bytes| i32::try_from(bytes).unwrap_or(i32::MAX)),
-        fingerprint_hex: row.try_get("fingerprint_hex")?,
-        age_seconds: row.try_get("age_seconds")?,
-        journal: idemflow_store::journal_from_json(
-            row.try_get("tenant")?,
-            row.try_get("key")?,
-            row.try_get("journal")?,
-        ),
-    })
+    idemflow_store::rows::key_report(row).map_err(StoreError::from)
 }
 
 /// Everything about one key; `None` if there is none.
@@ -74,35 +54,10 @@ pub async fn key_bodies(
         .bind(key)
         .fetch_optional(connection)
         .await?;
-    let Some(row) = row else {
-        return Ok(None);
-    };
-    let request: String = row.try_get("request")?;
-    let request = serde_json::from_str(&request)
-        .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
-    let status: Option<i64> = row.try_get("response_status")?;
-    let response = match status {
-        None => None,
-        Some(status) => {
-            let headers: String = row.try_get("response_headers")?;
-            let body: Option<Vec<u8>> = row.try_get("response_body")?;
-            Some(KeyResponse {
-                status: u16::try_from(status)
-                    .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?,
-                headers: serde_json::from_str(&headers)
-                    .map_err(|error| StoreError::Corrupt(format!("response headers: {error}")))?,
-                body: body.ok_or_else(|| {
-                    StoreError::Corrupt("a done key's body stored apart is missing".to_owned())
-                })?,
-                apart: row.try_get("response_apart")?,
-            })
-        }
-    };
-    Ok(Some(KeyBodies {
-        request,
-        response,
-        finished_seconds_ago: row.try_get("finished_seconds_ago")?,
-    }))
+    row.as_ref()
+        .map(idemflow_store::rows::key_bodies)
+        .transpose()
+        .map_err(StoreError::from)
 }
 
 pub use idemflow_store::{KeyBodies, KeyResponse};

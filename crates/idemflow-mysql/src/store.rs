@@ -1,100 +1,157 @@
-//! [`MySqlStore`]: this crate's statements behind the store boundary
-//! ([`idemflow_store::Store`]), proven by the same conformance suite as every other engine.
+//! [`MySqlStore`]: this crate's statements behind the engine boundary
+//! ([`idemflow_store::Engine`]), proven by the same conformance suite as every other engine.
+//!
+//! A look-up is a consistent read, so a key being claimed looks absent until the claim commits;
+//! the claim's insert then waits for that claim's transaction and, refused by the duplicate key,
+//! answers from the committed row. Lock waits past the lock wait timeout and deadlock victims are
+//! [`EngineError::Busy`]: the transaction is lost, nothing it wrote is kept.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
-use idemflow_store::{Claim, Failure, LookUp, Store, TakenOver};
+use idemflow_store::layout::Maintained;
+use idemflow_store::{
+    Claim, Claimed, Engine, EngineError, EnginePool, Limits, LookUp, Owner, SqlEngine, Taken,
+};
 use serde_json::Value;
-use sqlx::{MySqlConnection, MySqlPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{MySql, MySqlConnection, MySqlPool};
+use tokio::sync::Notify;
 
-use crate::{ClaimRequest, Claimed, Owner, StoreError, Transaction};
+use crate::Transaction;
 
-/// The MySQL/MariaDB engine's store.
+/// The SQLite engine.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MySqlStore;
 
-fn taken(taken: crate::TakenOver) -> TakenOver<Owner> {
-    TakenOver {
-        owner: taken.owner,
-        recovery_point: taken.recovery_point,
-        phase_output: taken.phase_output,
-        request: taken.request,
-        attempts: taken.attempts,
-        last_error: taken.last_error,
+impl EnginePool<MySqlStore> for MySqlPool {
+    fn into_pool(self) -> MySqlPool {
+        self
+    }
+
+    fn as_pool(&self) -> &MySqlPool {
+        self
+    }
+}
+
+impl SqlEngine for MySqlStore {
+    type Database = MySql;
+
+    fn engine_error(error: sqlx::Error) -> EngineError {
+        crate::StoreError::from(error).into()
     }
 }
 
 #[async_trait]
-impl Store for MySqlStore {
+impl Engine for MySqlStore {
     type Pool = MySqlPool;
     type Transaction = Transaction;
-    type Connection = MySqlConnection;
     type Owner = Owner;
-    /// Nothing: the claim draws its token (its life) by its insert.
+    /// Nothing: the claim's insert draws its token (the key's life).
     type Ticket = ();
-    type Error = StoreError;
-
-    fn failure(error: &StoreError) -> Failure {
-        match error {
-            StoreError::Fenced => Failure::Fenced,
-            StoreError::Busy => Failure::Busy,
-            _ => Failure::Other,
-        }
-    }
-
-    fn token(owner: &Owner) -> i64 {
-        owner.lock_version()
-    }
+    const NAME: &'static str = "mysql";
 
     fn connection(transaction: &mut Transaction) -> &mut MySqlConnection {
         transaction.connection()
     }
 
+    fn operator(pool: &MySqlPool) -> Box<dyn idemflow_store::Operator> {
+        Box::new(crate::MySqlOperator::new(pool.clone()))
+    }
+
+    /// The session's statement timeout (`max_statement_time`, set as each connection opens)
+    /// bounds every statement; a local phase is held to its own limit by the runner, and its
+    /// connection closed (the server rolling back) past it.
+    async fn begin(
+        connection: PoolConnection<MySql>,
+        _limits: &Limits,
+    ) -> Result<Transaction, EngineError> {
+        Ok(Transaction::begin(connection).await?)
+    }
+
+    async fn commit_keeping(
+        transaction: Transaction,
+    ) -> Result<PoolConnection<MySql>, EngineError> {
+        Ok(transaction.commit().await?)
+    }
+
+    async fn rollback(transaction: Transaction) -> Result<(), EngineError> {
+        transaction.rollback().await?;
+        Ok(())
+    }
+
+    fn abandon(transaction: Transaction) {
+        transaction.abandon();
+    }
+
+    async fn back_to_claim(transaction: &mut Transaction) -> Result<(), EngineError> {
+        Ok(transaction.back_to_claim().await?)
+    }
+
     async fn look_up(
-        pool: &MySqlPool,
+        connection: &mut MySqlConnection,
         tenant: &TenantId,
         key: &Key,
-    ) -> Result<LookUp<()>, StoreError> {
-        let mut connection = pool.acquire().await?;
-        Ok(match crate::look_up(&mut connection, tenant, key).await? {
+    ) -> Result<LookUp<()>, EngineError> {
+        Ok(match crate::look_up(connection, tenant, key).await? {
             crate::LookUp::Found(found) => LookUp::Found(found),
             crate::LookUp::Absent => LookUp::Absent(()),
         })
     }
 
+    async fn response_apart(
+        connection: &mut MySqlConnection,
+        tenant: &TenantId,
+        key: &Key,
+        life: i64,
+    ) -> Result<Option<Vec<u8>>, EngineError> {
+        Ok(crate::response_apart(connection, tenant, key, life).await?)
+    }
+
     async fn begin_claim(
-        pool: &MySqlPool,
+        connection: PoolConnection<MySql>,
         claim: Claim<'_>,
         (): (),
-    ) -> Result<Option<(Transaction, Owner)>, StoreError> {
-        let request = ClaimRequest {
-            tenant: claim.tenant,
-            key: claim.key,
-            fingerprint: claim.fingerprint,
-            workflow: claim.workflow,
-            request: claim.request,
-            lease: claim.lease,
-        };
-        Ok(
-            match crate::begin_claim(pool.acquire().await?, &request).await? {
-                Claimed::Owned(transaction, owner) => Some((transaction, owner)),
-                Claimed::Lost(_) => None,
-            },
-        )
+        _limits: &Limits,
+    ) -> Result<Claimed<Self>, EngineError> {
+        Ok(match crate::begin_claim(connection, &claim).await? {
+            crate::Claimed::Owned(transaction, owner) => Claimed::Owned(transaction, owner),
+            crate::Claimed::Lost(connection) => Claimed::Lost(connection),
+        })
     }
 
-    async fn begin(pool: &MySqlPool) -> Result<Transaction, StoreError> {
-        Transaction::begin(pool.acquire().await?).await
+    /// The claim draws a fresh token (a new life) by its insert: the refused one was never seen.
+    async fn claim_again(
+        connection: PoolConnection<MySql>,
+        claim: Claim<'_>,
+        _token: i64,
+        limits: &Limits,
+    ) -> Result<Claimed<Self>, EngineError> {
+        Self::begin_claim(connection, claim, (), limits).await
     }
 
-    async fn commit(transaction: Transaction) -> Result<(), StoreError> {
-        transaction.commit().await.map(drop)
+    async fn take_over(
+        transaction: &mut Transaction,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+        lease: Duration,
+    ) -> Result<Option<Taken<Owner>>, EngineError> {
+        Ok(crate::take_over_in(transaction.connection(), tenant, key, seen, lease).await?)
     }
 
-    async fn rollback(transaction: Transaction) -> Result<(), StoreError> {
-        transaction.rollback().await.map(drop)
+    /// The key's row lock is the claim's exclusion: the takeover's fenced update waits for any
+    /// transaction still holding the row (up to the lock wait timeout), and an abandoned one's
+    /// statements end at the server's statement timeout.
+    async fn wait_for_claim_lock(
+        _transaction: &mut Transaction,
+        _tenant: &TenantId,
+        _key: &Key,
+        _wait: Duration,
+    ) -> Result<bool, EngineError> {
+        Ok(true)
     }
 
     async fn advance(
@@ -103,15 +160,9 @@ impl Store for MySqlStore {
         recovery_point: &str,
         output: &Value,
         lease: Duration,
-    ) -> Result<(), StoreError> {
-        crate::advance(
-            transaction.connection(),
-            owner,
-            recovery_point,
-            output,
-            lease,
-        )
-        .await
+    ) -> Result<(), EngineError> {
+        let connection = transaction.connection();
+        Ok(crate::advance(connection, owner, recovery_point, output, lease).await?)
     }
 
     async fn finish(
@@ -120,90 +171,88 @@ impl Store for MySqlStore {
         recovery_point: &str,
         response: &StoredResponse,
         apart_above: usize,
-    ) -> Result<(), StoreError> {
-        crate::finish(
-            transaction.connection(),
-            owner,
-            recovery_point,
-            response,
-            apart_above,
-        )
-        .await
+    ) -> Result<(), EngineError> {
+        let connection = transaction.connection();
+        Ok(crate::finish(connection, owner, recovery_point, response, apart_above).await?)
     }
 
-    async fn renew_lease(
-        pool: &MySqlPool,
-        owner: &Owner,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        let mut connection = pool.acquire().await?;
-        crate::renew_lease(&mut connection, owner, lease).await
-    }
-
+    /// No announcement: resumers on SQLite poll.
     async fn postpone(
+        transaction: &mut Transaction,
+        owner: &Owner,
+        retry_after: Duration,
+        last_error: &str,
+    ) -> Result<(), EngineError> {
+        let connection = transaction.connection();
+        Ok(crate::postpone_in(connection, owner, retry_after, last_error).await?)
+    }
+
+    async fn postpone_alone(
         pool: &MySqlPool,
         owner: &Owner,
         retry_after: Duration,
         last_error: &str,
-    ) -> Result<(), StoreError> {
-        crate::postpone(pool.acquire().await?, owner, retry_after, last_error)
-            .await
-            .map(drop)
+    ) -> Result<(), EngineError> {
+        let connection = pool.acquire().await.map_err(crate::StoreError::from)?;
+        crate::postpone(connection, owner, retry_after, last_error).await?;
+        Ok(())
     }
 
-    async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), StoreError> {
-        crate::delete_owned(transaction.connection(), owner).await
+    async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), EngineError> {
+        Ok(crate::delete_owned(transaction.connection(), owner).await?)
     }
 
-    async fn end_lease(
-        pool: &MySqlPool,
-        tenant: &TenantId,
-        key: &Key,
-        seen: i64,
-    ) -> Result<Option<i64>, StoreError> {
-        let mut connection = pool.acquire().await?;
-        crate::end_lease(&mut connection, tenant.as_str(), key.as_str(), seen).await
-    }
-
-    async fn take_over(
-        pool: &MySqlPool,
-        tenant: &TenantId,
-        key: &Key,
-        seen: i64,
+    async fn renew_lease(
+        connection: &mut MySqlConnection,
+        owner: &Owner,
         lease: Duration,
-    ) -> Result<Option<TakenOver<Owner>>, StoreError> {
-        let (one, _) = crate::take_over(pool.acquire().await?, tenant, key, seen, lease).await?;
-        Ok(one.map(taken))
+    ) -> Result<(), EngineError> {
+        Ok(crate::renew_lease(connection, owner, lease).await?)
     }
 
     async fn take_over_due(
         pool: &MySqlPool,
         workflows: &[(String, Duration)],
         batch: i64,
-    ) -> Result<Vec<(String, TakenOver<Owner>)>, StoreError> {
-        let (due, _) = crate::take_over_due(pool.acquire().await?, workflows, batch).await?;
-        Ok(due
-            .into_iter()
-            .map(|(workflow, one)| (workflow, taken(one)))
-            .collect())
+    ) -> Result<Vec<(String, Taken<Owner>)>, EngineError> {
+        let connection = pool.acquire().await.map_err(crate::StoreError::from)?;
+        let (due, _connection) = crate::take_over_due(connection, workflows, batch).await?;
+        Ok(due)
     }
 
-    async fn response_apart(
+    async fn resumer_lag(pool: &MySqlPool) -> Result<Duration, EngineError> {
+        let mut connection = pool.acquire().await.map_err(crate::StoreError::from)?;
+        Ok(crate::resumer_lag(&mut connection).await?)
+    }
+
+    async fn count_due_unknown(
         pool: &MySqlPool,
-        tenant: &TenantId,
-        key: &Key,
-        life: i64,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        let mut connection = pool.acquire().await?;
-        crate::response_apart(&mut connection, tenant, key, life).await
+        workflows: &[String],
+    ) -> Result<Vec<(String, i64)>, EngineError> {
+        let mut connection = pool.acquire().await.map_err(crate::StoreError::from)?;
+        Ok(crate::count_due_unknown(&mut connection, workflows).await?)
     }
 
     async fn expire_batch(
         pool: &MySqlPool,
-        keep_for: Duration,
+        older_than: Duration,
         batch: i64,
-    ) -> Result<u64, StoreError> {
-        let (deleted, _) = crate::expire_batch(pool.acquire().await?, keep_for, batch).await?;
+    ) -> Result<u64, EngineError> {
+        let connection = pool.acquire().await.map_err(crate::StoreError::from)?;
+        let (deleted, _connection) = crate::expire_batch(connection, older_than, batch).await?;
         Ok(deleted)
+    }
+
+    /// One table: retention deletes in batches.
+    async fn maintain_layout(
+        _pool: &MySqlPool,
+        _keep_for: Duration,
+    ) -> Result<Option<Maintained>, EngineError> {
+        Ok(None)
+    }
+
+    /// Nothing announces due keys between processes on SQLite: the resumer polls.
+    async fn listen_for_due(_pool: MySqlPool, _wake: Arc<Notify>) {
+        std::future::pending::<()>().await;
     }
 }

@@ -10,31 +10,12 @@ use sqlx::{MySql, MySqlConnection, Row};
 
 use crate::claim::millis;
 use crate::error::StoreError;
-use crate::owner::Owner;
 use crate::statements;
 use crate::transaction::Transaction;
+use idemflow_store::Owner;
 
 /// A key taken over: its new owner and where its execution stands.
-#[derive(Debug)]
-pub struct TakenOver {
-    /// The new owner, holding a fresh token.
-    pub owner: Owner,
-    /// The workflow that claimed the key.
-    pub workflow: String,
-    /// The last completed phase (`start` before any).
-    pub recovery_point: String,
-    /// That phase's output.
-    pub phase_output: Option<Value>,
-    /// The stored request.
-    pub request: Value,
-    /// Executions begun, this one included.
-    pub attempts: i64,
-    /// The error the previous attempt recorded, if it recorded one.
-    pub last_error: Option<String>,
-    /// When the statement that wrote the new lease was sent, by this process's monotonic clock:
-    /// the lease lasts at least until this instant plus its length, whatever the clocks say.
-    pub lease_from: std::time::Instant,
-}
+pub type TakenOver = idemflow_store::Taken<Owner>;
 
 /// Takes `key` over from the owner holding `seen` (its lease over), with a fresh token and a
 /// lease of `lease`, and commits. `None` when the key moved on (another taker, a renewal, done).
@@ -99,7 +80,6 @@ async fn take_over_by(
     let attempts: i32 = row.try_get("attempts")?;
     Ok(Some(TakenOver {
         owner: Owner::new(tenant.clone(), key.clone(), row.try_get("lock_version")?),
-        workflow: row.try_get("workflow")?,
         recovery_point: row.try_get("recovery_point")?,
         phase_output: json(row.try_get("phase_output")?)?,
         request: json(request)?.unwrap_or(Value::Null),

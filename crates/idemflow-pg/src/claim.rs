@@ -47,8 +47,9 @@ use idemflow_core::{Fingerprint, Key, TenantId};
 use crate::claim_lock::claim_lock;
 use crate::error::StoreError;
 use crate::millis::millis;
-use crate::owner::Owner;
-use crate::transaction::{Limits, Transaction};
+use crate::transaction::Transaction;
+use idemflow_store::Limits;
+use idemflow_store::Owner;
 
 /// Everything a claim stores.
 #[derive(Debug)]
@@ -201,7 +202,7 @@ fn claim_statement(claim: &ClaimRequest<'_>, limits: &Limits, form: Form) -> Str
     let lease_ms = millis(claim.lease);
     let lock = claim_lock(claim.tenant, claim.key);
     let token = claim.lock_version;
-    let mut sql = limits.begin_statement();
+    let mut sql = crate::transaction::begin_statement(limits);
     sql.reserve(320 + 2 * request.len());
     match form {
         Form::Prepared | Form::PrepareFirst => {
@@ -263,11 +264,9 @@ mod tests {
             request: &request,
             lease: Duration::from_millis(30_000),
         };
-        let limits = Limits {
-            statement_timeout: Some(Duration::from_millis(1500)),
-            idle_timeout: Some(Duration::from_secs(2)),
-            lock_timeout: None,
-        };
+        let limits = Limits::default()
+            .with_statement_timeout(Some(Duration::from_millis(1500)))
+            .with_idle_timeout(Some(Duration::from_secs(2)));
         for form in [Form::Prepared, Form::PrepareFirst, Form::Inline] {
             let sql = claim_statement(&claim, &limits, form);
             // Every quoted span is hex digits or one of the fixed words.

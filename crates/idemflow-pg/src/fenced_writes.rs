@@ -11,8 +11,8 @@ use sqlx::PgConnection;
 
 use crate::error::StoreError;
 use crate::millis::millis;
-use crate::owner::Owner;
 use crate::statements;
+use idemflow_store::Owner;
 
 /// A fenced write's outcome from the rows it changed: none means the fence was lost.
 fn fenced(rows_affected: u64) -> Result<(), StoreError> {

@@ -17,17 +17,19 @@
 mod claim;
 mod claim_lock;
 mod console;
+mod consumer;
 mod error;
 mod fenced_writes;
 mod look_up;
 mod maintenance;
 mod millis;
-mod owner;
+mod operator;
 pub mod partitions;
 mod pool;
 pub mod statements;
 mod store;
 mod take_over;
+mod tamper;
 mod transaction;
 
 pub use claim::{ClaimRequest, Claimed, begin_claim, begin_claim_knowing};
@@ -36,15 +38,17 @@ pub use console::{expire_key, overview, scan_keys};
 pub use transaction::{BEGIN, Limits, Transaction};
 
 pub use maintenance::{
-    DUE_CHANNEL, DueKey, KeyReport, TableStats, count_due_unknown, end_lease, expire_batch,
-    key_report, notify_due, resumer_lag, stuck_keys, table_stats, take_over_due,
+    DUE_CHANNEL, KeyReport, TableStats, count_due_unknown, end_lease, expire_batch, key_report,
+    notify_due, resumer_lag, stuck_keys, table_stats, take_over_due,
 };
 pub use maintenance::{KeyBodies, KeyResponse, key_bodies};
 
 pub use error::StoreError;
 pub use fenced_writes::{advance, delete_owned, finish, postpone, renew_lease};
+/// The owner of a key: the boundary's, shared by the SQL engines.
+pub use idemflow_store::Owner;
 pub use look_up::{FoundKey, KeyRow, LookUp, inspect, look_up, next_lock_version, response_apart};
-pub use owner::Owner;
+pub use operator::PgOperator;
 pub use pool::PoolSettings;
 pub use store::PgStore;
 pub use take_over::{TakenOver, take_over};

@@ -9,32 +9,23 @@ use sqlx::{PgConnection, Row};
 
 use crate::error::StoreError;
 use crate::millis::{from_millis, millis};
-use crate::owner::Owner;
 use crate::take_over::TakenOver;
+use idemflow_store::Owner;
 
 /// The channel on which a key due now is announced (postponed, or its lease ended), so an idle resumer wakes early.
 pub const DUE_CHANNEL: &str = "idemflow_due";
-
-/// A key a resumer took over, with the workflow that must finish it.
-#[derive(Debug, Clone)]
-pub struct DueKey {
-    /// The name of the workflow that claimed the key.
-    pub workflow: String,
-    /// The takeover: the new owner, and where execution stands.
-    pub taken: TakenOver,
-}
 
 /// Takes over up to `batch_size` started keys whose lease expired, of the named workflows only,
 /// in one statement: the due rows are locked `FOR UPDATE SKIP LOCKED` (so concurrent resumers
 /// split the work instead of queueing on each other) and each gets a new fencing token and the
 /// lease of its own workflow (`workflows`: each name with its lease), and a `taken_over` entry by
-/// `resumer` in its journal (the new token drawn per key, in the subquery that appends it). Keys
+/// `resumer` in its journal; each with the name of the workflow that must finish it (the new token drawn per key, in the subquery that appends it). Keys
 /// of workflows not named are left alone for a resumer that knows them.
 pub async fn take_over_due(
     connection: &mut PgConnection,
     workflows: &[(String, Duration)],
     batch_size: i64,
-) -> Result<Vec<DueKey>, StoreError> {
+) -> Result<Vec<(String, TakenOver)>, StoreError> {
     let lease_from = std::time::Instant::now();
     let names: Vec<&str> = workflows.iter().map(|(name, _)| name.as_str()).collect();
     let leases: Vec<i64> = workflows.iter().map(|(_, lease)| millis(*lease)).collect();
@@ -80,18 +71,16 @@ pub async fn take_over_due(
             let key = Key::parse(&key).map_err(|error| StoreError::Corrupt(error.to_string()))?;
             let phase_output: Option<sqlx::types::Json<Value>> = row.get("phase_output");
             let request: sqlx::types::Json<Value> = row.get("request");
-            Ok(DueKey {
-                workflow: row.get("workflow"),
-                taken: TakenOver {
-                    owner: Owner::new(tenant, key, row.get("lock_version")),
-                    attempts: row.get("attempts"),
-                    recovery_point: row.get("recovery_point"),
-                    phase_output: phase_output.map(|json| json.0),
-                    request: request.0,
-                    last_error: row.get("last_error"),
-                    lease_from,
-                },
-            })
+            let taken = TakenOver {
+                owner: Owner::new(tenant, key, row.get("lock_version")),
+                attempts: i64::from(row.get::<i32, _>("attempts")),
+                recovery_point: row.get("recovery_point"),
+                phase_output: phase_output.map(|json| json.0),
+                request: request.0,
+                last_error: row.get("last_error"),
+                lease_from,
+            };
+            Ok((row.get("workflow"), taken))
         })
         .collect()
 }
@@ -212,36 +201,20 @@ pub use idemflow_store::KeyReport;
 pub(crate) const REPORT_COLUMNS: &str = "tenant, key, workflow, state, recovery_point, \
     CASE WHEN state = 'started' THEN ceil(extract(epoch FROM locked_until - now()) * 1000)::bigint END \
         AS lease_left_ms, \
-    lock_version, attempts, last_error, response_status, \
+    lock_version, attempts::bigint AS attempts, last_error, \
+    response_status::bigint AS response_status, \
     coalesce(octet_length(response_body), \
              (SELECT octet_length(body) FROM idempotency_responses AS apart \
-              WHERE apart.tenant = idempotency_keys.tenant AND apart.key = idempotency_keys.key)) \
-        AS response_bytes, \
+              WHERE apart.tenant = idempotency_keys.tenant AND apart.key = idempotency_keys.key) \
+    )::bigint AS response_bytes, \
     encode(fingerprint, 'hex') AS fingerprint_hex, \
     floor(extract(epoch FROM now() - created_at))::bigint AS age_seconds, \
     journal::text AS journal";
 
-pub(crate) fn report(row: &sqlx::postgres::PgRow) -> KeyReport {
-    KeyReport {
-        tenant: row.get("tenant"),
-        key: row.get("key"),
-        workflow: row.get("workflow"),
-        state: row.get("state"),
-        recovery_point: row.get("recovery_point"),
-        lease_left_ms: row.get("lease_left_ms"),
-        lock_version: row.get("lock_version"),
-        attempts: row.get("attempts"),
-        last_error: row.get("last_error"),
-        response_status: row.get("response_status"),
-        response_bytes: row.get("response_bytes"),
-        fingerprint_hex: row.get("fingerprint_hex"),
-        age_seconds: row.get("age_seconds"),
-        journal: idemflow_store::journal_from_json(
-            row.get("tenant"),
-            row.get("key"),
-            row.get("journal"),
-        ),
-    }
+/// A key's report from its row of [`REPORT_COLUMNS`]: the boundary's decoding, every engine's
+/// (integers read as `bigint`, as the columns above cast them).
+pub(crate) fn report(row: &sqlx::postgres::PgRow) -> Result<KeyReport, StoreError> {
+    idemflow_store::rows::key_report(row).map_err(|error| StoreError::Corrupt(error.to_string()))
 }
 
 /// Everything about one key ([`KeyReport`]), for operators; `None` if there is none. Tenant and
@@ -258,7 +231,7 @@ pub async fn key_report(
         .bind(key)
         .fetch_optional(connection)
         .await?;
-    Ok(row.as_ref().map(report))
+    row.as_ref().map(report).transpose()
 }
 
 /// Started keys that look stuck: past their lease, or with at least `min_attempts` attempts.
@@ -278,7 +251,7 @@ pub async fn stuck_keys(
         .bind(limit)
         .fetch_all(connection)
         .await?;
-    Ok(rows.iter().map(report).collect())
+    rows.iter().map(report).collect()
 }
 
 pub use idemflow_store::TableStats;
@@ -316,7 +289,9 @@ pub async fn key_bodies(
     key: &str,
 ) -> Result<Option<KeyBodies>, StoreError> {
     let row = sqlx::query(
-        "SELECT request, response_status, response_headers, response_apart, \
+        "SELECT request::text AS request, response_status::bigint AS response_status, \
+                response_headers::text AS response_headers, \
+                response_apart::int::bigint AS response_apart, \
                 coalesce(response_body, \
                          (SELECT body FROM idempotency_responses AS apart \
                           WHERE apart.tenant = keys.tenant AND apart.key = keys.key \
@@ -330,33 +305,10 @@ pub async fn key_bodies(
     .bind(key)
     .fetch_optional(connection)
     .await?;
-    let Some(row) = row else {
-        return Ok(None);
-    };
-    let request: sqlx::types::Json<Value> = row.try_get("request")?;
-    let status: Option<i16> = row.try_get("response_status")?;
-    let response = match status {
-        None => None,
-        Some(status) => {
-            let headers: sqlx::types::Json<Vec<(String, idemflow_core::FieldValue)>> =
-                row.try_get("response_headers")?;
-            let body: Option<Vec<u8>> = row.try_get("response_body")?;
-            Some(KeyResponse {
-                status: u16::try_from(status)
-                    .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?,
-                headers: headers.0,
-                body: body.ok_or_else(|| {
-                    StoreError::Corrupt("a done key's body stored apart is missing".to_owned())
-                })?,
-                apart: row.try_get("response_apart")?,
-            })
-        }
-    };
-    Ok(Some(KeyBodies {
-        request: request.0,
-        response,
-        finished_seconds_ago: row.try_get("finished_seconds_ago")?,
-    }))
+    row.as_ref()
+        .map(idemflow_store::rows::key_bodies)
+        .transpose()
+        .map_err(|error| StoreError::Corrupt(error.to_string()))
 }
 
 #[cfg(test)]
@@ -457,19 +409,16 @@ mod tests {
         )
         .await
         .expect("take over due");
-        let [due] = due.as_slice() else {
+        let [(workflow, due)] = due.as_slice() else {
             panic!("one key is due: {due:?}");
         };
-        assert_eq!(due.workflow, "w.v1");
-        assert_eq!(
-            (due.taken.owner.tenant(), due.taken.owner.key()),
-            (&tenant, &key)
-        );
-        assert!(due.taken.owner.lock_version() > taken.owner.lock_version());
-        assert_eq!(due.taken.attempts, 2);
-        assert_eq!(due.taken.recovery_point, "first");
-        assert_eq!(due.taken.phase_output, Some(output));
-        assert_eq!(due.taken.request, request);
-        assert_eq!(due.taken.last_error.as_deref(), Some("boom"));
+        assert_eq!(workflow, "w.v1");
+        assert_eq!((due.owner.tenant(), due.owner.key()), (&tenant, &key));
+        assert!(due.owner.lock_version() > taken.owner.lock_version());
+        assert_eq!(due.attempts, 2);
+        assert_eq!(due.recovery_point, "first");
+        assert_eq!(due.phase_output, Some(output));
+        assert_eq!(due.request, request);
+        assert_eq!(due.last_error.as_deref(), Some("boom"));
     }
 }

@@ -13,27 +13,10 @@ use sqlx::{PgConnection, Row};
 use crate::claim_lock::claim_lock;
 use crate::error::StoreError;
 use crate::millis::millis;
-use crate::owner::Owner;
+use idemflow_store::Owner;
 
-/// What a successful takeover returns: the new fencing token and where execution stands.
-#[derive(Debug, Clone)]
-pub struct TakenOver {
-    /// The new owner, holding the fencing token the takeover drew.
-    pub owner: Owner,
-    /// Executions begun at this recovery point, this one included.
-    pub attempts: i32,
-    /// The name of the last completed phase, `start` before any: execution resumes after it.
-    pub recovery_point: String,
-    /// That phase's stored output; `None` at `start`.
-    pub phase_output: Option<Value>,
-    /// The workflow's input, as the claim stored it.
-    pub request: Value,
-    /// The error the previous attempt recorded, if it recorded one.
-    pub last_error: Option<String>,
-    /// When the statement that wrote the new lease was sent, by this process's monotonic clock:
-    /// the lease lasts at least until this instant plus its length, whatever the clocks say.
-    pub lease_from: std::time::Instant,
-}
+/// What a successful takeover returns: the new owner and where execution stands.
+pub type TakenOver = idemflow_store::Taken<Owner>;
 
 /// Takes over a started key whose lease expired, by compare-and-set on the fencing token the
 /// caller saw: if anyone else took it over (or finished it, or renewed the lease) in between, no
@@ -84,7 +67,7 @@ pub async fn take_over(
         let request: sqlx::types::Json<Value> = row.get("request");
         TakenOver {
             owner: Owner::new(tenant.clone(), key.clone(), row.get("lock_version")),
-            attempts: row.get("attempts"),
+            attempts: i64::from(row.get::<i32, _>("attempts")),
             recovery_point: row.get("recovery_point"),
             phase_output: phase_output.map(|json| json.0),
             request: request.0,

@@ -14,30 +14,13 @@
 
 use std::fmt::Write;
 use std::ops::{Deref, DerefMut};
-use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgTransactionManager;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr};
 use sqlx_core::transaction::TransactionManager;
 
-/// What the server enforces on one transaction: `SET LOCAL` in the message that begins it (no
-/// round trip of its own), gone when it ends, so pooled connections keep their own settings.
-///
-/// These hold where the application cannot: a statement stuck in a lock wait, or a process that
-/// stopped sending anything while it holds the transaction (and with it the claim's advisory
-/// lock and the key's row lock), are ended by the server.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Limits {
-    /// `statement_timeout`: a statement of the transaction running longer is cancelled.
-    pub statement_timeout: Option<Duration>,
-    /// `idle_in_transaction_session_timeout`: a session idle inside the transaction this long is
-    /// ended by the server.
-    pub idle_timeout: Option<Duration>,
-    /// `lock_timeout`: a statement waiting this long for a lock fails (`55P03`).
-    pub lock_timeout: Option<Duration>,
-}
+pub use idemflow_store::Limits;
 
 /// How every transaction of the engine begins: at Read Committed, stated, whatever the database's
 /// or the role's `default_transaction_isolation`. The protocol's arguments are made at Read
@@ -47,23 +30,24 @@ pub struct Limits {
 /// with a serialization error. Part of the `BEGIN`'s own message: no round trip of its own.
 pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
-impl Limits {
-    /// [`BEGIN`], then a `SET LOCAL` per limit: integers formatted here, nothing else.
-    pub(crate) fn begin_statement(&self) -> String {
-        let mut sql = String::from(BEGIN);
-        for (setting, limit) in [
-            ("statement_timeout", self.statement_timeout),
-            ("idle_in_transaction_session_timeout", self.idle_timeout),
-            ("lock_timeout", self.lock_timeout),
-        ] {
-            if let Some(limit) = limit {
-                // 0 would mean "no limit": the shortest limit is a millisecond.
-                let millis = crate::millis::millis(limit).clamp(1, i64::from(i32::MAX));
-                let _ = write!(sql, "; SET LOCAL {setting} = {millis}");
-            }
+/// [`BEGIN`], then a `SET LOCAL` per limit (`statement_timeout`,
+/// `idle_in_transaction_session_timeout`, `lock_timeout`): in the message that begins the
+/// transaction, so no round trip of its own, and gone when it ends, so pooled connections keep
+/// their own settings. Integers formatted here, nothing else.
+pub(crate) fn begin_statement(limits: &Limits) -> String {
+    let mut sql = String::from(BEGIN);
+    for (setting, limit) in [
+        ("statement_timeout", limits.statement_timeout),
+        ("idle_in_transaction_session_timeout", limits.idle_timeout),
+        ("lock_timeout", limits.lock_timeout),
+    ] {
+        if let Some(limit) = limit {
+            // 0 would mean "no limit": the shortest limit is a millisecond.
+            let millis = crate::millis::millis(limit).clamp(1, i64::from(i32::MAX));
+            let _ = write!(sql, "; SET LOCAL {setting} = {millis}");
         }
-        sql
     }
+    sql
 }
 
 /// An open transaction on a pooled connection. Dereferences to the connection, so store
@@ -91,7 +75,7 @@ impl Transaction {
         connection: PoolConnection<Postgres>,
         limits: &Limits,
     ) -> Result<Self, sqlx::Error> {
-        let statement = AssertSqlSafe(limits.begin_statement()).into_sql_str();
+        let statement = AssertSqlSafe(begin_statement(limits)).into_sql_str();
         match Self::begin_with(connection, statement).await {
             Ok(transaction) => Ok(transaction),
             Err((error, _connection)) => Err(error),
@@ -238,13 +222,5 @@ impl Drop for Beginning {
         if let Some(connection) = &mut self.0 {
             connection.close_on_drop();
         }
-    }
-}
-
-idemflow_core::with_setters! {
-    Limits {
-        with_statement_timeout => statement_timeout: Option<Duration>,
-        with_idle_timeout => idle_timeout: Option<Duration>,
-        with_lock_timeout => lock_timeout: Option<Duration>,
     }
 }

@@ -332,3 +332,27 @@ pub async fn finished_keys(pool: &RedisPool) -> Result<i64, StoreError> {
         .query_async(&mut pool.connection())
         .await?)
 }
+
+/// Ends a started key's lease now if its token is still `seen`, advancing the fence (an
+/// operator's `end-lease`): the new token, or `None` when the key is not started or its token
+/// moved on.
+pub async fn end_lease(
+    pool: &RedisPool,
+    tenant: &str,
+    key: &str,
+    seen: i64,
+) -> Result<Option<i64>, StoreError> {
+    let mut connection = pool.connection();
+    let row = pool.row(tenant, key);
+    let Some(workflow) = workflow_of(&mut connection, &row).await? else {
+        return Ok(None);
+    };
+    let token: i64 = scripts::end_lease()
+        .key(&row)
+        .key(pool.fence())
+        .key(pool.leases(&workflow))
+        .arg(seen)
+        .invoke_async(&mut connection)
+        .await?;
+    Ok((token != 0).then_some(token))
+}

@@ -1,5 +1,5 @@
 //! idemflow's keys in Redis: the protocol's claim, fence and owner writes as Redis scripts,
-//! behind the store boundary ([`idemflow_store::Store`]).
+//! behind the engine boundary ([`idemflow_store::Engine`]).
 //!
 //! **What it is for.** Workflows whose phases are all foreign (each called with its derived key)
 //! and plain handlers, where a rare duplicate is tolerable: Redis acknowledges a write before it
@@ -24,24 +24,33 @@
 #![deny(missing_docs)]
 
 mod console;
+mod operator;
 mod scripts;
+mod tamper;
 
 pub use console::{
-    expire_key, finished_keys, key_bodies, key_report, overview, scan_keys, stuck_keys,
+    end_lease, expire_key, finished_keys, key_bodies, key_report, overview, scan_keys, stuck_keys,
 };
+
+pub use operator::RedisOperator;
 
 /// The Redis client this store is built with.
 pub use redis;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
-use idemflow_store::{Claim, Failure, FoundKey, LookUp, Store, TakenOver};
+use idemflow_store::layout::Maintained;
+use idemflow_store::{
+    Claim, Claimed, ConnectionPool, DatabaseError, DatabaseErrorKind, Engine, EngineError,
+    EnginePool, FoundKey, KeyOwner, Limits, LookUp, Taken,
+};
 use redis::aio::ConnectionManager;
 use serde_json::Value;
+use tokio::sync::Notify;
 
 /// The store's errors.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +65,20 @@ pub enum StoreError {
     /// A stored row breaks the store's promises.
     #[error("corrupt key row: {0}")]
     Corrupt(String),
+}
+
+impl From<StoreError> for EngineError {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Fenced => Self::Fenced,
+            StoreError::Corrupt(message) => Self::Corrupt(message),
+            // A broken connection: the runner tries again where it would on a database.
+            StoreError::Redis(error) if error.is_io_error() || error.is_connection_dropped() => {
+                Self::Database(DatabaseError::new(DatabaseErrorKind::ConnectionLost, error))
+            }
+            StoreError::Redis(error) => Self::Database(DatabaseError::other(error)),
+        }
+    }
 }
 
 /// Where the keys live: one Redis, through one multiplexed connection (commands from every task
@@ -226,6 +249,20 @@ impl Owner {
     }
 }
 
+impl KeyOwner for Owner {
+    fn tenant(&self) -> &TenantId {
+        &self.tenant
+    }
+
+    fn key(&self) -> &Key {
+        &self.key
+    }
+
+    fn lock_version(&self) -> i64 {
+        self.lock_version
+    }
+}
+
 /// Writes on Redis stand alone (see the crate's documentation): a transaction is the connection
 /// its writes go through.
 #[derive(Debug)]
@@ -280,7 +317,11 @@ type TakenFields = (
     Option<String>,
 );
 
-fn taken(fields: TakenFields, workflow: &str) -> Result<TakenOver<Owner>, StoreError> {
+fn taken(
+    fields: TakenFields,
+    workflow: &str,
+    lease_from: Instant,
+) -> Result<Taken<Owner>, StoreError> {
     let (token, attempts, tenant, key, recovery_point, output, request, last_error) = fields;
     let tenant = TenantId::new(&tenant)
         .map_err(|error| StoreError::Corrupt(format!("stored tenant: {error}")))?;
@@ -290,7 +331,7 @@ fn taken(fields: TakenFields, workflow: &str) -> Result<TakenOver<Owner>, StoreE
         serde_json::from_str::<Value>(text)
             .map_err(|error| StoreError::Corrupt(format!("stored JSON: {error}")))
     };
-    Ok(TakenOver {
+    Ok(Taken {
         owner: Owner {
             tenant,
             key,
@@ -302,8 +343,23 @@ fn taken(fields: TakenFields, workflow: &str) -> Result<TakenOver<Owner>, StoreE
         request: json(&request)?,
         attempts,
         last_error,
+        lease_from,
     })
 }
+
+/// A due key as the scan's script returns it: its workflow's index in the scan's list, then the
+/// fields of [`TakenFields`].
+type DueFields = (
+    i64,
+    i64,
+    i64,
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    Option<String>,
+);
 
 type LookedUp = (i64, Vec<Option<Vec<u8>>>);
 
@@ -362,53 +418,135 @@ fn found(looked: LookedUp) -> Result<Option<FoundKey>, StoreError> {
     }))
 }
 
+impl EnginePool<RedisStore> for RedisPool {
+    fn into_pool(self) -> RedisPool {
+        self
+    }
+
+    fn as_pool(&self) -> &RedisPool {
+        self
+    }
+}
+
+/// One multiplexed connection, shared: taking one is a clone, there is always one, and it never
+/// closes under the runner.
 #[async_trait]
-impl Store for RedisStore {
+impl ConnectionPool for RedisPool {
+    type Connection = RedisPool;
+    type Pooled = Box<RedisPool>;
+
+    async fn acquire(&self) -> Result<Box<RedisPool>, EngineError> {
+        Ok(Box::new(self.clone()))
+    }
+
+    fn try_acquire(&self) -> Option<Box<RedisPool>> {
+        Some(Box::new(self.clone()))
+    }
+
+    fn size(&self) -> u32 {
+        1
+    }
+
+    fn max_size(&self) -> u32 {
+        1
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+
+    async fn closed(&self) {
+        std::future::pending::<()>().await;
+    }
+
+    /// One shared connection, closed when its last clone is dropped.
+    async fn close(&self) {}
+
+    fn close_on_drop(_pooled: &mut Box<RedisPool>) {}
+}
+
+/// Each step a script, each standing alone. There is no transaction to share, so a workflow on
+/// Redis has foreign phases only (it is no [`idemflow_store::SqlEngine`]); `begin`, `commit` and
+/// `rollback` only carry the connection, and `back_to_claim` has nothing to undo. A claim is
+/// visible at once, so a concurrent duplicate's look-up finds it (409) and no claim lock is
+/// needed.
+#[async_trait]
+impl Engine for RedisStore {
     type Pool = RedisPool;
     type Transaction = Transaction;
-    type Connection = RedisPool;
     type Owner = Owner;
     type Ticket = ();
-    type Error = StoreError;
-
-    fn failure(error: &StoreError) -> Failure {
-        match error {
-            StoreError::Fenced => Failure::Fenced,
-            _ => Failure::Other,
-        }
-    }
-
-    fn token(owner: &Owner) -> i64 {
-        owner.lock_version
-    }
+    const NAME: &'static str = "redis";
 
     fn connection(transaction: &mut Transaction) -> &mut RedisPool {
         &mut transaction.pool
     }
 
+    fn operator(pool: &RedisPool) -> Box<dyn idemflow_store::Operator> {
+        Box::new(RedisOperator::new(pool.clone()))
+    }
+
+    async fn begin(
+        connection: Box<RedisPool>,
+        _limits: &Limits,
+    ) -> Result<Transaction, EngineError> {
+        Ok(Transaction::on(*connection))
+    }
+
+    async fn commit_keeping(transaction: Transaction) -> Result<Box<RedisPool>, EngineError> {
+        Ok(Box::new(transaction.into_pool()))
+    }
+
+    async fn rollback(_transaction: Transaction) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    fn abandon(_transaction: Transaction) {}
+
+    /// No local phase ran: nothing to undo.
+    async fn back_to_claim(_transaction: &mut Transaction) -> Result<(), EngineError> {
+        Ok(())
+    }
+
     async fn look_up(
-        pool: &RedisPool,
+        pool: &mut RedisPool,
         tenant: &TenantId,
         key: &Key,
-    ) -> Result<LookUp<()>, StoreError> {
+    ) -> Result<LookUp<()>, EngineError> {
         let looked: LookedUp = scripts::look_up()
             .key(pool.row(tenant.as_str(), key.as_str()))
             .invoke_async(&mut pool.connection())
-            .await?;
+            .await
+            .map_err(StoreError::from)?;
         Ok(match found(looked)? {
             Some(found) => LookUp::Found(found),
             None => LookUp::Absent(()),
         })
     }
 
+    async fn response_apart(
+        pool: &mut RedisPool,
+        tenant: &TenantId,
+        key: &Key,
+        life: i64,
+    ) -> Result<Option<Vec<u8>>, EngineError> {
+        let body_key = format!("{}:body:{life}", pool.row(tenant.as_str(), key.as_str()));
+        Ok(redis::cmd("GET")
+            .arg(body_key)
+            .query_async(&mut pool.connection())
+            .await
+            .map_err(StoreError::from)?)
+    }
+
     async fn begin_claim(
-        pool: &RedisPool,
+        connection: Box<RedisPool>,
         claim: Claim<'_>,
         (): (),
-    ) -> Result<Option<(Transaction, Owner)>, StoreError> {
+        _limits: &Limits,
+    ) -> Result<Claimed<Self>, EngineError> {
+        let pool = &*connection;
         let request = serde_json::to_string(claim.request)
             .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
-        let mut connection = pool.connection();
         let token: i64 = scripts::claim()
             .key(pool.row(claim.tenant.as_str(), claim.key.as_str()))
             .key(pool.fence())
@@ -424,10 +562,11 @@ impl Store for RedisStore {
             .arg(millis(claim.lease))
             .arg(idemflow_core::hex::encode(claim.workflow.as_bytes()))
             .arg(RedisPool::member(claim.tenant.as_str(), claim.key.as_str()))
-            .invoke_async(&mut connection)
-            .await?;
+            .invoke_async(&mut pool.connection())
+            .await
+            .map_err(StoreError::from)?;
         if token == 0 {
-            return Ok(None);
+            return Ok(Claimed::Lost(connection));
         }
         let owner = Owner {
             tenant: claim.tenant.clone(),
@@ -435,19 +574,55 @@ impl Store for RedisStore {
             workflow: claim.workflow.to_owned(),
             lock_version: token,
         };
-        Ok(Some((Transaction::on(pool.clone()), owner)))
+        Ok(Claimed::Owned(Transaction::on(*connection), owner))
     }
 
-    async fn begin(pool: &RedisPool) -> Result<Transaction, StoreError> {
-        Ok(Transaction::on(pool.clone()))
+    /// Never reached on Redis (a commit is never refused); a fresh claim if it were.
+    async fn claim_again(
+        connection: Box<RedisPool>,
+        claim: Claim<'_>,
+        _token: i64,
+        limits: &Limits,
+    ) -> Result<Claimed<Self>, EngineError> {
+        Self::begin_claim(connection, claim, (), limits).await
     }
 
-    async fn commit(_transaction: Transaction) -> Result<(), StoreError> {
-        Ok(())
+    async fn take_over(
+        transaction: &mut Transaction,
+        tenant: &TenantId,
+        key: &Key,
+        seen: i64,
+        lease: Duration,
+    ) -> Result<Option<Taken<Owner>>, EngineError> {
+        let lease_from = Instant::now();
+        let pool = &transaction.pool;
+        let mut connection = pool.connection();
+        let row = pool.row(tenant.as_str(), key.as_str());
+        let Some(workflow) = workflow_of(&mut connection, &row).await? else {
+            return Ok(None);
+        };
+        let fields: Option<TakenFields> = scripts::take_over()
+            .key(&row)
+            .key(pool.fence())
+            .key(pool.leases(&workflow))
+            .arg(seen)
+            .arg(millis(lease))
+            .invoke_async(&mut connection)
+            .await
+            .map_err(StoreError::from)?;
+        Ok(fields
+            .map(|fields| taken(fields, &workflow, lease_from))
+            .transpose()?)
     }
 
-    async fn rollback(_transaction: Transaction) -> Result<(), StoreError> {
-        Ok(())
+    /// A claim is one script: no session can be half-way through one.
+    async fn wait_for_claim_lock(
+        _transaction: &mut Transaction,
+        _tenant: &TenantId,
+        _key: &Key,
+        _wait: Duration,
+    ) -> Result<bool, EngineError> {
+        Ok(true)
     }
 
     async fn advance(
@@ -456,7 +631,7 @@ impl Store for RedisStore {
         recovery_point: &str,
         output: &Value,
         lease: Duration,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), EngineError> {
         let pool = &transaction.pool;
         let output = serde_json::to_string(output)
             .map_err(|error| StoreError::Corrupt(format!("phase output: {error}")))?;
@@ -468,8 +643,9 @@ impl Store for RedisStore {
             .arg(output)
             .arg(millis(lease))
             .invoke_async(&mut pool.connection())
-            .await?;
-        fenced(changed)
+            .await
+            .map_err(StoreError::from)?;
+        Ok(fenced(changed)?)
     }
 
     async fn finish(
@@ -478,7 +654,7 @@ impl Store for RedisStore {
         recovery_point: &str,
         response: &StoredResponse,
         apart_above: usize,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), EngineError> {
         let pool = &transaction.pool;
         let headers = serde_json::to_string(&response.headers)
             .map_err(|error| StoreError::Corrupt(format!("response headers: {error}")))?;
@@ -498,44 +674,30 @@ impl Store for RedisStore {
             .arg(response.body.as_slice())
             .arg(apart)
             .invoke_async(&mut pool.connection())
-            .await?;
-        fenced(changed)
-    }
-
-    async fn renew_lease(
-        pool: &RedisPool,
-        owner: &Owner,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        let changed: i64 = scripts::renew_lease()
-            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
-            .key(pool.leases(&owner.workflow))
-            .arg(owner.lock_version)
-            .arg(millis(lease))
-            .invoke_async(&mut pool.connection())
-            .await?;
-        fenced(changed)
+            .await
+            .map_err(StoreError::from)?;
+        Ok(fenced(changed)?)
     }
 
     async fn postpone(
+        transaction: &mut Transaction,
+        owner: &Owner,
+        retry_after: Duration,
+        last_error: &str,
+    ) -> Result<(), EngineError> {
+        Ok(postpone(&transaction.pool, owner, retry_after, last_error).await?)
+    }
+
+    async fn postpone_alone(
         pool: &RedisPool,
         owner: &Owner,
         retry_after: Duration,
         last_error: &str,
-    ) -> Result<(), StoreError> {
-        let changed: i64 = scripts::postpone()
-            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
-            .key(pool.fence())
-            .key(pool.leases(&owner.workflow))
-            .arg(owner.lock_version)
-            .arg(millis(retry_after))
-            .arg(last_error)
-            .invoke_async(&mut pool.connection())
-            .await?;
-        fenced(changed)
+    ) -> Result<(), EngineError> {
+        Ok(postpone(pool, owner, retry_after, last_error).await?)
     }
 
-    async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), StoreError> {
+    async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), EngineError> {
         let pool = &transaction.pool;
         let changed: i64 = scripts::delete_owned()
             .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
@@ -544,125 +706,132 @@ impl Store for RedisStore {
             .arg(owner.lock_version)
             .arg(RedisPool::member(owner.tenant.as_str(), owner.key.as_str()))
             .invoke_async(&mut pool.connection())
-            .await?;
-        fenced(changed)
+            .await
+            .map_err(StoreError::from)?;
+        Ok(fenced(changed)?)
     }
 
-    async fn end_lease(
-        pool: &RedisPool,
-        tenant: &TenantId,
-        key: &Key,
-        seen: i64,
-    ) -> Result<Option<i64>, StoreError> {
-        let mut connection = pool.connection();
-        let row = pool.row(tenant.as_str(), key.as_str());
-        let Some(workflow) = workflow_of(&mut connection, &row).await? else {
-            return Ok(None);
-        };
-        let token: i64 = scripts::end_lease()
-            .key(&row)
-            .key(pool.fence())
-            .key(pool.leases(&workflow))
-            .arg(seen)
-            .invoke_async(&mut connection)
-            .await?;
-        Ok((token != 0).then_some(token))
-    }
-
-    async fn take_over(
-        pool: &RedisPool,
-        tenant: &TenantId,
-        key: &Key,
-        seen: i64,
+    async fn renew_lease(
+        pool: &mut RedisPool,
+        owner: &Owner,
         lease: Duration,
-    ) -> Result<Option<TakenOver<Owner>>, StoreError> {
-        let mut connection = pool.connection();
-        let row = pool.row(tenant.as_str(), key.as_str());
-        let Some(workflow) = workflow_of(&mut connection, &row).await? else {
-            return Ok(None);
-        };
-        let fields: Option<TakenFields> = scripts::take_over()
-            .key(&row)
-            .key(pool.fence())
-            .key(pool.leases(&workflow))
-            .arg(seen)
+    ) -> Result<(), EngineError> {
+        let changed: i64 = scripts::renew_lease()
+            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
+            .key(pool.leases(&owner.workflow))
+            .arg(owner.lock_version)
             .arg(millis(lease))
-            .invoke_async(&mut connection)
-            .await?;
-        fields.map(|fields| taken(fields, &workflow)).transpose()
+            .invoke_async(&mut pool.connection())
+            .await
+            .map_err(StoreError::from)?;
+        Ok(fenced(changed)?)
     }
 
     async fn take_over_due(
         pool: &RedisPool,
         workflows: &[(String, Duration)],
         batch: i64,
-    ) -> Result<Vec<(String, TakenOver<Owner>)>, StoreError> {
-        if workflows.is_empty() || batch <= 0 {
-            return Ok(Vec::new());
-        }
-        let script = scripts::take_over_due();
-        let mut invocation = script.key(pool.fence());
-        invocation.arg(batch);
-        for (workflow, lease) in workflows {
-            invocation.key(pool.leases(workflow)).arg(millis(*lease));
-        }
-        let rows: Vec<(
-            i64,
-            i64,
-            i64,
-            String,
-            String,
-            String,
-            Option<String>,
-            String,
-            Option<String>,
-        )> = invocation.invoke_async(&mut pool.connection()).await?;
-        rows.into_iter()
-            .map(
-                |(index, token, attempts, tenant, key, point, output, request, error)| {
-                    let workflow = usize::try_from(index)
-                        .ok()
-                        .and_then(|index| workflows.get(index.checked_sub(1)?))
-                        .map(|(workflow, _)| workflow.clone())
-                        .ok_or_else(|| StoreError::Corrupt(format!("workflow index {index}")))?;
-                    let taken = taken(
-                        (token, attempts, tenant, key, point, output, request, error),
-                        &workflow,
-                    )?;
-                    Ok((workflow, taken))
-                },
-            )
-            .collect()
+    ) -> Result<Vec<(String, Taken<Owner>)>, EngineError> {
+        Ok(take_over_due(pool, workflows, batch).await?)
     }
 
-    async fn response_apart(
+    async fn resumer_lag(pool: &RedisPool) -> Result<Duration, EngineError> {
+        Ok(resumer_lag(pool).await?)
+    }
+
+    async fn count_due_unknown(
         pool: &RedisPool,
-        tenant: &TenantId,
-        key: &Key,
-        life: i64,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        let body_key = format!("{}:body:{life}", pool.row(tenant.as_str(), key.as_str()));
-        Ok(redis::cmd("GET")
-            .arg(body_key)
-            .query_async(&mut pool.connection())
-            .await?)
+        workflows: &[String],
+    ) -> Result<Vec<(String, i64)>, EngineError> {
+        Ok(count_due_unknown(pool, workflows).await?)
     }
 
     async fn expire_batch(
         pool: &RedisPool,
-        keep_for: Duration,
+        older_than: Duration,
         batch: i64,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<u64, EngineError> {
         let deleted: u64 = scripts::expire_batch()
             .key(pool.finishes())
             .key(pool.index())
-            .arg(millis(keep_for))
+            .arg(millis(older_than))
             .arg(batch)
             .arg(pool.rows_prefix())
             .invoke_async(&mut pool.connection())
-            .await?;
+            .await
+            .map_err(StoreError::from)?;
         Ok(deleted)
     }
+
+    /// Sorted sets: retention deletes in batches.
+    async fn maintain_layout(
+        _pool: &RedisPool,
+        _keep_for: Duration,
+    ) -> Result<Option<Maintained>, EngineError> {
+        Ok(None)
+    }
+
+    /// Nothing announces due keys between processes on Redis yet: the resumer polls.
+    async fn listen_for_due(_pool: RedisPool, _wake: Arc<Notify>) {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Postpones a key after a failed attempt (fenced): its lease ends `retry_after` from now, the
+/// error is recorded, and the fence advances.
+async fn postpone(
+    pool: &RedisPool,
+    owner: &Owner,
+    retry_after: Duration,
+    last_error: &str,
+) -> Result<(), StoreError> {
+    let changed: i64 = scripts::postpone()
+        .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
+        .key(pool.fence())
+        .key(pool.leases(&owner.workflow))
+        .arg(owner.lock_version)
+        .arg(millis(retry_after))
+        .arg(last_error)
+        .invoke_async(&mut pool.connection())
+        .await?;
+    fenced(changed)
+}
+
+/// Takes over up to `batch` due keys of the named workflows, each with its workflow's lease: the
+/// resumer's scan, one script over the workflows' sorted sets of lease ends.
+async fn take_over_due(
+    pool: &RedisPool,
+    workflows: &[(String, Duration)],
+    batch: i64,
+) -> Result<Vec<(String, Taken<Owner>)>, StoreError> {
+    if workflows.is_empty() || batch <= 0 {
+        return Ok(Vec::new());
+    }
+    let lease_from = Instant::now();
+    let script = scripts::take_over_due();
+    let mut invocation = script.key(pool.fence());
+    invocation.arg(batch);
+    for (workflow, lease) in workflows {
+        invocation.key(pool.leases(workflow)).arg(millis(*lease));
+    }
+    let rows: Vec<DueFields> = invocation.invoke_async(&mut pool.connection()).await?;
+    rows.into_iter()
+        .map(
+            |(index, token, attempts, tenant, key, point, output, request, error)| {
+                let workflow = usize::try_from(index)
+                    .ok()
+                    .and_then(|index| workflows.get(index.checked_sub(1)?))
+                    .map(|(workflow, _)| workflow.clone())
+                    .ok_or_else(|| StoreError::Corrupt(format!("workflow index {index}")))?;
+                let taken = taken(
+                    (token, attempts, tenant, key, point, output, request, error),
+                    &workflow,
+                    lease_from,
+                )?;
+                Ok((workflow, taken))
+            },
+        )
+        .collect()
 }
 
 /// How long the oldest lapsed lease of a started key has been over (zero when none has): the

@@ -19,7 +19,6 @@ use crate::drive::{Hold, Start};
 use crate::engine::{Claimed, ConnectionPool, Engine, EngineError, KeyOwner, PooledOf};
 use crate::erased::Carry;
 use crate::error::RunError;
-use crate::live_connection::is_connection_lost;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::runner::Runner;
@@ -184,7 +183,7 @@ impl<E: Engine> Runner<E> {
                 .inspect_err(|_| E::Pool::close_on_drop(&mut connection))?;
             match looked {
                 Ok(looked) => return Ok((connection, looked)),
-                Err(EngineError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
+                Err(EngineError::Database(error)) if tries > 0 && error.is_connection_lost() => {
                     tries -= 1;
                     tracing::info!(%error, "a pooled connection was lost; looking up on another");
                     // Closed rather than handed back: the pool would ping it, fail, and close it

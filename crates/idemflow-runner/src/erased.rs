@@ -298,7 +298,9 @@ impl<E: SqlEngine, F: FailurePhase<E>> ErasedFailure<E> for FailureStep<F> {
         context: &PhaseContext,
         limit: Duration,
     ) -> Result<Result<StoredResponse, String>, EngineError> {
-        let mut savepoint = sqlx::Connection::begin(E::connection(tx)).await?;
+        let mut savepoint = sqlx::Connection::begin(E::connection(tx))
+            .await
+            .map_err(E::engine_error)?;
         let ran = tokio::time::timeout(
             limit + overrun_grace(limit),
             catch_panic(self.run::<E>(&mut savepoint, give_up, context)),
@@ -306,7 +308,7 @@ impl<E: SqlEngine, F: FailurePhase<E>> ErasedFailure<E> for FailureStep<F> {
         .await;
         match ran {
             Ok(Ok(Ok(response))) => {
-                savepoint.commit().await?;
+                savepoint.commit().await.map_err(E::engine_error)?;
                 Ok(Ok(response))
             }
             failed => {
@@ -317,7 +319,7 @@ impl<E: SqlEngine, F: FailurePhase<E>> ErasedFailure<E> for FailureStep<F> {
                 };
                 // A savepoint rollback needs the connection in a known state: after an overrun
                 // it is not, and the whole record fails (the key stays due and is retried).
-                savepoint.rollback().await?;
+                savepoint.rollback().await.map_err(E::engine_error)?;
                 Ok(Err(why))
             }
         }

@@ -1,6 +1,4 @@
-use idemflow_pg::StoreError;
-
-use crate::engine::EngineError;
+use crate::engine::{DatabaseError, EngineError};
 
 use crate::sealing::SealError;
 
@@ -11,7 +9,7 @@ pub enum RunError {
     /// A statement failed or the database could not be reached. What the run had not committed
     /// is rolled back; the client retries with the same key (answer 503).
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(#[from] DatabaseError),
     /// The database did not answer one of the engine's statements (or hand over a connection)
     /// within [`crate::RunnerConfig::database_timeout`]: it is down, unreachable, or overloaded.
     /// Nothing uncommitted lands; the client retries with the same key (answer 503).
@@ -51,18 +49,6 @@ pub enum RunError {
     Sealing(#[from] SealError),
 }
 
-impl From<StoreError> for RunError {
-    fn from(error: StoreError) -> Self {
-        match error {
-            StoreError::Fenced => Self::Fenced,
-            StoreError::Database(error) => Self::Database(error),
-            StoreError::Corrupt(message) => Self::Corrupt(message),
-            // A kind of store error this runner was not built to know of.
-            other => Self::Corrupt(other.to_string()),
-        }
-    }
-}
-
 impl From<EngineError> for RunError {
     fn from(error: EngineError) -> Self {
         match error {
@@ -70,6 +56,8 @@ impl From<EngineError> for RunError {
             EngineError::Busy => Self::Busy,
             EngineError::Database(error) => Self::Database(error),
             EngineError::Corrupt(message) => Self::Corrupt(message),
+            // A kind of engine error this runner was not built to know of.
+            other => Self::Corrupt(other.to_string()),
         }
     }
 }

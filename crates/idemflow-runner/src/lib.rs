@@ -9,11 +9,9 @@ mod crash;
 mod deadline;
 mod drive;
 mod engine;
-#[cfg(feature = "redis")]
-pub use engine::RedisStore;
 pub use engine::{
-    Claimed, ConnectionOf, ConnectionPool, Engine, EngineError, EngineOf, KeyOwner, MySqlStore,
-    PgStore, PoolEngine, PoolOf, PooledOf, SqlEngine, SqliteStore, Taken,
+    Claimed, ConnectionOf, ConnectionPool, DatabaseError, DatabaseErrorKind, Engine, EngineError,
+    EnginePool, KeyOwner, Limits, PoolOf, PooledOf, SqlEngine, Taken,
 };
 mod erased;
 mod error;
@@ -21,10 +19,6 @@ mod heartbeat;
 mod live_connection;
 mod metrics;
 pub use metrics::{CATALOGUE, describe_metrics};
-/// The sqlx this engine is built with: phases take its `PgConnection`; use this one rather than
-/// pinning a second copy.
-pub use sqlx;
-pub use sqlx::{MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool};
 mod outcome;
 mod panic;
 mod phase;

@@ -5,7 +5,7 @@ use idemflow_core::{DerivedKey, Key, StoredResponse, TenantId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::engine::{ConnectionOf, PgStore, SqlEngine};
+use crate::engine::{ConnectionOf, SqlEngine};
 
 use crate::retry::RetryPolicy;
 
@@ -39,7 +39,7 @@ pub struct PhaseContext {
 /// outside that connection that it could not do twice (no calls to other systems: those are
 /// [`ForeignPhase`]s), and it may run again after a crash only if its transaction did not commit.
 #[async_trait]
-pub trait LocalPhase<E: SqlEngine = PgStore>: Send + Sync + 'static {
+pub trait LocalPhase<E: SqlEngine>: Send + Sync + 'static {
     /// The durable name of this phase, stored as the recovery point. Never rename it while keys
     /// may be left at it.
     const NAME: &'static str;
@@ -137,7 +137,7 @@ pub struct Failure<Request> {
 /// order failed, say). Its statements and the response it returns commit together with the key's
 /// finish, so no key stays started forever. If it fails itself, a generic 500 problem is stored.
 #[async_trait]
-pub trait FailurePhase<E: SqlEngine = PgStore>: Send + Sync + 'static {
+pub trait FailurePhase<E: SqlEngine>: Send + Sync + 'static {
     /// The workflow's request type.
     type Request: PhaseValue;
 

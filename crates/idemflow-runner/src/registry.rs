@@ -2,13 +2,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::engine::{Engine, PgStore};
+use crate::engine::Engine;
 use crate::workflow::Workflow;
 
 /// The workflows a resumer can finish, by name (with version). Keep every version registered
 /// while keys claimed by it may still be resumed.
 #[derive(Debug, Clone)]
-pub struct Registry<E: Engine = PgStore> {
+pub struct Registry<E: Engine> {
     workflows: BTreeMap<String, Arc<Workflow<E>>>,
 }
 

@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::deadline::Within;
-use crate::engine::{Engine, KeyOwner, PgStore};
+use crate::engine::{Engine, KeyOwner, Taken};
 use crate::error::RunError;
 use crate::outcome::Outcome;
 use crate::registry::Registry;
@@ -104,7 +104,7 @@ pub struct DrainReport {
 /// # }
 /// ```
 #[derive(Debug)]
-pub struct Resumer<E: Engine = PgStore> {
+pub struct Resumer<E: Engine> {
     runner: Runner<E>,
     registry: Arc<Registry<E>>,
     config: ResumerConfig,
@@ -123,7 +123,7 @@ impl<E: Engine> Clone for Resumer<E> {
 }
 
 /// A key a scan took over, with its workflow's name.
-type Due<E> = (String, <E as Engine>::TakenOver);
+type Due<E> = (String, Taken<<E as Engine>::Owner>);
 
 impl<E: Engine> Resumer<E> {
     /// A resumer of `registry`'s workflows, running their keys with `runner`, with the default
@@ -204,7 +204,7 @@ impl<E: Engine> Resumer<E> {
         owners: &mut HashMap<tokio::task::Id, E::Owner>,
         due: Due<E>,
     ) {
-        let owner = E::taken_owner(&due.1).clone();
+        let owner = due.1.owner.clone();
         let resumer = self.clone();
         let handle = running.spawn(async move { resumer.resume_one(due).await });
         owners.insert(handle.id(), owner);
@@ -387,7 +387,7 @@ impl<E: Engine> Resumer<E> {
             return None;
         };
         let started = Instant::now();
-        let owner = E::taken_owner(&taken);
+        let owner = &taken.owner;
         let (tenant, key) = (owner.tenant().clone(), owner.key().clone());
         match self.runner.resume(workflow, taken).await {
             Ok(outcome) => {

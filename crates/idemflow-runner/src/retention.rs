@@ -1,6 +1,7 @@
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::engine::{Engine, PoolEngine, PoolOf};
+use crate::engine::{Engine, EnginePool, PoolOf};
+use idemflow_store::layout::Maintained;
 
 use crate::error::RunError;
 
@@ -14,7 +15,7 @@ use crate::error::RunError;
 /// otherwise); a job of your own may run it once:
 ///
 /// ```no_run
-/// # async fn example(pool: idemflow_runner::PgPool) -> Result<(), idemflow_runner::RunError> {
+/// # async fn example<E: idemflow_runner::Engine>(pool: E::Pool) -> Result<(), idemflow_runner::RunError> {
 /// use std::time::Duration;
 /// use idemflow_runner::{ResumerConfig, Retention};
 ///
@@ -22,7 +23,7 @@ use crate::error::RunError;
 /// let retention = Retention::default().with_keep_for(Duration::from_secs(7 * 24 * 60 * 60));
 /// let config = ResumerConfig::default().with_retention(Some(retention));
 /// // Or once, now:
-/// let deleted = retention.expire(&pool).await?;
+/// let deleted = retention.expire::<E>(&pool).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -59,18 +60,20 @@ impl Retention {
     /// Deletes every key finished longer ago than `keep_for`, in batches, at most
     /// `max_rows_per_second`; returns how many. What a worker runs every `every`.
     ///
-    /// On the partitioned layout ([`idemflow_pg::partitions`]) it maintains the partitions instead:
+    /// On PostgreSQL's partitioned layout (`idemflow_pg::partitions`) it maintains the partitions instead:
     /// creates those due ahead of the clock and drops those whose every key is past `keep_for`
     /// (no row is deleted one by one), and returns the keys dropped with them. That needs the
     /// rights of the table's owner (docs/operations.md, "Partitioned expiry").
-    pub async fn expire<P: PoolEngine>(&self, pool: &P) -> Result<u64, RunError> {
-        self.expire_on::<P::Engine>(pool).await
+    pub async fn expire<E: Engine>(&self, pool: &impl EnginePool<E>) -> Result<u64, RunError> {
+        self.expire_on::<E>(pool.as_pool()).await
     }
 
-    /// [`Retention::expire`] on engine `E`.
-    pub(crate) async fn expire_on<E: Engine>(&self, pool: &PoolOf<E>) -> Result<u64, RunError> {
-        if let Some(dropped) = E::maintain_layout(pool, self.keep_for).await? {
-            return Ok(dropped);
+    /// [`Retention::expire`] on engine `E`'s pool, named through the engine: what code generic
+    /// over `E: SqlEngine` calls (there the pool's type is `sqlx::Pool<E::Database>`, which the
+    /// compiler does not see as `E`'s pool).
+    pub async fn expire_on<E: Engine>(&self, pool: &PoolOf<E>) -> Result<u64, RunError> {
+        if let Some(maintained) = E::maintain_layout(pool, self.keep_for).await? {
+            return Ok(record_layout(&maintained));
         }
         paced::<E>(
             pool,
@@ -85,8 +88,8 @@ impl Retention {
 /// Deletes every key finished more than `older_than` ago, `batch_size` rows per
 /// transaction, back to back until none is left; returns how many. Started keys are never
 /// deleted. For a one-off clean-up (the CLI's `expire`); a worker paces it ([`Retention`]).
-pub async fn expire<P: PoolEngine>(
-    pool: &P,
+pub async fn expire<E: Engine>(
+    pool: &impl EnginePool<E>,
     older_than: Duration,
     batch_size: i64,
 ) -> Result<u64, RunError> {
@@ -94,13 +97,47 @@ pub async fn expire<P: PoolEngine>(
 }
 
 /// As [`expire`], with batches spaced so that at most `max_rows_per_second` rows go per second.
-pub async fn expire_paced<P: PoolEngine>(
-    pool: &P,
+pub async fn expire_paced<E: Engine>(
+    pool: &impl EnginePool<E>,
     older_than: Duration,
     batch_size: i64,
     max_rows_per_second: Option<u32>,
 ) -> Result<u64, RunError> {
-    paced::<P::Engine>(pool, older_than, batch_size, max_rows_per_second).await
+    paced::<E>(pool.as_pool(), older_than, batch_size, max_rows_per_second).await
+}
+
+/// A layout maintenance run in the logs and the metrics: each partition dropped, created or kept,
+/// and the keys expired with what was dropped.
+fn record_layout(maintained: &Maintained) -> u64 {
+    if maintained.skipped {
+        return 0;
+    }
+    let keys: u64 = maintained.dropped.iter().map(|dropped| dropped.keys).sum();
+    for dropped in &maintained.dropped {
+        tracing::info!(
+            partition = %dropped.name,
+            keys = dropped.keys,
+            bodies_apart = dropped.bodies_apart,
+            "retention dropped a partition of expired keys"
+        );
+    }
+    for created in &maintained.created {
+        tracing::info!(partition = %created, "retention created a partition ahead");
+    }
+    for kept in &maintained.kept {
+        // Past the window and still holding started keys: nobody finished them. Alert on it.
+        tracing::warn!(
+            partition = %kept.name,
+            started_keys = kept.started_keys,
+            "a partition past the retention window is kept: it holds started keys"
+        );
+    }
+    metrics::counter!("idemflow_expired_total").increment(keys);
+    metrics::counter!("idemflow_partitions_dropped_total")
+        .increment(maintained.dropped.len() as u64);
+    metrics::gauge!("idemflow_partitions_kept_for_started_keys").set(maintained.kept.len() as f64);
+    metrics::gauge!("idemflow_partitions_ahead").set(f64::from(maintained.ahead));
+    keys
 }
 
 async fn paced<E: Engine>(
@@ -109,27 +146,15 @@ async fn paced<E: Engine>(
     batch_size: i64,
     max_rows_per_second: Option<u32>,
 ) -> Result<u64, RunError> {
-    let batch_size = batch_size.max(1);
-    let rate = max_rows_per_second.filter(|&rate| rate > 0).map(f64::from);
-    let began = Instant::now();
-    let mut total = 0;
-    loop {
-        let deleted = E::expire_batch(pool, older_than, batch_size).await?;
-        total += deleted;
-        if deleted < u64::try_from(batch_size).unwrap_or(u64::MAX) {
-            if total > 0 {
-                tracing::info!(deleted = total, "retention expired finished keys");
-            }
-            metrics::counter!("idemflow_expired_total").increment(total);
-            return Ok(total);
-        }
-        // Paced against the whole run's schedule (not batch by batch), so the timer's rounding
-        // of each short sleep does not add up: the rate holds at the limit.
-        if let Some(rate) = rate {
-            let due = began + Duration::from_secs_f64(total as f64 / rate);
-            tokio::time::sleep_until(due.into()).await;
-        }
+    let total = idemflow_store::retention::paced(batch_size, max_rows_per_second, |batch| {
+        E::expire_batch(pool, older_than, batch)
+    })
+    .await?;
+    if total > 0 {
+        tracing::info!(deleted = total, "retention expired finished keys");
     }
+    metrics::counter!("idemflow_expired_total").increment(total);
+    Ok(total)
 }
 
 idemflow_core::with_setters! {

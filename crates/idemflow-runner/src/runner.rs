@@ -10,7 +10,7 @@ use crate::config::RunnerConfig;
 use crate::crash::CrashHook;
 use crate::crash::CrashPoints;
 use crate::drive::{Hold, Start};
-use crate::engine::{Engine, KeyOwner, PgStore, PoolEngine, PoolOf};
+use crate::engine::{Engine, EnginePool, KeyOwner, PoolOf, Taken};
 use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
@@ -31,10 +31,10 @@ pub struct Request<'a> {
     pub body: &'a [u8],
 }
 
-/// Executes workflows under idempotency keys, on one engine's database: `E`, PostgreSQL unless
-/// named. [`Runner::new`] takes either engine's pool and knows the engine from it.
+/// Executes workflows under idempotency keys, on one engine's database: `E`. [`Runner::new`]
+/// takes any engine's pool and knows the engine from it.
 #[derive(Debug)]
-pub struct Runner<E: Engine = PgStore> {
+pub struct Runner<E: Engine> {
     pub(crate) pool: PoolOf<E>,
     /// Connections kept between requests (see [`crate::warm`]).
     pub(crate) warm: Arc<Warm<E::Pool>>,
@@ -53,22 +53,23 @@ impl<E: Engine> Clone for Runner<E> {
     }
 }
 
-impl Runner {
-    /// A runner on `pool` (a `PgPool`, a `SqlitePool`, a `MySqlPool`: the engine follows from
-    /// it), with the default [`RunnerConfig`] (terminal errors are stored). The first runner of a
-    /// process describes the engine's metrics to the installed recorder.
-    pub fn new<P: PoolEngine>(pool: P) -> Runner<P::Engine> {
-        Runner::on(pool, RunnerConfig::default())
+impl<E: Engine> Runner<E> {
+    /// A runner on `pool` (a `PgPool`, a `SqlitePool`, a `MySqlPool`, a Redis pool: the engine
+    /// follows from it, in generic code too), with the default [`RunnerConfig`] (terminal errors
+    /// are stored). The first runner of a process describes the engine's metrics to the
+    /// installed recorder.
+    pub fn new(pool: impl EnginePool<E>) -> Self {
+        Self::on(pool.into_pool(), RunnerConfig::default())
     }
 
     /// As [`Runner::new`], with `config`.
-    pub fn with_config<P: PoolEngine>(pool: P, config: RunnerConfig) -> Runner<P::Engine> {
-        Runner::on(pool, config)
+    pub fn with_config(pool: impl EnginePool<E>, config: RunnerConfig) -> Self {
+        Self::on(pool.into_pool(), config)
     }
-}
 
-impl<E: Engine> Runner<E> {
-    /// A runner of engine `E` on `pool`, with `config`.
+    /// A runner of engine `E` on `pool`, with `config`: what code generic over `E: SqlEngine`
+    /// calls (there the pool's type is `sqlx::Pool<E::Database>`, which the compiler does not see
+    /// as `E`'s pool; over `E: Engine`, [`Runner::new`] works too).
     pub fn on(pool: PoolOf<E>, config: RunnerConfig) -> Self {
         metrics::describe_once();
         Self {
@@ -182,15 +183,14 @@ impl<E: Engine> Runner<E> {
             .await
     }
 
-    /// Finishes a key a resumer took over (see [`idemflow_pg::take_over_due`]), from its
+    /// Finishes a key a resumer took over ([`Engine::take_over_due`]), from its
     /// recovery point. The takeover is already committed; however long ago that was, the key's
     /// fence is confirmed before any call to another system.
     pub async fn resume(
         &self,
         workflow: &Workflow<E>,
-        taken: E::TakenOver,
+        taken: Taken<E::Owner>,
     ) -> Result<Outcome, RunError> {
-        let taken = E::taken(taken);
         let span = tracing::info_span!(
             "idemflow.resume",
             tenant = %taken.owner.tenant(),

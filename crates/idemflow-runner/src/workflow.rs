@@ -7,10 +7,9 @@ use std::marker::PhantomData;
 use std::time::Duration;
 
 use idemflow_core::{PhaseName, PhaseNameError, StoredResponse};
-use idemflow_pg::Limits;
 use serde_json::Value;
 
-use crate::engine::{Engine, PgStore, SqlEngine};
+use crate::engine::{Engine, Limits, SqlEngine};
 use crate::erased::{Carry, ErasedFailure, ErasedLocal, Step, decode, failure_step};
 use crate::heartbeat::overrun_grace;
 use crate::panic::{Panic, catch_panic_now};
@@ -120,7 +119,7 @@ pub enum BuildError {
 /// A workflow runs on one engine, `E` (PostgreSQL unless named): its local phases receive that
 /// engine's connection, and only a runner of that engine runs it. For SQLite:
 /// `Workflow::<SqliteStore>::builder_on::<Checkout>("checkout.v1")`, then the same chain.
-pub struct Workflow<E: Engine = PgStore> {
+pub struct Workflow<E: Engine> {
     name: String,
     pub(crate) steps: Vec<Step<E>>,
     lease: Duration,
@@ -150,11 +149,12 @@ impl<E: Engine> std::fmt::Debug for Workflow<E> {
 /// The lease a workflow gets unless [`WorkflowBuilder::lease`] says otherwise.
 const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 
-impl Workflow {
+impl<E: Engine> Workflow<E> {
     /// The lease a workflow gets unless [`WorkflowBuilder::lease`] says otherwise.
     pub const DEFAULT_LEASE: Duration = DEFAULT_LEASE;
 
-    /// Starts a workflow taking requests of type `Request`. `name` is durable (stored on every
+    /// Starts a workflow taking requests of type `Request`, on engine `E` (named, or inferred
+    /// from the phases and the runner it goes to). `name` is durable (stored on every
     /// key the workflow claims); version it (`checkout.v1`) and keep old versions registered
     /// while their keys may still be resumed.
     ///
@@ -164,7 +164,9 @@ impl Workflow {
     /// ```
     /// # use std::time::Duration;
     /// # use idemflow_core::{DerivedKey, StoredResponse};
-    /// # use idemflow_runner::{ForeignPhase, LocalPhase, PgConnection, PhaseContext, PhaseError, Workflow};
+    /// # use idemflow_runner::{ForeignPhase, LocalPhase, PhaseContext, PhaseError, Workflow};
+    /// # use idemflow_sqlite::SqliteStore;
+    /// # use sqlx::SqliteConnection;
     /// # #[derive(serde::Serialize, serde::Deserialize)]
     /// # struct Checkout { amount: u64 }
     /// # struct Charge;
@@ -179,11 +181,11 @@ impl Workflow {
     /// # }
     /// # struct Record;
     /// # #[async_trait::async_trait]
-    /// # impl LocalPhase for Record {
+    /// # impl LocalPhase<SqliteStore> for Record {
     /// #     const NAME: &'static str = "record";
     /// #     type Input = String;
     /// #     type Output = StoredResponse;
-    /// #     async fn run(&self, _: &mut PgConnection, charge: String, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+    /// #     async fn run(&self, _: &mut SqliteConnection, charge: String, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
     /// #         Ok(StoredResponse::new(201, charge))
     /// #     }
     /// # }
@@ -202,13 +204,11 @@ impl Workflow {
     /// ```
     pub fn builder<Request: PhaseValue>(
         name: impl Into<String>,
-    ) -> WorkflowBuilder<Request, Request> {
+    ) -> WorkflowBuilder<Request, Request, E> {
         Self::builder_on(name)
     }
-}
 
-impl<E: Engine> Workflow<E> {
-    /// As [`Workflow::builder`], for a workflow on engine `E`:
+    /// [`Workflow::builder`], named for code that spells the engine:
     /// `Workflow::<SqliteStore>::builder_on::<Checkout>("checkout.v1")`. Its local phases are
     /// `LocalPhase<SqliteStore>`s, receiving a `SqliteConnection`.
     pub fn builder_on<Request: PhaseValue>(
@@ -339,7 +339,7 @@ impl<E: Engine> Workflow<E> {
 }
 
 /// Builds a [`Workflow`]; `Chain` is the output type of the last phase added.
-pub struct WorkflowBuilder<Request, Chain, E: Engine = PgStore> {
+pub struct WorkflowBuilder<Request, Chain, E: Engine> {
     name: String,
     steps: Vec<Step<E>>,
     lease: Duration,

@@ -7,32 +7,16 @@
 
 use std::time::Duration;
 
-use idemflow_core::{Fingerprint, Key, TenantId};
-use serde_json::Value;
 use sqlx::Sqlite;
 use sqlx::pool::PoolConnection;
 
 use crate::error::StoreError;
-use crate::owner::Owner;
 use crate::statements;
 use crate::transaction::Transaction;
+use idemflow_store::Owner;
 
-/// Everything a claim stores.
-#[derive(Debug)]
-pub struct ClaimRequest<'a> {
-    /// The tenant the key belongs to.
-    pub tenant: &'a TenantId,
-    /// The idempotency key claimed.
-    pub key: &'a Key,
-    /// The request's fingerprint.
-    pub fingerprint: &'a Fingerprint,
-    /// The name (and version) of the workflow that runs the key.
-    pub workflow: &'a str,
-    /// The workflow's input, stored so a resumer in another process can run the key.
-    pub request: &'a Value,
-    /// How long the claim's lease lasts, from the insert; stored in whole milliseconds.
-    pub lease: Duration,
-}
+/// Everything a claim stores: the boundary's [`idemflow_store::Claim`].
+pub type ClaimRequest<'a> = idemflow_store::Claim<'a>;
 
 /// What [`begin_claim`] did.
 #[derive(Debug)]

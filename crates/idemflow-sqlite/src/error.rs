@@ -2,6 +2,8 @@
 //! [`StoreError::Busy`]: SQLite's one writer at a time makes "the database is busy" an answer of
 //! its own, one a caller retries later rather than a failure.
 
+use idemflow_store::{DatabaseError, DatabaseErrorKind, EngineError};
+
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -45,4 +47,38 @@ pub(crate) fn is_busy(error: &sqlx::Error) -> bool {
         .code()
         .and_then(|code| code.parse::<i64>().ok())
         .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+}
+
+/// The boundary's decoding of a row (`idemflow_store::rows`) fails only on a corrupt one.
+impl From<EngineError> for StoreError {
+    fn from(error: EngineError) -> Self {
+        match error {
+            EngineError::Corrupt(message) => Self::Corrupt(message),
+            other => Self::Corrupt(other.to_string()),
+        }
+    }
+}
+
+impl From<StoreError> for EngineError {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Fenced => Self::Fenced,
+            StoreError::Busy => Self::Busy,
+            StoreError::Database(error) => Self::Database(database_error(error)),
+            StoreError::Corrupt(message) => Self::Corrupt(message),
+        }
+    }
+}
+
+/// sqlx's error on SQLite, classified for the boundary: a file that went away under the
+/// connection is a lost connection, a missing keys table a missing schema.
+pub(crate) fn database_error(error: sqlx::Error) -> DatabaseError {
+    let kind = match &error {
+        sqlx::Error::Io(_) => DatabaseErrorKind::ConnectionLost,
+        sqlx::Error::Database(database) if database.message().starts_with("no such table") => {
+            DatabaseErrorKind::NoSchema
+        }
+        _ => DatabaseErrorKind::Other,
+    };
+    DatabaseError::new(kind, error)
 }

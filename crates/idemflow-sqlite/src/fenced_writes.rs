@@ -10,9 +10,9 @@ use sqlx::{Sqlite, SqliteConnection};
 
 use crate::claim::millis;
 use crate::error::StoreError;
-use crate::owner::Owner;
 use crate::statements;
 use crate::transaction::Transaction;
+use idemflow_store::Owner;
 
 /// Records a completed phase, in the owner's transaction: its recovery point and typed output,
 /// and a lease of `lease` from now (never shorter than the one held).

@@ -11,16 +11,18 @@
 mod claim;
 mod connect;
 mod console;
+mod consumer;
 mod error;
 mod fenced_writes;
 mod look_up;
-mod owner;
+mod operator;
 mod report;
 mod retention;
 mod statement_timeout;
 pub mod statements;
 mod store;
 mod take_over;
+mod tamper;
 mod transaction;
 
 pub use claim::{ClaimRequest, Claimed, begin_claim};
@@ -30,8 +32,10 @@ pub use error::StoreError;
 pub use fenced_writes::{
     advance, delete_owned, end_lease, finish, postpone, postpone_in, renew_lease,
 };
+/// The owner of a key: the boundary's, shared by the SQL engines.
+pub use idemflow_store::Owner;
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
-pub use owner::Owner;
+pub use operator::SqliteOperator;
 pub use report::{KeyBodies, KeyResponse, key_bodies};
 pub use report::{key_report, stuck_keys, table_stats};
 pub use retention::expire_batch;

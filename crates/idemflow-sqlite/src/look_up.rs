@@ -1,11 +1,9 @@
 //! Reading a key before deciding on it ([`look_up`]), and the body of a response stored apart
 //! ([`response_apart`]).
 
-use std::time::Duration;
-
-use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
+use idemflow_core::{Key, TenantId};
+use sqlx::SqliteConnection;
 use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection};
 
 use crate::error::StoreError;
 use crate::statements;
@@ -41,40 +39,9 @@ pub async fn look_up(
     })
 }
 
+/// The key from its look-up's row: the boundary's decoding, every engine's.
 fn found(row: &SqliteRow) -> Result<FoundKey, StoreError> {
-    let bytes: Vec<u8> = row.try_get("fingerprint")?;
-    let fingerprint = Fingerprint::from_slice(&bytes)
-        .ok_or_else(|| StoreError::Corrupt(format!("fingerprint of {} bytes", bytes.len())))?;
-    let done: bool = row.try_get("done")?;
-    let lease_left_ms: i64 = row.try_get("lease_left_ms")?;
-    let (response, body_apart) = if done {
-        let status: i64 = row.try_get("response_status")?;
-        let status = u16::try_from(status)
-            .map_err(|_| StoreError::Corrupt(format!("response status {status}")))?;
-        let headers: String = row.try_get("response_headers")?;
-        let headers: Vec<(String, FieldValue)> = serde_json::from_str(&headers)
-            .map_err(|error| StoreError::Corrupt(format!("response headers: {error}")))?;
-        let body: Option<Vec<u8>> = row.try_get("response_body")?;
-        let life: Option<i64> = row.try_get("life")?;
-        let apart = if body.is_none() { life } else { None };
-        let response = StoredResponse {
-            status,
-            headers,
-            body: body.unwrap_or_default(),
-        };
-        (Some(response), apart)
-    } else {
-        (None, None)
-    };
-    Ok(FoundKey {
-        fingerprint,
-        workflow: row.try_get("workflow")?,
-        done,
-        lease_left: Duration::from_millis(u64::try_from(lease_left_ms).unwrap_or(0)),
-        lock_version: row.try_get("lock_version")?,
-        response,
-        body_apart,
-    })
+    idemflow_store::rows::found_key(row).map_err(StoreError::from)
 }
 
 /// The body of a response stored apart, for the life of its key the look-up found. `None` when

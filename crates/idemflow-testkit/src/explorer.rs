@@ -21,9 +21,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use idemflow_core::{DerivedKey, Key, PhaseName, StoredResponse, TenantId};
 use idemflow_runner::{
-    CrashHook, CrashPoint, Engine, Outcome, PgStore, PoolOf, Registry, Request, Resumer,
-    ResumerConfig, RunError, Runner, RunnerConfig, SqliteStore, Workflow,
+    CrashHook, CrashPoint, Outcome, PoolOf, Registry, Request, Resumer, ResumerConfig, RunError,
+    Runner, RunnerConfig, Workflow,
 };
+use idemflow_store::Tamper;
 
 use crate::provider::{Fault, MockProvider};
 
@@ -175,194 +176,7 @@ impl fmt::Display for Report {
 }
 
 /// A check of your own, run after each case, on the engine's pool: `Err(why)` fails it.
-pub type Check<E = PgStore> =
-    Box<dyn for<'a> Fn(&'a PoolOf<E>, &'a Case) -> CheckFuture<'a> + Send + Sync>;
-
-/// What the explorer reads behind the runner's back, in each engine's SQL: the key's state, its
-/// stored response, and its lease rewound (never slept for).
-#[async_trait::async_trait]
-pub trait Inspect: Engine {
-    /// The key's state and recovery point; `None` when it has no row.
-    async fn state(
-        pool: &PoolOf<Self>,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<Option<(String, String)>, sqlx::Error>;
-    /// Ends a started key's lease now.
-    async fn rewind_lease(
-        pool: &PoolOf<Self>,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<(), sqlx::Error>;
-    /// The key's stored response, with its body (apart or not).
-    async fn stored_response(
-        pool: &PoolOf<Self>,
-        tenant: &TenantId,
-        key: &Key,
-    ) -> Result<Option<StoredResponse>, String>;
-}
-
-#[async_trait::async_trait]
-impl Inspect for PgStore {
-    async fn state(
-        pool: &sqlx::PgPool,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<Option<(String, String)>, sqlx::Error> {
-        sqlx::query_as(
-            "SELECT state, recovery_point FROM idempotency_keys WHERE tenant = $1 AND key = $2",
-        )
-        .bind(tenant.as_str())
-        .bind(key)
-        .fetch_optional(pool)
-        .await
-    }
-
-    async fn rewind_lease(
-        pool: &sqlx::PgPool,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' \
-             WHERE tenant = $1 AND key = $2 AND state = 'started'",
-        )
-        .bind(tenant.as_str())
-        .bind(key)
-        .execute(pool)
-        .await
-        .map(|_| ())
-    }
-
-    async fn stored_response(
-        pool: &sqlx::PgPool,
-        tenant: &TenantId,
-        key: &Key,
-    ) -> Result<Option<StoredResponse>, String> {
-        let mut connection = pool.acquire().await.map_err(|error| error.to_string())?;
-        let row = idemflow_pg::inspect(&mut connection, tenant, key)
-            .await
-            .map_err(|error| error.to_string())?;
-        Ok(row.and_then(|row| row.response))
-    }
-}
-
-#[async_trait::async_trait]
-impl Inspect for SqliteStore {
-    async fn state(
-        pool: &sqlx::SqlitePool,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<Option<(String, String)>, sqlx::Error> {
-        sqlx::query_as(
-            "SELECT state, recovery_point FROM idempotency_keys WHERE tenant = ?1 AND key = ?2",
-        )
-        .bind(tenant.as_str())
-        .bind(key)
-        .fetch_optional(pool)
-        .await
-    }
-
-    async fn rewind_lease(
-        pool: &sqlx::SqlitePool,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "UPDATE idempotency_keys SET locked_until = locked_until - 86400000 \
-             WHERE tenant = ?1 AND key = ?2 AND state = 'started'",
-        )
-        .bind(tenant.as_str())
-        .bind(key)
-        .execute(pool)
-        .await
-        .map(|_| ())
-    }
-
-    async fn stored_response(
-        pool: &sqlx::SqlitePool,
-        tenant: &TenantId,
-        key: &Key,
-    ) -> Result<Option<StoredResponse>, String> {
-        let mut connection = pool.acquire().await.map_err(|error| error.to_string())?;
-        let found = match idemflow_sqlite::look_up(&mut connection, tenant, key)
-            .await
-            .map_err(|error| error.to_string())?
-        {
-            idemflow_sqlite::LookUp::Found(found) => found,
-            idemflow_sqlite::LookUp::Absent => return Ok(None),
-        };
-        let Some(mut response) = found.response else {
-            return Ok(None);
-        };
-        if let Some(life) = found.body_apart {
-            response.body = idemflow_sqlite::response_apart(&mut connection, tenant, key, life)
-                .await
-                .map_err(|error| error.to_string())?
-                .ok_or("the body stored apart is gone")?;
-        }
-        Ok(Some(response))
-    }
-}
-
-#[async_trait::async_trait]
-impl Inspect for idemflow_runner::MySqlStore {
-    async fn state(
-        pool: &sqlx::MySqlPool,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<Option<(String, String)>, sqlx::Error> {
-        sqlx::query_as(
-            "SELECT CAST(state AS CHAR), recovery_point FROM idempotency_keys \
-             WHERE tenant = ? AND `key` = ?",
-        )
-        .bind(tenant.as_str())
-        .bind(key)
-        .fetch_optional(pool)
-        .await
-    }
-
-    async fn rewind_lease(
-        pool: &sqlx::MySqlPool,
-        tenant: &TenantId,
-        key: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "UPDATE idempotency_keys SET locked_until = locked_until - 86400000 \
-             WHERE tenant = ? AND `key` = ? AND state = 'started'",
-        )
-        .bind(tenant.as_str())
-        .bind(key)
-        .execute(pool)
-        .await
-        .map(|_| ())
-    }
-
-    async fn stored_response(
-        pool: &sqlx::MySqlPool,
-        tenant: &TenantId,
-        key: &Key,
-    ) -> Result<Option<StoredResponse>, String> {
-        let mut connection = pool.acquire().await.map_err(|error| error.to_string())?;
-        let found = match idemflow_mysql::look_up(&mut connection, tenant, key)
-            .await
-            .map_err(|error| error.to_string())?
-        {
-            idemflow_mysql::LookUp::Found(found) => found,
-            idemflow_mysql::LookUp::Absent => return Ok(None),
-        };
-        let Some(mut response) = found.response else {
-            return Ok(None);
-        };
-        if let Some(life) = found.body_apart {
-            response.body = idemflow_mysql::response_apart(&mut connection, tenant, key, life)
-                .await
-                .map_err(|error| error.to_string())?
-                .ok_or("the body stored apart is gone")?;
-        }
-        Ok(Some(response))
-    }
-}
+pub type Check<E> = Box<dyn for<'a> Fn(&'a PoolOf<E>, &'a Case) -> CheckFuture<'a> + Send + Sync>;
 
 /// What a [`Check`] returns: `Ok(())`, or `Err(why)` to fail the case.
 pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
@@ -373,18 +187,19 @@ pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Sen
 /// use idemflow_core::TenantId;
 /// use idemflow_testkit::explorer::{Case, CheckFuture, Explorer};
 /// use idemflow_testkit::provider::MockProvider;
-/// use sqlx::PgPool;
+/// use idemflow_sqlite::SqliteStore;
+/// use sqlx::SqlitePool;
 /// # fn checkout_workflow(
 /// #     _: idemflow_testkit::provider_client::ProviderClient,
-/// # ) -> idemflow_runner::Workflow {
+/// # ) -> idemflow_runner::Workflow<SqliteStore> {
 /// #     unimplemented!()
 /// # }
 ///
 /// /// Local effects exactly once: one order per request.
-/// fn one_order<'a>(pool: &'a PgPool, case: &'a Case) -> CheckFuture<'a> {
+/// fn one_order<'a>(pool: &'a SqlitePool, case: &'a Case) -> CheckFuture<'a> {
 ///     Box::pin(async move {
 ///         let orders: i64 =
-///             sqlx::query_scalar("SELECT count(*) FROM orders WHERE request_key = $1")
+///             sqlx::query_scalar("SELECT count(*) FROM orders WHERE request_key = ?1")
 ///                 .bind(&case.key)
 ///                 .fetch_one(pool)
 ///                 .await
@@ -393,7 +208,7 @@ pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Sen
 ///     })
 /// }
 ///
-/// # async fn example(pool: PgPool) {
+/// # async fn example(pool: SqlitePool) {
 /// let provider = MockProvider::start().await;
 /// // Your workflow, charging through the mock provider.
 /// let checkout = checkout_workflow(provider.client());
@@ -407,8 +222,10 @@ pub type CheckFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Sen
 /// # }
 /// ```
 ///
-/// On SQLite, give it a `SqlitePool` and a `Workflow<SqliteStore>`: the same cases, the same checks.
-pub struct Explorer<E: Inspect = PgStore> {
+/// On any engine: give it that engine's pool and a workflow on it (`PgPool` and
+/// `Workflow<PgStore>` on PostgreSQL): the same cases, the same checks. It reads the key through
+/// the engine's operator and rewinds leases with the engine's own [`Tamper`].
+pub struct Explorer<E: Tamper> {
     pool: PoolOf<E>,
     workflow: Arc<Workflow<E>>,
     tenant: TenantId,
@@ -420,7 +237,7 @@ pub struct Explorer<E: Inspect = PgStore> {
     recovery_rounds: usize,
 }
 
-impl<E: Inspect> fmt::Debug for Explorer<E> {
+impl<E: Tamper> fmt::Debug for Explorer<E> {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter
             .debug_struct("Explorer")
@@ -429,7 +246,7 @@ impl<E: Inspect> fmt::Debug for Explorer<E> {
     }
 }
 
-impl<E: Inspect> Explorer<E> {
+impl<E: Tamper> Explorer<E> {
     /// Explores `workflow` with a JSON `body` sent as `POST path` by `tenant`. Each case uses a
     /// fresh key, so one database serves every case.
     pub fn new(
@@ -679,12 +496,19 @@ impl<E: Inspect> Explorer<E> {
         )
     }
 
-    async fn state(&self, case: &Case) -> Result<Option<(String, String)>, sqlx::Error> {
-        E::state(&self.pool, &case.tenant, &case.key).await
+    /// The key's state and recovery point; `None` when it has no row.
+    async fn state(&self, case: &Case) -> Result<Option<(String, String)>, String> {
+        let report = E::operator(&self.pool)
+            .key_report(case.tenant.as_str(), &case.key)
+            .await
+            .map_err(|error| error.to_string())?;
+        Ok(report.map(|report| (report.state, report.recovery_point)))
     }
 
-    async fn rewind_lease(&self, case: &Case) -> Result<(), sqlx::Error> {
-        E::rewind_lease(&self.pool, &case.tenant, &case.key).await
+    async fn rewind_lease(&self, case: &Case) -> Result<(), String> {
+        E::lapse_leases(&self.pool, Some((case.tenant.as_str(), &case.key)))
+            .await
+            .map_err(|error| error.to_string())
     }
 
     /// A further retry must return the stored response, byte for byte.
@@ -716,7 +540,9 @@ impl<E: Inspect> Explorer<E> {
 
     async fn stored_response(&self, case: &Case) -> Result<Option<StoredResponse>, String> {
         let key = Key::parse(&case.key).map_err(|error| error.to_string())?;
-        E::stored_response(&self.pool, &case.tenant, &key).await
+        idemflow_store::stored_response::<E>(&self.pool, &case.tenant, &key)
+            .await
+            .map_err(|error| error.to_string())
     }
 
     /// Every charge made during the case carries one of this request's derived keys, once.

@@ -13,10 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idemflow_core::{DerivedKey, StoredResponse};
+use idemflow_mysql::MySqlStore;
+use idemflow_pg::PgStore;
 use idemflow_runner::{
-    BuildError, ConnectionOf, ForeignPhase, LocalPhase, MySqlStore, PgStore, PhaseContext,
-    PhaseError, SqlEngine, SqliteStore, Workflow,
+    BuildError, ConnectionOf, ForeignPhase, LocalPhase, PhaseContext, PhaseError, SqlEngine,
+    Workflow,
 };
+use idemflow_sqlite::SqliteStore;
 use serde::{Deserialize, Serialize};
 
 /// The checkout's workflow name.

@@ -11,6 +11,7 @@ pub mod report;
 #[allow(unused_imports)]
 pub use idemflow_testrig::wire;
 
+use idemflow::PgStore;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -97,7 +98,7 @@ impl Script {
 pub struct CreateOrder(pub Arc<Script>);
 
 #[async_trait::async_trait]
-impl LocalPhase for CreateOrder {
+impl LocalPhase<PgStore> for CreateOrder {
     const NAME: &'static str = "create_order";
     type Input = CheckoutRequest;
     type Output = OrderCreated;
@@ -240,7 +241,7 @@ impl ForeignPhase for SendReceipt {
 pub struct MarkPaid(pub Arc<Script>);
 
 #[async_trait::async_trait]
-impl LocalPhase for MarkPaid {
+impl LocalPhase<PgStore> for MarkPaid {
     const NAME: &'static str = "mark_paid";
     type Input = Charged;
     type Output = StoredResponse;
@@ -275,7 +276,7 @@ impl LocalPhase for MarkPaid {
 pub struct PlaceOrder(pub Arc<Script>);
 
 #[async_trait::async_trait]
-impl LocalPhase for PlaceOrder {
+impl LocalPhase<PgStore> for PlaceOrder {
     const NAME: &'static str = "place_order";
     type Input = CheckoutRequest;
     type Output = StoredResponse;
@@ -310,7 +311,7 @@ impl LocalPhase for PlaceOrder {
 pub struct MarkFailed;
 
 #[async_trait::async_trait]
-impl FailurePhase for MarkFailed {
+impl FailurePhase<PgStore> for MarkFailed {
     type Request = CheckoutRequest;
 
     async fn run(
@@ -343,7 +344,7 @@ pub struct Harness {
 
 impl Harness {
     /// create_order (local) → charge (foreign) → mark_paid (local).
-    pub fn checkout(&self) -> Workflow {
+    pub fn checkout(&self) -> Workflow<PgStore> {
         Workflow::builder::<CheckoutRequest>("checkout.v1")
             .local(CreateOrder(self.create.clone()))
             .foreign(Charge(self.provider.clone()))
@@ -353,7 +354,7 @@ impl Harness {
     }
 
     /// The checkout with another lease (set the charge's timeout below it first).
-    pub fn checkout_leased(&self, lease: Duration) -> Workflow {
+    pub fn checkout_leased(&self, lease: Duration) -> Workflow<PgStore> {
         Workflow::builder::<CheckoutRequest>("checkout.v1")
             .local(CreateOrder(self.create.clone()))
             .foreign(Charge(self.provider.clone()))
@@ -364,7 +365,7 @@ impl Harness {
     }
 
     /// The checkout with the MarkFailed failure path.
-    pub fn checkout_with_failure_path(&self) -> Workflow {
+    pub fn checkout_with_failure_path(&self) -> Workflow<PgStore> {
         Workflow::builder::<CheckoutRequest>("checkout.v1")
             .local(CreateOrder(self.create.clone()))
             .foreign(Charge(self.provider.clone()))
@@ -375,7 +376,7 @@ impl Harness {
     }
 
     /// place_order (local) only.
-    pub fn local_only(&self) -> Workflow {
+    pub fn local_only(&self) -> Workflow<PgStore> {
         Workflow::builder::<CheckoutRequest>("place.v1")
             .local(PlaceOrder(self.create.clone()))
             .build()
@@ -383,7 +384,7 @@ impl Harness {
     }
 
     /// create_order → charge → send_receipt → mark_paid: two foreign phases.
-    pub fn two_foreign(&self) -> Workflow {
+    pub fn two_foreign(&self) -> Workflow<PgStore> {
         Workflow::builder::<CheckoutRequest>("checkout-receipt.v1")
             .local(CreateOrder(self.create.clone()))
             .foreign(Charge(self.provider.clone()))
@@ -411,8 +412,8 @@ pub fn request(body: &[u8]) -> Request<'_> {
 }
 
 pub async fn run(
-    runner: &Runner,
-    workflow: &Workflow,
+    runner: &Runner<PgStore>,
+    workflow: &Workflow<PgStore>,
     tenant: &TenantId,
     key: &str,
     body: &[u8],

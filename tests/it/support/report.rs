@@ -1,6 +1,7 @@
 //! A one-phase-after-a-call workflow answering with a body of the requested size, for the tests
 //! of where responses are stored (tests/it/large_responses.rs, tests/it/partitions.rs).
 
+use idemflow::PgStore;
 use idemflow::{
     CrashHook, CrashPoint, DerivedKey, ForeignPhase, Key, LocalPhase, PhaseContext, PhaseError,
     StoredResponse, Workflow,
@@ -18,7 +19,7 @@ pub struct Report {
 pub struct Render;
 
 #[async_trait::async_trait]
-impl LocalPhase for Render {
+impl LocalPhase<PgStore> for Render {
     const NAME: &'static str = "render";
     type Input = Report;
     type Output = StoredResponse;
@@ -65,7 +66,7 @@ impl ForeignPhase for Fetch {
     }
 }
 
-pub fn workflow() -> Workflow {
+pub fn workflow() -> Workflow<PgStore> {
     Workflow::builder::<Report>("report.v1")
         .foreign(Fetch)
         .local(Render)

@@ -21,7 +21,7 @@ use crate::deadline::Within;
 use crate::engine::{Claimed, ConnectionPool, Engine, EngineError, KeyOwner};
 use crate::erased::GiveUp;
 use crate::error::RunError;
-use crate::live_connection::{begin_live, is_connection_lost};
+use crate::live_connection::begin_live;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::phase::{PhaseError, PhaseErrorKind};
@@ -372,7 +372,7 @@ impl<E: Engine> Drive<'_, E> {
                         }
                         Ok(Claimed::Lost(_)) => return Ok(None),
                         Err(EngineError::Database(error))
-                            if tries > 0 && is_connection_lost(&error) =>
+                            if tries > 0 && error.is_connection_lost() =>
                         {
                             tries -= 1;
                             tracing::info!(%error, "a pooled connection was lost; claiming on another");

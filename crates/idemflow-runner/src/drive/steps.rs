@@ -15,7 +15,6 @@ use crate::engine::{ConnectionPool, Engine, EngineError, KeyOwner};
 use crate::erased::{Carry, ErasedForeign, ErasedLocal, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
-use crate::live_connection::is_connection_lost;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::panic::{catch_panic, catch_panic_now};
@@ -212,7 +211,7 @@ impl<E: Engine> Drive<'_, E> {
                 .within(wait)
                 .await?
             {
-                Err(EngineError::Database(error)) if tries > 0 && is_connection_lost(&error) => {
+                Err(EngineError::Database(error)) if tries > 0 && error.is_connection_lost() => {
                     tries -= 1;
                     tracing::info!(%error, "a pooled connection was lost; renewing on another");
                     E::Pool::close_on_drop(&mut connection);

@@ -4,11 +4,14 @@
 
 use async_trait::async_trait;
 use idemflow_consumer::ConsumerStore;
-use idemflow_runner::{ConnectionOf, EngineOf, MySqlStore, PgStore, SqliteStore};
+use idemflow_mysql::MySqlStore;
+use idemflow_pg::PgStore;
+use idemflow_runner::ConnectionOf;
+use idemflow_sqlite::SqliteStore;
 
 /// An engine the schedule explorer runs on.
 #[async_trait]
-pub trait SimEngine: ConsumerStore<Database: EngineOf<Engine = Self>> {
+pub trait SimEngine: ConsumerStore + idemflow_store::Tamper {
     /// One write transaction at a time on the whole database (SQLite): a run held inside one
     /// holds every other writer, the operator's too, until it moves on.
     const ONE_WRITER: bool;

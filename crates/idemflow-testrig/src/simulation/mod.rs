@@ -45,7 +45,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemflow_runner::{MySqlStore, PgStore, SqliteStore};
+use idemflow_mysql::MySqlStore;
+use idemflow_pg::PgStore;
+use idemflow_sqlite::SqliteStore;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Executor, MySqlPool, PgPool, SqlitePool};
@@ -366,7 +368,7 @@ impl Simulation {
                 .await;
                 match opened {
                     Ok((engine, observer)) => {
-                        foreign::run::<idemflow_runner::RedisStore>(
+                        foreign::run::<idemflow_redis::RedisStore>(
                             &self.provider,
                             seed,
                             engine,

@@ -703,7 +703,7 @@ where
         ],
         setup,
         consumer: Arc::new(
-            idemflow_consumer::Consumer::new(
+            idemflow_consumer::Consumer::<E>::on(
                 engine.clone(),
                 idemflow_consumer::Subscriber::new("sim-ledger")
                     .unwrap_or_else(|error| unreachable!("a valid subscriber: {error}")),
@@ -724,7 +724,7 @@ where
     world.wind_down().await;
     let engine = world.engine.clone();
     let report = world.finish(seed).await;
-    engine.close().await;
+    idemflow_store::ConnectionPool::close(&engine).await;
     report
 }
 
@@ -1512,7 +1512,7 @@ impl<E: SimEngine> World<E> {
             .with_keep_for(RETENTION)
             .with_batch_size(100)
             .with_max_rows_per_second(None);
-        let deleted = retention.expire(&self.engine).await;
+        let deleted = retention.expire_on::<E>(&self.engine).await;
         self.shared.log().counts.expiries += 1;
         self.shared
             .event(ActorId(0), format!("operator ran retention: {deleted:?}"));

@@ -4,7 +4,8 @@
 
 use async_trait::async_trait;
 use idemflow_core::TenantId;
-use idemflow_runner::{Engine, PgStore, PoolEngine, PoolOf};
+use idemflow_pg::PgStore;
+use idemflow_runner::{Engine, PoolOf};
 
 /// A key's row, as the world samples it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,7 +24,7 @@ pub struct RowSample {
 
 /// An engine the foreign-only world runs on.
 #[async_trait]
-pub trait ForeignSimEngine: Engine<Pool: PoolEngine<Engine = Self>> {
+pub trait ForeignSimEngine: Engine {
     /// The engine's name in reports and replay commands.
     const SIM_NAME: &'static str;
 
@@ -158,8 +159,8 @@ pub(crate) mod redis_store {
     use async_trait::async_trait;
     use idemflow_core::TenantId;
     use idemflow_redis::RedisPool;
+    use idemflow_redis::RedisStore;
     use idemflow_redis::redis;
-    use idemflow_runner::RedisStore;
 
     use super::{ForeignSimEngine, RowSample};
 

@@ -1,13 +1,15 @@
-//! `idemflow`, the operator CLI: parses the command line, connects, runs one command from the
-//! library and prints its answer. See `docs/cli.md`.
+//! The command line: its arguments (clap), and [`run`], which opens the database the URL names
+//! with the engine of its scheme and answers one command.
 
+use std::ffi::OsString;
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use idemflow_cli::{CliError, Format, InspectOptions, Output, parse_duration};
-use sqlx::{PgConnection, PgPool};
+use idemflow_store::{Operator, OperatorEngine, OperatorOptions};
+
+use crate::{CliError, Format, InspectOptions, Output, exit, parse_duration};
 
 /// Operate idemflow's idempotency keys: inspect, list, end leases and expire them.
 #[derive(Debug, Parser)]
@@ -18,8 +20,8 @@ struct Cli {
     json: bool,
     /// PostgreSQL URL (postgres://…), SQLite file (sqlite://path), MySQL/MariaDB URL
     /// (mysql://…) or Redis URL (redis://…, keys under IDEMFLOW_REDIS_PREFIX, default
-    /// idemflow); all but PostgreSQL: every command but partitions. Defaults to the
-    /// DATABASE_URL environment variable.
+    /// idemflow), for the engines this build has; all but PostgreSQL: every command but
+    /// partitions. Defaults to the DATABASE_URL environment variable.
     #[arg(long, global = true, value_name = "URL")]
     database_url: Option<String>,
     #[command(subcommand)]
@@ -132,52 +134,95 @@ enum PartitionsCommand {
     List,
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> ExitCode {
-    let cli = Cli::parse();
+/// Parses `args` (the program's name first), opens the database its URL names with the engine
+/// of that URL's scheme among `engines`, and answers the command: what to print, and the exit
+/// code. `--help` and `--version` answer on stdout, a bad command line on stderr (exit 2).
+pub async fn run(
+    args: impl IntoIterator<Item = impl Into<OsString> + Clone>,
+    engines: &[&dyn OperatorEngine],
+) -> Output {
+    run_with(args, engines, crate::command_options()).await
+}
+
+/// [`run`], opening the database with `options` (its key prefix, say) rather than those of the
+/// environment.
+pub async fn run_with(
+    args: impl IntoIterator<Item = impl Into<OsString> + Clone>,
+    engines: &[&dyn OperatorEngine],
+    options: OperatorOptions,
+) -> Output {
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(error) => {
+            let text = error.render().to_string();
+            return if error.use_stderr() {
+                Output {
+                    code: exit::USAGE,
+                    stdout: String::new(),
+                    stderr: text,
+                }
+            } else {
+                Output {
+                    code: exit::OK,
+                    stdout: text,
+                    stderr: String::new(),
+                }
+            };
+        }
+    };
     let format = if cli.json {
         Format::Json
     } else {
         Format::Human
     };
-    let output = run(cli, format).await;
+    command(cli, format, engines, options).await
+}
+
+/// The program: [`run`] on the process's arguments, its answer printed, its code the exit
+/// status. What a binary built with `engines` calls from `main`.
+pub async fn main(engines: &[&dyn OperatorEngine]) -> ExitCode {
+    let output = run(std::env::args_os(), engines).await;
     // Write errors (a closed pipe) are ignored: there is no one left to tell.
     let _ = std::io::stdout().write_all(output.stdout.as_bytes());
     let _ = std::io::stderr().write_all(output.stderr.as_bytes());
     ExitCode::from(output.code)
 }
 
-async fn run(cli: Cli, format: Format) -> Output {
+async fn command(
+    cli: Cli,
+    format: Format,
+    engines: &[&dyn OperatorEngine],
+    options: OperatorOptions,
+) -> Output {
     if let Command::Fingerprint { method, path } = &cli.command {
         return fingerprint(format, method, path);
     }
-    let url = match idemflow_cli::database_url(cli.database_url, std::env::var("DATABASE_URL").ok())
-    {
+    let url = match crate::database_url(cli.database_url, std::env::var("DATABASE_URL").ok()) {
         Ok(url) => url,
         Err(error) => return error.output(format),
     };
     if let Command::Console { bind, read_only } = &cli.command {
-        return idemflow_cli::console::console(&url, *bind, *read_only, format).await;
+        return crate::console::console(&url, engines, options, *bind, *read_only, format).await;
     }
-    if idemflow_cli::sqlite::is_sqlite(&url) {
-        return run_on_sqlite(cli.command, &url, format).await;
-    }
-    if idemflow_cli::mysql::is_mysql(&url) {
-        return run_on_mysql(cli.command, &url, format).await;
-    }
-    if idemflow_cli::redis::is_redis(&url) {
-        return run_on_redis(cli.command, &url, format).await;
-    }
-    let pool = match idemflow_cli::connect(&url).await {
-        Ok(pool) => pool,
+    // Only `migrate` creates a database (where the engine keeps one in a file of its own).
+    let options = options.with_create(matches!(cli.command, Command::Migrate));
+    let operator = match crate::open(&url, engines, &options).await {
+        Ok(operator) => operator,
         Err(error) => return error.output(format),
     };
-    let output = match cli.command {
-        Command::Migrate => idemflow_cli::migrate(&pool, format).await,
+    let output = on(operator.as_ref(), cli.command, format).await;
+    operator.close().await;
+    output
+}
+
+/// One command on an open database.
+async fn on(operator: &dyn Operator, command: Command, format: Format) -> Output {
+    match command {
+        Command::Migrate => crate::migrate(operator, format).await,
         Command::Expire {
             older_than,
             batch_size,
-        } => idemflow_cli::expire(&pool, format, older_than, batch_size).await,
+        } => crate::expire(operator, format, older_than, batch_size).await,
         Command::Inspect {
             tenant,
             key,
@@ -189,121 +234,29 @@ async fn run(cli: Cli, format: Format) -> Output {
                 .with_show_request(show_request)
                 .with_show_response(show_response)
                 .with_retention(retention);
-            with_connection(&pool, format, async |connection| {
-                idemflow_cli::inspect_with(connection, format, &tenant, &key, &options).await
-            })
-            .await
+            crate::inspect_with(operator, format, &tenant, &key, &options).await
         }
         Command::List {
             min_attempts,
             limit,
             ..
-        } => {
-            with_connection(&pool, format, async |connection| {
-                idemflow_cli::list_stuck(connection, format, min_attempts, limit).await
-            })
-            .await
-        }
+        } => crate::list_stuck(operator, format, min_attempts, limit).await,
         Command::EndLease { tenant, key, force } => {
-            with_connection(&pool, format, async |connection| {
-                idemflow_cli::end_lease(connection, format, &tenant, &key, force).await
-            })
-            .await
+            crate::end_lease(operator, format, &tenant, &key, force).await
         }
-        Command::Stats => {
-            with_connection(&pool, format, async |connection| {
-                idemflow_cli::stats(connection, format).await
-            })
-            .await
-        }
+        Command::Stats => crate::stats(operator, format).await,
         Command::Partitions { command } => match command {
             PartitionsCommand::Adopt { width, ahead } => {
-                idemflow_cli::partitions_adopt(&pool, format, width, ahead).await
+                crate::partitions_adopt(operator, format, width, ahead).await
             }
             PartitionsCommand::Maintain { keep_for } => {
-                idemflow_cli::partitions_maintain(&pool, format, keep_for).await
+                crate::partitions_maintain(operator, format, keep_for).await
             }
-            PartitionsCommand::List => {
-                with_connection(&pool, format, async |connection| {
-                    idemflow_cli::partitions_list(connection, format).await
-                })
-                .await
-            }
+            PartitionsCommand::List => crate::partitions_list(operator, format).await,
         },
         Command::Fingerprint { .. } | Command::Console { .. } => {
             unreachable!("answered before connecting")
         }
-    };
-    pool.close().await;
-    output
-}
-
-/// The commands of an engine other than PostgreSQL, each a function of the same name in its
-/// module of the library (`sqlite`, `mysql`, `redis`); `partitions` answers that the engine has
-/// no partitioned layout.
-macro_rules! run_on {
-    ($engine:ident, $command:expr, $url:expr, $format:expr) => {{
-        use idemflow_cli::$engine;
-        let (url, format) = ($url, $format);
-        match $command {
-            Command::Migrate => $engine::migrate(url, format).await,
-            Command::Expire {
-                older_than,
-                batch_size,
-            } => $engine::expire(url, format, older_than, batch_size).await,
-            Command::Inspect {
-                tenant,
-                key,
-                show_request,
-                show_response,
-                retention,
-            } => {
-                let options = InspectOptions::default()
-                    .with_show_request(show_request)
-                    .with_show_response(show_response)
-                    .with_retention(retention);
-                $engine::inspect(url, format, &tenant, &key, &options).await
-            }
-            Command::List {
-                min_attempts,
-                limit,
-                ..
-            } => $engine::list_stuck(url, format, min_attempts, limit).await,
-            Command::EndLease { tenant, key, force } => {
-                $engine::end_lease(url, format, &tenant, &key, force).await
-            }
-            Command::Stats => $engine::stats(url, format).await,
-            Command::Partitions { .. } => $engine::not_yet("partitions", format),
-            Command::Fingerprint { .. } | Command::Console { .. } => {
-                unreachable!("answered before connecting")
-            }
-        }
-    }};
-}
-
-/// The commands SQLite has; the others say so.
-async fn run_on_sqlite(command: Command, url: &str, format: Format) -> Output {
-    run_on!(sqlite, command, url, format)
-}
-
-/// The commands MySQL/MariaDB has; the others say so.
-async fn run_on_mysql(command: Command, url: &str, format: Format) -> Output {
-    run_on!(mysql, command, url, format)
-}
-
-/// The commands Redis has; the others say so.
-async fn run_on_redis(command: Command, url: &str, format: Format) -> Output {
-    run_on!(redis, command, url, format)
-}
-
-async fn with_connection(
-    pool: &PgPool,
-    format: Format,
-    command: impl AsyncFnOnce(&mut PgConnection) -> Output,
-) -> Output {
-    match pool.acquire().await {
-        Ok(mut connection) => command(&mut connection).await,
-        Err(error) => CliError::from(error).output(format),
     }
 }
 
@@ -316,5 +269,5 @@ fn fingerprint(format: Format, method: &str, path: &str) -> Output {
     if let Err(error) = stdin.read_to_end(&mut body) {
         return CliError::Usage(format!("cannot read the body from stdin: {error}")).output(format);
     }
-    idemflow_cli::fingerprint(format, method, path, &body)
+    crate::fingerprint(format, method, path, &body)
 }

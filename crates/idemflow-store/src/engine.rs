@@ -1,80 +1,54 @@
-//! The engine a runner drives: the store operations of the protocol, on the connections and in the
+//! [`Engine`]: the operations of the protocol an engine provides, on the connections and in the
 //! transactions the runner manages itself (so a request costs the round trips it does on each
-//! engine, no more).
+//! engine, no more). Each engine's crate implements it (`idemflow-pg`'s `PgStore`,
+//! `idemflow-sqlite`'s `SqliteStore`, `idemflow-mysql`'s `MySqlStore`, `idemflow-redis`'s
+//! `RedisStore`); the runner and everything above it speak only this trait.
 //!
-//! [`Engine`] is implemented by each engine's store type: [`PgStore`] (the default everywhere a
-//! type takes an engine, so PostgreSQL code names none), [`SqliteStore`] and [`MySqlStore`]. A workflow, its
-//! phases, its runner and its resumer all name one engine: a local phase receives that engine's
-//! connection, and a workflow built for one engine cannot be run by a runner of another (it does
-//! not compile). The statements themselves live in the engine's crate (`idemflow-pg`,
-//! `idemflow-sqlite`); the implementations here only say which of them the runner's steps are.
-//! What every engine must keep is in docs/engines.md; the conformance suite proves it.
+//! A workflow, its phases, its runner and its resumer all name one engine: a local phase receives
+//! that engine's connection ([`SqlEngine`]), and a workflow built for one engine cannot be run by
+//! a runner of another (it does not compile). What every engine must keep is in
+//! docs/engines.md; the conformance suite (`tests/it/conformance.rs`) proves it, one source for
+//! every engine.
 
-mod mysql;
-mod pg;
-mod pool;
-#[cfg(feature = "redis")]
-mod redis;
-mod sqlite;
-
+use std::borrow::Borrow;
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use idemflow_core::{Key, StoredResponse, TenantId};
-pub use idemflow_mysql::MySqlStore;
-use idemflow_pg::Limits;
-pub use idemflow_pg::PgStore;
-#[cfg(feature = "redis")]
-pub use idemflow_redis::RedisStore;
-pub use idemflow_sqlite::SqliteStore;
-use idemflow_store::{Claim, LookUp};
+use idemflow_core::{Fingerprint, Key, StoredResponse, TenantId};
 use serde_json::Value;
 use tokio::sync::Notify;
 
-pub use pool::ConnectionPool;
+use crate::error::EngineError;
+use crate::layout::Maintained;
+use crate::limits::Limits;
+use crate::look_up::LookUp;
+use crate::operator::Operator;
+use crate::owner::KeyOwner;
+use crate::pool::ConnectionPool;
 
-use crate::error::RunError;
-
-/// What a store call's failure means to the runner.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum EngineError {
-    /// A fenced write changed nothing: another owner holds the key.
-    #[error("fenced: the lease on this key was lost to another owner")]
-    Fenced,
-    /// The database was busy past its limit (SQLite's one writer); nothing was written.
-    #[error("busy: the database's writer was held for longer than its busy timeout")]
-    Busy,
-    /// A statement failed or the connection broke.
-    #[error("database error: {0}")]
-    Database(sqlx::Error),
-    /// A stored row breaks the schema's promises.
-    #[error("corrupt key row: {0}")]
-    Corrupt(String),
-}
-
-impl From<sqlx::Error> for EngineError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Database(error)
-    }
-}
-
-/// The holder of a key's lease, as the runner reads it.
-pub trait KeyOwner: Clone + Debug + Send + Sync + 'static {
+/// Everything a claim stores.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
     /// The tenant the key belongs to.
-    fn tenant(&self) -> &TenantId;
+    pub tenant: &'a TenantId,
     /// The key.
-    fn key(&self) -> &Key;
-    /// The fencing token the owner holds.
-    fn lock_version(&self) -> i64;
+    pub key: &'a Key,
+    /// The request's fingerprint.
+    pub fingerprint: &'a Fingerprint,
+    /// The workflow (name and version) that runs the key.
+    pub workflow: &'a str,
+    /// The workflow's input.
+    pub request: &'a Value,
+    /// The claim's lease, from its insert.
+    pub lease: Duration,
 }
 
-/// A key taken over, as the runner goes on with it.
+/// A key taken over from an owner whose lease ended, as the runner goes on with it.
 #[derive(Debug)]
 pub struct Taken<Owner> {
-    /// The new owner.
+    /// The new owner, holding a fresh fencing token.
     pub owner: Owner,
     /// Executions begun at the recovery point, this one included.
     pub attempts: i64,
@@ -84,9 +58,10 @@ pub struct Taken<Owner> {
     pub phase_output: Option<Value>,
     /// The stored request.
     pub request: Value,
-    /// The error the previous attempt recorded.
+    /// The error the previous attempt recorded, if it recorded one.
     pub last_error: Option<String>,
-    /// When the statement that wrote the new lease was sent (this process's monotonic clock).
+    /// When the statement that wrote the new lease was sent, by this process's monotonic clock:
+    /// the lease lasts at least until this instant plus its length, whatever the clocks say.
     pub lease_from: Instant,
 }
 
@@ -109,38 +84,36 @@ pub type PooledOf<E> = <<E as Engine>::Pool as ConnectionPool>::Pooled;
 /// The pool of engine `E`.
 pub type PoolOf<E> = <E as Engine>::Pool;
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for idemflow_pg::PgStore {}
-    impl Sealed for idemflow_sqlite::SqliteStore {}
-    impl Sealed for idemflow_mysql::MySqlStore {}
-    #[cfg(feature = "redis")]
-    impl Sealed for idemflow_redis::RedisStore {}
+/// A pool of engine `E`'s connections: what lets `Runner::new(pool)` and retention's functions
+/// take any engine's pool (a `PgPool`, a `SqlitePool`, a `MySqlPool`, a Redis pool) and infer
+/// the engine from it. Each engine implements it for its pool, once.
+pub trait EnginePool<E: Engine>: Send + Sync {
+    /// The pool, as the engine names it.
+    fn into_pool(self) -> E::Pool;
+    /// The pool, borrowed.
+    fn as_pool(&self) -> &E::Pool;
 }
 
-/// An engine the runner can drive: see the module's documentation. Implemented by [`PgStore`],
-/// [`SqliteStore`] and [`MySqlStore`]; sealed (a new engine is added here, and proven by the conformance suite).
+/// An engine the runner can drive: see the module's documentation.
 #[async_trait]
-pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static {
+pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
     /// The engine's pool of connections.
-    type Pool: ConnectionPool;
+    type Pool: ConnectionPool + EnginePool<Self>;
     /// A write transaction on a pooled connection.
     type Transaction: Send + Sync + Debug;
     /// The holder of a key's lease.
     type Owner: KeyOwner;
     /// What a look-up that found no key hands to the claim.
     type Ticket: Send + 'static;
-    /// A key a resumer's scan took over.
-    type TakenOver: Send + Debug + 'static;
     /// The engine's name, for logs and metrics.
     const NAME: &'static str;
 
     /// The connection inside `transaction`.
     fn connection(transaction: &mut Self::Transaction) -> &mut ConnectionOf<Self>;
-    /// What the runner goes on with, from a resumer's takeover.
-    fn taken(taken: Self::TakenOver) -> Taken<Self::Owner>;
-    /// The owner of a key a resumer's scan took over.
-    fn taken_owner(taken: &Self::TakenOver) -> &Self::Owner;
+
+    /// The operators' door to `pool`'s database: what tools (the console, the CLI) and tests
+    /// read and do on it.
+    fn operator(pool: &Self::Pool) -> Box<dyn Operator>;
 
     /// Begins a write transaction under `limits` on `connection`.
     async fn begin(
@@ -162,7 +135,7 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
         tenant: &TenantId,
         key: &Key,
     ) -> Result<LookUp<Self::Ticket>, EngineError>;
-    /// The body stored apart for one life of a key.
+    /// The body stored apart for one life of a key; `None` when that life is gone.
     async fn response_apart(
         connection: &mut ConnectionOf<Self>,
         tenant: &TenantId,
@@ -184,7 +157,8 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
         token: i64,
         limits: &Limits,
     ) -> Result<Claimed<Self>, EngineError>;
-    /// Takes a key over from the owner holding `seen`, in `transaction`.
+    /// Takes a key over from the owner holding `seen`, whose lease is over, in `transaction`;
+    /// `None` when the key moved on.
     async fn take_over(
         transaction: &mut Self::Transaction,
         tenant: &TenantId,
@@ -199,7 +173,7 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
         key: &Key,
         wait: Duration,
     ) -> Result<bool, EngineError>;
-    /// Records a completed phase (fenced).
+    /// Records a completed phase in `transaction` (fenced), with a lease of `lease` from now.
     async fn advance(
         transaction: &mut Self::Transaction,
         owner: &Self::Owner,
@@ -207,7 +181,8 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
         output: &Value,
         lease: Duration,
     ) -> Result<(), EngineError>;
-    /// Stores the response and marks the key done (fenced).
+    /// Stores the response and marks the key done in `transaction` (fenced); a body longer than
+    /// `apart_above` bytes is stored apart, under the key's life.
     async fn finish(
         transaction: &mut Self::Transaction,
         owner: &Self::Owner,
@@ -215,7 +190,9 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
         response: &StoredResponse,
         apart_above: usize,
     ) -> Result<(), EngineError>;
-    /// Postpones a key after a failed attempt (fenced), in `transaction`, and announces it due.
+    /// Postpones a key after a failed attempt (fenced), in `transaction`, and announces it due:
+    /// its lease ends `retry_after` from now, `last_error` is recorded, and the fence advances
+    /// (the owner is done with the key).
     async fn postpone(
         transaction: &mut Self::Transaction,
         owner: &Self::Owner,
@@ -224,106 +201,100 @@ pub trait Engine: sealed::Sealed + Clone + Debug + Send + Sync + Sized + 'static
     ) -> Result<(), EngineError>;
     /// Postpones a key on a connection of its own (a resumer giving a stopped key back).
     async fn postpone_alone(
-        pool: &PoolOf<Self>,
+        pool: &Self::Pool,
         owner: &Self::Owner,
         retry_after: Duration,
         last_error: &str,
     ) -> Result<(), EngineError>;
-    /// Deletes a started key the owner holds (fenced).
+    /// Deletes a started key the owner holds (fenced): the forget policy.
     async fn delete_owned(
         transaction: &mut Self::Transaction,
         owner: &Self::Owner,
     ) -> Result<(), EngineError>;
-    /// Extends the owner's lease, never shortening it (fenced), outside any transaction.
+    /// Extends the owner's lease to `lease` from now, never shortening it (fenced), outside any
+    /// transaction.
     async fn renew_lease(
         connection: &mut ConnectionOf<Self>,
         owner: &Self::Owner,
         lease: Duration,
     ) -> Result<(), EngineError>;
     /// The resumer's scan: takes over up to `batch` due keys of the named workflows, each with
-    /// its workflow's name.
+    /// its workflow's lease, and each with its workflow's name.
     async fn take_over_due(
-        pool: &PoolOf<Self>,
+        pool: &Self::Pool,
         workflows: &[(String, Duration)],
         batch: i64,
-    ) -> Result<Vec<(String, Self::TakenOver)>, EngineError>;
+    ) -> Result<Vec<(String, Taken<Self::Owner>)>, EngineError>;
     /// How long the oldest lapsed lease of a started key has been over.
-    async fn resumer_lag(pool: &PoolOf<Self>) -> Result<Duration, EngineError>;
+    async fn resumer_lag(pool: &Self::Pool) -> Result<Duration, EngineError>;
     /// Due keys of workflows not in `workflows`, by workflow.
     async fn count_due_unknown(
-        pool: &PoolOf<Self>,
+        pool: &Self::Pool,
         workflows: &[String],
     ) -> Result<Vec<(String, i64)>, EngineError>;
-    /// Deletes up to `batch` keys finished more than `older_than` ago.
+    /// Deletes up to `batch` keys finished more than `older_than` ago, with their bodies apart;
+    /// returns how many.
     async fn expire_batch(
-        pool: &PoolOf<Self>,
+        pool: &Self::Pool,
         older_than: Duration,
         batch: i64,
     ) -> Result<u64, EngineError>;
-    /// Retention on a layout that does not delete row by row (PostgreSQL's partitions): the keys
-    /// dropped, or `None` where retention deletes in batches.
+    /// Retention on a layout that does not delete row by row (PostgreSQL's partitions): what one
+    /// maintenance run did, or `None` where retention deletes in batches.
     async fn maintain_layout(
-        pool: &PoolOf<Self>,
+        pool: &Self::Pool,
         keep_for: Duration,
-    ) -> Result<Option<u64>, RunError>;
+    ) -> Result<Option<Maintained>, EngineError>;
     /// Wakes `wake` whenever a key is announced due, until dropped; never returns where the
     /// engine announces nothing between processes (the resumer polls).
-    async fn listen_for_due(pool: PoolOf<Self>, wake: Arc<Notify>);
+    async fn listen_for_due(pool: Self::Pool, wake: Arc<Notify>);
 }
 
 /// An engine on a SQL database through sqlx: one whose transactions a local phase shares, so its
 /// effects commit with the recovery point. Only a workflow on such an engine can have local
-/// phases or a failure path ([`crate::LocalPhase`], [`crate::FailurePhase`]); on any other, adding
-/// one does not compile. Sealed, like [`Engine`].
-pub trait SqlEngine: Engine<Pool = sqlx::Pool<<Self as SqlEngine>::Database>> {
+/// phases or a failure path; on any other, adding one does not compile.
+///
+/// Its connection is sqlx's connection to [`SqlEngine::Database`] (a local phase writes through
+/// it), and its pool borrows as sqlx's pool (`pool.borrow()`, for statements of your own in code
+/// generic over the engine). The pool's type itself stays the engine's, so generic code keeps
+/// what the compiler knows of it: `Runner::new(pool)` works there too.
+pub trait SqlEngine:
+    Engine<
+    Pool: ConnectionPool<
+        Connection = <<Self as SqlEngine>::Database as sqlx::Database>::Connection,
+    > + Borrow<sqlx::Pool<<Self as SqlEngine>::Database>>,
+>
+{
     /// The sqlx database the engine runs on.
     type Database: sqlx::Database;
+
+    /// sqlx's error on this database, as the boundary reports it: the engine's own
+    /// classification (a busy database, a lost connection, a missing schema), for statements
+    /// sent on its connections by others than the engine (a savepoint around a failure path, a
+    /// consumer's identity).
+    fn engine_error(error: sqlx::Error) -> EngineError;
 }
 
-impl SqlEngine for PgStore {
-    type Database = sqlx::Postgres;
-}
-
-impl SqlEngine for SqliteStore {
-    type Database = sqlx::Sqlite;
-}
-
-impl SqlEngine for MySqlStore {
-    type Database = sqlx::MySql;
-}
-
-/// The engine a database's pool runs by default: what lets `Runner::new(pool)` and retention's
-/// functions take any engine's pool and infer the engine.
-pub trait EngineOf: sqlx::Database {
-    /// The engine.
-    type Engine: SqlEngine<Database = Self>;
-}
-
-impl EngineOf for sqlx::Postgres {
-    type Engine = PgStore;
-}
-
-impl EngineOf for sqlx::Sqlite {
-    type Engine = SqliteStore;
-}
-
-impl EngineOf for sqlx::MySql {
-    type Engine = MySqlStore;
-}
-
-/// The engine a pool belongs to: what lets `Runner::new(pool)` and retention's functions take any
-/// engine's pool (a `PgPool`, a `SqlitePool`, a `MySqlPool`, a Redis store's pool) and infer the
-/// engine.
-pub trait PoolEngine: ConnectionPool {
-    /// The engine.
-    type Engine: Engine<Pool = Self>;
-}
-
-impl<D: EngineOf> PoolEngine for sqlx::Pool<D> {
-    type Engine = D::Engine;
-}
-
-#[cfg(feature = "redis")]
-impl PoolEngine for idemflow_redis::RedisPool {
-    type Engine = RedisStore;
+/// A done key's stored response, its body read apart when it was stored apart: what a replay of
+/// it answers (before opening, where sealed). `None` when the key is absent, started, or its life
+/// ended between the two reads. For tools and tests that read behind the runner's back.
+pub async fn stored_response<E: Engine>(
+    pool: &E::Pool,
+    tenant: &TenantId,
+    key: &Key,
+) -> Result<Option<StoredResponse>, EngineError> {
+    let mut connection = pool.acquire().await?;
+    let LookUp::Found(found) = E::look_up(&mut connection, tenant, key).await? else {
+        return Ok(None);
+    };
+    let Some(mut response) = found.response else {
+        return Ok(None);
+    };
+    if let Some(life) = found.body_apart {
+        match E::response_apart(&mut connection, tenant, key, life).await? {
+            Some(body) => response.body = body,
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(response))
 }
