@@ -21,10 +21,11 @@ use crate::problem::Problem;
 /// use axum::routing::post;
 /// use idemflow_core::TenantId;
 /// use idemflow_http::{IdempotencyKey, RunResponse};
+/// use idemflow_pg::PgStore;
 /// use idemflow_runner::{Request, Runner, Workflow};
 ///
 /// async fn checkout(
-///     State((runner, workflow)): State<(Runner, Arc<Workflow>)>,
+///     State((runner, workflow)): State<(Runner<PgStore>, Arc<Workflow<PgStore>>)>,
 ///     IdempotencyKey(key): IdempotencyKey,
 ///     body: Bytes,
 /// ) -> RunResponse {
@@ -33,7 +34,7 @@ use crate::problem::Problem;
 ///     RunResponse(runner.run(&workflow, &tenant, &key, request).await)
 /// }
 ///
-/// # fn app(runner: Runner, workflow: Arc<Workflow>) -> Router {
+/// # fn app(runner: Runner<PgStore>, workflow: Arc<Workflow<PgStore>>) -> Router {
 /// Router::new()
 ///     .route("/v1/checkouts", post(checkout))
 ///     .with_state((runner, workflow))

@@ -46,8 +46,8 @@ use crate::wait::{Finishes, Waiting, ends_a_hold, run_or_wait};
 ///     "refunded" // stored with the key; a retry gets it back, `Idempotent-Replayed: true`
 /// }
 ///
-/// # async fn example(pool: idemflow_runner::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// let runner = Runner::new(pool);
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let runner: Runner<idemflow_pg::PgStore> = Runner::new(pool);
 /// let app: Router = Router::new()
 ///     .route("/v1/orders/{id}/refunds", post(refund))
 ///     .route_layer(IdempotencyLayer::new(runner, "orders-api.v1", BearerTenant)?);
@@ -116,7 +116,7 @@ impl<E: Engine> IdempotencyLayer<E> {
     /// use std::time::Duration;
     ///
     /// use idemflow_http::{BearerTenant, HttpConfig, IdempotencyLayer};
-    /// # fn example(runner: idemflow_runner::Runner) -> Result<(), idemflow_http::LayerError> {
+    /// # fn example(runner: idemflow_runner::Runner<idemflow_pg::PgStore>) -> Result<(), idemflow_http::LayerError> {
     /// let layer = IdempotencyLayer::builder(runner, "orders-api.v1", BearerTenant)
     ///     .http(HttpConfig::default().max_body_bytes(64 * 1024))
     ///     .handler_timeout(Duration::from_secs(10))

@@ -27,9 +27,10 @@ use crate::wait::{Finishes, Waiting, ends_a_hold, run_or_wait};
 /// ```no_run
 /// use axum::Router;
 /// use idemflow_http::{BearerTenant, WorkflowService};
+/// use idemflow_pg::PgStore;
 /// use idemflow_runner::{Runner, Workflow};
 ///
-/// # fn example(runner: Runner, checkout: Workflow) {
+/// # fn example(runner: Runner<PgStore>, checkout: Workflow<PgStore>) {
 /// // `checkout` takes the route's JSON body as its request; POST only.
 /// let app: Router = Router::new()
 ///     .route_service("/v1/checkouts", WorkflowService::new(runner, checkout, BearerTenant));

@@ -89,9 +89,9 @@ pub struct DrainReport {
 ///
 /// ```no_run
 /// # async fn example(
-/// #     pool: idemflow_runner::PgPool,
-/// #     checkout_v1: idemflow_runner::Workflow,
-/// #     checkout_v2: idemflow_runner::Workflow,
+/// #     pool: sqlx::SqlitePool,
+/// #     checkout_v1: idemflow_runner::Workflow<idemflow_sqlite::SqliteStore>,
+/// #     checkout_v2: idemflow_runner::Workflow<idemflow_sqlite::SqliteStore>,
 /// # ) -> Result<(), idemflow_runner::RegisterError> {
 /// use idemflow_runner::{Registry, Resumer, Runner, shutdown_signal};
 ///

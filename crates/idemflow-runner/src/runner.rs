@@ -115,7 +115,8 @@ impl<E: Engine> Runner<E> {
     /// rejected and stores nothing.
     ///
     /// ```no_run
-    /// # async fn example(runner: idemflow_runner::Runner, workflow: idemflow_runner::Workflow)
+    /// # use idemflow_sqlite::SqliteStore;
+    /// # async fn example(runner: idemflow_runner::Runner<SqliteStore>, workflow: idemflow_runner::Workflow<SqliteStore>)
     /// # -> Result<(), Box<dyn std::error::Error>> {
     /// use idemflow_core::{Key, TenantId};
     /// use idemflow_runner::{Outcome, Request};

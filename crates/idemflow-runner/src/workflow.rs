@@ -62,14 +62,15 @@ pub enum BuildError {
 /// ```
 /// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
 /// # use idemflow_core::StoredResponse;
-/// # use sqlx::PgConnection;
+/// # use sqlx::SqliteConnection;
+/// # use idemflow_sqlite::SqliteStore;
 /// struct Greet;
 /// #[async_trait::async_trait]
-/// impl LocalPhase for Greet {
+/// impl LocalPhase<SqliteStore> for Greet {
 ///     const NAME: &'static str = "greet";
 ///     type Input = String;
 ///     type Output = StoredResponse;
-///     async fn run(&self, _: &mut PgConnection, name: String, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+///     async fn run(&self, _: &mut SqliteConnection, name: String, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
 ///         Ok(StoredResponse::new(200, format!("hello {name}")))
 ///     }
 /// }
@@ -81,14 +82,15 @@ pub enum BuildError {
 ///
 /// ```compile_fail,E0599
 /// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
-/// # use sqlx::PgConnection;
+/// # use sqlx::SqliteConnection;
+/// # use idemflow_sqlite::SqliteStore;
 /// struct Count;
 /// #[async_trait::async_trait]
-/// impl LocalPhase for Count {
+/// impl LocalPhase<SqliteStore> for Count {
 ///     const NAME: &'static str = "count";
 ///     type Input = String;
 ///     type Output = usize;
-///     async fn run(&self, _: &mut PgConnection, name: String, _: &PhaseContext) -> Result<usize, PhaseError> {
+///     async fn run(&self, _: &mut SqliteConnection, name: String, _: &PhaseContext) -> Result<usize, PhaseError> {
 ///         Ok(name.len())
 ///     }
 /// }
@@ -101,14 +103,15 @@ pub enum BuildError {
 /// ```compile_fail,E0271
 /// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
 /// # use idemflow_core::StoredResponse;
-/// # use sqlx::PgConnection;
+/// # use sqlx::SqliteConnection;
+/// # use idemflow_sqlite::SqliteStore;
 /// struct Answer;
 /// #[async_trait::async_trait]
-/// impl LocalPhase for Answer {
+/// impl LocalPhase<SqliteStore> for Answer {
 ///     const NAME: &'static str = "answer";
 ///     type Input = u64;
 ///     type Output = StoredResponse;
-///     async fn run(&self, _: &mut PgConnection, n: u64, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+///     async fn run(&self, _: &mut SqliteConnection, n: u64, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
 ///         Ok(StoredResponse::new(200, n.to_string()))
 ///     }
 /// }
@@ -394,16 +397,17 @@ impl<Request: PhaseValue, E: Engine> WorkflowBuilder<Request, Request, E> {
     /// ```
     /// # use idemflow_runner::{Workflow, LocalPhase, PhaseContext, PhaseError};
     /// # use idemflow_core::StoredResponse;
-    /// # use sqlx::PgConnection;
+    /// # use sqlx::SqliteConnection;
+    /// # use idemflow_sqlite::SqliteStore;
     /// #[derive(serde::Serialize, serde::Deserialize)]
     /// struct Payment { amount: u64, card: String }
     /// # struct Pay;
     /// # #[async_trait::async_trait]
-    /// # impl LocalPhase for Pay {
+    /// # impl LocalPhase<SqliteStore> for Pay {
     /// #     const NAME: &'static str = "pay";
     /// #     type Input = Payment;
     /// #     type Output = StoredResponse;
-    /// #     async fn run(&self, _: &mut PgConnection, _: Payment, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
+    /// #     async fn run(&self, _: &mut SqliteConnection, _: Payment, _: &PhaseContext) -> Result<StoredResponse, PhaseError> {
     /// #         Ok(StoredResponse::new(201, "paid"))
     /// #     }
     /// # }

@@ -8,7 +8,7 @@
 //! retry) finishes the request with every effect done once.
 //!
 //! ```no_run
-//! # fn example(runner: idemflow_runner::Runner) {
+//! # fn example(runner: idemflow_runner::Runner<idemflow_sqlite::SqliteStore>) {
 //! use idemflow_testkit::crash::ProcessCrash;
 //!
 //! // IDEMFLOW_CRASH_AT=after_call:charge stops this process right after the provider answered.
