@@ -1,5 +1,5 @@
 //! What operators see of keys ([`key_report`], [`stuck_keys`]) and of the table
-//! ([`table_stats`]), in the store boundary's shared types, so the CLI renders every engine alike.
+//! ([`table_stats`]), in the engine boundary's shared types, so the CLI renders every engine alike.
 
 use idemflow_store::{KeyReport, TableStats};
 use sqlx::MySqlConnection;

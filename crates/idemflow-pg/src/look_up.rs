@@ -35,7 +35,7 @@ pub enum LookUp {
     },
 }
 
-/// A key as the look-up sees it: the store boundary's, shared by every engine.
+/// A key as the look-up sees it: the engine boundary's, shared by every engine.
 pub use idemflow_store::FoundKey;
 
 /// The first statement of every request: reads the key outside any transaction, in one round

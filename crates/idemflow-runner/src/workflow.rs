@@ -119,7 +119,7 @@ pub enum BuildError {
 /// let workflow = Workflow::builder::<String>("answer.v1").local(Answer).build();
 /// ```
 ///
-/// A workflow runs on one engine, `E` (PostgreSQL unless named): its local phases receive that
+/// A workflow runs on one engine, `E` (named, or inferred from its phases and its runner): its local phases receive that
 /// engine's connection, and only a runner of that engine runs it. For SQLite:
 /// `Workflow::<SqliteStore>::builder_on::<Checkout>("checkout.v1")`, then the same chain.
 pub struct Workflow<E: Engine> {

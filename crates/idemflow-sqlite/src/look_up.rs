@@ -19,7 +19,7 @@ pub enum LookUp {
     Absent,
 }
 
-/// A key as the look-up sees it: the store boundary's, shared by every engine.
+/// A key as the look-up sees it: the engine boundary's, shared by every engine.
 pub use idemflow_store::FoundKey;
 
 /// Reads the key outside any transaction (a WAL snapshot: it never waits for a writer).
