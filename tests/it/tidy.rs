@@ -1020,3 +1020,209 @@ fn a_program_built_with_one_engine_compiles_its_driver_only() {
         );
     }
 }
+
+/// The longest a library function may be: past it, a function does several things and reads as
+/// several. (Tests are not held to it.)
+const FUNCTION_LINES: usize = 70;
+
+/// The library functions longer than [`FUNCTION_LINES`], each at its length: the list only
+/// shrinks. A function split below the limit leaves it; one that shrinks lowers its line; a new
+/// long function, or a listed one that grows, fails the test.
+const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
+    (
+        "crates/idemflow-testrig/src/simulation/check.rs",
+        "replays_and_ends",
+        261,
+    ),
+    (
+        "crates/idemflow-testrig/src/simulation/world.rs",
+        "run",
+        130,
+    ),
+    (
+        "crates/idemflow-testrig/src/simulation/foreign/mod.rs",
+        "run",
+        103,
+    ),
+    ("crates/idemflow-http/src/layer.rs", "handle", 93),
+    ("crates/idemflow-cli/src/lib.rs", "end_lease_answer", 92),
+    ("crates/idemflow-http/src/problem.rs", "respond", 91),
+    ("crates/idemflow-http/src/route.rs", "handle", 90),
+    ("crates/idemflow-console/src/pages.rs", "bodies", 88),
+    (
+        "crates/idemflow-testrig/src/simulation/world.rs",
+        "wind_down",
+        87,
+    ),
+    (
+        "crates/idemflow-testrig/src/simulation/world.rs",
+        "sample",
+        83,
+    ),
+    ("crates/idemflow-testkit/src/explorer.rs", "run_case", 82),
+    ("crates/idemflow-testrig/src/simulation/mod.rs", "run", 79),
+    ("crates/idemflow-runner/src/drive/steps.rs", "call", 79),
+    (
+        "crates/idemflow-consumer/src/consumer.rs",
+        "process_in_transaction",
+        78,
+    ),
+    (
+        "crates/idemflow-testrig/src/simulation/foreign/engines.rs",
+        "audit",
+        76,
+    ),
+    ("crates/idemflow-console/src/pages.rs", "overview", 76),
+    ("crates/idemflow-http/src/handler.rs", "settle", 75),
+    (
+        "crates/idemflow-runner/src/drive/steps.rs",
+        "record_before_call",
+        74,
+    ),
+    (
+        "crates/idemflow-testrig/src/simulation/foreign/mod.rs",
+        "step",
+        72,
+    ),
+    (
+        "crates/idemflow-pg/src/partitions.rs",
+        "maintain_locked",
+        72,
+    ),
+];
+
+/// Every library function in `source` (up to its tests), as (name, lines from its signature to
+/// its closing brace). Braces in comments and string literals are passed over.
+fn functions(source: &str) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = source
+        .lines()
+        .take_while(|line| line.trim() != "#[cfg(test)]")
+        .collect();
+    let mut found = Vec::new();
+    for (start, line) in lines.iter().enumerate() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let Some(at) = words.iter().position(|word| *word == "fn") else {
+            continue;
+        };
+        let qualifiers = [
+            "pub",
+            "pub(crate)",
+            "pub(super)",
+            "const",
+            "async",
+            "unsafe",
+        ];
+        if !words[..at].iter().all(|word| qualifiers.contains(word)) {
+            continue;
+        }
+        let Some(name) = words.get(at + 1).map(|word| {
+            word.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        }) else {
+            continue;
+        };
+        let mut depth = 0i32;
+        let mut opened = false;
+        for (offset, line) in lines[start..].iter().enumerate() {
+            let code: Vec<char> = line
+                .split("//")
+                .next()
+                .unwrap_or_default()
+                .chars()
+                .collect();
+            let (mut in_string, mut escaped, mut at) = (false, false, 0);
+            while at < code.len() {
+                let c = code[at];
+                at += 1;
+                match (in_string, escaped, c) {
+                    (true, true, _) => escaped = false,
+                    (true, false, '\\') => escaped = true,
+                    (_, false, '"') => in_string = !in_string,
+                    // A char literal ('{', '"', '\'') is passed over; a lifetime is not one.
+                    (false, _, '\'') if code.get(at) == Some(&'\\') => {
+                        at += code[at + 1..]
+                            .iter()
+                            .position(|&c| c == '\'')
+                            .map_or(0, |end| end + 2);
+                    }
+                    (false, _, '\'') if code.get(at + 1) == Some(&'\'') => at += 2,
+                    (false, _, '{') => {
+                        depth += 1;
+                        opened = true;
+                    }
+                    (false, _, '}') => depth -= 1,
+                    _ => {}
+                }
+            }
+            if !opened && code.iter().rev().find(|c| !c.is_whitespace()) == Some(&';') {
+                break; // a declaration without a body
+            }
+            if opened && depth == 0 {
+                found.push((name.clone(), offset + 1));
+                break;
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn library_functions_stay_short_and_the_long_ones_only_shrink() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    for entry in std::fs::read_dir(root.join("crates")).unwrap() {
+        rust_files(&entry.unwrap().path().join("src"), &mut files);
+    }
+    let mut long = Vec::new();
+    for file in files {
+        let relative = file
+            .strip_prefix(root)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        if relative.contains("/bin/") {
+            continue;
+        }
+        let source = std::fs::read_to_string(&file).unwrap();
+        for (name, lines) in functions(&source) {
+            if lines > FUNCTION_LINES {
+                long.push((relative.clone(), name, lines));
+            }
+        }
+    }
+    let mut offences = Vec::new();
+    for (file, name, lines) in &long {
+        match LONG_FUNCTIONS
+            .iter()
+            .find(|(listed, listed_name, _)| listed == file && listed_name == name)
+        {
+            None => offences.push(format!(
+                "{file}: fn {name} has {lines} lines (at most {FUNCTION_LINES}): split it"
+            )),
+            Some((_, _, max)) if lines > max => {
+                offences.push(format!(
+                    "{file}: fn {name} grew to {lines} lines (was {max})"
+                ));
+            }
+            Some((_, _, max)) if lines < max => offences.push(format!(
+                "{file}: fn {name} shrank to {lines} lines: lower its LONG_FUNCTIONS entry ({max})"
+            )),
+            Some(_) => {}
+        }
+    }
+    for (file, name, max) in LONG_FUNCTIONS {
+        if !long
+            .iter()
+            .any(|(long_file, long_name, _)| long_file == file && long_name == name)
+        {
+            offences.push(format!(
+                "{file}: fn {name} is no longer over {FUNCTION_LINES} lines (was {max}): remove \
+                 its LONG_FUNCTIONS entry"
+            ));
+        }
+    }
+    assert!(offences.is_empty(), "\n{}", offences.join("\n"));
+}

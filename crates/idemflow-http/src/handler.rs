@@ -193,34 +193,7 @@ impl<S> Handler<S> {
                 "the handler answered with an event stream",
             ));
         }
-        let body = match read_limited(body, self.settings.max_response_bytes).await {
-            Ok(body) => body,
-            Err(BodyError::TooLarge) => {
-                return Err(PhaseError::terminal_with(
-                    crate::problem::stored_problem(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "response_too_large",
-                        format!(
-                            "the handler's response exceeds {} bytes and cannot be stored",
-                            self.settings.max_response_bytes
-                        ),
-                    ),
-                    "the handler's response is too large to store",
-                ));
-            }
-            Err(BodyError::Unreadable(error)) => {
-                return Err(PhaseError::retryable(format!(
-                    "reading the handler's response: {error}"
-                )));
-            }
-            Err(BodyError::TimedOut(timeout)) => {
-                // A response streaming a request body (served with a deadline) that stalled.
-                return Err(PhaseError::retryable(format!(
-                    "reading the handler's response: a request body it streams did not arrive within {} ms",
-                    timeout.as_millis()
-                )));
-            }
-        };
+        let body = self.read_response(body).await?;
         let mut headers = parts.headers;
         for name in HOP_BY_HOP.iter().chain(TRANSFER.iter()) {
             headers.remove(*name);
@@ -277,6 +250,36 @@ impl<S> Handler<S> {
                     Some(wait) => PhaseError::retry_after(message, wait),
                     None => PhaseError::retryable(message),
                 })
+            }
+        }
+    }
+
+    /// The handler's response body, read whole within the response limit. Too large to store
+    /// ends the request with a problem (the handler ran); unreadable, or a streamed request body
+    /// that stalled, is a retryable failure.
+    async fn read_response(&self, body: Body) -> Result<Bytes, PhaseError> {
+        match read_limited(body, self.settings.max_response_bytes).await {
+            Ok(body) => Ok(body),
+            Err(BodyError::TooLarge) => Err(PhaseError::terminal_with(
+                crate::problem::stored_problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "response_too_large",
+                    format!(
+                        "the handler's response exceeds {} bytes and cannot be stored",
+                        self.settings.max_response_bytes
+                    ),
+                ),
+                "the handler's response is too large to store",
+            )),
+            Err(BodyError::Unreadable(error)) => Err(PhaseError::retryable(format!(
+                "reading the handler's response: {error}"
+            ))),
+            Err(BodyError::TimedOut(timeout)) => {
+                // A response streaming a request body (served with a deadline) that stalled.
+                Err(PhaseError::retryable(format!(
+                    "reading the handler's response: a request body it streams did not arrive within {} ms",
+                    timeout.as_millis()
+                )))
             }
         }
     }

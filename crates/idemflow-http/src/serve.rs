@@ -220,54 +220,13 @@ async fn run(serve: Serve) -> io::Result<()> {
     // Told once to stop; each connection holds a sender, so `all_closed` ends with the last.
     let (stop, stopping) = watch::channel(false);
     let (open, mut all_closed) = mpsc::channel::<()>(1);
-    let mut full = false;
-    let mut failures = 0u32;
+    let mut accepting = Accepting::default();
     loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    if let Some(wait) = accept_backoff(&error, failures) {
-                        if failures == 0 {
-                            tracing::error!(%error, "accepting a connection failed; retrying");
-                        }
-                        failures = failures.saturating_add(1);
-                        tokio::select! {
-                            () = tokio::time::sleep(wait) => {}
-                            () = &mut shutdown => break,
-                        }
-                    }
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
+        let Some((stream, peer)) = accepting.accept(&listener, &mut shutdown).await else {
+            break;
         };
-        if failures > 0 {
-            tracing::info!(failures, "accepting connections again");
-            failures = 0;
-        }
-        let place = match held.places.clone().try_acquire_owned() {
-            Ok(place) => {
-                full = false;
-                place
-            }
-            Err(_) => {
-                if !std::mem::replace(&mut full, true) {
-                    tracing::warn!(
-                        limit = limits.max_connections,
-                        "the connection limit is reached: connections idle the longest are \
-                         closed to make room, and with none idle new ones wait in the backlog"
-                    );
-                }
-                // Until a place is made, no other connection is accepted.
-                tokio::select! {
-                    place = held.make_room() => match place {
-                        Some(place) => place,
-                        None => break, // never closed
-                    },
-                    () = &mut shutdown => break,
-                }
-            }
+        let Some(place) = accepting.place(&held, &limits, &mut shutdown).await else {
+            break;
         };
         // Responses are written whole; waiting to fill a packet only delays them.
         let _ = stream.set_nodelay(true);
@@ -298,6 +257,76 @@ async fn run(serve: Serve) -> io::Result<()> {
     drop(open);
     let _ = all_closed.recv().await;
     Ok(())
+}
+
+/// The accept loop's state: failed accepts in a row (backed off), and whether the connection
+/// limit was reached (said once per time it is).
+#[derive(Default)]
+struct Accepting {
+    failures: u32,
+    full: bool,
+}
+
+impl Accepting {
+    /// The next connection; `None` once `shutdown` completes. A failed accept is retried after
+    /// a backoff ([`accept_backoff`]), logged once per run of failures.
+    async fn accept(
+        &mut self,
+        listener: &TcpListener,
+        shutdown: &mut Pin<Box<dyn Future<Output = ()> + Send>>,
+    ) -> Option<(TcpStream, SocketAddr)> {
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => {
+                        if self.failures > 0 {
+                            tracing::info!(failures = self.failures, "accepting connections again");
+                            self.failures = 0;
+                        }
+                        return Some(accepted);
+                    }
+                    Err(error) => {
+                        if let Some(wait) = accept_backoff(&error, self.failures) {
+                            if self.failures == 0 {
+                                tracing::error!(%error, "accepting a connection failed; retrying");
+                            }
+                            self.failures = self.failures.saturating_add(1);
+                            tokio::select! {
+                                () = tokio::time::sleep(wait) => {}
+                                () = &mut *shutdown => return None,
+                            }
+                        }
+                    }
+                },
+                () = &mut *shutdown => return None,
+            }
+        }
+    }
+
+    /// A place among the connections held; at the limit, the one idle the longest is closed to
+    /// make it, and until then no other connection is accepted. `None` once `shutdown` completes.
+    async fn place(
+        &mut self,
+        held: &Held,
+        limits: &ServeLimits,
+        shutdown: &mut Pin<Box<dyn Future<Output = ()> + Send>>,
+    ) -> Option<OwnedSemaphorePermit> {
+        if let Ok(place) = held.places.clone().try_acquire_owned() {
+            self.full = false;
+            return Some(place);
+        }
+        if !std::mem::replace(&mut self.full, true) {
+            tracing::warn!(
+                limit = limits.max_connections,
+                "the connection limit is reached: connections idle the longest are closed to \
+                 make room, and with none idle new ones wait in the backlog"
+            );
+        }
+        tokio::select! {
+            place = held.make_room() => place, // never closed
+            () = &mut *shutdown => None,
+        }
+    }
 }
 
 /// Serves one connection until it ends, closing it when it is asked to make room (see

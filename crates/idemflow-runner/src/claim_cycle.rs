@@ -46,29 +46,51 @@ enum Claim<E: Engine> {
     },
 }
 
+/// The claim cycle's state between rounds: the request, its input once decoded (only for a key
+/// about to be claimed, and only once), and the idle connection kept for the next look-up.
+struct Cycle<E: Engine> {
+    accepted: Accepted,
+    decoded: Option<Carry>,
+    kept: Option<Connection<E>>,
+}
+
+/// What one round of the cycle came to.
+enum Step<E: Engine> {
+    /// The request's answer.
+    Done(Outcome),
+    /// The key changed hands between statements: look again.
+    Again(Cycle<E>),
+}
+
 impl<E: Engine> Runner<E> {
     /// Looks the key up, then claims it, answers from its row, or takes it over.
     pub(crate) async fn claim_or_decide(
         &self,
         workflow: &Workflow<E>,
         tenant: &TenantId,
-        mut accepted: Accepted,
+        accepted: Accepted,
     ) -> Result<Outcome, RunError> {
-        // Decoded once, and only for a key about to be claimed.
-        let mut decoded: Option<Carry> = None;
-        let mut kept: Option<Connection<E>> = None;
+        let mut cycle = Cycle {
+            accepted,
+            decoded: None,
+            kept: None,
+        };
         for _ in 0..CLAIM_ROUNDS {
-            let (connection, looked) = match kept.take() {
+            let kept: Option<Connection<E>> = cycle.kept.take();
+            let (connection, looked) = match kept {
                 Some(mut connection) => {
-                    let looked = E::look_up(&mut connection, tenant, &accepted.key)
+                    let looked = E::look_up(&mut connection, tenant, &cycle.accepted.key)
                         .within(self.config.database_timeout)
                         .await??;
                     (connection, looked)
                 }
-                None => self.look_up_fresh(tenant, &accepted).await?,
+                None => self.look_up_fresh(tenant, &cycle.accepted).await?,
             };
-            let row = match looked {
-                LookUp::Found(row) => row,
+            let step = match looked {
+                LookUp::Found(row) => {
+                    self.decide_found(workflow, tenant, cycle, connection, row)
+                        .await?
+                }
                 LookUp::Claiming => {
                     // Another request holds this key's uncommitted claim: it is in flight.
                     metrics::count(metrics::CONFLICTS, workflow.name());
@@ -78,83 +100,117 @@ impl<E: Engine> Runner<E> {
                     return Ok(being_claimed());
                 }
                 LookUp::Absent(ticket) => {
-                    let input = match decoded.take() {
-                        Some(input) => input,
-                        None => match decode_and_validate(workflow, &accepted.request) {
-                            Ok(input) => input,
-                            Err(rejection) => {
-                                metrics::count(metrics::REJECTIONS, workflow.name());
-                                return Ok(Outcome::Rejected(rejection));
-                            }
-                        },
-                    };
-                    let keyring = self.config.keyring.as_ref();
-                    // Boxed, as the drive: only a new key pays for the claim's state.
-                    let claim = Box::pin(claim(
-                        connection, workflow, tenant, accepted, ticket, input, keyring,
-                    ))
-                    // The claim may wait behind a concurrent claim of this key, for as long
-                    // as that one's local phases may run (the server ends it there).
-                    .within(self.config.database_timeout + longest_local(workflow));
-                    match claim.await?? {
-                        Claim::Owned(start) => return self.drive(workflow, *start).await,
-                        Claim::Lost {
-                            connection,
-                            accepted: again,
-                            input,
-                        } => {
-                            (accepted, decoded, kept) = (again, Some(input), Some(connection));
-                            continue;
-                        }
-                    }
+                    self.claim_absent(workflow, tenant, cycle, connection, ticket)
+                        .await?
                 }
             };
-            let decision = decide(&stored_key(&row), &accepted.fingerprint, workflow.name());
-            let mut row = row;
-            let mut connection = connection;
-            if let (Decision::Replay, Some(life)) = (&decision, row.body_apart) {
-                // The body stored apart, for the life of the key the row is: a second statement,
-                // and retention may have deleted the key in between (a new request may even have
-                // claimed and finished it anew). Then it is not there, and the key is looked up
-                // again.
-                self.crash_points
-                    .check(|| CrashPoint::BeforeReplayBody, tenant, &accepted.key)
-                    .await?;
-                let body = E::response_apart(&mut connection, tenant, &accepted.key, life)
-                    .within(self.config.database_timeout)
-                    .await??;
-                let Some(body) = body else {
-                    kept = Some(connection);
-                    continue;
-                };
-                if let Some(response) = row.response.as_mut() {
-                    response.body = body;
-                }
-            }
-            if decision != Decision::TakeOver {
-                // The look-up ran outside any transaction: the connection is idle.
-                self.warm.keep(connection);
-                let sealer = self.sealer(tenant, &accepted.key);
-                return answer(workflow, decision, row.response, row.lock_version, &sealer);
-            }
-            let wait = self.config.database_timeout;
-            match Box::pin(take_over(
-                connection,
-                workflow,
-                tenant,
-                &accepted,
-                row.lock_version,
-                wait,
-            ))
-            .await?
-            {
-                Some(start) => return self.drive(workflow, start).await,
-                // Someone else took it over, finished it, or is taking it over right now.
-                None => continue,
+            match step {
+                Step::Done(outcome) => return Ok(outcome),
+                Step::Again(next) => cycle = next,
             }
         }
         // The key kept changing hands under us: tell the client to come back shortly.
         Ok(being_claimed())
+    }
+
+    /// A key the look-up found absent: its input decoded and validated (once), then claimed and
+    /// driven; or, when another claim committed first, looked up again.
+    async fn claim_absent(
+        &self,
+        workflow: &Workflow<E>,
+        tenant: &TenantId,
+        cycle: Cycle<E>,
+        connection: Connection<E>,
+        ticket: E::Ticket,
+    ) -> Result<Step<E>, RunError> {
+        let Cycle {
+            accepted, decoded, ..
+        } = cycle;
+        let input = match decoded {
+            Some(input) => input,
+            None => match decode_and_validate(workflow, &accepted.request) {
+                Ok(input) => input,
+                Err(rejection) => {
+                    metrics::count(metrics::REJECTIONS, workflow.name());
+                    return Ok(Step::Done(Outcome::Rejected(rejection)));
+                }
+            },
+        };
+        let keyring = self.config.keyring.as_ref();
+        // Boxed, as the drive: only a new key pays for the claim's state.
+        let claim = Box::pin(claim(
+            connection, workflow, tenant, accepted, ticket, input, keyring,
+        ))
+        // The claim may wait behind a concurrent claim of this key, for as long as that one's
+        // local phases may run (the server ends it there).
+        .within(self.config.database_timeout + longest_local(workflow));
+        Ok(match claim.await?? {
+            Claim::Owned(start) => Step::Done(self.drive(workflow, *start).await?),
+            Claim::Lost {
+                connection,
+                accepted,
+                input,
+            } => Step::Again(Cycle {
+                accepted,
+                decoded: Some(input),
+                kept: Some(connection),
+            }),
+        })
+    }
+
+    /// A key the look-up found: answered from its row (its body apart read for the row's life),
+    /// or taken over when its lease ended; looked up again when it changed hands meanwhile.
+    async fn decide_found(
+        &self,
+        workflow: &Workflow<E>,
+        tenant: &TenantId,
+        mut cycle: Cycle<E>,
+        mut connection: Connection<E>,
+        mut row: FoundKey,
+    ) -> Result<Step<E>, RunError> {
+        let accepted = &cycle.accepted;
+        let decision = decide(&stored_key(&row), &accepted.fingerprint, workflow.name());
+        if let (Decision::Replay, Some(life)) = (&decision, row.body_apart) {
+            // The body stored apart, for the life of the key the row is: a second statement,
+            // and retention may have deleted the key in between (a new request may even have
+            // claimed and finished it anew). Then it is not there, and the key is looked up
+            // again.
+            self.crash_points
+                .check(|| CrashPoint::BeforeReplayBody, tenant, &accepted.key)
+                .await?;
+            let body = E::response_apart(&mut connection, tenant, &accepted.key, life)
+                .within(self.config.database_timeout)
+                .await??;
+            let Some(body) = body else {
+                cycle.kept = Some(connection);
+                return Ok(Step::Again(cycle));
+            };
+            if let Some(response) = row.response.as_mut() {
+                response.body = body;
+            }
+        }
+        if decision != Decision::TakeOver {
+            // The look-up ran outside any transaction: the connection is idle.
+            self.warm.keep(connection);
+            let sealer = self.sealer(tenant, &accepted.key);
+            let answered = answer(workflow, decision, row.response, row.lock_version, &sealer)?;
+            return Ok(Step::Done(answered));
+        }
+        let wait = self.config.database_timeout;
+        let taken = Box::pin(take_over(
+            connection,
+            workflow,
+            tenant,
+            accepted,
+            row.lock_version,
+            wait,
+        ))
+        .await?;
+        Ok(match taken {
+            Some(start) => Step::Done(self.drive(workflow, start).await?),
+            // Someone else took it over, finished it, or is taking it over right now.
+            None => Step::Again(cycle),
+        })
     }
 }
 

@@ -125,6 +125,80 @@ impl<E: Engine> Clone for Resumer<E> {
 /// A key a scan took over, with its workflow's name.
 type Due<E> = (String, Taken<<E as Engine>::Owner>);
 
+/// When the next scan is due: at once while scans find keys, backing off (doubling to
+/// `idle_max`) while they find none, and (doubling to `error_backoff_max`) while they fail.
+struct Pace {
+    idle: Duration,
+    error_backoff: Duration,
+    next_scan_at: Instant,
+    idle_min: Duration,
+    idle_max: Duration,
+    error_backoff_max: Duration,
+}
+
+impl Pace {
+    fn new(config: &ResumerConfig) -> Self {
+        Self {
+            idle: config.idle_min,
+            error_backoff: config.idle_min,
+            next_scan_at: Instant::now(),
+            idle_min: config.idle_min,
+            idle_max: config.idle_max,
+            error_backoff_max: config.error_backoff_max,
+        }
+    }
+
+    fn scan_due(&self) -> bool {
+        Instant::now() >= self.next_scan_at
+    }
+
+    fn until_next_scan(&self) -> Duration {
+        self.next_scan_at.saturating_duration_since(Instant::now())
+    }
+
+    /// A scan took `taken` keys of the `free` slots it was offered.
+    fn scanned(&mut self, taken: usize, free: i64) {
+        if taken == 0 {
+            self.next_scan_at = Instant::now() + self.idle;
+            self.idle = (self.idle * 2).min(self.idle_max);
+        } else {
+            // Short of the free slots: every due key was taken; look again shortly.
+            let short = i64::try_from(taken).unwrap_or(i64::MAX) < free;
+            self.next_scan_at = if short {
+                Instant::now() + self.idle_min
+            } else {
+                Instant::now()
+            };
+            self.idle = self.idle_min;
+        }
+        self.error_backoff = self.idle_min;
+    }
+
+    fn failed(&mut self, error: &RunError) {
+        let retry_in = self.error_backoff;
+        tracing::error!(%error, ?retry_in, "resumer scan failed; retrying");
+        metrics::counter!("idemflow_resumer_errors_total").increment(1);
+        self.next_scan_at = Instant::now() + self.error_backoff;
+        self.error_backoff = (self.error_backoff * 2).min(self.error_backoff_max);
+    }
+
+    /// A key was announced due: scan now.
+    fn woken(&mut self) {
+        self.idle = self.idle_min;
+        self.next_scan_at = Instant::now();
+    }
+}
+
+/// The periodic chores' state: when each last ran, and what the last report said.
+#[derive(Default)]
+struct Chores {
+    last_report: Option<Instant>,
+    /// Due keys of workflows this resumer does not register, by workflow, as last reported.
+    unknown: HashMap<String, i64>,
+    last_retention: Option<Instant>,
+    retention_task: Option<tokio::task::JoinHandle<()>>,
+}
+
 impl<E: Engine> Resumer<E> {
     /// A resumer of `registry`'s workflows, running their keys with `runner`, with the default
     /// [`ResumerConfig`].
@@ -248,74 +322,32 @@ impl<E: Engine> Resumer<E> {
         });
         let mut running: JoinSet<Option<Outcome>> = JoinSet::new();
         let mut owners: HashMap<tokio::task::Id, E::Owner> = HashMap::new();
-        let mut idle = self.config.idle_min;
-        let mut next_scan_at = Instant::now();
-        let mut error_backoff = self.config.idle_min;
-        let mut last_report: Option<Instant> = None;
-        // Due keys of workflows this resumer does not register, by workflow, as last reported.
-        let mut unknown: HashMap<String, i64> = HashMap::new();
-        let mut last_retention: Option<Instant> = None;
-        let mut retention_task: Option<tokio::task::JoinHandle<()>> = None;
+        let mut pace = Pace::new(&self.config);
+        let mut chores = Chores::default();
         let concurrency = self.config.concurrency.max(1);
         tracing::info!(workflows = ?self.registry.names(), concurrency, "resumer started");
 
         loop {
-            if due(last_report, self.config.report_every) {
-                self.report(&mut unknown).await;
-                last_report = Some(Instant::now());
-            }
-            if let Some(retention) = self.config.retention
-                && due(last_retention, retention.every)
-                && retention_task
-                    .as_ref()
-                    .is_none_or(|task| task.is_finished())
-            {
-                let pool = self.runner.pool().clone();
-                retention_task = Some(tokio::spawn(async move {
-                    if let Err(error) = retention.expire_on::<E>(&pool).await {
-                        tracing::error!(%error, "retention failed; it runs again next time");
-                    }
-                }));
-                last_retention = Some(Instant::now());
-            }
-
+            self.chores(&mut chores).await;
             // Take over what can start now, when a scan is due: never more than the free slots.
             let free = self.free_slots(running.len());
-            if self.worth_a_scan(free, running.len()) && Instant::now() >= next_scan_at {
+            if self.worth_a_scan(free, running.len()) && pace.scan_due() {
                 match self.scan(free).await {
-                    Ok(due) if due.is_empty() => {
-                        next_scan_at = Instant::now() + idle;
-                        idle = (idle * 2).min(self.config.idle_max);
-                        error_backoff = self.config.idle_min;
-                    }
                     Ok(due) => {
-                        // Short of the free slots: every due key was taken; look again shortly.
-                        let short = i64::try_from(due.len()).unwrap_or(i64::MAX) < free;
+                        let taken = due.len();
                         for due in due {
                             self.start(&mut running, &mut owners, due);
                         }
-                        next_scan_at = if short {
-                            Instant::now() + self.config.idle_min
-                        } else {
-                            Instant::now()
-                        };
-                        idle = self.config.idle_min;
-                        error_backoff = self.config.idle_min;
+                        pace.scanned(taken, free);
                     }
-                    Err(error) => {
-                        tracing::error!(%error, retry_in = ?error_backoff, "resumer scan failed; retrying");
-                        metrics::counter!("idemflow_resumer_errors_total").increment(1);
-                        next_scan_at = Instant::now() + error_backoff;
-                        error_backoff = (error_backoff * 2).min(self.config.error_backoff_max);
-                    }
+                    Err(error) => pace.failed(&error),
                 }
             }
-
             // Wait for a free slot, the next scan, a wake-up, or shutdown.
             let wait = if running.len() >= concurrency {
                 Duration::MAX
             } else {
-                next_scan_at.saturating_duration_since(Instant::now())
+                pace.until_next_scan()
             };
             tokio::select! {
                 biased;
@@ -323,10 +355,7 @@ impl<E: Engine> Resumer<E> {
                 Some(joined) = running.join_next_with_id(), if !running.is_empty() => {
                     self.joined(&mut owners, joined).await;
                 }
-                () = self.wake.notified() => {
-                    idle = self.config.idle_min;
-                    next_scan_at = Instant::now();
-                }
+                () = self.wake.notified() => pace.woken(),
                 () = sleep_unless_max(wait) => {}
             }
         }
@@ -335,6 +364,44 @@ impl<E: Engine> Resumer<E> {
         if let Some(listener) = listener {
             listener.abort();
         }
+        self.stop(running, owners).await;
+        if let Some(task) = chores.retention_task {
+            task.abort();
+        }
+        tracing::info!("resumer stopped");
+    }
+
+    /// The periodic chores between scans: the report of due keys no resumer here knows, and
+    /// retention (one run at a time, in a task of its own).
+    async fn chores(&self, chores: &mut Chores) {
+        if due(chores.last_report, self.config.report_every) {
+            self.report(&mut chores.unknown).await;
+            chores.last_report = Some(Instant::now());
+        }
+        if let Some(retention) = self.config.retention
+            && due(chores.last_retention, retention.every)
+            && chores
+                .retention_task
+                .as_ref()
+                .is_none_or(|task| task.is_finished())
+        {
+            let pool = self.runner.pool().clone();
+            chores.retention_task = Some(tokio::spawn(async move {
+                if let Err(error) = retention.expire_on::<E>(&pool).await {
+                    tracing::error!(%error, "retention failed; it runs again next time");
+                }
+            }));
+            chores.last_retention = Some(Instant::now());
+        }
+    }
+
+    /// On shutdown: lets keys in flight finish within the grace period, stops those that did
+    /// not, and gives every stopped key back.
+    async fn stop(
+        &self,
+        mut running: JoinSet<Option<Outcome>>,
+        mut owners: HashMap<tokio::task::Id, E::Owner>,
+    ) {
         let grace = tokio::time::sleep(self.config.shutdown_grace);
         tokio::pin!(grace);
         while !running.is_empty() {
@@ -356,10 +423,6 @@ impl<E: Engine> Resumer<E> {
             self.give_back(owner, "stopped: the resumer shut down")
                 .await;
         }
-        if let Some(task) = retention_task {
-            task.abort();
-        }
-        tracing::info!("resumer stopped");
     }
 
     /// Takes over up to `limit` due keys of the registered workflows (one statement).

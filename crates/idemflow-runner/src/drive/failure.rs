@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use idemflow_core::{RecoveryPoint, StoredResponse};
+use idemflow_core::{Fingerprint, RecoveryPoint, StoredResponse};
 use idemflow_store::Claim as ClaimRequest;
 use serde_json::Value;
 
@@ -37,46 +37,8 @@ impl<E: Engine> Drive<'_, E> {
             panicked,
             spent,
         } = failure;
-        let attempt = self.context.attempt;
-        let retryable = error.is_retryable();
-        match failure_level(&error, panicked) {
-            tracing::Level::ERROR => {
-                tracing::error!(phase, attempt, error = %error.message, "a phase panicked");
-            }
-            tracing::Level::WARN => {
-                tracing::warn!(phase, attempt, retryable, error = %error.message, "attempt failed");
-            }
-            _ => {
-                tracing::info!(phase, attempt, outcome = %error.message, "the phase answered the request itself");
-            }
-        }
-        match (self.tx.take(), &self.hold) {
-            // A claim never committed: back to the savepoint its message ended with. The
-            // phases' effects are undone and the claim kept, so the failure is recorded under
-            // it. Rolled back entirely, the claim would free the key, and it may not be taken
-            // again: meanwhile another request may have run under it and been told it is free.
-            // Bounded: after a phase overran its limit a statement may still be running on it.
-            (Some(mut tx), Hold::Claim(_)) => {
-                let wait = self.runner.config.database_timeout;
-                match E::back_to_claim(&mut tx).within(wait).await {
-                    Ok(Ok(())) => self.tx = Some(tx),
-                    lost => {
-                        tracing::warn!(
-                            ?lost,
-                            "the failed attempt's claim is gone with its connection"
-                        );
-                        E::abandon(tx);
-                    }
-                }
-            }
-            (Some(tx), _) => {
-                if let Err(rollback) = E::rollback(tx).await {
-                    // The connection is not reused; the server rolls back as it closes.
-                    tracing::warn!(%rollback, "rolling back the failed attempt failed");
-                }
-            }
-            (None, _) => {}
-        }
+        log_failure(phase, self.context.attempt, &error, panicked);
+        self.undo_attempt().await;
 
         if let PhaseErrorKind::NotExecuted { response } = &error.kind {
             // Nothing of the key's request has run if no phase completed: the key goes, and
@@ -89,14 +51,7 @@ impl<E: Engine> Drive<'_, E> {
             }
             error.kind = PhaseErrorKind::Retryable { retry_after: None };
         }
-        let terminal_response = match &error.kind {
-            PhaseErrorKind::Terminal { response } => Some(
-                response
-                    .clone()
-                    .unwrap_or_else(|| problem(500, "request_failed", &error.message)),
-            ),
-            PhaseErrorKind::Retryable { .. } | PhaseErrorKind::NotExecuted { .. } => None,
-        };
+        let terminal_response = terminal_response(&error);
         if let (Some(response), TerminalPolicy::Forget) =
             (&terminal_response, self.runner.config.terminal_errors)
         {
@@ -123,9 +78,59 @@ impl<E: Engine> Drive<'_, E> {
             }
             return Ok(in_progress());
         };
-        let (mut held, recorded) = self.record_pending_foreign(held).await?;
-        let exhausted = spent || retry_policy.exhausted(held.attempt);
-        match (terminal_response, error.kind) {
+        let (held, recorded) = self.record_pending_foreign(held).await?;
+        let failed = Failed {
+            phase,
+            retry_policy,
+            error,
+            panicked,
+            spent,
+            message,
+        };
+        self.record(held, recorded, terminal_response, failed).await
+    }
+
+    /// Undoes what the failed attempt wrote. A claim never committed goes back to the savepoint
+    /// its message ended with: the phases' effects are undone and the claim kept, so the failure
+    /// is recorded under it. (Rolled back entirely, the claim would free the key, and it may not
+    /// be taken again: meanwhile another request may have run under it and been told it is
+    /// free.) Bounded: after a phase overran its limit a statement may still be running on it.
+    async fn undo_attempt(&mut self) {
+        match (self.tx.take(), &self.hold) {
+            (Some(mut tx), Hold::Claim(_)) => {
+                let wait = self.runner.config.database_timeout;
+                match E::back_to_claim(&mut tx).within(wait).await {
+                    Ok(Ok(())) => self.tx = Some(tx),
+                    lost => {
+                        tracing::warn!(
+                            ?lost,
+                            "the failed attempt's claim is gone with its connection"
+                        );
+                        E::abandon(tx);
+                    }
+                }
+            }
+            (Some(tx), _) => {
+                if let Err(rollback) = E::rollback(tx).await {
+                    // The connection is not reused; the server rolls back as it closes.
+                    tracing::warn!(%rollback, "rolling back the failed attempt failed");
+                }
+            }
+            (None, _) => {}
+        }
+    }
+
+    /// Records the failed attempt on the key held again: its terminal response stored, the key
+    /// postponed to its next attempt, or, the attempts spent, the failure path run.
+    async fn record(
+        &mut self,
+        mut held: Held<E>,
+        recorded: Recorded,
+        terminal_response: Option<StoredResponse>,
+        failed: Failed,
+    ) -> Result<Outcome, RunError> {
+        let exhausted = failed.spent || failed.retry_policy.exhausted(held.attempt);
+        match (terminal_response, failed.error.kind) {
             (Some(response), _) => {
                 let response = redacted_or_problem(self.workflow, response);
                 let stored = self
@@ -144,28 +149,30 @@ impl<E: Engine> Drive<'_, E> {
                 Ok(Outcome::Executed(response))
             }
             (None, PhaseErrorKind::Retryable { retry_after }) if !exhausted => {
-                let retry_after = retry_policy.wait(retry_after, held.attempt);
-                let postponed = E::postpone(&mut held.tx, &held.owner, retry_after, &message).await;
+                let retry_after = failed.retry_policy.wait(retry_after, held.attempt);
+                let message = &failed.message;
+                let postponed = E::postpone(&mut held.tx, &held.owner, retry_after, message).await;
                 commit::<E>(fenced::<E>(postponed, held.tx).await?).await?;
-                metrics::count_phase(metrics::RETRIES, self.workflow.name(), phase);
-                if panicked {
+                metrics::count_phase(metrics::RETRIES, self.workflow.name(), failed.phase);
+                if failed.panicked {
                     return Err(RunError::Panicked {
-                        phase: phase.to_owned(),
-                        message: error.message,
+                        phase: failed.phase.to_owned(),
+                        message: failed.error.message,
                     });
                 }
                 Ok(Outcome::Interrupted {
                     retry_after,
-                    error: message,
+                    error: failed.message,
                 })
             }
             (None, _) => {
-                let attempts = if spent {
+                let attempts = if failed.spent {
                     held.attempt - 1
                 } else {
                     held.attempt
                 };
-                self.give_up(held, recorded, phase, attempts, message).await
+                self.give_up(held, recorded, failed.phase, attempts, failed.message)
+                    .await
             }
         }
     }
@@ -324,10 +331,9 @@ impl<E: Engine> Drive<'_, E> {
     /// took over from). `None` when another request got the key meanwhile: it owns the outcome.
     async fn take_again(&mut self) -> Result<Option<Held<E>>, RunError> {
         let workflow = self.workflow;
-        let warm = &self.runner.warm;
         match &self.hold {
             Hold::Committed => Ok(Some(Held {
-                tx: begin_live::<E>(warm, workflow.limits()).await?,
+                tx: begin_live::<E>(&self.runner.warm, workflow.limits()).await?,
                 owner: self.owner.clone(),
                 attempt: self.context.attempt,
             })),
@@ -347,79 +353,82 @@ impl<E: Engine> Drive<'_, E> {
                 if !self.claim_refused {
                     return Ok(None);
                 }
-                let request = self.sealer().seal_value(Slot::Request, &self.request)?;
-                let claim = ClaimRequest {
-                    tenant: self.owner.tenant(),
-                    key: self.owner.key(),
-                    fingerprint,
-                    workflow: workflow.name(),
-                    request: &request,
-                    lease: workflow.lease(),
-                };
-                // Its BEGIN is the first statement on its connection: one the server ended while
-                // it sat idle is replaced (nothing ran on it; the server rolled back whatever did).
-                let mut tries = self.runner.pool.size() as usize + 1;
-                loop {
-                    let connection = warm.acquire().await?;
-                    let token = self.owner.lock_version();
-                    match E::claim_again(connection, claim, token, workflow.limits()).await {
-                        Ok(Claimed::Owned(tx, owner)) => {
-                            return Ok(Some(Held {
-                                tx,
-                                owner,
-                                attempt: 1,
-                            }));
-                        }
-                        Ok(Claimed::Lost(_)) => return Ok(None),
-                        Err(EngineError::Database(error))
-                            if tries > 0 && error.is_connection_lost() =>
-                        {
-                            tries -= 1;
-                            tracing::info!(%error, "a pooled connection was lost; claiming on another");
-                        }
-                        Err(error) => return Err(error.into()),
-                    }
-                }
+                let fingerprint = *fingerprint;
+                self.claim_again(&fingerprint).await
             }
             Hold::TakeOver { seen } => {
-                let mut tx = begin_live::<E>(warm, workflow.limits()).await?;
-                // The attempt's transaction was given up mid-statement, or its COMMIT refused:
-                // its session still holds the uncommitted takeover's claim lock until the server
-                // ends the statement, or aborts the transaction (it reports a refused COMMIT
-                // first). Waiting for the lock (bounded) is what lets this attempt be counted;
-                // trying it once, as a takeover does, found it taken, and such a retry answered
-                // 409 with nothing recorded.
-                if self.abandoned || self.commit_refused {
-                    let wait = if self.abandoned {
-                        abandoned_session_wait(workflow)
-                    } else {
-                        self.runner.config.database_timeout
-                    };
-                    let (tenant, key) = (self.owner.tenant(), self.owner.key());
-                    if !E::wait_for_claim_lock(&mut tx, tenant, key, wait).await? {
-                        E::rollback(tx).await?;
-                        return Ok(None);
-                    }
-                }
-                let taken = E::take_over(
-                    &mut tx,
-                    self.owner.tenant(),
-                    self.owner.key(),
-                    *seen,
-                    workflow.lease(),
-                )
-                .await?;
-                match taken {
-                    Some(taken) => Ok(Some(Held {
+                let seen = *seen;
+                self.take_over_again(seen).await
+            }
+        }
+    }
+
+    /// The claim made again after its first `COMMIT` was refused, with the same token. Its BEGIN
+    /// is the first statement on its connection: one the server ended while it sat idle is
+    /// replaced (nothing ran on it; the server rolled back whatever did).
+    async fn claim_again(&self, fingerprint: &Fingerprint) -> Result<Option<Held<E>>, RunError> {
+        let workflow = self.workflow;
+        let request = self.sealer().seal_value(Slot::Request, &self.request)?;
+        let claim = ClaimRequest {
+            tenant: self.owner.tenant(),
+            key: self.owner.key(),
+            fingerprint,
+            workflow: workflow.name(),
+            request: &request,
+            lease: workflow.lease(),
+        };
+        let mut tries = self.runner.pool.size() as usize + 1;
+        loop {
+            let connection = self.runner.warm.acquire().await?;
+            let token = self.owner.lock_version();
+            match E::claim_again(connection, claim, token, workflow.limits()).await {
+                Ok(Claimed::Owned(tx, owner)) => {
+                    return Ok(Some(Held {
                         tx,
-                        attempt: attempt_of(taken.attempts),
-                        owner: taken.owner,
-                    })),
-                    None => {
-                        E::rollback(tx).await?;
-                        Ok(None)
-                    }
+                        owner,
+                        attempt: 1,
+                    }));
                 }
+                Ok(Claimed::Lost(_)) => return Ok(None),
+                Err(EngineError::Database(error)) if tries > 0 && error.is_connection_lost() => {
+                    tries -= 1;
+                    tracing::info!(%error, "a pooled connection was lost; claiming on another");
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+
+    /// The takeover made again (compare-and-set on the token it took over from). The attempt's
+    /// transaction was given up mid-statement, or its COMMIT refused: its session still holds
+    /// the uncommitted takeover's claim lock until the server ends the statement, or aborts the
+    /// transaction (it reports a refused COMMIT first). Waiting for the lock (bounded) is what
+    /// lets this attempt be counted; trying it once, as a takeover does, found it taken, and
+    /// such a retry answered 409 with nothing recorded.
+    async fn take_over_again(&self, seen: i64) -> Result<Option<Held<E>>, RunError> {
+        let workflow = self.workflow;
+        let mut tx = begin_live::<E>(&self.runner.warm, workflow.limits()).await?;
+        let (tenant, key) = (self.owner.tenant(), self.owner.key());
+        if self.abandoned || self.commit_refused {
+            let wait = if self.abandoned {
+                abandoned_session_wait(workflow)
+            } else {
+                self.runner.config.database_timeout
+            };
+            if !E::wait_for_claim_lock(&mut tx, tenant, key, wait).await? {
+                E::rollback(tx).await?;
+                return Ok(None);
+            }
+        }
+        match E::take_over(&mut tx, tenant, key, seen, workflow.lease()).await? {
+            Some(taken) => Ok(Some(Held {
+                tx,
+                attempt: attempt_of(taken.attempts),
+                owner: taken.owner,
+            })),
+            None => {
+                E::rollback(tx).await?;
+                Ok(None)
             }
         }
     }
@@ -489,6 +498,45 @@ pub(crate) fn failure_level(error: &PhaseError, panicked: bool) -> tracing::Leve
         }
         PhaseErrorKind::Terminal { response: None } | PhaseErrorKind::Retryable { .. } => {
             tracing::Level::WARN
+        }
+    }
+}
+
+/// A failed attempt, as it is recorded.
+struct Failed {
+    phase: &'static str,
+    retry_policy: crate::retry::RetryPolicy,
+    error: PhaseError,
+    panicked: bool,
+    spent: bool,
+    /// The error as recorded: named by its phase, unless the budget was spent.
+    message: String,
+}
+
+/// The response a terminal error ends the request with: its own, or a 500 problem.
+fn terminal_response(error: &PhaseError) -> Option<StoredResponse> {
+    match &error.kind {
+        PhaseErrorKind::Terminal { response } => Some(
+            response
+                .clone()
+                .unwrap_or_else(|| problem(500, "request_failed", &error.message)),
+        ),
+        PhaseErrorKind::Retryable { .. } | PhaseErrorKind::NotExecuted { .. } => None,
+    }
+}
+
+/// Logs a failed attempt at the level its meaning calls for ([`failure_level`]).
+fn log_failure(phase: &str, attempt: u32, error: &PhaseError, panicked: bool) {
+    let retryable = error.is_retryable();
+    match failure_level(error, panicked) {
+        tracing::Level::ERROR => {
+            tracing::error!(phase, attempt, error = %error.message, "a phase panicked");
+        }
+        tracing::Level::WARN => {
+            tracing::warn!(phase, attempt, retryable, error = %error.message, "attempt failed");
+        }
+        _ => {
+            tracing::info!(phase, attempt, outcome = %error.message, "the phase answered the request itself");
         }
     }
 }
