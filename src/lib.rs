@@ -11,10 +11,10 @@
 //!
 //! | feature | brings |
 //! |---|---|
-//! | `sqlite` (default) | [`sqlite`]: the embedded engine, `SqliteStore`, a database file opened with [`sqlite::open_file`] |
-//! | `postgres` | [`postgres`]: `PgStore`, a `PgPool` with [`postgres::PoolSettings`], [`postgres::migrate`], the partitioned layout |
-//! | `mysql` | [`mysql`]: `MySqlStore`, [`mysql::open`] |
-//! | `redis` | [`redis`]: `RedisStore`, for workflows whose phases are all foreign |
+//! | `sqlite` (default) | `sqlite`: the embedded engine, `SqliteStore`, a database file opened with `sqlite::open_file` |
+//! | `postgres` | `postgres`: `PgStore`, a `PgPool` with `postgres::PoolSettings`, `postgres::migrate`, the partitioned layout |
+//! | `mysql` | `mysql`: `MySqlStore`, `mysql::open` |
+//! | `redis` | `redis`: `RedisStore`, for workflows whose phases are all foreign |
 //! | `http` (default) | `http`: the Idempotency-Key layer for axum/tower |
 //! | `client` | `client`: a client that sends requests under Idempotency-Keys |
 //! | `cli` | the `idemflow` operator binary, over the engines the other features name |
