@@ -86,7 +86,7 @@ mod steps {
         retry_after: Duration,
         last_error: &str,
     ) -> Result<(), EngineError> {
-        S::postpone_alone(pool, owner, retry_after, last_error).await
+        S::postpone_alone(pool, owner, retry_after, &last_error.into()).await
     }
 
     /// Takes `key` over from the owner holding `seen`, in a transaction of its own.
@@ -244,6 +244,7 @@ conformance!(
     the_resumers_scan_takes_lapsed_keys_of_its_workflows_only,
     the_resumers_scan_takes_the_longest_lapsed_keys_first_across_workflows,
     a_postponed_key_waits_its_retry_after_under_a_new_token,
+    a_failed_attempts_error_is_recorded_whatever_it_holds,
     a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing,
     an_ended_lease_advances_the_fence_and_frees_the_key_at_once,
     keys_and_tenants_are_compared_byte_for_byte,
@@ -749,6 +750,38 @@ async fn a_postponed_key_waits_its_retry_after_under_a_new_token<S: Tamper>(pool
         .expect("a zero retry-after gives the key back at once");
     assert_eq!(taken.last_error.as_deref(), Some("provider: 503"));
     assert_eq!(taken.attempts, 2);
+}
+
+/// A phase's error is whatever its code made of a failure: a provider's whole HTML error page,
+/// a driver's message quoting binary data. Every engine records it, bounded and without U+0000
+/// (which PostgreSQL's text refuses, as MariaDB's strict mode refuses a `TEXT` past 64 KiB):
+/// a record refused rolled the attempt back unrecorded, and the key repeated it for ever.
+async fn a_failed_attempts_error_is_recorded_whatever_it_holds<S: Tamper>(pool: S::Pool) {
+    let huge = format!(
+        "provider: {}\u{0}after the NUL",
+        "<p>error page</p>".repeat(6_000)
+    );
+    for (name, message) in [("k-error-huge", huge.as_str()), ("k-error-nul", "a\u{0}b")] {
+        let key = key(name);
+        let (transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+        steps::commit::<S>(transaction).await.unwrap();
+        steps::postpone::<S>(&pool, &owner, Duration::ZERO, message)
+            .await
+            .unwrap_or_else(|error| panic!("{name}: the failure is recorded: {error}"));
+        let seen = found::<S>(&pool, &key).await;
+        let taken = steps::take_over::<S>(&pool, &tenant(), &key, seen.lock_version, LEASE)
+            .await
+            .unwrap()
+            .expect("the key is due at once");
+        let recorded = taken.last_error.expect("the error is recorded");
+        assert!(!recorded.contains('\u{0}'), "{name}: {recorded:?}");
+        assert!(
+            recorded.len() <= idemflow_store::LastError::LIMIT,
+            "{name}: {} bytes",
+            recorded.len()
+        );
+        assert!(recorded.starts_with("provider: <p>error page</p>") || recorded == "a\u{fffd}b");
+    }
 }
 
 async fn a_key_deleted_by_its_owner_is_free_and_a_stale_owner_deletes_nothing<S: Tamper>(

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 /// What a case does on an engine's database behind the runner's back, in the engine's SQL.
 #[async_trait]
-trait Lab:
+pub(crate) trait Lab:
     idemflow_runner::SqlEngine + idemflow_consumer::ConsumerStore + idemflow_store::Tamper
 {
     /// Creates the table the checkout's local phases write.
@@ -43,6 +43,13 @@ trait Lab:
     async fn keys(pool: &PoolOf<Self>) -> i64;
     /// Moves every processed message's time two days back.
     async fn age_processed(pool: &PoolOf<Self>);
+    /// Sends `sql` as it is (the simple query protocol), as a phase's own statement would be.
+    async fn execute(
+        connection: &mut ConnectionOf<Self>,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error>;
+    /// A statement the database commits around, where it has one (MariaDB's DDL).
+    const IMPLICIT_COMMIT: Option<&'static str>;
 }
 
 #[async_trait]
@@ -90,6 +97,15 @@ impl Lab for PgStore {
         .await
         .unwrap();
     }
+
+    async fn execute(
+        connection: &mut sqlx::PgConnection,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(connection).await.map(drop)
+    }
+
+    const IMPLICIT_COMMIT: Option<&'static str> = None;
 }
 
 #[async_trait]
@@ -135,6 +151,15 @@ impl Lab for SqliteStore {
             .await
             .unwrap();
     }
+
+    async fn execute(
+        connection: &mut sqlx::SqliteConnection,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(connection).await.map(drop)
+    }
+
+    const IMPLICIT_COMMIT: Option<&'static str> = None;
 }
 
 #[async_trait]
@@ -183,6 +208,16 @@ impl Lab for MySqlStore {
             .await
             .unwrap();
     }
+
+    async fn execute(
+        connection: &mut sqlx::MySqlConnection,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(connection).await.map(drop)
+    }
+
+    const IMPLICIT_COMMIT: Option<&'static str> =
+        Some("CREATE TABLE IF NOT EXISTS test_ddl (x INT)");
 }
 
 /// A fresh SQLite database file for `case`, removed at the next run of the same case.
@@ -234,6 +269,8 @@ macro_rules! engines {
     };
 }
 
+pub(crate) use engines;
+
 engines!(
     a_checkout_runs_once_and_every_retry_replays_it,
     a_concurrent_duplicate_is_told_the_key_is_in_progress,
@@ -248,17 +285,17 @@ engines!(
 );
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Checkout {
-    amount: i64,
+pub(crate) struct Checkout {
+    pub(crate) amount: i64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Order {
-    amount: i64,
+pub(crate) struct Order {
+    pub(crate) amount: i64,
 }
 
 /// Inserts the order, in the claim's transaction.
-struct CreateOrder;
+pub(crate) struct CreateOrder;
 
 #[async_trait]
 impl<E: Lab> LocalPhase<E> for CreateOrder {
@@ -280,8 +317,8 @@ impl<E: Lab> LocalPhase<E> for CreateOrder {
 }
 
 /// Charges the mock provider over HTTP, with the derived key.
-struct Charge {
-    provider: ProviderClient,
+pub(crate) struct Charge {
+    pub(crate) provider: ProviderClient,
 }
 
 #[async_trait]
@@ -318,7 +355,7 @@ impl ForeignPhase for Charge {
 }
 
 /// Answers with the charge.
-struct Answer;
+pub(crate) struct Answer;
 
 #[async_trait]
 impl<E: Lab> LocalPhase<E> for Answer {
@@ -351,11 +388,11 @@ fn checkout<E: Lab>(provider: &MockProvider) -> Workflow<E> {
         .unwrap()
 }
 
-fn tenant() -> TenantId {
+pub(crate) fn tenant() -> TenantId {
     TenantId::new("t-engines").unwrap()
 }
 
-fn request(body: &[u8]) -> Request<'_> {
+pub(crate) fn request(body: &[u8]) -> Request<'_> {
     Request {
         method: "POST",
         path: "/v1/checkouts",
@@ -363,11 +400,11 @@ fn request(body: &[u8]) -> Request<'_> {
     }
 }
 
-fn charge_key(key: &Key) -> String {
+pub(crate) fn charge_key(key: &Key) -> String {
     DerivedKey::new(&tenant(), key, PhaseName::new("charge").unwrap()).to_string()
 }
 
-const BODY: &[u8] = br#"{"amount": 1200}"#;
+pub(crate) const BODY: &[u8] = br#"{"amount": 1200}"#;
 
 async fn a_checkout_runs_once_and_every_retry_replays_it<E: Lab>(pool: PoolOf<E>) {
     E::create_orders(&pool).await;
@@ -475,9 +512,9 @@ async fn a_storm_of_duplicates_runs_each_key_once_and_fails_no_client<E: Lab>(po
 
 /// Stops the run at one crash point, for one key, once.
 #[derive(Debug)]
-struct CrashOnce {
-    point: CrashPoint,
-    armed: AtomicBool,
+pub(crate) struct CrashOnce {
+    pub(crate) point: CrashPoint,
+    pub(crate) armed: AtomicBool,
 }
 
 #[async_trait]
@@ -837,6 +874,7 @@ async fn the_consumers_retention_forgets_old_identities_only<E: Lab>(pool: PoolO
 }
 
 /// A local phase whose statement never ends (a runaway query).
+#[derive(Clone)]
 struct Runaway;
 
 #[async_trait]
@@ -859,6 +897,38 @@ impl LocalPhase<SqliteStore> for Runaway {
             "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r",
         )
         .fetch_one(connection)
+        .await?;
+        Ok(StoredResponse::new(201, "never"))
+    }
+}
+
+/// A write that never ends: every row of an endless sequence inserted, in the phase's (the
+/// claim's) transaction.
+#[derive(Clone)]
+struct RunawayWrite;
+
+#[async_trait]
+impl LocalPhase<SqliteStore> for RunawayWrite {
+    const NAME: &'static str = "runaway_write";
+    type Input = Checkout;
+    type Output = StoredResponse;
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(Duration::from_millis(300))
+    }
+
+    async fn run(
+        &self,
+        connection: &mut sqlx::SqliteConnection,
+        _: Checkout,
+        _: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        sqlx::query(
+            "INSERT INTO test_orders (key, amount) \
+             WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) \
+             SELECT 'runaway', x FROM r",
+        )
+        .execute(connection)
         .await?;
         Ok(StoredResponse::new(201, "never"))
     }
@@ -926,7 +996,22 @@ async fn on_sqlite_a_runaway_statement_is_interrupted_and_frees_the_writer() {
 /// in the database, a quarter-second busy timeout).
 #[tokio::test]
 async fn on_sqlite_a_phase_hung_in_a_statement_counts_its_attempts_and_gives_up() {
-    let directory = std::env::temp_dir().join("idemflow-engines-hung-attempts");
+    hung_phase_counts_its_attempts(Runaway, "hung").await;
+}
+
+/// SQLite: the same for a phase hung in a *write*. Interrupted, a write takes its whole
+/// transaction with it, the claim and its savepoint too: the record could not go back to the
+/// claim, nothing was recorded, every retry claimed afresh, and the key never gave up.
+#[tokio::test]
+async fn on_sqlite_a_phase_hung_in_a_write_counts_its_attempts_and_gives_up() {
+    hung_phase_counts_its_attempts(RunawayWrite, "hung-write").await;
+}
+
+async fn hung_phase_counts_its_attempts<P>(phase: P, name: &str)
+where
+    P: LocalPhase<SqliteStore, Input = Checkout, Output = StoredResponse> + Clone,
+{
+    let directory = std::env::temp_dir().join(format!("idemflow-engines-{name}"));
     let _ = std::fs::remove_dir_all(&directory);
     std::fs::create_dir_all(&directory).unwrap();
     // Shorter than the default, for a quick test; the statement timeout is left to follow it.
@@ -936,14 +1021,14 @@ async fn on_sqlite_a_phase_hung_in_a_statement_counts_its_attempts_and_gives_up(
         .await
         .unwrap();
     SqliteStore::create_orders(&pool).await;
+    let budget = phase.retry_policy().max_attempts;
     let hung = Workflow::<SqliteStore>::builder_on::<Checkout>("hung.v1")
-        .local(Runaway)
+        .local(phase)
         .lease(Duration::from_secs(30))
         .build()
         .unwrap();
     let runner = Runner::new(pool.clone());
     let key = Key::parse("hung-1").unwrap();
-    let budget = Runaway.retry_policy().max_attempts;
     let mut answers = Vec::new();
     for _ in 0..budget + 2 {
         let answer = runner.run(&hung, &tenant(), &key, request(BODY)).await;
@@ -971,4 +1056,71 @@ async fn on_sqlite_a_phase_hung_in_a_statement_counts_its_attempts_and_gives_up(
         answers.iter().all(|answer| !answer.contains("Busy")),
         "no retry is told busy: {answers:#?}"
     );
+}
+
+/// Holds its claim's transaction open until told to go on.
+struct Held {
+    entered: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait]
+impl LocalPhase<MySqlStore> for Held {
+    const NAME: &'static str = "held";
+    type Input = Checkout;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut sqlx::MySqlConnection,
+        checkout: Checkout,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        MySqlStore::insert_order(connection, context.key.as_str(), checkout.amount).await?;
+        self.entered.notify_one();
+        self.release.notified().await;
+        Ok(StoredResponse::new(201, "held"))
+    }
+}
+
+/// MariaDB: a duplicate whose claim waits for the first one's uncommitted claim past the
+/// statement timeout is busy (503, try again later), as a lock wait past the lock wait timeout
+/// is. The statement timeout is the shorter of the two, so it ends such a wait first (1969), which
+/// was taken for a database failure: logged at ERROR, answered 503 "unavailable".
+#[tokio::test]
+async fn on_mariadb_a_duplicate_waiting_past_the_statement_timeout_is_busy() {
+    let options = idemflow_mysql::OpenOptions::default()
+        .with_lock_wait_timeout(Duration::from_secs(3))
+        .with_statement_timeout(Some(Duration::from_millis(300)));
+    let pool =
+        crate::support::mariadb::fresh_with("engines_duplicate_statement_timeout", &options).await;
+    MySqlStore::create_orders(&pool).await;
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let held = Arc::new(
+        Workflow::<MySqlStore>::builder_on::<Checkout>("held.v1")
+            .local(Held {
+                entered: entered.clone(),
+                release: release.clone(),
+            })
+            .lease(Duration::from_secs(30))
+            .build()
+            .unwrap(),
+    );
+    let runner = Runner::new(pool.clone());
+    let key = Key::parse("held-1").unwrap();
+    let first = tokio::spawn({
+        let (runner, held, key) = (runner.clone(), held.clone(), key.clone());
+        async move { runner.run(&held, &tenant(), &key, request(BODY)).await }
+    });
+    entered.notified().await;
+    let duplicate = runner.run(&held, &tenant(), &key, request(BODY)).await;
+    assert!(matches!(duplicate, Err(RunError::Busy)), "{duplicate:?}");
+    release.notify_one();
+    let first = first.await.unwrap();
+    assert!(
+        matches!(&first, Ok(Outcome::Executed(response)) if response.status == 201),
+        "{first:?}"
+    );
+    assert_eq!(MySqlStore::orders(&pool, "held-1").await, 1);
 }

@@ -77,9 +77,11 @@ async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
     // Both owners of life 1 wake up: every write they try is fenced, the row unchanged.
     let response = StoredResponse::new(200, "from an earlier life");
     for stale in [&claimer, &taker.owner] {
+        // The phase's writes as the engine makes them: in its transaction (rolled back, dropped).
+        let mut tx = store::Transaction::begin(&pool).await.unwrap();
         let results = [
-            store::finish(&mut connection, stale, "phase", &response, usize::MAX).await,
-            store::advance(&mut connection, stale, "phase", &json!({}), long).await,
+            store::finish(&mut tx, stale, "phase", &response, usize::MAX).await,
+            store::advance(&mut tx, stale, "phase", &json!({}), long).await,
             store::renew_lease(&mut connection, stale, long).await,
             store::postpone(&mut connection, stale, Duration::ZERO, "stale").await,
         ];
@@ -94,9 +96,11 @@ async fn a_fencing_token_never_repeats_for_a_key(pool: PgPool) {
             .unwrap();
     assert_eq!((state.as_str(), request), ("started", json!({"amount": 2})));
     // The new owner's writes still land.
-    store::finish(&mut connection, &new_owner, "phase", &response, usize::MAX)
+    let mut tx = store::Transaction::begin(&pool).await.unwrap();
+    store::finish(&mut tx, &new_owner, "phase", &response, usize::MAX)
         .await
         .unwrap();
+    tx.commit().await.unwrap();
 }
 
 /// A lease is measured from the statement that writes it, not from the start of its
@@ -135,15 +139,11 @@ async fn an_owner_never_shortens_its_own_lease(pool: PgPool) {
     store::renew_lease(&mut connection, &owner, Duration::from_secs(60))
         .await
         .unwrap();
-    store::advance(
-        &mut connection,
-        &owner,
-        "phase",
-        &json!({}),
-        Duration::from_secs(1),
-    )
-    .await
-    .unwrap();
+    let mut tx = store::Transaction::begin(&pool).await.unwrap();
+    store::advance(&mut tx, &owner, "phase", &json!({}), Duration::from_secs(1))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
     store::renew_lease(&mut connection, &owner, Duration::from_secs(1))
         .await
         .unwrap();

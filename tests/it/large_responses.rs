@@ -214,7 +214,9 @@ async fn an_owner_that_lost_its_fence_stores_no_body(pool: PgPool) {
     .unwrap();
     assert_eq!(taken.len(), 1);
     let response = StoredResponse::new(200, body_of(100_000));
-    let finished = store::finish(&mut connection, &stale, "render", &response, 1024).await;
+    let mut tx = store::Transaction::begin(&pool).await.unwrap();
+    let finished = store::finish(&mut tx, &stale, "render", &response, 1024).await;
+    drop(tx);
     assert!(
         matches!(finished, Err(store::StoreError::Fenced)),
         "{finished:?}"
@@ -225,9 +227,11 @@ async fn an_owner_that_lost_its_fence_stores_no_body(pool: PgPool) {
     );
     // The owner that holds the fence stores it.
     let owner = &taken[0].1.owner;
-    store::finish(&mut connection, owner, "render", &response, 1024)
+    let mut tx = store::Transaction::begin(&pool).await.unwrap();
+    store::finish(&mut tx, owner, "render", &response, 1024)
         .await
         .unwrap();
+    tx.commit().await.unwrap();
     assert_eq!(
         placement(&pool, "fenced").await,
         (false, true, Some(100_000))

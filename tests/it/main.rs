@@ -17,6 +17,7 @@ mod console;
 mod consumer;
 mod crash_processes;
 mod deploy;
+mod ended_transactions;
 mod engines;
 mod explore_checkout;
 mod failover;

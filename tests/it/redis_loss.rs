@@ -441,3 +441,57 @@ async fn a_redis_user_without_admin_commands_runs_the_store() {
         .unwrap();
     assert_eq!((kind(&first), kind(&again)), ("executed", "replayed"));
 }
+
+/// A row lost alone (an eviction, a stray `DEL`) and claimed again under another workflow is still
+/// named in the first workflow's set of lease ends. A resumer of the first workflow must never
+/// take it: it would run its own phases on the other's request, calling out with its own derived
+/// keys (a second charge). The stale entry goes instead, so the first workflow's due count (and
+/// the resumer's lag, the overview, `stuck`) are right again.
+#[tokio::test]
+async fn a_row_claimed_again_under_another_workflow_is_never_taken_by_the_first_ones_resumer() {
+    let pool = fresh("loss-other-workflow").await;
+    let key = Key::parse("pay-moved").unwrap();
+    let (tenant, fingerprint) = (
+        tenant(),
+        idemflow_core::Fingerprint::from_slice(&[5; 32]).unwrap(),
+    );
+    let request = json!({"amount": 1200});
+    let mut claim = Claim {
+        tenant: &tenant,
+        key: &key,
+        fingerprint: &fingerprint,
+        workflow: "payment.v1",
+        request: &request,
+        lease: Duration::ZERO,
+    };
+    let _first = claimed(&pool, claim).await;
+    let _: () = redis::cmd("DEL")
+        .arg(pool.row(tenant.as_str(), key.as_str()))
+        .query_async(&mut pool.connection())
+        .await
+        .unwrap();
+    claim.workflow = "refund.v1";
+    let (_transaction, again) = claimed(&pool, claim).await;
+
+    let lease = Duration::from_secs(30);
+    let taken = Store::take_over_due(&pool, &[("payment.v1".to_owned(), lease)], 10)
+        .await
+        .unwrap();
+    assert!(
+        taken.is_empty(),
+        "payment.v1's resumer took refund.v1's key: {taken:?}"
+    );
+    let unknown = Store::count_due_unknown(&pool, &["refund.v1".to_owned()])
+        .await
+        .unwrap();
+    assert!(
+        unknown.is_empty(),
+        "the stale entry stays in payment.v1's set: {unknown:?}"
+    );
+    let taken = Store::take_over_due(&pool, &[("refund.v1".to_owned(), lease)], 10)
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1, "{taken:?}");
+    assert_eq!(taken[0].0, "refund.v1");
+    assert!(taken[0].1.owner.lock_version() > again.lock_version());
+}

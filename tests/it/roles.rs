@@ -996,9 +996,11 @@ async fn every_statement_of_the_store_runs_as_the_runtime_role(
         };
         let response = StoredResponse::json(201, &json!({"ok": true}));
         // Stored out of the row (any body is above a threshold of 0), and read back from there.
-        store::finish(&mut connection, &due.1.owner, "charge", &response, 0)
+        let mut tx = store::Transaction::begin(&runtime).await.unwrap();
+        store::finish(&mut tx, &due.1.owner, "charge", &response, 0)
             .await
             .unwrap();
+        tx.commit().await.unwrap();
         let LookUp::Found(found) = store::look_up(&mut connection, &tenant, &key)
             .await
             .unwrap()

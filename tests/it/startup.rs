@@ -1,7 +1,10 @@
-//! Start-up is safe however many processes start at once: every step that changes the schema (the
-//! engine's migrations, the example's own table) is serialized, so no process dies of another's
-//! concurrent `CREATE` (once: `duplicate key value violates unique constraint
-//! "pg_type_typname_nsp_index"`, the example creating its table outside the migrator's lock).
+//! Start-up is safe however many processes start at once, on every SQL engine: every step that
+//! changes the schema (the engine's migrations, the example's own table) is serialized, so no
+//! process dies of another's concurrent `CREATE`. Once on PostgreSQL: `duplicate key value violates
+//! unique constraint "pg_type_typname_nsp_index"`, the example creating its table outside the
+//! migrator's lock; on SQLite, `table idempotency_keys already exists` or `database is locked`
+//! (sqlx's migrator takes no lock there); on MariaDB, 1062 on `_sqlx_migrations` (sqlx's lock,
+//! `GET_LOCK(name, -1)`, waits for nothing on MariaDB, where a negative timeout is no wait).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -28,9 +31,32 @@ async fn services_and_workers_started_at_once_on_a_fresh_database_all_come_up(
     _: PgPoolOptions,
     connect: PgConnectOptions,
 ) {
+    start_at_once(&database_url(&connect)).await;
+}
+
+#[tokio::test]
+async fn on_sqlite_services_and_workers_started_at_once_on_a_fresh_database_all_come_up() {
+    let directory = std::env::temp_dir().join("idemflow-startup-sqlite");
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    start_at_once(&format!(
+        "sqlite://{}",
+        directory.join("checkout.db").display()
+    ))
+    .await;
+}
+
+#[tokio::test]
+async fn on_mariadb_services_and_workers_started_at_once_on_a_fresh_database_all_come_up() {
+    let database = crate::support::mariadb::empty("startup_at_once").await;
+    start_at_once(&crate::support::mariadb::url_of(&database)).await;
+}
+
+/// Starts four services and four workers of the checkout example at once on the fresh database
+/// at `url`, and waits for each to come up.
+async fn start_at_once(url: &str) {
     let binary = tokio::task::spawn_blocking(example_binary).await.unwrap();
     let provider = MockProvider::start().await;
-    let url = database_url(&connect);
     let mut processes = Processes(Vec::new());
     // Four services and four workers, all started before any has migrated.
     for index in 0..8 {
@@ -41,7 +67,7 @@ async fn services_and_workers_started_at_once_on_a_fresh_database_all_come_up(
             command.args(["worker", "--metrics-bind", "127.0.0.1:0"]);
         }
         command
-            .args(["--database-url", &url, "--psp-url", provider.url()])
+            .args(["--database-url", url, "--psp-url", provider.url()])
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -340,7 +340,7 @@ const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 async fn inspect_list_stats_and_end_lease_answer_alike<E: Bench>(case: &str) {
     let (pool, url, options) = E::fresh(case).await;
     let lapsed = started::<E>(&pool, "lapsed", Duration::ZERO).await;
-    E::postpone_alone(&pool, &lapsed, Duration::ZERO, "provider: 503")
+    E::postpone_alone(&pool, &lapsed, Duration::ZERO, &"provider: 503".into())
         .await
         .unwrap();
     E::lapse_leases(&pool, Some(("t-1", "lapsed")))

@@ -85,7 +85,7 @@ pub async fn open(url: &str, options: &OpenOptions) -> Result<MySqlPool, sqlx::E
     options.check()?;
     let connect = MySqlConnectOptions::from_str(url)?.timezone(Some("+00:00".to_owned()));
     let pool = pool_options(options).connect_with(connect).await?;
-    crate::MIGRATOR.run(&pool).await?;
+    crate::migrate(&pool).await?;
     Ok(pool)
 }
 

@@ -1,5 +1,6 @@
 //! [`StoreError`], the one error type of every store call, as the other engines have it. InnoDB's
-//! lock waits past `innodb_lock_wait_timeout` (1205) and its deadlock victims (1213) are
+//! lock waits past `innodb_lock_wait_timeout` (1205) or `max_statement_time` (1969) and its
+//! deadlock victims (1213) are
 //! [`StoreError::Busy`]: an answer to retry later, never a failure a client sees as a 500.
 
 use idemflow_store::{DatabaseError, DatabaseErrorKind, EngineError};
@@ -12,9 +13,10 @@ pub enum StoreError {
     /// deleted). The caller must roll back its transaction and stop working on the key.
     #[error("fenced: the lease on this key was lost to another owner")]
     Fenced,
-    /// A row lock was held for longer than the lock wait timeout (1205), or InnoDB chose this
-    /// transaction as a deadlock's victim (1213). The transaction is lost; nothing it wrote is
-    /// kept. The caller may try again later (over HTTP: 503 with `Retry-After`).
+    /// A row lock was held for longer than the lock wait timeout (1205) or the statement timeout
+    /// (1969, which ends a wait first), or InnoDB chose this transaction as a deadlock's victim
+    /// (1213). Nothing the statement wrote is kept. The caller may try again later (over HTTP:
+    /// 503 with `Retry-After`).
     #[error("busy: a row lock was held for longer than the lock wait timeout, or a deadlock")]
     Busy,
     /// A statement failed or the connection broke: sqlx's error, as it came. A transaction it
@@ -29,7 +31,10 @@ pub enum StoreError {
 
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
-        if matches!(error_number(&error), Some(LOCK_WAIT_TIMEOUT | DEADLOCK)) {
+        if matches!(
+            error_number(&error),
+            Some(LOCK_WAIT_TIMEOUT | DEADLOCK | STATEMENT_TIMEOUT)
+        ) {
             Self::Busy
         } else {
             Self::Database(error)
@@ -43,6 +48,10 @@ pub(crate) const DUPLICATE_KEY: u16 = 1062;
 pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// ER_LOCK_DEADLOCK: the whole transaction was rolled back.
 pub(crate) const DEADLOCK: u16 = 1213;
+/// ER_STATEMENT_TIMEOUT: MariaDB's `max_statement_time` ended the statement. The engine's own
+/// statements are short; one ends this way waiting for a row lock (the statement timeout is
+/// shorter than the lock wait timeout, `crate::OpenOptions`), so it is busy, as 1205 is.
+pub(crate) const STATEMENT_TIMEOUT: u16 = 1969;
 
 /// The server's error number, for an error the server sent.
 pub(crate) fn error_number(error: &sqlx::Error) -> Option<u16> {

@@ -17,6 +17,28 @@ macro_rules! now_ms {
 /// and tests.
 pub const NOW_MS: &str = now_ms!();
 
+/// True only inside a transaction: part of every owner's write that records a phase's work. A
+/// phase that ended the engine's transaction (a `COMMIT`, a statement MariaDB commits around, a
+/// deadlock's rollback) leaves the connection in autocommit, where that write would commit alone,
+/// apart from the effects it vouches for: there it matches no row (`idemflow_store::Standing`).
+macro_rules! still_open {
+    () => {
+        "@@in_transaction = 1"
+    };
+}
+
+/// The check of [`still_open!`] as a constant, for tests.
+pub const STILL_OPEN: &str = still_open!();
+
+/// How the engine's transaction stands after a phase ran in it, read before anything else is
+/// sent, so the diagnostics area still holds the phase's last statement's condition: whether
+/// the connection is in a transaction, and the error number that statement ended with (0 for
+/// none). `GET DIAGNOSTICS` reads the area without clearing it.
+pub const STANDING: &str = "GET DIAGNOSTICS @idemflow_conditions = NUMBER; \
+     GET DIAGNOSTICS CONDITION 1 @idemflow_errno = MYSQL_ERRNO; \
+     SELECT CAST(@@in_transaction AS SIGNED), \
+            CAST(IF(@idemflow_conditions > 0, @idemflow_errno, 0) AS SIGNED)";
+
 /// `journal = ` the key's journal with one entry appended: a JSON object of `at` (now,
 /// [`now_ms!`]) and the arguments given (the rest of a `JSON_OBJECT`'s: `'event', 'phase', …`).
 /// At most 64 entries (`idemflow_store::JOURNAL_LIMIT`): when full, the second goes, so the claim
@@ -166,7 +188,8 @@ pub const ADVANCE: &str = concat!(
     now_ms!(),
     " + ?), updated_at = ",
     now_ms!(),
-    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'"
+    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started' AND ",
+    still_open!()
 );
 
 /// Stores the response and marks the key done (fenced), with its `finished` entry in the journal:
@@ -181,7 +204,8 @@ pub const FINISH: &str = concat!(
     now_ms!(),
     ", updated_at = ",
     now_ms!(),
-    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'"
+    " WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started' AND ",
+    still_open!()
 );
 
 /// The body of a response stored apart, for its key's life, in the transaction of [`FINISH`]

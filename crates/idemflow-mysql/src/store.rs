@@ -13,7 +13,8 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_store::layout::Maintained;
 use idemflow_store::{
-    Claim, Claimed, Engine, EngineError, EnginePool, Limits, LookUp, Owner, SqlEngine, Taken,
+    Claim, Claimed, Engine, EngineError, EnginePool, LastError, Limits, LookUp, Owner, SqlEngine,
+    Standing, Taken,
 };
 use serde_json::Value;
 use sqlx::pool::PoolConnection;
@@ -88,6 +89,10 @@ impl Engine for MySqlStore {
 
     async fn back_to_claim(transaction: &mut Transaction) -> Result<(), EngineError> {
         Ok(transaction.back_to_claim().await?)
+    }
+
+    async fn standing(transaction: &mut Transaction) -> Result<Standing, EngineError> {
+        Ok(transaction.standing().await?)
     }
 
     async fn look_up(
@@ -181,20 +186,20 @@ impl Engine for MySqlStore {
         transaction: &mut Transaction,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
         let connection = transaction.connection();
-        Ok(crate::postpone_in(connection, owner, retry_after, last_error).await?)
+        Ok(crate::postpone_in(connection, owner, retry_after, last_error.as_str()).await?)
     }
 
     async fn postpone_alone(
         pool: &MySqlPool,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
         let connection = pool.acquire().await.map_err(crate::StoreError::from)?;
-        crate::postpone(connection, owner, retry_after, last_error).await?;
+        crate::postpone(connection, owner, retry_after, last_error.as_str()).await?;
         Ok(())
     }
 

@@ -10,7 +10,10 @@ use sqlx::pool::PoolConnection;
 use sqlx::{MySql, MySqlConnection};
 use sqlx_core::transaction::TransactionManager;
 
-use crate::error::StoreError;
+use idemflow_store::Standing;
+use sqlx::Row;
+
+use crate::error::{DEADLOCK, LOCK_WAIT_TIMEOUT, StoreError};
 
 /// A write transaction on one pooled connection.
 #[derive(Debug)]
@@ -80,6 +83,33 @@ impl Transaction {
             .execute(self.connection())
             .await?;
         Ok(())
+    }
+
+    /// Whether this is still the transaction the engine began (`idemflow_store::Standing`). In
+    /// a transaction: open. Out of one, it was rolled back whole, with nothing since, when the
+    /// phase's last statement was a deadlock's victim (1213) or a lock wait InnoDB answers by
+    /// rolling the transaction back (1205 under `innodb_rollback_on_timeout`); otherwise a
+    /// `COMMIT`, a statement committed around, or a write after the rollback may have committed.
+    ///
+    /// A phase that ends the transaction and begins one of its own (`BEGIN` commits the open one
+    /// implicitly) leaves the connection in a transaction: MariaDB names no transaction, so that
+    /// one is taken for the engine's (docs/runner.md: what a phase must not do).
+    pub async fn standing(&mut self) -> Result<Standing, StoreError> {
+        let rows = sqlx::raw_sql(crate::statements::STANDING)
+            .fetch_all(self.connection())
+            .await?;
+        let Some(row) = rows.last() else {
+            return Err(StoreError::Corrupt(
+                "no answer to the standing check".to_owned(),
+            ));
+        };
+        let in_transaction: i64 = row.try_get(0)?;
+        let last_error: i64 = row.try_get(1)?;
+        Ok(match (in_transaction, u16::try_from(last_error)) {
+            (1, _) => Standing::Open,
+            (_, Ok(DEADLOCK | LOCK_WAIT_TIMEOUT)) => Standing::RolledBack,
+            _ => Standing::Ended,
+        })
     }
 
     fn release(&mut self) -> PoolConnection<MySql> {

@@ -273,7 +273,8 @@ mod tests {
             let quoted: Vec<&str> = sql.split('\'').skip(1).step_by(2).collect();
             for span in &quoted {
                 assert!(
-                    span.bytes().all(|b| b.is_ascii_hexdigit()) || ["hex", "UTF8"].contains(span),
+                    span.bytes().all(|b| b.is_ascii_hexdigit())
+                        || ["hex", "UTF8", "open"].contains(span),
                     "unexpected literal {span:?} in {sql}"
                 );
             }
@@ -281,7 +282,8 @@ mod tests {
             assert!(sql.contains("30000"));
             assert!(sql.contains("4294967296"));
             assert!(sql.starts_with(
-                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = 1500; \
+                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idemflow.transaction = 'open'; \
+                 SET LOCAL statement_timeout = 1500; \
                  SET LOCAL idle_in_transaction_session_timeout = 2000; "
             ));
         }

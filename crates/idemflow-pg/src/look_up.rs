@@ -298,9 +298,11 @@ mod tests {
             headers: vec![("content-type".to_owned(), "application/json".into())],
             body: b"{\"ok\":true}".to_vec(),
         };
-        finish(&mut connection, &owner, "last", &response, usize::MAX)
+        let mut transaction = crate::Transaction::begin(&pool).await.expect("begin");
+        finish(&mut transaction, &owner, "last", &response, usize::MAX)
             .await
             .expect("finish");
+        transaction.commit().await.expect("commit");
         let Ok(LookUp::Found(found)) = look_up(&mut connection, &tenant, &key).await else {
             panic!("a finished key is found");
         };

@@ -390,8 +390,9 @@ mod tests {
         assert_eq!(taken.last_error, None);
 
         let output = json!({"order_id": 1});
+        let mut transaction = crate::Transaction::begin(&pool).await.expect("begin");
         advance(
-            &mut connection,
+            &mut transaction,
             &taken.owner,
             "first",
             &output,
@@ -399,6 +400,7 @@ mod tests {
         )
         .await
         .expect("advance");
+        transaction.commit().await.expect("commit");
         postpone(&mut connection, &taken.owner, Duration::ZERO, "boom")
             .await
             .expect("postpone");

@@ -75,7 +75,8 @@ pub const ADVANCE: &str = "UPDATE idempotency_keys \
          || jsonb_build_object('at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
                                'event', 'phase', 'token', $3::bigint, 'point', $4::text), \
      updated_at = now() \
- WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+ WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+   AND current_setting('idemflow.transaction', true) = 'open'";
 
 /// Stores the response and marks the key done (fenced), with its `finished` entry in the
 /// journal: `$1` tenant, `$2` key, `$3` lock_version, `$4` recovery point, `$5` status, `$6`
@@ -88,7 +89,8 @@ pub const FINISH: &str = "UPDATE idempotency_keys \
          || jsonb_build_object('at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
                                'event', 'finished', 'token', $3::bigint, 'status', $5::smallint), \
      updated_at = now() \
- WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'";
+ WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+   AND current_setting('idemflow.transaction', true) = 'open'";
 
 /// [`FINISH`] for a response stored out of the key's row: the key is marked done with its status
 /// and headers and no body, and the body goes to `idempotency_responses`, in one statement. The
@@ -109,6 +111,7 @@ pub const FINISH_APART: &str = "WITH finished AS ( \
                     'event', 'finished', 'token', $3::bigint, 'status', $5::smallint), \
          updated_at = now() \
      WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+       AND current_setting('idemflow.transaction', true) = 'open' \
      RETURNING tenant, key, created_at) \
  INSERT INTO idempotency_responses (tenant, key, created_at, body) \
  SELECT tenant, key, created_at, $7 FROM finished \
@@ -188,6 +191,16 @@ mod tests {
                     "jsonb_array_length(journal) >= {} THEN journal - 1",
                     idemflow_store::JOURNAL_LIMIT
                 )),
+                "{statement}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_writes_that_record_a_phases_work_run_only_in_the_engines_transaction() {
+        for statement in [ADVANCE, FINISH, FINISH_APART] {
+            assert!(
+                statement.contains(crate::transaction::STILL_OPEN),
                 "{statement}"
             );
         }

@@ -10,7 +10,8 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_store::layout::Maintained;
 use idemflow_store::{
-    Claim, Claimed, Engine, EngineError, EnginePool, Limits, LookUp, Owner, SqlEngine, Taken,
+    Claim, Claimed, Engine, EngineError, EnginePool, LastError, Limits, LookUp, Owner, SqlEngine,
+    Standing, Taken,
 };
 use serde_json::Value;
 use sqlx::pool::PoolConnection;
@@ -106,6 +107,10 @@ impl Engine for PgStore {
         transaction.back_to_claim().await.map_err(lost)
     }
 
+    async fn standing(transaction: &mut Transaction) -> Result<Standing, EngineError> {
+        transaction.standing().await.map_err(lost)
+    }
+
     async fn look_up(
         connection: &mut PgConnection,
         tenant: &TenantId,
@@ -198,9 +203,9 @@ impl Engine for PgStore {
         transaction: &mut Transaction,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
-        crate::postpone(transaction, owner, retry_after, last_error).await?;
+        crate::postpone(transaction, owner, retry_after, last_error.as_str()).await?;
         // Resumers listening hear of it at the commit.
         Ok(crate::notify_due(transaction).await?)
     }
@@ -209,10 +214,10 @@ impl Engine for PgStore {
         pool: &PgPool,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
         let mut connection = pool.acquire().await.map_err(lost)?;
-        Ok(crate::postpone(&mut connection, owner, retry_after, last_error).await?)
+        Ok(crate::postpone(&mut connection, owner, retry_after, last_error.as_str()).await?)
     }
 
     async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), EngineError> {

@@ -30,12 +30,28 @@ pub use idemflow_store::Limits;
 /// with a serialization error. Part of the `BEGIN`'s own message: no round trip of its own.
 pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
-/// [`BEGIN`], then a `SET LOCAL` per limit (`statement_timeout`,
+/// The mark every transaction of the engine carries for its life: a setting of its own, made
+/// `LOCAL` by its `BEGIN`'s message, so it is gone the moment the transaction ends, whoever ends
+/// it. The owner's writes run only where it is set ([`STILL_OPEN`]): a phase that committed or
+/// rolled back the engine's transaction (and perhaps began one of its own) cannot have a
+/// recovery point written apart from its effects (`idemflow_store::Standing`).
+pub(crate) const MARK: &str = "SET LOCAL idemflow.transaction = 'open'";
+
+/// True only inside a transaction the engine began ([`MARK`]); part of every owner's write that
+/// records a phase's work (the statements spell it out; their tests hold them to this).
+#[cfg(test)]
+pub(crate) const STILL_OPEN: &str = "current_setting('idemflow.transaction', true) = 'open'";
+
+/// Whether [`STILL_OPEN`] holds on a connection.
+const STANDING: &str =
+    "SELECT coalesce(current_setting('idemflow.transaction', true) = 'open', false)";
+
+/// [`BEGIN`], the engine's [`MARK`], then a `SET LOCAL` per limit (`statement_timeout`,
 /// `idle_in_transaction_session_timeout`, `lock_timeout`): in the message that begins the
 /// transaction, so no round trip of its own, and gone when it ends, so pooled connections keep
 /// their own settings. Integers formatted here, nothing else.
 pub(crate) fn begin_statement(limits: &Limits) -> String {
-    let mut sql = String::from(BEGIN);
+    let mut sql = format!("{BEGIN}; {MARK}");
     for (setting, limit) in [
         ("statement_timeout", limits.statement_timeout),
         ("idle_in_transaction_session_timeout", limits.idle_timeout),
@@ -163,6 +179,20 @@ impl Transaction {
             }
             Err(error) => Err(error),
         }
+    }
+
+    /// Whether this is still the transaction the engine began ([`MARK`]). PostgreSQL never ends a
+    /// transaction by itself (an error aborts it, and it stays open until rolled back), so one that
+    /// ended was ended by a phase's `COMMIT` or `ROLLBACK`: which, the engine cannot tell.
+    pub async fn standing(&mut self) -> Result<idemflow_store::Standing, sqlx::Error> {
+        let open: bool = sqlx::query_scalar(STANDING)
+            .fetch_one(&mut **self.held())
+            .await?;
+        Ok(if open {
+            idemflow_store::Standing::Open
+        } else {
+            idemflow_store::Standing::Ended
+        })
     }
 
     /// Rolls back and waits for the server to confirm.

@@ -46,7 +46,7 @@ use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
 use idemflow_store::layout::Maintained;
 use idemflow_store::{
     Claim, Claimed, ConnectionPool, DatabaseError, DatabaseErrorKind, Engine, EngineError,
-    EnginePool, FoundKey, KeyOwner, Limits, LookUp, Taken,
+    EnginePool, FoundKey, KeyOwner, LastError, Limits, LookUp, Standing, Taken,
 };
 use redis::aio::ConnectionManager;
 use serde_json::Value;
@@ -508,6 +508,11 @@ impl Engine for RedisStore {
         Ok(())
     }
 
+    /// No local phase runs on Redis: nothing can end the engine's work under it.
+    async fn standing(_transaction: &mut Transaction) -> Result<Standing, EngineError> {
+        Ok(Standing::Open)
+    }
+
     async fn look_up(
         pool: &mut RedisPool,
         tenant: &TenantId,
@@ -562,6 +567,7 @@ impl Engine for RedisStore {
             .arg(millis(claim.lease))
             .arg(idemflow_core::hex::encode(claim.workflow.as_bytes()))
             .arg(RedisPool::member(claim.tenant.as_str(), claim.key.as_str()))
+            .arg(pool.leases_prefix())
             .invoke_async(&mut pool.connection())
             .await
             .map_err(StoreError::from)?;
@@ -683,18 +689,18 @@ impl Engine for RedisStore {
         transaction: &mut Transaction,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
-        Ok(postpone(&transaction.pool, owner, retry_after, last_error).await?)
+        Ok(postpone(&transaction.pool, owner, retry_after, last_error.as_str()).await?)
     }
 
     async fn postpone_alone(
         pool: &RedisPool,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
-        Ok(postpone(pool, owner, retry_after, last_error).await?)
+        Ok(postpone(pool, owner, retry_after, last_error.as_str()).await?)
     }
 
     async fn delete_owned(transaction: &mut Transaction, owner: &Owner) -> Result<(), EngineError> {
@@ -813,6 +819,9 @@ async fn take_over_due(
     invocation.arg(batch);
     for (workflow, lease) in workflows {
         invocation.key(pool.leases(workflow)).arg(millis(*lease));
+    }
+    for (workflow, _) in workflows {
+        invocation.arg(workflow.as_str());
     }
     let rows: Vec<DueFields> = invocation.invoke_async(&mut pool.connection()).await?;
     rows.into_iter()

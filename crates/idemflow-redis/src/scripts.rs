@@ -79,11 +79,13 @@ pub(crate) fn look_up() -> redis::Script {
 }
 
 /// KEYS: row, fence, leases, workflows, finishes, index. ARGV: tenant, key, fingerprint, workflow,
-/// request, lease ms, the workflow in hex, the row's member of the index. Returns the claim's token, or 0 when the key is there
-/// (nothing written). The workflow joins the set of workflows with keys, which the resumer's lag
-/// and its count of keys no worker knows read. A finish left in the set of finishes by an earlier
-/// row of the key that was lost alone (evicted, deleted by hand) goes: retention would otherwise
-/// take it for this claim and delete a running key.
+/// request, lease ms, the workflow in hex, the row's member of the index, the prefix of the sorted
+/// sets of lease ends. Returns the claim's token, or 0 when the key is there (nothing written).
+/// The workflow joins the set of workflows with keys, which the resumer's lag and its count of
+/// keys no worker knows read. What an earlier row of the key that was lost alone (evicted,
+/// deleted by hand) left in the sets goes: its finish (retention would take it for this claim and
+/// delete a running key) and its lease end, in whichever workflow's set it is (a resumer of that
+/// workflow would take this claim for its own and run its phases on another workflow's request).
 pub(crate) fn claim() -> redis::Script {
     script(&[
         "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end ",
@@ -94,6 +96,9 @@ pub(crate) fn claim() -> redis::Script {
          redis.call('HSET', KEYS[1], 't', ARGV[1], 'k', ARGV[2], 'fp', ARGV[3], 'wf', ARGV[4], \
              'req', ARGV[5], 'st', 'started', 'rp', 'start', 'lv', token, 'lu', ends, 'att', 1, \
              'life', token, 'ca', now) \
+         for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[4])) do \
+             redis.call('ZREM', ARGV[9] .. workflow, KEYS[1]) \
+         end \
          redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
          redis.call('SADD', KEYS[4], ARGV[7]) \
          redis.call('ZREM', KEYS[5], KEYS[1]) \
@@ -234,11 +239,12 @@ pub(crate) fn take_over() -> redis::Script {
     ])
 }
 
-/// KEYS: fence, then each workflow's leases. ARGV: batch, then each workflow's lease ms. A list of
-/// `{workflow index (1-based), token, attempts, tenant, key, recovery point, output, request, last
-/// error}`, the longest-lapsed keys first whatever their workflow (so a workflow with a steady
-/// stream of due keys starves no other). Rows gone from under their lease end (deleted) are
-/// dropped from the set.
+/// KEYS: fence, then each workflow's leases. ARGV: batch, then each workflow's lease ms, then each
+/// workflow's name. A list of `{workflow index (1-based), token, attempts, tenant, key, recovery
+/// point, output, request, last error}`, the longest-lapsed keys first whatever their workflow (so
+/// a workflow with a steady stream of due keys starves no other). An entry whose row is gone
+/// (deleted), or is another workflow's (lost alone and claimed again under it), is dropped from
+/// the set and never taken.
 pub(crate) fn take_over_due() -> redis::Script {
     script(&[
         NOW,
@@ -258,7 +264,8 @@ pub(crate) fn take_over_due() -> redis::Script {
          for _, one in ipairs(due) do \
              if #taken >= left then break end \
              local index, row = one[2], one[3] \
-             if redis.call('EXISTS', row) == 0 then \
+             local workflow = redis.call('HGET', row, 'wf') \
+             if workflow ~= ARGV[#KEYS - 1 + index] then \
                  redis.call('ZREM', KEYS[index], row) \
              else \
                  local fields = take(row, KEYS[1], KEYS[index], false, tonumber(ARGV[index]), now, \

@@ -55,6 +55,11 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
         "Keys deleted because their first phase said it did nothing.",
     ),
     (
+        TRANSACTIONS_ENDED,
+        "counter",
+        "Keys ended with a stored 500 because a local phase ended the runner's transaction.",
+    ),
+    (
         "idemflow_phase_duration_seconds",
         "histogram",
         "Time in each phase, in seconds.",
@@ -162,3 +167,4 @@ pub(crate) const RETRIES: &str = "idemflow_retries_total";
 pub(crate) const GIVE_UPS: &str = "idemflow_give_ups_total";
 pub(crate) const FINISHED: &str = "idemflow_finished_total";
 pub(crate) const NOT_EXECUTED: &str = "idemflow_not_executed_total";
+pub(crate) const TRANSACTIONS_ENDED: &str = "idemflow_transactions_ended_total";

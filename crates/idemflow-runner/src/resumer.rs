@@ -468,7 +468,8 @@ impl<E: Engine> Resumer<E> {
 
     /// Ends the lease of a key whose run was stopped, now; its attempt counts (it had started).
     async fn give_back(&self, owner: &E::Owner, why: &str) {
-        let giving_back = E::postpone_alone(self.runner.pool(), owner, Duration::ZERO, why);
+        let why = idemflow_store::LastError::new(why);
+        let giving_back = E::postpone_alone(self.runner.pool(), owner, Duration::ZERO, &why);
         let given_back = match giving_back
             .within(self.runner.config.database_timeout)
             .await

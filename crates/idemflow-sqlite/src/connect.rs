@@ -90,7 +90,7 @@ pub async fn open(url: &str, options: &OpenOptions) -> Result<SqlitePool, sqlx::
     options.check()?;
     let connect = connect_options(SqliteConnectOptions::from_str(url)?, options);
     let pool = pool_options(options).connect_with(connect).await?;
-    crate::MIGRATOR.run(&pool).await?;
+    crate::migrate(&pool).await?;
     Ok(pool)
 }
 
@@ -99,7 +99,7 @@ pub async fn open_file(path: &Path, options: &OpenOptions) -> Result<SqlitePool,
     options.check()?;
     let connect = connect_options(SqliteConnectOptions::new().filename(path), options);
     let pool = pool_options(options).connect_with(connect).await?;
-    crate::MIGRATOR.run(&pool).await?;
+    crate::migrate(&pool).await?;
     Ok(pool)
 }
 

@@ -15,6 +15,7 @@ mod consumer;
 mod error;
 mod fenced_writes;
 mod look_up;
+mod migrate;
 mod operator;
 mod report;
 mod retention;
@@ -35,6 +36,7 @@ pub use fenced_writes::{
 /// The owner of a key: the boundary's, shared by the SQL engines.
 pub use idemflow_store::Owner;
 pub use look_up::{FoundKey, LookUp, look_up, response_apart};
+pub use migrate::migrate;
 pub use operator::SqliteOperator;
 pub use report::{KeyBodies, KeyResponse, key_bodies};
 pub use report::{key_report, stuck_keys, table_stats};

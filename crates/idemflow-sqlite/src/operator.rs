@@ -48,8 +48,7 @@ impl Operator for SqliteOperator {
     }
 
     async fn migrate(&self) -> Result<Option<Vec<Migration>>, OperatorError> {
-        crate::MIGRATOR
-            .run(&self.pool)
+        crate::migrate(&self.pool)
             .await
             .map_err(|error| OperatorError::Migrate(error.to_string()))?;
         Ok(Some(idemflow_store::migrations(&crate::MIGRATOR)))

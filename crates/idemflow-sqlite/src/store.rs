@@ -14,7 +14,8 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_store::layout::Maintained;
 use idemflow_store::{
-    Claim, Claimed, Engine, EngineError, EnginePool, Limits, LookUp, Owner, SqlEngine, Taken,
+    Claim, Claimed, Engine, EngineError, EnginePool, LastError, Limits, LookUp, Owner, SqlEngine,
+    Standing, Taken,
 };
 use serde_json::Value;
 use sqlx::pool::PoolConnection;
@@ -91,6 +92,10 @@ impl Engine for SqliteStore {
         Ok(transaction.back_to_claim().await?)
     }
 
+    async fn standing(transaction: &mut Transaction) -> Result<Standing, EngineError> {
+        Ok(transaction.standing())
+    }
+
     async fn look_up(
         connection: &mut SqliteConnection,
         tenant: &TenantId,
@@ -161,6 +166,10 @@ impl Engine for SqliteStore {
         output: &Value,
         lease: Duration,
     ) -> Result<(), EngineError> {
+        // Outside the transaction the engine began, a write would commit alone: it is not sent.
+        if transaction.standing() != Standing::Open {
+            return Err(EngineError::Fenced);
+        }
         let connection = transaction.connection();
         Ok(crate::advance(connection, owner, recovery_point, output, lease).await?)
     }
@@ -172,6 +181,9 @@ impl Engine for SqliteStore {
         response: &StoredResponse,
         apart_above: usize,
     ) -> Result<(), EngineError> {
+        if transaction.standing() != Standing::Open {
+            return Err(EngineError::Fenced);
+        }
         let connection = transaction.connection();
         Ok(crate::finish(connection, owner, recovery_point, response, apart_above).await?)
     }
@@ -181,20 +193,20 @@ impl Engine for SqliteStore {
         transaction: &mut Transaction,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
         let connection = transaction.connection();
-        Ok(crate::postpone_in(connection, owner, retry_after, last_error).await?)
+        Ok(crate::postpone_in(connection, owner, retry_after, last_error.as_str()).await?)
     }
 
     async fn postpone_alone(
         pool: &SqlitePool,
         owner: &Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError> {
         let connection = pool.acquire().await.map_err(crate::StoreError::from)?;
-        crate::postpone(connection, owner, retry_after, last_error).await?;
+        crate::postpone(connection, owner, retry_after, last_error.as_str()).await?;
         Ok(())
     }
 

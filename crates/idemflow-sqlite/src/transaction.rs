@@ -9,6 +9,10 @@
 //! Dropped unfinished (a timeout, a cancelled request), the connection is closed rather than
 //! handed back to the pool inside the transaction: the next user would otherwise run inside it.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use idemflow_store::Standing;
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::SqliteTransactionManager;
 use sqlx::{AssertSqlSafe, SqlSafeStr, Sqlite, SqliteConnection};
@@ -20,6 +24,18 @@ use crate::error::StoreError;
 #[derive(Debug)]
 pub struct Transaction {
     connection: Option<PoolConnection<Sqlite>>,
+    ends: Arc<Ends>,
+}
+
+/// What ended transactions on the connection since this one began, as SQLite's commit and
+/// rollback hooks saw it. SQLite rolls a whole transaction back by itself when a write in it is
+/// interrupted (the engine's statement timeout), or meets a full disk or an I/O error; a phase
+/// may `COMMIT` or `ROLLBACK` it too. The hooks tell a rollback with nothing committed since (the
+/// attempt's writes are all undone) from anything that may have committed.
+#[derive(Debug, Default)]
+struct Ends {
+    committed: AtomicBool,
+    rolled_back: AtomicBool,
 }
 
 impl Transaction {
@@ -30,12 +46,40 @@ impl Transaction {
         // connection too.
         let mut transaction = Self {
             connection: Some(connection),
+            ends: Arc::default(),
         };
         // Through sqlx's transaction manager, so it counts the transaction: a phase's own
         // `begin()` inside it becomes a savepoint, as on PostgreSQL.
         let statement = AssertSqlSafe("BEGIN IMMEDIATE").into_sql_str();
         SqliteTransactionManager::begin(transaction.connection(), Some(statement)).await?;
+        transaction.watch_ends().await?;
         Ok(transaction)
+    }
+
+    /// Installs the hooks that fill [`Ends`] for this transaction (replacing an earlier
+    /// transaction's on the same connection: one hook of each kind per connection).
+    async fn watch_ends(&mut self) -> Result<(), StoreError> {
+        let committed = Arc::clone(&self.ends);
+        let rolled_back = Arc::clone(&self.ends);
+        let mut handle = self.connection().lock_handle().await?;
+        handle.set_commit_hook(move || {
+            committed.committed.store(true, Ordering::Relaxed);
+            true
+        });
+        handle.set_rollback_hook(move || rolled_back.rolled_back.store(true, Ordering::Relaxed));
+        Ok(())
+    }
+
+    /// Whether this is still the transaction the engine began (`idemflow_store::Standing`): no
+    /// commit and no rollback on its connection since it began. Read in the process, no statement.
+    pub fn standing(&self) -> Standing {
+        if self.ends.committed.load(Ordering::Relaxed) {
+            Standing::Ended
+        } else if self.ends.rolled_back.load(Ordering::Relaxed) {
+            Standing::RolledBack
+        } else {
+            Standing::Open
+        }
     }
 
     /// The connection, inside the transaction (a local phase's writes go here).

@@ -21,12 +21,14 @@ use serde_json::Value;
 use tokio::sync::Notify;
 
 use crate::error::EngineError;
+use crate::last_error::LastError;
 use crate::layout::Maintained;
 use crate::limits::Limits;
 use crate::look_up::LookUp;
 use crate::operator::Operator;
 use crate::owner::KeyOwner;
 use crate::pool::ConnectionPool;
+use crate::standing::Standing;
 
 /// Everything a claim stores.
 #[derive(Debug, Clone, Copy)]
@@ -128,6 +130,11 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
     fn abandon(transaction: Self::Transaction);
     /// Undoes everything since the claim, keeping the uncommitted claim.
     async fn back_to_claim(transaction: &mut Self::Transaction) -> Result<(), EngineError>;
+    /// Whether `transaction` is still the one this engine began, after local phases ran in it
+    /// ([`Standing`]); the runner asks before it records anything over their work. Where the
+    /// engine cannot tell a commit from a rollback it answers [`Standing::Ended`]: the runner
+    /// then never runs those phases again.
+    async fn standing(transaction: &mut Self::Transaction) -> Result<Standing, EngineError>;
 
     /// Reads a key before deciding on it, outside any transaction.
     async fn look_up(
@@ -174,6 +181,10 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
         wait: Duration,
     ) -> Result<bool, EngineError>;
     /// Records a completed phase in `transaction` (fenced), with a lease of `lease` from now.
+    ///
+    /// Like every write of an owner's, it runs only inside the transaction the engine began:
+    /// if a phase ended that transaction, it changes nothing and answers [`EngineError::Fenced`],
+    /// as it does when another owner holds the key ([`Engine::standing`] tells the two apart).
     async fn advance(
         transaction: &mut Self::Transaction,
         owner: &Self::Owner,
@@ -182,7 +193,8 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
         lease: Duration,
     ) -> Result<(), EngineError>;
     /// Stores the response and marks the key done in `transaction` (fenced); a body longer than
-    /// `apart_above` bytes is stored apart, under the key's life.
+    /// `apart_above` bytes is stored apart, under the key's life. Only inside the transaction
+    /// the engine began, as [`Engine::advance`].
     async fn finish(
         transaction: &mut Self::Transaction,
         owner: &Self::Owner,
@@ -197,14 +209,14 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
         transaction: &mut Self::Transaction,
         owner: &Self::Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError>;
     /// Postpones a key on a connection of its own (a resumer giving a stopped key back).
     async fn postpone_alone(
         pool: &Self::Pool,
         owner: &Self::Owner,
         retry_after: Duration,
-        last_error: &str,
+        last_error: &LastError,
     ) -> Result<(), EngineError>;
     /// Deletes a started key the owner holds (fenced): the forget policy.
     async fn delete_owned(

@@ -22,6 +22,7 @@ mod console;
 mod consumer;
 mod engine;
 mod error;
+mod last_error;
 pub mod layout;
 mod limits;
 mod look_up;
@@ -31,6 +32,7 @@ mod pool;
 mod report;
 pub mod retention;
 pub mod rows;
+mod standing;
 mod tamper;
 
 pub use console::{Overview, ScanFrom, StartedKeys};
@@ -40,6 +42,7 @@ pub use engine::{
     stored_response,
 };
 pub use error::{DatabaseError, DatabaseErrorKind, EngineError};
+pub use last_error::LastError;
 pub use limits::Limits;
 pub use look_up::{FoundKey, LookUp};
 pub use operator::{
@@ -52,6 +55,7 @@ pub use report::{
     JOURNAL_LIMIT, JournalEntry, KeyBodies, KeyReport, KeyResponse, SEALED_MARKER, TableStats,
     journal_from_json,
 };
+pub use standing::Standing;
 pub use tamper::Tamper;
 
 /// The sqlx this boundary is built with, without a driver: each SQL engine's crate brings its own.

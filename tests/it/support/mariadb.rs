@@ -56,6 +56,30 @@ pub async fn fresh_with(test: &str, options: &idemflow_mysql::OpenOptions) -> My
         .unwrap()
 }
 
+/// A fresh, empty database for `test` (no migrations run): its name.
+pub async fn empty(test: &str) -> String {
+    let database = database_name(test);
+    let mut server = MySqlConnection::connect(&url())
+        .await
+        .unwrap_or_else(|error| {
+            panic!(
+                "no MariaDB at {} ({error}): the MariaDB tests need one",
+                url()
+            )
+        });
+    for statement in [
+        format!("DROP DATABASE IF EXISTS `{database}`"),
+        format!("CREATE DATABASE `{database}`"),
+    ] {
+        server
+            .execute(sqlx::AssertSqlSafe(statement))
+            .await
+            .unwrap();
+    }
+    server.close().await.unwrap();
+    database
+}
+
 /// [`fresh_with`] the engine's default options.
 pub async fn fresh(test: &str) -> MySqlPool {
     fresh_with(test, &idemflow_mysql::OpenOptions::default()).await

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use idemflow_core::{Fingerprint, RecoveryPoint, StoredResponse};
-use idemflow_store::Claim as ClaimRequest;
+use idemflow_store::{Claim as ClaimRequest, LastError};
 use serde_json::Value;
 
 use super::{
@@ -18,7 +18,7 @@ use super::{
 };
 use crate::config::TerminalPolicy;
 use crate::deadline::Within;
-use crate::engine::{Claimed, ConnectionPool, Engine, EngineError, KeyOwner};
+use crate::engine::{Claimed, ConnectionPool, Engine, EngineError, KeyOwner, Standing};
 use crate::erased::GiveUp;
 use crate::error::RunError;
 use crate::live_connection::begin_live;
@@ -38,7 +38,10 @@ impl<E: Engine> Drive<'_, E> {
             spent,
         } = failure;
         log_failure(phase, self.context.attempt, &error, panicked);
-        self.undo_attempt().await;
+        if self.undo_attempt().await == Some(Standing::Ended) {
+            // What the phases wrote may have committed: never run them again.
+            return self.end_after_transaction_ended(phase).await;
+        }
 
         if let PhaseErrorKind::NotExecuted { response } = &error.kind {
             // Nothing of the key's request has run if no phase completed: the key goes, and
@@ -90,34 +93,184 @@ impl<E: Engine> Drive<'_, E> {
         self.record(held, recorded, terminal_response, failed).await
     }
 
-    /// Undoes what the failed attempt wrote. A claim never committed goes back to the savepoint
-    /// its message ended with: the phases' effects are undone and the claim kept, so the failure
-    /// is recorded under it. (Rolled back entirely, the claim would free the key, and it may not
-    /// be taken again: meanwhile another request may have run under it and been told it is
-    /// free.) Bounded: after a phase overran its limit a statement may still be running on it.
-    async fn undo_attempt(&mut self) {
+    /// Undoes what the failed attempt wrote, and says how its transaction ended when a phase or
+    /// the database ended it under the attempt (`None`: it was open, or there was none).
+    ///
+    /// An ended transaction's connection is closed: whatever is open on it now (a transaction
+    /// the phase began, or none) is not the engine's, and closing rolls it back. Otherwise, a
+    /// claim never committed goes back to the savepoint its message ended with: the phases'
+    /// effects are undone and the claim kept, so the failure is recorded under it. (Rolled back
+    /// entirely, the claim would free the key, and it may not be taken again: meanwhile another
+    /// request may have run under it and been told it is free.) Bounded: after a phase overran
+    /// its limit a statement may still be running on it.
+    async fn undo_attempt(&mut self) -> Option<Standing> {
+        let (mut ended, lost) = self.undo_attempts_transaction().await;
+        // A takeover given up past a phase's limit was lost with its connection too.
+        let lost = lost || (self.abandoned && matches!(self.hold, Hold::TakeOver { .. }));
+        if ended.is_none() && lost && self.hold_committed_under_a_phase().await {
+            ended = Some(Standing::Ended);
+        }
+        if ended == Some(Standing::RolledBack) && matches!(self.hold, Hold::Claim(_)) {
+            // Everything is undone, the uncommitted claim too, at a moment this owner knows: it
+            // is made again with its token for the record, as after a refused first commit.
+            self.claim_refused = true;
+        }
+        ended
+    }
+
+    /// [`Self::undo_attempt`]'s work on the attempt's transaction: how it ended, when the engine
+    /// said so, and whether it was lost with its connection without a word on how.
+    async fn undo_attempts_transaction(&mut self) -> (Option<Standing>, bool) {
+        let ended = if self.overran {
+            None
+        } else {
+            self.ended_under().await
+        };
         match (self.tx.take(), &self.hold) {
+            (Some(tx), _) if ended.is_some() => {
+                E::abandon(tx);
+                (ended, false)
+            }
             (Some(mut tx), Hold::Claim(_)) => {
                 let wait = self.runner.config.database_timeout;
                 match E::back_to_claim(&mut tx).within(wait).await {
-                    Ok(Ok(())) => self.tx = Some(tx),
-                    lost => {
-                        tracing::warn!(
-                            ?lost,
-                            "the failed attempt's claim is gone with its connection"
-                        );
+                    Ok(Ok(())) => {
+                        self.tx = Some(tx);
+                        (None, false)
+                    }
+                    Ok(Err(lost)) => {
+                        // SQLite rolls the whole transaction back when a write in it is
+                        // interrupted: the statement the phase overran in, ended at the engine's
+                        // statement timeout while this waited. Then the claim is undone with
+                        // everything else, at a moment this owner knows, and is made again.
+                        let ended = E::standing(&mut tx).within(wait).await;
                         E::abandon(tx);
+                        if let Ok(Ok(Standing::RolledBack)) = ended {
+                            return (Some(Standing::RolledBack), false);
+                        }
+                        tracing::warn!(%lost, "the failed attempt's claim is gone with its connection");
+                        (None, true)
+                    }
+                    Err(timeout) => {
+                        tracing::warn!(%timeout, "the failed attempt's claim is gone with its connection");
+                        E::abandon(tx);
+                        (None, true)
                     }
                 }
             }
-            (Some(tx), _) => {
-                if let Err(rollback) = E::rollback(tx).await {
+            (Some(tx), _) => match E::rollback(tx).await {
+                Ok(()) => (None, false),
+                Err(rollback) => {
                     // The connection is not reused; the server rolls back as it closes.
                     tracing::warn!(%rollback, "rolling back the failed attempt failed");
+                    (None, true)
+                }
+            },
+            (None, _) => (None, false),
+        }
+    }
+
+    /// Whether this owner's claim or takeover, which the runner never committed, is in the row
+    /// all the same: then a phase committed it (ending the runner's transaction), and what the
+    /// phases wrote before may have committed with it. Asked when the attempt's transaction was
+    /// lost without a word on how it ended (its connection gone): the engine can no longer say,
+    /// the row still can. A fenced lease renewal finds this owner's token, or changes nothing.
+    async fn hold_committed_under_a_phase(&mut self) -> bool {
+        if self.hold == Hold::Committed {
+            return false;
+        }
+        let wait = self.runner.config.database_timeout;
+        let Ok(Ok(mut connection)) = self.runner.warm.acquire().within(wait).await else {
+            return false;
+        };
+        let renewed = E::renew_lease(&mut connection, &self.owner, self.workflow.lease())
+            .within(wait)
+            .await;
+        match renewed {
+            Ok(Ok(())) => {
+                self.runner.warm.keep(connection);
+                tracing::error!(
+                    "the claim or takeover committed under a phase that ended the transaction"
+                );
+                true
+            }
+            Ok(Err(EngineError::Fenced)) => {
+                self.runner.warm.keep(connection);
+                false
+            }
+            _ => false,
+        }
+    }
+
+    /// A local phase ended the runner's transaction, and what the phases wrote may have committed
+    /// without its recovery point: running them again could apply their effects twice. So the
+    /// key is not retried: it ends with a stored 500 naming the cause (whatever the terminal
+    /// policy: forgotten, the key would run again), recorded at the last recovery point.
+    async fn end_after_transaction_ended(
+        &mut self,
+        phase: &'static str,
+    ) -> Result<Outcome, RunError> {
+        let workflow = self.workflow;
+        metrics::count_phase(metrics::TRANSACTIONS_ENDED, workflow.name(), phase);
+        tracing::error!(
+            phase,
+            "a local phase ended the runner's transaction; its key ends with a 500 and is not run \
+             again (docs/runner.md: what a local phase must not do)"
+        );
+        let detail = format!(
+            "{phase} (or a local phase before it in the same transaction): {}",
+            Standing::Ended.describe()
+        );
+        let response = redacted_or_problem(workflow, problem(500, "transaction_ended", &detail));
+        self.hold_after_end().await?;
+        let Some(held) = self.take_again().await? else {
+            // Another request got the key meanwhile (the claim was rolled back): it owns the
+            // key's outcome; this request is answered, nothing recorded.
+            return Ok(Outcome::Forgotten(response));
+        };
+        let (mut held, recorded) = self.record_pending_foreign(held).await?;
+        let stored = self
+            .sealer()
+            .seal_response(&response, held.owner.lock_version())?;
+        let apart_above = self.runner.config.response_apart_above;
+        let finished = E::finish(
+            &mut held.tx,
+            &held.owner,
+            &recorded.point,
+            &stored,
+            apart_above,
+        )
+        .await;
+        commit::<E>(fenced::<E>(finished, held.tx).await?).await?;
+        metrics::count(metrics::FINISHED, workflow.name());
+        Ok(Outcome::Executed(response))
+    }
+
+    /// After the transaction ended under a phase, whether this owner's uncommitted claim or
+    /// takeover committed with it: then the row carries this owner's token, which a fenced lease
+    /// renewal finds, and the key is held as any committed hold. Otherwise the claim is made
+    /// again with its token (nobody else ever saw it) and the takeover made again from the
+    /// token it took over, as after a refused commit.
+    async fn hold_after_end(&mut self) -> Result<(), RunError> {
+        if self.hold == Hold::Committed {
+            return Ok(());
+        }
+        let wait = self.runner.config.database_timeout;
+        let mut connection = self.runner.warm.acquire().within(wait).await??;
+        let renewed = E::renew_lease(&mut connection, &self.owner, self.workflow.lease())
+            .within(wait)
+            .await?;
+        self.runner.warm.keep(connection);
+        match renewed {
+            Ok(()) => self.hold = Hold::Committed,
+            Err(EngineError::Fenced) => {
+                if matches!(self.hold, Hold::Claim(_)) {
+                    self.claim_refused = true;
                 }
             }
-            (None, _) => {}
+            Err(error) => return Err(error.into()),
         }
+        Ok(())
     }
 
     /// Records the failed attempt on the key held again: its terminal response stored, the key
@@ -151,7 +304,9 @@ impl<E: Engine> Drive<'_, E> {
             (None, PhaseErrorKind::Retryable { retry_after }) if !exhausted => {
                 let retry_after = failed.retry_policy.wait(retry_after, held.attempt);
                 let message = &failed.message;
-                let postponed = E::postpone(&mut held.tx, &held.owner, retry_after, message).await;
+                let recorded = LastError::new(message);
+                let postponed =
+                    E::postpone(&mut held.tx, &held.owner, retry_after, &recorded).await;
                 commit::<E>(fenced::<E>(postponed, held.tx).await?).await?;
                 metrics::count_phase(metrics::RETRIES, self.workflow.name(), failed.phase);
                 if failed.panicked {
@@ -252,21 +407,30 @@ impl<E: Engine> Drive<'_, E> {
             self.runner.config.response_apart_above,
         )
         .await;
+        if let Err(EngineError::Fenced) = finished
+            && let Ok(Ok(ended @ (Standing::Ended | Standing::RolledBack))) =
+                E::standing(&mut held.tx)
+                    .within(self.runner.config.database_timeout)
+                    .await
+        {
+            // The failure path ended the transaction under it: whatever it wrote is not relied
+            // on, and the key ends with the generic response alone.
+            E::abandon(held.tx);
+            tracing::error!("the failure path ended the runner's transaction");
+            self.hold_after_end().await?;
+            let detail = format!(
+                "{}; {}",
+                give_up_detail(attempts, &message),
+                ended.describe()
+            );
+            return self.store_generic_give_up(recorded, &detail).await;
+        }
         if let Err(error) = commit::<E>(fenced::<E>(finished, held.tx).await?).await {
             // A deferred constraint broken by the failure path's effects, say.
-            tracing::error!(%error, "the give-up did not commit; storing a generic response");
-            let response = redacted_or_problem(
-                workflow,
-                problem(
-                    500,
-                    "retries_exhausted",
-                    &give_up_detail(attempts, &message),
-                ),
-            );
-            self.store_give_up(&recorded.point, recorded.output, &response)
-                .await?;
-            metrics::count(metrics::FINISHED, workflow.name());
-            return Ok(Outcome::Executed(response));
+            tracing::error!(%error, "the give-up did not commit");
+            return self
+                .store_generic_give_up(recorded, &give_up_detail(attempts, &message))
+                .await;
         }
         metrics::count(metrics::FINISHED, workflow.name());
         Ok(Outcome::Executed(response))
@@ -290,6 +454,22 @@ impl<E: Engine> Drive<'_, E> {
         let deleted = E::delete_owned(&mut tx, &owner).await;
         commit::<E>(fenced::<E>(deleted, tx).await?).await?;
         Ok(true)
+    }
+
+    /// Stores the generic give-up response (a 500 problem with `detail`) alone, when the
+    /// failure path's own work could not be kept.
+    async fn store_generic_give_up(
+        &mut self,
+        recorded: Recorded,
+        detail: &str,
+    ) -> Result<Outcome, RunError> {
+        tracing::error!("storing a generic response for the give-up");
+        let workflow = self.workflow;
+        let response = redacted_or_problem(workflow, problem(500, "retries_exhausted", detail));
+        self.store_give_up(&recorded.point, recorded.output, &response)
+            .await?;
+        metrics::count(metrics::FINISHED, workflow.name());
+        Ok(Outcome::Executed(response))
     }
 
     /// Stores a give-up's response alone (no failure path), in a transaction of its own.

@@ -24,7 +24,7 @@ use idemflow_core::{Fingerprint, StoredResponse};
 use serde_json::Value;
 
 use crate::deadline::Within;
-use crate::engine::{Engine, EngineError, KeyOwner, Taken};
+use crate::engine::{Engine, EngineError, KeyOwner, Standing, Taken};
 use crate::erased::{Carry, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -222,6 +222,14 @@ struct Drive<'r, E: Engine> {
     /// with a statement perhaps still running: until the server ends that statement, its session
     /// holds whatever the transaction locked (an uncommitted takeover's row and claim lock).
     abandoned: bool,
+    /// A phase overran its time limit with the claim's transaction kept (for its record): a
+    /// statement may still be running on it, so nothing is asked of it but going back to the
+    /// claim (bounded).
+    overran: bool,
+    /// The attempt's transaction was found no longer the one the engine began, and how it ended
+    /// (`idemflow_store::Standing`): asked once, when a write over the phases' work changed
+    /// nothing or the attempt failed, and kept for the record.
+    ended: Option<Standing>,
 }
 
 impl<E: Engine> Runner<E> {
@@ -277,6 +285,8 @@ impl<E: Engine> Runner<E> {
             claim_refused: false,
             commit_refused: false,
             abandoned: false,
+            overran: false,
+            ended: None,
         };
         let ran = match drive.enter(entry, last_error) {
             Ok((position, carry)) => drive.run(position, carry).await,
@@ -336,6 +346,57 @@ impl<E: Engine> Drive<'_, E> {
 }
 
 impl<E: Engine> Drive<'_, E> {
+    /// Checks a write over the phases' work. One that changed nothing is either fenced (another
+    /// owner holds the key) or ran outside the engine's transaction, which a phase ended (it then
+    /// wrote nothing: `idemflow_store::Standing`). The engine tells which; an ended transaction
+    /// fails the attempt, and its record decides what the ending means (`failure.rs`).
+    async fn written(
+        &mut self,
+        written: Result<(), EngineError>,
+        doing: &str,
+        failure: impl FnOnce(PhaseError) -> FailedAttempt,
+    ) -> Result<(), Stop> {
+        let Err(error) = written else {
+            return Ok(());
+        };
+        if matches!(error, EngineError::Fenced)
+            && let Some(ended) = self.ended_under().await
+        {
+            return Err(Stop::failed(failure(PhaseError::retryable(
+                ended.describe(),
+            ))));
+        }
+        Err(store_stop(error, doing, failure))
+    }
+
+    /// How the open transaction ended, when it is no longer the one the engine began; `None`
+    /// while it is (or when the engine cannot say within the database timeout: the record then
+    /// goes on as for an open one, and fails where the transaction is gone). Asked once.
+    async fn ended_under(&mut self) -> Option<Standing> {
+        if self.ended.is_some() {
+            return self.ended;
+        }
+        let tx = self.tx.as_mut()?;
+        let asked = E::standing(tx)
+            .within(self.runner.config.database_timeout)
+            .await;
+        match asked {
+            Ok(Ok(Standing::Open)) => None,
+            Ok(Ok(ended)) => {
+                self.ended = Some(ended);
+                self.ended
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "the transaction's standing could not be read");
+                None
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the transaction's standing could not be read in time");
+                None
+            }
+        }
+    }
+
     /// The runner's keyring applied to this key's values.
     fn sealer(&self) -> Sealer<'_> {
         self.runner.sealer(self.owner.tenant(), self.owner.key())

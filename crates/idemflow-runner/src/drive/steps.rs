@@ -71,6 +71,8 @@ impl<E: Engine> Drive<'_, E> {
                 {
                     E::abandon(tx);
                     self.abandoned = true;
+                } else {
+                    self.overran = true;
                 }
                 Err(Stop::failed(failure(PhaseError::retryable(format!(
                     "timed out after {limit:?}"
@@ -131,10 +133,10 @@ impl<E: Engine> Drive<'_, E> {
                 .await?
                 .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
             advanced_at = Some(Instant::now());
-            E::advance(open, &self.owner, name, &stored, workflow.lease())
+            let advanced = E::advance(open, &self.owner, name, &stored, workflow.lease())
                 .within(runner.config.database_timeout)
-                .await?
-                .map_err(|error| store_stop(error, "recording", failure))?;
+                .await?;
+            self.written(advanced, "recording", failure).await?;
             committed = name;
             committed_output = Some(output);
         }
@@ -330,10 +332,11 @@ impl<E: Engine> Drive<'_, E> {
             .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         let apart_above = runner.config.response_apart_above;
-        E::finish(open, &self.owner, last.raw_name(), &stored, apart_above)
+        let finished = E::finish(open, &self.owner, last.raw_name(), &stored, apart_above)
             .within(runner.config.database_timeout)
-            .await?
-            .map_err(|error| store_stop(error, "storing the response", failure))?;
+            .await?;
+        self.written(finished, "storing the response", failure)
+            .await?;
         let owner = self.owner.clone();
         runner
             .crash_points

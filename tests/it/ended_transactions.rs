@@ -1,0 +1,435 @@
+//! A local phase that ends the runner's transaction under it, on every SQL engine.
+//!
+//! A local phase is handed the connection itself, so its code can end the transaction the runner
+//! began: a `COMMIT` or `ROLLBACK` of its own, a statement MariaDB commits around (DDL), or the
+//! deadlock idiom's retry of a statement after the database rolled the transaction back. After
+//! that, a recovery point written "in the transaction" would commit apart from the effects it
+//! vouches for: a crash, a retry or a resumer then runs the phase again, or the key is recorded
+//! done without its effects. The runner must notice before it records anything: a phase's
+//! effects that may have committed end the key with a stored 500 naming the cause, never a run
+//! again; effects the database rolled back whole are an ordinary failed attempt.
+//!
+//! Each case crashes the runner just before the commit that would have recorded the phase (where
+//! the old runner got to), then lets a resumer and the client's retry finish the key, and counts
+//! what was applied.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use async_trait::async_trait;
+use idemflow_core::{Key, StoredResponse};
+use idemflow_runner::{
+    ConnectionOf, CrashPoint, LocalPhase, Outcome, PhaseContext, PhaseError, PoolOf, Registry,
+    Resumer, Runner, RunnerConfig, Workflow,
+};
+use idemflow_testkit::provider::MockProvider;
+
+use crate::engines::{
+    Answer, BODY, Charge, Checkout, CrashOnce, CreateOrder, Lab, Order, charge_key, engines,
+    request, sqlite, tenant,
+};
+
+engines!(
+    a_phase_that_commits_and_succeeds_ends_its_key_with_a_500_and_runs_once,
+    a_phase_that_commits_and_fails_ends_its_key_with_a_500_and_runs_once,
+    a_phase_that_writes_again_after_a_rollback_ends_its_key_with_a_500_and_runs_once,
+    a_phase_whose_writes_were_rolled_back_never_leaves_its_key_done_without_them,
+);
+
+/// How a phase ends the runner's transaction.
+#[derive(Debug, Clone, Copy)]
+enum Ending {
+    Commit,
+    Rollback,
+    /// A statement the database commits around ([`Lab::IMPLICIT_COMMIT`]).
+    Implicit,
+}
+
+/// What the phase does once it ended the transaction.
+#[derive(Debug, Clone, Copy)]
+enum After {
+    Succeeds,
+    /// Writes its effect again and succeeds: the deadlock idiom, "try the statement again".
+    WritesAgain,
+    Fails,
+}
+
+/// Where in the checkout the misbehaving phase is.
+#[derive(Debug, Clone, Copy)]
+enum At {
+    /// The first phase: in the claim's own transaction, uncommitted.
+    First,
+    /// The last phase: after the charge, in a transaction of its own.
+    Last,
+}
+
+/// An order written, the transaction ended, and then what `after` says.
+async fn misbehave<E: Lab>(
+    connection: &mut ConnectionOf<E>,
+    key: &str,
+    ending: Ending,
+    after: After,
+) -> Result<(), PhaseError> {
+    E::insert_order(connection, key, 1).await?;
+    let statement = match ending {
+        Ending::Commit => "COMMIT",
+        Ending::Rollback => "ROLLBACK",
+        Ending::Implicit => E::IMPLICIT_COMMIT.expect("the engine commits around a statement"),
+    };
+    E::execute(connection, statement).await?;
+    match after {
+        After::Succeeds => Ok(()),
+        After::WritesAgain => Ok(E::insert_order(connection, key, 1).await?),
+        After::Fails => Err(PhaseError::retryable("failed after ending the transaction")),
+    }
+}
+
+/// The checkout's first phase, misbehaving.
+struct EndsFirst {
+    ending: Ending,
+    after: After,
+}
+
+#[async_trait]
+impl<E: Lab> LocalPhase<E> for EndsFirst {
+    const NAME: &'static str = "create_order";
+    type Input = Checkout;
+    type Output = Order;
+
+    async fn run(
+        &self,
+        connection: &mut ConnectionOf<E>,
+        checkout: Checkout,
+        context: &PhaseContext,
+    ) -> Result<Order, PhaseError> {
+        misbehave::<E>(connection, context.key.as_str(), self.ending, self.after).await?;
+        Ok(Order {
+            amount: checkout.amount,
+        })
+    }
+}
+
+/// The checkout's last phase, misbehaving.
+struct EndsLast {
+    ending: Ending,
+    after: After,
+}
+
+#[async_trait]
+impl<E: Lab> LocalPhase<E> for EndsLast {
+    const NAME: &'static str = "answer";
+    type Input = String;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut ConnectionOf<E>,
+        charge: String,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        misbehave::<E>(connection, context.key.as_str(), self.ending, self.after).await?;
+        Ok(StoredResponse::new(
+            201,
+            format!(r#"{{"charge":"{charge}"}}"#),
+        ))
+    }
+}
+
+fn workflow<E: Lab>(provider: &MockProvider, at: At, ending: Ending, after: After) -> Workflow<E> {
+    let charge = Charge {
+        provider: provider.client(),
+    };
+    let builder = Workflow::<E>::builder_on::<Checkout>("checkout.v1");
+    let built = match at {
+        At::First => builder
+            .local(EndsFirst { ending, after })
+            .foreign(charge)
+            .local(Answer),
+        At::Last => builder
+            .local(CreateOrder)
+            .foreign(charge)
+            .local(EndsLast { ending, after }),
+    };
+    built
+        .lease(std::time::Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+/// What a key came to.
+#[derive(Debug)]
+struct Ended {
+    /// The stored response's status and body.
+    status: u16,
+    body: String,
+    orders: i64,
+    charges: usize,
+}
+
+/// Runs a misbehaving checkout under a key, crashing just before the commit that would record
+/// the misbehaving phase, then lets a resumer and the client's retries finish it (at most a
+/// retry budget's worth of rounds, each lapsing the lease first).
+async fn run_to_the_end<E: Lab>(
+    pool: &PoolOf<E>,
+    provider: &MockProvider,
+    at: At,
+    ending: Ending,
+    after: After,
+) -> Ended {
+    let name = format!("ends-{at:?}-{ending:?}-{after:?}").to_lowercase();
+    let key = Key::parse(&name).unwrap();
+    let point = match at {
+        At::First => CrashPoint::BeforeCommit {
+            phase: "create_order",
+        },
+        At::Last => CrashPoint::BeforeFinish,
+    };
+    let hook = Arc::new(CrashOnce {
+        point,
+        armed: AtomicBool::new(true),
+    });
+    let crashing = Runner::<E>::on(pool.clone(), RunnerConfig::default()).with_crash_hook(hook);
+    let flow = workflow::<E>(provider, at, ending, after);
+    let first = crashing.run(&flow, &tenant(), &key, request(BODY)).await;
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let mut answers = vec![format!("{first:?}")];
+    for _ in 0..8 {
+        E::lapse_leases(pool, None).await.unwrap();
+        let mut registry = Registry::<E>::new();
+        registry
+            .register(workflow::<E>(provider, at, ending, after))
+            .unwrap();
+        let drained = Resumer::new(runner.clone(), registry).drain().await;
+        answers.push(format!("{drained:?}"));
+        let retried = runner.run(&flow, &tenant(), &key, request(BODY)).await;
+        answers.push(format!("{retried:?}"));
+        if let Ok(Outcome::Replayed(response)) = retried {
+            return Ended {
+                status: response.status,
+                body: String::from_utf8_lossy(&response.body).into_owned(),
+                orders: E::orders(pool, &name).await,
+                charges: provider.calls_for(&charge_key(&key)),
+            };
+        }
+    }
+    panic!("{name}: the key never ended: {answers:#?}");
+}
+
+/// The checkout's phase commits the runner's transaction and succeeds: what it wrote committed
+/// before its recovery point. Recording it now would be recording over a transaction that ended;
+/// before, a crash there left the effects without the point, for a resumer to apply again.
+async fn a_phase_that_commits_and_succeeds_ends_its_key_with_a_500_and_runs_once<E: Lab>(
+    pool: PoolOf<E>,
+) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let first =
+        run_to_the_end::<E>(&pool, &provider, At::First, Ending::Commit, After::Succeeds).await;
+    assert_transaction_ended(&first, 1, 0);
+    let last =
+        run_to_the_end::<E>(&pool, &provider, At::Last, Ending::Commit, After::Succeeds).await;
+    // The order of the first phase, and the one the last wrote before its COMMIT.
+    assert_transaction_ended(&last, 2, 1);
+    if E::IMPLICIT_COMMIT.is_some() {
+        let implicit = run_to_the_end::<E>(
+            &pool,
+            &provider,
+            At::First,
+            Ending::Implicit,
+            After::Succeeds,
+        )
+        .await;
+        assert_transaction_ended(&implicit, 1, 0);
+    }
+}
+
+/// The phase commits and then fails: its effects are durable, so the failure is not a retry.
+/// Before, the claim committed with them, nothing was recorded, and every resumed attempt
+/// applied them again.
+async fn a_phase_that_commits_and_fails_ends_its_key_with_a_500_and_runs_once<E: Lab>(
+    pool: PoolOf<E>,
+) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let first =
+        run_to_the_end::<E>(&pool, &provider, At::First, Ending::Commit, After::Fails).await;
+    assert_transaction_ended(&first, 1, 0);
+    let last = run_to_the_end::<E>(&pool, &provider, At::Last, Ending::Commit, After::Fails).await;
+    assert_transaction_ended(&last, 2, 1);
+}
+
+/// The deadlock idiom inside a phase: the transaction is rolled back (here by the phase itself,
+/// as a deadlock's victim is by the database) and the statement tried again, which then commits
+/// alone, in autocommit.
+async fn a_phase_that_writes_again_after_a_rollback_ends_its_key_with_a_500_and_runs_once<
+    E: Lab,
+>(
+    pool: PoolOf<E>,
+) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let first = run_to_the_end::<E>(
+        &pool,
+        &provider,
+        At::First,
+        Ending::Rollback,
+        After::WritesAgain,
+    )
+    .await;
+    assert_transaction_ended(&first, 1, 0);
+    let last = run_to_the_end::<E>(
+        &pool,
+        &provider,
+        At::Last,
+        Ending::Rollback,
+        After::WritesAgain,
+    )
+    .await;
+    assert_transaction_ended(&last, 2, 1);
+}
+
+/// The phase's transaction is rolled back under it and the phase carries on as if it had
+/// succeeded. Before, the key was recorded done (a 201) while the order was gone. Now it never
+/// ends done without its effects: it ends with a 500, at once where the engine cannot tell a
+/// rollback from a commit, or after its retries where it can (each retry rolls back again).
+async fn a_phase_whose_writes_were_rolled_back_never_leaves_its_key_done_without_them<E: Lab>(
+    pool: PoolOf<E>,
+) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let first = run_to_the_end::<E>(
+        &pool,
+        &provider,
+        At::First,
+        Ending::Rollback,
+        After::Succeeds,
+    )
+    .await;
+    assert_eq!(first.status, 500, "{first:?}");
+    assert_eq!(first.orders, 0, "{first:?}");
+    assert_eq!(first.charges, 0, "{first:?}");
+    let last = run_to_the_end::<E>(
+        &pool,
+        &provider,
+        At::Last,
+        Ending::Rollback,
+        After::Succeeds,
+    )
+    .await;
+    assert_eq!(last.status, 500, "{last:?}");
+    assert_eq!(last.orders, 1, "the first phase's order only: {last:?}");
+    assert_eq!(last.charges, 1, "{last:?}");
+}
+
+/// The key ended with the stored 500 that names the ended transaction, with `orders` applied
+/// once each and the charge called `charges` times.
+fn assert_transaction_ended(ended: &Ended, orders: i64, charges: usize) {
+    assert_eq!(ended.status, 500, "{ended:?}");
+    assert!(ended.body.contains("transaction_ended"), "{ended:?}");
+    assert_eq!(ended.orders, orders, "each order once: {ended:?}");
+    assert_eq!(ended.charges, charges, "{ended:?}");
+}
+
+/// Dies as a deadlock's victim on its first run: it locks one row, another transaction (heavier,
+/// so InnoDB picks this one) locks a second and waits for the first, and this one then asks for
+/// the second. It returns the error, as a phase should. Later runs succeed.
+struct DeadlockVictim {
+    pool: sqlx::MySqlPool,
+    once: AtomicBool,
+}
+
+#[async_trait]
+impl LocalPhase<idemflow_mysql::MySqlStore> for DeadlockVictim {
+    const NAME: &'static str = "create_order";
+    type Input = Checkout;
+    type Output = StoredResponse;
+
+    async fn run(
+        &self,
+        connection: &mut sqlx::MySqlConnection,
+        checkout: Checkout,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        use idemflow_mysql::MySqlStore;
+        MySqlStore::insert_order(connection, context.key.as_str(), checkout.amount).await?;
+        if self.once.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let lock =
+                |id: i64| sqlx::query("UPDATE test_locks SET n = n + 1 WHERE id = ?").bind(id);
+            lock(1).execute(&mut *connection).await?;
+            let mut other = self.pool.begin().await.unwrap();
+            for row in 0..50 {
+                MySqlStore::insert_order(&mut *other, "heavier", row)
+                    .await
+                    .unwrap();
+            }
+            lock(2).execute(&mut *other).await.unwrap();
+            let waiting = tokio::spawn(async move {
+                let locked = lock(1).execute(&mut *other).await;
+                other.commit().await.unwrap();
+                locked
+            });
+            // Until the other transaction waits for this one's row.
+            while sqlx::query_scalar::<_, i64>(
+                "SELECT COUNT(*) FROM information_schema.INNODB_LOCK_WAITS",
+            )
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+                == 0
+            {
+                tokio::task::yield_now().await;
+            }
+            let deadlocked = lock(2).execute(&mut *connection).await;
+            waiting.await.unwrap().unwrap();
+            deadlocked?;
+            panic!("the other transaction was the deadlock's victim");
+        }
+        Ok(StoredResponse::new(201, "ordered"))
+    }
+}
+
+/// MariaDB rolls a deadlock's victim back whole, the claim with it. A phase that returns the
+/// error, as it should, has nothing committed: an ordinary failed attempt, counted and tried
+/// again (its claim made again with its token), not the 500 of a transaction that ended under it.
+/// (The engine tells the two apart by the diagnostics of the phase's last statement, 1213.)
+#[tokio::test]
+async fn on_mariadb_a_deadlock_victim_that_returns_its_error_is_tried_again() {
+    use idemflow_mysql::MySqlStore;
+    use idemflow_store::Tamper as _;
+    let pool = crate::support::mariadb::fresh("ended_deadlock_victim").await;
+    MySqlStore::create_orders(&pool).await;
+    for statement in [
+        "CREATE TABLE test_locks (id BIGINT PRIMARY KEY, n BIGINT NOT NULL) ENGINE = InnoDB",
+        "INSERT INTO test_locks (id, n) VALUES (1, 0), (2, 0)",
+    ] {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    let workflow = Workflow::<MySqlStore>::builder_on::<Checkout>("deadlock.v1")
+        .local(DeadlockVictim {
+            pool: pool.clone(),
+            once: AtomicBool::new(true),
+        })
+        .lease(std::time::Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let runner = Runner::new(pool.clone());
+    let key = Key::parse("deadlocked").unwrap();
+    let first = runner.run(&workflow, &tenant(), &key, request(BODY)).await;
+    assert!(
+        matches!(&first, Ok(Outcome::Interrupted { error, .. }) if error.contains("1213") || error.contains("Deadlock")),
+        "{first:?}"
+    );
+    MySqlStore::lapse_leases(&pool, None).await.unwrap();
+    let second = runner.run(&workflow, &tenant(), &key, request(BODY)).await;
+    assert!(
+        matches!(&second, Ok(Outcome::Executed(response)) if response.status == 201),
+        "{second:?}"
+    );
+    assert_eq!(MySqlStore::orders(&pool, "deadlocked").await, 1);
+    let attempts: i64 =
+        sqlx::query_scalar("SELECT attempts FROM idempotency_keys WHERE `key` = 'deadlocked'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 2, "the victim's attempt counts");
+}
