@@ -1032,7 +1032,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     (
         "crates/idemflow-testrig/src/simulation/check.rs",
         "replays_and_ends",
-        261,
+        220,
     ),
     (
         "crates/idemflow-testrig/src/simulation/world.rs",

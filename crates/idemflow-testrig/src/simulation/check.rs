@@ -2,7 +2,8 @@
 //! must hold of the whole history is checked.
 //!
 //! - local effects: at most once per key, life and phase; exactly once for each local phase of a
-//!   key that finished normally (its 201);
+//!   key that finished normally (its 201); not counting the effects of a run whose phase ended
+//!   the runner's transaction, which escaped it (and that run is never answered 201);
 //! - the provider: every execution under a derived key of one of the schedule's keys, at most one
 //!   per derived key;
 //! - every response a client was given as executed, and every replay, is the stored one, byte for
@@ -21,7 +22,7 @@
 use crate::server_log::ServerLog;
 use std::collections::HashMap;
 
-use idemflow_core::{Key, StoredResponse};
+use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_runner::{Outcome, Request};
 
 use super::engine::SimEngine;
@@ -180,48 +181,7 @@ pub(crate) async fn replays_and_ends<E: SimEngine>(world: &mut World<E>) {
         }
     }
 
-    // Local effects.
-    // Per claim: under the forget policy a deleted key's request may be claimed and run again
-    // (there are no clock jumps then, so a claim's time names it).
-    let per_claim = ending.forget_policy;
-    let duplicated = shared.observer.duplicated_effects(tenant, per_claim).await;
-    let expired = shared.log().expired.clone();
-    for (key, life, phase, times) in duplicated {
-        // Deleted by retention after its window, the key was new to a request of the same life
-        // still in flight, which rightly ran it again.
-        if !per_claim && expired.contains(&key) {
-            continue;
-        }
-        shared.violation(format!(
-            "{phase} of key {key} (life {life}) committed {times} times"
-        ));
-    }
-    for (key, (response, stored_life)) in &stored {
-        if response.status != 201 {
-            continue;
-        }
-        for phase in ["reserve", "price", "complete"] {
-            let times = shared
-                .observer
-                .effects_of(
-                    tenant,
-                    key,
-                    stored_life.unwrap_or_default(),
-                    phase,
-                    per_claim,
-                )
-                .await;
-            // As above: a key retention deleted while a request of the same life was in flight
-            // (a replay held before reading its body, say) rightly ran again for it, so its
-            // effects count once per run; it must still have run.
-            let rerun = !per_claim && expired.contains(key);
-            if times != 1 && !(rerun && times > 1) {
-                shared.violation(format!(
-                    "key {key} finished, but its {phase} committed {times} times"
-                ));
-            }
-        }
-    }
+    effects_committed_once(shared, tenant, &stored, ending.forget_policy).await;
 
     // The provider's ledger.
     let prefix = format!("{}:", tenant.as_str());
@@ -287,6 +247,76 @@ pub(crate) async fn replays_and_ends<E: SimEngine>(world: &mut World<E>) {
             shared.violation(format!(
                 "key {key} ran {phase} at attempt {attempt}; the policy allows {allowed}"
             ));
+        }
+    }
+}
+
+/// Local effects: at most once per key, life and phase; exactly once for each local phase of a
+/// key that finished with its 201.
+async fn effects_committed_once(
+    shared: &Shared,
+    tenant: &TenantId,
+    stored: &HashMap<String, (StoredResponse, Option<i64>)>,
+    per_claim: bool,
+) {
+    // Local effects.
+    // Per claim: under the forget policy a deleted key's request may be claimed and run again
+    // (there are no clock jumps then, so a claim's time names it).
+    // A run whose phase ended the runner's transaction wrote its effects outside the runner's
+    // care (a COMMIT of its own, a write after a rollback): those escaped, and are the phase's,
+    // not the engine's, to answer for. Not counted; that the run was never answered as if it had
+    // succeeded is checked as it is answered (world.rs).
+    let escaped = shared.log().escaped.clone();
+    let mut committed: HashMap<(String, i64, String, Option<String>), i64> = HashMap::new();
+    for (key, life, phase, token, claim) in shared.observer.effect_rows(tenant).await {
+        if escaped.contains(&(key.clone(), token)) {
+            continue;
+        }
+        let claim = if per_claim { claim } else { None };
+        *committed.entry((key, life, phase, claim)).or_default() += 1;
+    }
+    let duplicated = committed
+        .into_iter()
+        .filter(|(_, times)| *times > 1)
+        .map(|((key, life, phase, _), times)| (key, life, phase, times));
+    let expired = shared.log().expired.clone();
+    for (key, life, phase, times) in duplicated {
+        // Deleted by retention after its window, the key was new to a request of the same life
+        // still in flight, which rightly ran it again.
+        if !per_claim && expired.contains(&key) {
+            continue;
+        }
+        shared.violation(format!(
+            "{phase} of key {key} (life {life}) committed {times} times"
+        ));
+    }
+    for (key, (response, stored_life)) in stored {
+        if response.status != 201 {
+            continue;
+        }
+        for phase in ["reserve", "price", "complete"] {
+            let times = shared
+                .observer
+                .effects_of(
+                    tenant,
+                    key,
+                    stored_life.unwrap_or_default(),
+                    phase,
+                    per_claim,
+                )
+                .await
+                .into_iter()
+                .filter(|token| !escaped.contains(&(key.to_owned(), *token)))
+                .count();
+            // As above: a key retention deleted while a request of the same life was in flight
+            // (a replay held before reading its body, say) rightly ran again for it, so its
+            // effects count once per run; it must still have run.
+            let rerun = !per_claim && expired.contains(key);
+            if times != 1 && !(rerun && times > 1) {
+                shared.violation(format!(
+                    "key {key} finished, but its {phase} committed {times} times"
+                ));
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 //! What the scripted workflow and the consumer's handler do inside the engine's own transactions,
-//! per engine: the effects they commit, and the acts that misbehave there (a statement that never
-//! ends, a commit a deferred constraint refuses).
+//! per engine: the effects they commit, and the acts that misbehave there (a statement or a write
+//! that never ends, a commit a deferred constraint refuses, a statement that commits the
+//! transaction around itself).
 
 use async_trait::async_trait;
 use idemflow_consumer::ConsumerStore;
@@ -32,6 +33,19 @@ pub trait SimEngine: ConsumerStore + idemflow_store::Tamper {
 
     /// A statement that runs until something stops it.
     async fn hang(connection: &mut ConnectionOf<Self>) -> Result<(), sqlx::Error>;
+
+    /// A write that runs until something stops it (into `sim_scratch`). Interrupted, SQLite
+    /// rolls its whole transaction back; PostgreSQL and MariaDB roll back the statement.
+    async fn hang_writing(connection: &mut ConnectionOf<Self>) -> Result<(), sqlx::Error>;
+
+    /// Sends `sql` as it is (the simple query protocol), as a phase's own statement would be.
+    async fn execute(
+        connection: &mut ConnectionOf<Self>,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error>;
+
+    /// A statement the database commits around (MariaDB's DDL), where it has one.
+    const IMPLICIT_COMMIT: Option<&'static str>;
 
     /// A write its transaction's commit refuses (a deferred foreign key left dangling).
     async fn break_commit(connection: &mut ConnectionOf<Self>) -> Result<(), sqlx::Error>;
@@ -82,6 +96,22 @@ impl SimEngine for PgStore {
             .await
             .map(drop)
     }
+
+    async fn hang_writing(connection: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_scratch (n) SELECT 1 FROM pg_sleep(3600)")
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn execute(
+        connection: &mut sqlx::PgConnection,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(connection).await.map(drop)
+    }
+
+    const IMPLICIT_COMMIT: Option<&'static str> = None;
 
     async fn break_commit(connection: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
         sqlx::query("INSERT INTO sim_orphans (parent) VALUES (1)")
@@ -147,6 +177,28 @@ impl SimEngine for SqliteStore {
         .map(drop)
     }
 
+    async fn hang_writing(connection: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+        // Writes for ever: only the connection's statement timeout ends it, and SQLite rolls the
+        // whole transaction back with it.
+        sqlx::query(
+            "INSERT INTO sim_scratch (n) \
+             WITH RECURSIVE forever(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM forever) \
+             SELECT n FROM forever",
+        )
+        .execute(connection)
+        .await
+        .map(drop)
+    }
+
+    async fn execute(
+        connection: &mut sqlx::SqliteConnection,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(connection).await.map(drop)
+    }
+
+    const IMPLICIT_COMMIT: Option<&'static str> = None;
+
     async fn break_commit(connection: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
         sqlx::query("INSERT INTO sim_orphans (parent) VALUES (1)")
             .execute(connection)
@@ -211,6 +263,23 @@ impl SimEngine for MySqlStore {
             .await
             .map(drop)
     }
+
+    async fn hang_writing(connection: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO sim_scratch (n) SELECT SLEEP(3600)")
+            .execute(connection)
+            .await
+            .map(drop)
+    }
+
+    async fn execute(
+        connection: &mut sqlx::MySqlConnection,
+        sql: &'static str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(connection).await.map(drop)
+    }
+
+    const IMPLICIT_COMMIT: Option<&'static str> =
+        Some("CREATE TABLE IF NOT EXISTS sim_ddl (x INT) ENGINE = InnoDB");
 
     /// InnoDB checks foreign keys at once (it has no deferred constraints): the write fails its
     /// own statement, and the phase fails with it, rather than at the commit.

@@ -151,6 +151,8 @@ impl Simulation {
              DEFERRABLE INITIALLY DEFERRED)",
             // The consumer's ledger: one row per message applied.
             "CREATE TABLE IF NOT EXISTS sim_ledger (message_id text NOT NULL)",
+            // What a write that hangs writes.
+            "CREATE TABLE IF NOT EXISTS sim_scratch (n bigint)",
         ] {
             sqlx::query(statement).execute(&plain).await?;
         }
@@ -188,6 +190,7 @@ impl Simulation {
             "CREATE TABLE IF NOT EXISTS sim_orphans (parent INTEGER REFERENCES sim_parents (id) \
              DEFERRABLE INITIALLY DEFERRED)",
             "CREATE TABLE IF NOT EXISTS sim_ledger (message_id TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS sim_scratch (n INTEGER)",
         ] {
             sqlx::query(statement).execute(&observer).await?;
         }
@@ -219,6 +222,8 @@ impl Simulation {
              FOREIGN KEY (parent) REFERENCES sim_parents (id)) ENGINE = InnoDB",
             "CREATE TABLE IF NOT EXISTS sim_ledger (message_id VARCHAR(255) CHARACTER SET utf8mb4 \
              COLLATE utf8mb4_bin NOT NULL) ENGINE = InnoDB",
+            "CREATE TABLE IF NOT EXISTS sim_scratch (n BIGINT) ENGINE = InnoDB",
+            "CREATE TABLE IF NOT EXISTS sim_ddl (x INT) ENGINE = InnoDB",
             "CREATE TABLE IF NOT EXISTS sim_observers (id BIGINT UNSIGNED PRIMARY KEY) ENGINE = InnoDB",
         ] {
             sqlx::query(statement).execute(pool).await?;

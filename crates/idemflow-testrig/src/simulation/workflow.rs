@@ -2,8 +2,11 @@
 //! (foreign, the mock provider over HTTP) → `complete` (local), with a failure path `cancel`.
 //!
 //! Each phase waits at its start for the schedule, which says what it does this time ([`Act`]):
-//! succeed, take its time, fail (retryable or terminal), panic, hang, return an output the store
-//! cannot hold, break its transaction's commit, or (the charge) meet a provider fault. Every local
+//! succeed, take its time, fail (retryable or terminal, with an error of 100 KiB or holding
+//! U+0000 too), panic, hang (outside the database, in a statement, in a write), return an output
+//! the store cannot hold, break its transaction's commit, end the runner's transaction as phase
+//! code can ([`TransactionEnd`]: a `COMMIT`, a `ROLLBACK`, the deadlock idiom's retry, MariaDB's DDL), or
+//! (the charge) meet a provider fault. Every local
 //! phase records its effect in `sim_effects` in the phase's own transaction, so the effects that
 //! committed are exactly the rows there. The charge checks, as it starts, that its caller owns
 //! the key (and registers the call, so two overlapping calls with one derived key are seen).
@@ -48,8 +51,33 @@ pub(crate) enum Act {
     Unstorable,
     /// Inserts a row that breaks a deferred constraint: its transaction's commit fails.
     BreakCommit,
+    /// A write that runs past the phase's time limit: the engine's statement timeout ends it
+    /// (SQLite then rolls the whole transaction back, the claim with it).
+    HangInWrite,
+    /// Ends the runner's transaction under it, as phase code can, then goes on.
+    EndTransaction(TransactionEnd),
+    /// Fails with an error of 100 KiB, as a provider's whole HTML error page would be.
+    HugeError,
+    /// Fails with an error holding U+0000, as a driver quoting binary data would.
+    NulError,
     /// The provider meets this fault on the call (the charge only).
     Provider(ProviderFault),
+}
+
+/// How a phase ends the runner's transaction under it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum TransactionEnd {
+    /// `COMMIT`, then succeeds.
+    Commit,
+    /// `COMMIT`, then fails (retryable).
+    CommitThenFail,
+    /// `ROLLBACK`, then succeeds as if nothing happened.
+    Rollback,
+    /// `ROLLBACK`, then writes its effect again and succeeds: the deadlock idiom ("try the
+    /// statement again") after the database rolled a deadlock's victim back.
+    RollbackThenWriteAgain,
+    /// A statement the database commits around (MariaDB's DDL; `COMMIT` elsewhere).
+    Implicit,
 }
 
 /// The provider faults a schedule uses.
@@ -162,6 +190,7 @@ async fn effect<E: SimEngine>(
 async fn local_act<E: SimEngine>(
     act: Act,
     connection: &mut ConnectionOf<E>,
+    context: &PhaseContext,
     phase: &str,
     life: u32,
     amount: u64,
@@ -192,7 +221,46 @@ async fn local_act<E: SimEngine>(
             E::break_commit(connection).await?;
             Ok(format!("{phase} broke"))
         }
+        Act::HangInWrite => {
+            E::hang_writing(connection).await?;
+            Ok(format!("{phase} wrote for ever"))
+        }
+        Act::EndTransaction(ending) => {
+            end_transaction::<E>(connection, context, ending, phase, life).await?;
+            Ok(format!("{phase} ended its transaction"))
+        }
+        Act::HugeError => Err(PhaseError::retryable(format!(
+            "<html>{}</html>",
+            "<p>the provider's error page</p>".repeat(3_200)
+        ))),
+        Act::NulError => Err(PhaseError::retryable("bytes \u{0} quoted by a driver")),
     }
+}
+
+/// Ends the runner's transaction under the phase, as `ending` says.
+async fn end_transaction<E: SimEngine>(
+    connection: &mut ConnectionOf<E>,
+    context: &PhaseContext,
+    ending: TransactionEnd,
+    phase: &str,
+    life: u32,
+) -> Result<(), PhaseError> {
+    match ending {
+        TransactionEnd::Commit => E::execute(connection, "COMMIT").await?,
+        TransactionEnd::CommitThenFail => {
+            E::execute(connection, "COMMIT").await?;
+            return Err(PhaseError::retryable("scripted failure after a COMMIT"));
+        }
+        TransactionEnd::Rollback => E::execute(connection, "ROLLBACK").await?,
+        TransactionEnd::RollbackThenWriteAgain => {
+            E::execute(connection, "ROLLBACK").await?;
+            effect::<E>(connection, context, life, phase).await?;
+        }
+        TransactionEnd::Implicit => {
+            E::execute(connection, E::IMPLICIT_COMMIT.unwrap_or("COMMIT")).await?;
+        }
+    }
+    Ok(())
 }
 
 /// A local phase before the charge, as the schedule says: its effect, its act, and when it ended
@@ -205,8 +273,19 @@ async fn scripted<E: SimEngine>(
     request: &SimRequest,
 ) -> Result<String, PhaseError> {
     let act = act_for(shared, phase, context).await;
+    if let Act::EndTransaction(_) = act {
+        shared.note_transaction_ended(shared.scheduler.current(), context);
+    }
     effect::<E>(connection, context, request.life, phase).await?;
-    let note = local_act::<E>(act, connection, phase, request.life, request.amount).await?;
+    let note = local_act::<E>(
+        act,
+        connection,
+        context,
+        phase,
+        request.life,
+        request.amount,
+    )
+    .await?;
     shared.note_phase_end::<E>(connection).await?;
     Ok(note)
 }
@@ -382,13 +461,25 @@ impl<E: SimEngine> LocalPhase<E> for Complete {
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
         let act = act_for(&self.0, <Self as LocalPhase<E>>::NAME, context).await;
+        if let Act::EndTransaction(_) = act {
+            self.0
+                .note_transaction_ended(self.0.scheduler.current(), context);
+        }
         effect::<E>(connection, context, progress.life, "complete").await?;
         let act = if act == Act::Unstorable {
             Act::Succeed
         } else {
             act
         };
-        local_act::<E>(act, connection, "complete", progress.life, progress.amount).await?;
+        local_act::<E>(
+            act,
+            connection,
+            context,
+            "complete",
+            progress.life,
+            progress.amount,
+        )
+        .await?;
         Ok(response(
             201,
             progress.life,

@@ -21,7 +21,7 @@ use super::engine::SimEngine;
 use super::observe::{Lapse, Observe};
 use super::rng::Rng;
 use super::scheduler::{ACTOR, ActorId, Point, Scheduler, Verdict, Waiting};
-use super::workflow::{self, Act, ProviderFault, SimRequest};
+use super::workflow::{self, Act, ProviderFault, SimRequest, TransactionEnd};
 use super::{ScheduleReport, Settings};
 use idemflow_testkit::provider::MockProvider;
 use idemflow_testkit::provider_client::ProviderClient;
@@ -81,6 +81,9 @@ impl Setup {
                     (1, ("complete", Act::Panic)),
                     (1, ("price", Act::BreakCommit)),
                     (1, ("price", Act::HangInDatabase)),
+                    (1, ("reserve", Act::HangInWrite)),
+                    (1, ("price", Act::HugeError)),
+                    (1, ("reserve", Act::NulError)),
                     (1, ("charge", Act::Provider(ProviderFault::Unavailable))),
                 ]);
                 poison.push((key, phase, act));
@@ -143,6 +146,10 @@ pub(crate) struct Log {
     pub phase_attempts: HashMap<String, (u32, &'static str)>,
     /// Every token seen on each key, with the claim (its time) it was seen on.
     pub tokens_seen: HashMap<(String, i64), String>,
+    /// Runs whose phase ended the runner's transaction, by actor: the key and token they ran.
+    pub ended_runs: HashMap<ActorId, (String, i64)>,
+    /// The (key, token) of every such run: its effects escaped the runner's transaction.
+    pub escaped: HashSet<(String, i64)>,
     pub counts: Counts,
 }
 
@@ -230,6 +237,14 @@ impl Shared {
         let line = format!("+{} ms: {what}", self.began.elapsed().as_millis());
         self.log().history.push(format!("VIOLATION {what}"));
         self.log().violations.push(line);
+    }
+
+    /// A phase of `actor`'s run is about to end the runner's transaction under it.
+    pub(crate) fn note_transaction_ended(&self, actor: ActorId, context: &PhaseContext) {
+        let run = (context.key.as_str().to_owned(), context.lock_version);
+        let mut log = self.log();
+        log.escaped.insert(run.clone());
+        log.ended_runs.insert(actor, run);
     }
 
     pub(crate) fn note_token(&self, actor: ActorId, context: &PhaseContext) {
@@ -374,6 +389,25 @@ impl Shared {
         let what = describe(result);
         self.event(actor, format!("answered {key} (life {life}): {what}"));
         let mut log = self.log();
+        let ended = log
+            .ended_runs
+            .remove(&actor)
+            .is_some_and(|(ran, _)| ran == key);
+        // 201 is the workflow's success; a 500 (the ended transaction, a give-up) or the failure
+        // path's 502 are what such a run may end with.
+        if ended
+            && let Ok(Outcome::Executed(response)) = result
+            && response.status == 201
+        {
+            drop(log);
+            self.violation(format!(
+                "{actor}'s run of key {key} (life {life}) ended the runner's transaction in a \
+                 phase, and was answered {} as if it had succeeded: its work was recorded over a \
+                 transaction that had ended",
+                response.status
+            ));
+            return;
+        }
         match result {
             Ok(Outcome::Executed(response)) => {
                 log.executed.push((key.to_owned(), life, response.clone()));
@@ -1005,6 +1039,17 @@ impl<E: SimEngine> World<E> {
         }
     }
 
+    /// How a phase that ends the runner's transaction ends it.
+    fn transaction_end(&mut self) -> TransactionEnd {
+        self.rng.weighted(&[
+            (1, TransactionEnd::Commit),
+            (1, TransactionEnd::CommitThenFail),
+            (1, TransactionEnd::Rollback),
+            (1, TransactionEnd::RollbackThenWriteAgain),
+            (1, TransactionEnd::Implicit),
+        ])
+    }
+
     fn draw_act(&mut self, key: &str, phase: &'static str) -> Act {
         if let Some((poisoned, act)) = self.shared.poison.get(key)
             && *poisoned == phase
@@ -1013,6 +1058,7 @@ impl<E: SimEngine> World<E> {
         }
         let slow = Duration::from_millis(self.rng.between(350, 700));
         let delay = Duration::from_millis(self.rng.between(100, 500));
+        let end = self.transaction_end();
         if phase == "charge" {
             self.rng.weighted(&[
                 (60, Act::Succeed),
@@ -1041,6 +1087,10 @@ impl<E: SimEngine> World<E> {
                 (2, Act::Panic),
                 (1, Act::Hang),
                 (1, Act::HangInDatabase),
+                (1, Act::HangInWrite),
+                (2, Act::EndTransaction(end)),
+                (1, Act::HugeError),
+                (1, Act::NulError),
                 (if phase == "complete" { 0 } else { 2 }, Act::Unstorable),
                 (if phase == "complete" { 2 } else { 0 }, Act::BreakCommit),
             ])

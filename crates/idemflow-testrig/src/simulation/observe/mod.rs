@@ -23,6 +23,9 @@ pub(crate) use mysql::MySqlObserver;
 pub(crate) use pg::PgObserver;
 pub(crate) use sqlite::SqliteObserver;
 
+/// One row of `sim_effects`: key, life, phase, token, claim.
+pub(crate) type EffectRow = (String, i64, String, i64, Option<String>);
+
 /// A key's row as the schedule samples it. Times are text, compared for equality only.
 #[derive(Debug, Clone)]
 pub(crate) struct SampledRow {
@@ -134,13 +137,12 @@ pub(crate) trait Observe: Send + Sync {
     async fn stored(&self, tenant: &TenantId, key: &Key) -> Result<Option<Stored>, String>;
 
     /// Local effects committed more than once: (key, life, phase, times), per claim if asked.
-    async fn duplicated_effects(
-        &self,
-        tenant: &TenantId,
-        per_claim: bool,
-    ) -> Vec<(String, i64, String, i64)>;
+    /// Every effect row of `tenant`: key, life, phase, the token it ran under and the claim (its
+    /// time) it ran in.
+    async fn effect_rows(&self, tenant: &TenantId) -> Vec<EffectRow>;
 
-    /// How often `phase` of `key`'s `life` committed (in its present claim, if asked).
+    /// The tokens `phase` of `key`'s `life` committed under (in its present claim, if asked),
+    /// once per time it committed.
     async fn effects_of(
         &self,
         tenant: &TenantId,
@@ -148,7 +150,7 @@ pub(crate) trait Observe: Send + Sync {
         life: i64,
         phase: &str,
         per_claim: bool,
-    ) -> i64;
+    ) -> Vec<i64>;
 
     /// Consumer ledger rows under `prefix` applied more than once.
     async fn ledger_twice(&self, prefix: &str) -> Vec<(String, i64)>;

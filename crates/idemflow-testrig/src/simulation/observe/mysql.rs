@@ -437,17 +437,11 @@ impl Observe for MySqlObserver {
         }))
     }
 
-    async fn duplicated_effects(
-        &self,
-        tenant: &TenantId,
-        per_claim: bool,
-    ) -> Vec<(String, i64, String, i64)> {
+    async fn effect_rows(&self, tenant: &TenantId) -> Vec<super::EffectRow> {
         sqlx::query_as(
-            "SELECT `key`, life, phase, COUNT(*) FROM sim_effects WHERE tenant = ? \
-             GROUP BY `key`, life, phase, CASE WHEN ? THEN claimed_at END HAVING COUNT(*) > 1",
+            "SELECT `key`, life, phase, lock_version, claimed_at FROM sim_effects WHERE tenant = ?",
         )
         .bind(tenant.as_str())
-        .bind(per_claim)
         .fetch_all(&self.0)
         .await
         .unwrap_or_default()
@@ -460,9 +454,9 @@ impl Observe for MySqlObserver {
         life: i64,
         phase: &str,
         per_claim: bool,
-    ) -> i64 {
+    ) -> Vec<i64> {
         sqlx::query_scalar(
-            "SELECT COUNT(*) FROM sim_effects \
+            "SELECT lock_version FROM sim_effects \
              WHERE tenant = ? AND `key` = ? AND life = ? AND phase = ? \
                AND (NOT ? OR claimed_at = (SELECT CAST(created_at AS CHAR) \
                                            FROM idempotency_keys \
@@ -475,7 +469,7 @@ impl Observe for MySqlObserver {
         .bind(per_claim)
         .bind(tenant.as_str())
         .bind(key)
-        .fetch_one(&self.0)
+        .fetch_all(&self.0)
         .await
         .unwrap_or_default()
     }

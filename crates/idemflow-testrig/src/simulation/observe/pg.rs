@@ -299,17 +299,11 @@ impl Observe for PgObserver {
         }))
     }
 
-    async fn duplicated_effects(
-        &self,
-        tenant: &TenantId,
-        per_claim: bool,
-    ) -> Vec<(String, i64, String, i64)> {
+    async fn effect_rows(&self, tenant: &TenantId) -> Vec<super::EffectRow> {
         sqlx::query_as(
-            "SELECT key, life, phase, count(*) FROM sim_effects WHERE tenant = $1 \
-             GROUP BY key, life, phase, CASE WHEN $2 THEN claimed_at END HAVING count(*) > 1",
+            "SELECT key, life, phase, lock_version, claimed_at FROM sim_effects WHERE tenant = $1",
         )
         .bind(tenant.as_str())
-        .bind(per_claim)
         .fetch_all(&self.0)
         .await
         .unwrap_or_default()
@@ -322,9 +316,9 @@ impl Observe for PgObserver {
         life: i64,
         phase: &str,
         per_claim: bool,
-    ) -> i64 {
+    ) -> Vec<i64> {
         sqlx::query_scalar(
-            "SELECT count(*) FROM sim_effects \
+            "SELECT lock_version FROM sim_effects \
              WHERE tenant = $1 AND key = $2 AND life = $3 AND phase = $4 \
                AND (NOT $5 OR claimed_at = (SELECT created_at::text FROM idempotency_keys \
                                            WHERE tenant = $1 AND key = $2))",
@@ -334,7 +328,7 @@ impl Observe for PgObserver {
         .bind(life)
         .bind(phase)
         .bind(per_claim)
-        .fetch_one(&self.0)
+        .fetch_all(&self.0)
         .await
         .unwrap_or_default()
     }

@@ -313,17 +313,11 @@ impl Observe for SqliteObserver {
         }))
     }
 
-    async fn duplicated_effects(
-        &self,
-        tenant: &TenantId,
-        per_claim: bool,
-    ) -> Vec<(String, i64, String, i64)> {
+    async fn effect_rows(&self, tenant: &TenantId) -> Vec<super::EffectRow> {
         sqlx::query_as(
-            "SELECT key, life, phase, count(*) FROM sim_effects WHERE tenant = ?1 \
-             GROUP BY key, life, phase, CASE WHEN ?2 THEN claimed_at END HAVING count(*) > 1",
+            "SELECT key, life, phase, lock_version, claimed_at FROM sim_effects WHERE tenant = ?1",
         )
         .bind(tenant.as_str())
-        .bind(per_claim)
         .fetch_all(&self.0)
         .await
         .unwrap_or_default()
@@ -336,9 +330,9 @@ impl Observe for SqliteObserver {
         life: i64,
         phase: &str,
         per_claim: bool,
-    ) -> i64 {
+    ) -> Vec<i64> {
         sqlx::query_scalar(
-            "SELECT count(*) FROM sim_effects \
+            "SELECT lock_version FROM sim_effects \
              WHERE tenant = ?1 AND key = ?2 AND life = ?3 AND phase = ?4 \
                AND (NOT ?5 OR claimed_at = (SELECT CAST(created_at AS TEXT) \
                                             FROM idempotency_keys \
@@ -349,7 +343,7 @@ impl Observe for SqliteObserver {
         .bind(life)
         .bind(phase)
         .bind(per_claim)
-        .fetch_one(&self.0)
+        .fetch_all(&self.0)
         .await
         .unwrap_or_default()
     }
