@@ -203,6 +203,57 @@ impl LocalPhase<PgStore> for CreateOrderOutside {
     }
 }
 
+/// Creates the order on the phase's connection, then commits the runner's transaction itself.
+struct CreateOrderAndCommit;
+
+#[idemflow::async_trait]
+impl LocalPhase<PgStore> for CreateOrderAndCommit {
+    const NAME: &'static str = "create_order";
+    type Input = CheckoutRequest;
+    type Output = OrderCreated;
+
+    async fn run(
+        &self,
+        connection: &mut PgConnection,
+        request: CheckoutRequest,
+        context: &PhaseContext,
+    ) -> Result<OrderCreated, PhaseError> {
+        let created =
+            LocalPhase::<PgStore>::run(&workflow::CreateOrder, connection, request, context)
+                .await?;
+        sqlx::raw_sql("COMMIT").execute(&mut *connection).await?;
+        Ok(created)
+    }
+}
+
+/// A phase that commits the transaction it shares with the runner: the runner ends its key with
+/// a 500 rather than run it again, and the explorer says why, in every case.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn the_explorer_catches_a_phase_that_commits_the_runners_transaction(pool: PgPool) {
+    let provider = MockProvider::start().await;
+    let broken = Workflow::builder::<CheckoutRequest>("checkout-commits.v1")
+        .local(CreateOrderAndCommit)
+        .foreign(workflow::Charge {
+            provider: client(&provider),
+        })
+        .local(Finish)
+        .lease(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let report = explore(&pool, broken, &provider).await;
+    let caught = report
+        .failed()
+        .iter()
+        .filter(|result| {
+            result
+                .failures
+                .iter()
+                .any(|why| why.contains("ended the runner's transaction"))
+        })
+        .count();
+    assert!(caught >= report.results.len() / 2, "{report}");
+}
+
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn the_explorer_catches_a_fresh_provider_key_per_attempt(pool: PgPool) {
     let provider = MockProvider::start().await;

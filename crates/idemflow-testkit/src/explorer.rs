@@ -7,6 +7,9 @@
 //! - **replay**: a further retry returns the stored response, byte for byte;
 //! - **one charge per derived key**: every charge the provider made during the case carries one of
 //!   the request's derived keys, and no derived key was charged twice;
+//! - **no phase ended the runner's transaction**: the stored response is not the engine's 500
+//!   `transaction_ended`, which the runner stores when a local phase committed or rolled back the
+//!   transaction it shares (docs/runner.md);
 //! - **your invariants**: checks you add, such as "exactly one order row for this key" (local
 //!   effects exactly once).
 //!
@@ -518,6 +521,15 @@ impl<E: Tamper> Explorer<E> {
             Ok(None) => return failures.push("no stored response".to_owned()),
             Err(error) => return failures.push(format!("reading the key: {error}")),
         };
+        if ended_its_transaction(&stored) {
+            failures.push(
+                "a local phase ended the runner's transaction (a COMMIT, a ROLLBACK, a statement \
+                 that commits implicitly, or a statement retried after a deadlock): the key ended \
+                 with the engine's 500 `transaction_ended` (docs/runner.md: what a local phase \
+                 must not do)"
+                    .to_owned(),
+            );
+        }
         match runner
             .run(
                 &self.workflow,
@@ -628,4 +640,11 @@ fn slug(thing: &impl fmt::Display) -> String {
         .chars()
         .take(60)
         .collect()
+}
+
+/// Whether `response` is the problem the runner stores when a local phase ended its transaction.
+fn ended_its_transaction(response: &StoredResponse) -> bool {
+    response.status == 500
+        && serde_json::from_slice::<serde_json::Value>(&response.body)
+            .is_ok_and(|problem| problem["code"] == "transaction_ended")
 }
