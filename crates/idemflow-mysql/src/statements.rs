@@ -27,7 +27,8 @@ macro_rules! still_open {
     };
 }
 
-/// The check of [`still_open!`] as a constant, for tests.
+/// The check of `still_open!` (the predicate every advance and finish carries) as a constant, for
+/// tests.
 pub const STILL_OPEN: &str = still_open!();
 
 /// How the engine's transaction stands after a phase ran in it, read before anything else is

@@ -181,7 +181,7 @@ impl Transaction {
         }
     }
 
-    /// Whether this is still the transaction the engine began ([`MARK`]). PostgreSQL never ends a
+    /// Whether this is still the transaction the engine began (its mark). PostgreSQL never ends a
     /// transaction by itself (an error aborts it, and it stays open until rolled back), so one that
     /// ended was ended by a phase's `COMMIT` or `ROLLBACK`: which, the engine cannot tell.
     pub async fn standing(&mut self) -> Result<idemflow_store::Standing, sqlx::Error> {
