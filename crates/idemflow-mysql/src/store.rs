@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 
 use crate::Transaction;
 
-/// The SQLite engine.
+/// The MySQL/MariaDB engine.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MySqlStore;
 
@@ -181,7 +181,7 @@ impl Engine for MySqlStore {
         Ok(crate::finish(connection, owner, recovery_point, response, apart_above).await?)
     }
 
-    /// No announcement: resumers on SQLite poll.
+    /// No announcement: resumers on MySQL poll.
     async fn postpone(
         transaction: &mut Transaction,
         owner: &Owner,
@@ -256,7 +256,7 @@ impl Engine for MySqlStore {
         Ok(None)
     }
 
-    /// Nothing announces due keys between processes on SQLite: the resumer polls.
+    /// Nothing announces due keys between sessions on MySQL: the resumer polls.
     async fn listen_for_due(_pool: MySqlPool, _wake: Arc<Notify>) {
         std::future::pending::<()>().await;
     }
