@@ -52,6 +52,11 @@ enum After {
     /// Writes its effect again and succeeds: the deadlock idiom, "try the statement again".
     WritesAgain,
     Fails,
+    /// Begins a transaction of its own, whose statement fails: the phase returns that error.
+    BeginsAndFails,
+    /// Fails with this error number, as a deadlock's victim (1213) or a lock wait (1205) does,
+    /// and returns the error (MariaDB: `SIGNAL`).
+    Signals(u16),
 }
 
 /// Where in the checkout the misbehaving phase is.
@@ -81,6 +86,28 @@ async fn misbehave<E: Lab>(
         After::Succeeds => Ok(()),
         After::WritesAgain => Ok(E::insert_order(connection, key, 1).await?),
         After::Fails => Err(PhaseError::retryable("failed after ending the transaction")),
+        After::BeginsAndFails => {
+            E::execute(connection, "BEGIN").await?;
+            E::execute(connection, "SELECT * FROM no_such_table").await?;
+            unreachable!("no such table")
+        }
+        After::Signals(1213) => {
+            E::execute(
+                connection,
+                "SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = 'Deadlock found'",
+            )
+            .await?;
+            unreachable!("signalled")
+        }
+        After::Signals(1205) => {
+            E::execute(
+                connection,
+                "SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = 1205, MESSAGE_TEXT = 'Lock wait timeout'",
+            )
+            .await?;
+            unreachable!("signalled")
+        }
+        After::Signals(other) => unreachable!("no signal {other}"),
     }
 }
 
@@ -176,7 +203,9 @@ async fn run_to_the_end<E: Lab>(
     ending: Ending,
     after: After,
 ) -> Ended {
-    let name = format!("ends-{at:?}-{ending:?}-{after:?}").to_lowercase();
+    let name = format!("ends-{at:?}-{ending:?}-{after:?}")
+        .to_lowercase()
+        .replace(|c: char| !c.is_ascii_alphanumeric(), "-");
     let key = Key::parse(&name).unwrap();
     let point = match at {
         At::First => CrashPoint::BeforeCommit {
@@ -319,6 +348,82 @@ async fn a_phase_whose_writes_were_rolled_back_never_leaves_its_key_done_without
     assert_eq!(last.status, 500, "{last:?}");
     assert_eq!(last.orders, 1, "the first phase's order only: {last:?}");
     assert_eq!(last.charges, 1, "{last:?}");
+}
+
+/// The phase commits, begins a transaction of its own, and a statement in it fails: the
+/// connection is in a transaction (aborted, on PostgreSQL) that is not the runner's. Taken for
+/// the runner's, the failure was an ordinary retry, and the committed order ran again.
+/// (MariaDB names no transaction: a `BEGIN` after the `COMMIT` hides it, docs/runner.md.)
+async fn a_phase_that_fails_in_a_transaction_of_its_own_ends_its_key_with_a_500_and_runs_once<
+    E: Lab,
+>(
+    pool: PoolOf<E>,
+) {
+    E::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let first = run_to_the_end::<E>(
+        &pool,
+        &provider,
+        At::First,
+        Ending::Commit,
+        After::BeginsAndFails,
+    )
+    .await;
+    assert_transaction_ended(&first, 1, 0);
+    let last = run_to_the_end::<E>(
+        &pool,
+        &provider,
+        At::Last,
+        Ending::Commit,
+        After::BeginsAndFails,
+    )
+    .await;
+    assert_transaction_ended(&last, 2, 1);
+}
+
+mod postgres_and_sqlite {
+    #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+    async fn a_phase_that_fails_in_a_transaction_of_its_own_ends_its_key_with_a_500_and_runs_once(
+        pool: sqlx::PgPool,
+    ) {
+        super::a_phase_that_fails_in_a_transaction_of_its_own_ends_its_key_with_a_500_and_runs_once::<
+            idemflow_pg::PgStore,
+        >(pool)
+        .await;
+    }
+
+    #[tokio::test]
+    async fn on_sqlite_a_phase_that_fails_in_a_transaction_of_its_own_ends_its_key_with_a_500_and_runs_once()
+     {
+        let pool = crate::engines::sqlite("a_phase_that_fails_in_a_transaction_of_its_own").await;
+        super::a_phase_that_fails_in_a_transaction_of_its_own_ends_its_key_with_a_500_and_runs_once::<
+            idemflow_sqlite::SqliteStore,
+        >(pool)
+        .await;
+    }
+}
+
+/// On MariaDB, the phase commits and then fails as a deadlock's victim or a lock wait would:
+/// the connection is in no transaction, and the last statement's error is 1213 or 1205. Nothing
+/// says the database rolled the runner's transaction back: the phase's `COMMIT` ended it first.
+/// Taken for a rollback, the claim was made again (and lost to the committed one) and the
+/// committed order ran again.
+#[tokio::test]
+async fn on_mariadb_a_phase_that_commits_and_then_fails_as_a_lock_victim_ends_its_key_with_a_500() {
+    let pool = crate::support::mariadb::fresh("ended_commit_then_victim").await;
+    <idemflow_mysql::MySqlStore as Lab>::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    for errno in [1213, 1205] {
+        let first = run_to_the_end::<idemflow_mysql::MySqlStore>(
+            &pool,
+            &provider,
+            At::First,
+            Ending::Commit,
+            After::Signals(errno),
+        )
+        .await;
+        assert_transaction_ended(&first, 1, 0);
+    }
 }
 
 /// The key ended with the stored 500 that names the ended transaction, with `orders` applied

@@ -13,7 +13,7 @@ use sqlx_core::transaction::TransactionManager;
 use idemflow_store::Standing;
 use sqlx::Row;
 
-use crate::error::{DEADLOCK, LOCK_WAIT_TIMEOUT, StoreError};
+use crate::error::{DEADLOCK, StoreError};
 
 /// A write transaction on one pooled connection.
 #[derive(Debug)]
@@ -86,10 +86,16 @@ impl Transaction {
     }
 
     /// Whether this is still the transaction the engine began (`idemflow_store::Standing`). In
-    /// a transaction: open. Out of one, it was rolled back whole, with nothing since, when the
-    /// phase's last statement was a deadlock's victim (1213) or a lock wait InnoDB answers by
-    /// rolling the transaction back (1205 under `innodb_rollback_on_timeout`); otherwise a
-    /// `COMMIT`, a statement committed around, or a write after the rollback may have committed.
+    /// a transaction: open. Out of one, it may have been rolled back whole, with nothing since,
+    /// when the phase's last statement was a deadlock's victim (1213): the runner then asks the
+    /// key's row whether its claim or takeover committed all the same (a `COMMIT` before the
+    /// victim's statement). Otherwise a `COMMIT`, a statement committed around, or a write after
+    /// a rollback may have committed. A lock wait (1205) is not a rollback: by default InnoDB
+    /// undoes the waiting statement alone, so out of a transaction after one, the transaction
+    /// ended before it (and where `innodb_rollback_on_timeout` is on, the key ends with a 500
+    /// rather than risk running its phases twice). In a transaction begun after the key's claim
+    /// committed (nothing of the owner's in it before the phases) the row cannot tell: there a
+    /// phase that commits and then fails as a deadlock's victim is taken for a rollback.
     ///
     /// A phase that ends the transaction and begins one of its own (`BEGIN` commits the open one
     /// implicitly) leaves the connection in a transaction: MariaDB names no transaction, so that
@@ -107,7 +113,7 @@ impl Transaction {
         let last_error: i64 = row.try_get(1)?;
         Ok(match (in_transaction, u16::try_from(last_error)) {
             (1, _) => Standing::Open,
-            (_, Ok(DEADLOCK | LOCK_WAIT_TIMEOUT)) => Standing::RolledBack,
+            (_, Ok(DEADLOCK)) => Standing::RolledBack,
             _ => Standing::Ended,
         })
     }

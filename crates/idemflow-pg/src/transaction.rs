@@ -46,6 +46,14 @@ pub(crate) const STILL_OPEN: &str = "current_setting('idemflow.transaction', tru
 const STANDING: &str =
     "SELECT coalesce(current_setting('idemflow.transaction', true) = 'open', false)";
 
+/// Ends the message of every transaction the engine begins but a claim's (which ends with
+/// [`crate::statements::CLAIMED_SAVEPOINT`]): a savepoint only the engine's transaction has, so
+/// that one a failed statement aborted can still be asked whose it is ([`Transaction::standing`]).
+const BEGUN_SAVEPOINT: &str = "SAVEPOINT idemflow_begun";
+
+/// Back to [`BEGUN_SAVEPOINT`].
+const BACK_TO_BEGIN: &str = "ROLLBACK TO SAVEPOINT idemflow_begun";
+
 /// [`BEGIN`], the engine's [`MARK`], then a `SET LOCAL` per limit (`statement_timeout`,
 /// `idle_in_transaction_session_timeout`, `lock_timeout`): in the message that begins the
 /// transaction, so no round trip of its own, and gone when it ends, so pooled connections keep
@@ -91,7 +99,8 @@ impl Transaction {
         connection: PoolConnection<Postgres>,
         limits: &Limits,
     ) -> Result<Self, sqlx::Error> {
-        let statement = AssertSqlSafe(begin_statement(limits)).into_sql_str();
+        let statement = format!("{}; {BEGUN_SAVEPOINT}", begin_statement(limits));
+        let statement = AssertSqlSafe(statement).into_sql_str();
         match Self::begin_with(connection, statement).await {
             Ok(transaction) => Ok(transaction),
             Err((error, _connection)) => Err(error),
@@ -184,15 +193,45 @@ impl Transaction {
     /// Whether this is still the transaction the engine began (its mark). PostgreSQL never ends a
     /// transaction by itself (an error aborts it, and it stays open until rolled back), so one that
     /// ended was ended by a phase's `COMMIT` or `ROLLBACK`: which, the engine cannot tell.
+    ///
+    /// A transaction a failed statement aborted answers nothing but a rollback: it is rolled back
+    /// to the engine's savepoint (the claim's, or the one every other transaction begins with),
+    /// which undoes the failed attempt's work as the failure path would, and then read. One
+    /// without either savepoint is not the engine's: a phase ended that one and began its own.
     pub async fn standing(&mut self) -> Result<idemflow_store::Standing, sqlx::Error> {
-        let open: bool = sqlx::query_scalar(STANDING)
+        let read = sqlx::query_scalar(STANDING)
             .fetch_one(&mut **self.held())
-            .await?;
+            .await;
+        let open: bool = match read {
+            Ok(open) => open,
+            Err(error) if has_code(&error, IN_FAILED_TRANSACTION) => {
+                if !self.back_to_a_savepoint_of_its_own().await? {
+                    return Ok(idemflow_store::Standing::Ended);
+                }
+                sqlx::query_scalar(STANDING)
+                    .fetch_one(&mut **self.held())
+                    .await?
+            }
+            Err(error) => return Err(error),
+        };
         Ok(if open {
             idemflow_store::Standing::Open
         } else {
             idemflow_store::Standing::Ended
         })
+    }
+
+    /// Rolls an aborted transaction back to the claim's savepoint or the one every other
+    /// transaction of the engine begins with; false when it has neither.
+    async fn back_to_a_savepoint_of_its_own(&mut self) -> Result<bool, sqlx::Error> {
+        for statement in [crate::statements::BACK_TO_CLAIM, BACK_TO_BEGIN] {
+            match sqlx::Executor::execute(&mut **self.held(), statement).await {
+                Ok(_) => return Ok(true),
+                Err(error) if has_code(&error, NO_SUCH_SAVEPOINT) => continue,
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(false)
     }
 
     /// Rolls back and waits for the server to confirm.
@@ -253,4 +292,14 @@ impl Drop for Beginning {
             connection.close_on_drop();
         }
     }
+}
+
+/// `in_failed_sql_transaction`: a statement sent to a transaction a failed statement aborted.
+const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// `invalid_savepoint_specification`: no savepoint of that name in the transaction.
+const NO_SUCH_SAVEPOINT: &str = "3B001";
+
+fn has_code(error: &sqlx::Error, code: &str) -> bool {
+    matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(code))
 }

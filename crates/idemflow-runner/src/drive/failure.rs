@@ -110,6 +110,12 @@ impl<E: Engine> Drive<'_, E> {
         if ended.is_none() && lost && self.hold_committed_under_a_phase().await {
             ended = Some(Standing::Ended);
         }
+        // A rollback the engine read from the connection is the last thing that happened on it,
+        // not the only one: a phase may have committed first (a claim or takeover committed with
+        // its effects) and failed after. The row tells, where this owner's hold is uncommitted.
+        if ended == Some(Standing::RolledBack) && self.hold_committed_under_a_phase().await {
+            ended = Some(Standing::Ended);
+        }
         if ended == Some(Standing::RolledBack) && matches!(self.hold, Hold::Claim(_)) {
             // Everything is undone, the uncommitted claim too, at a moment this owner knows: it
             // is made again with its token for the record, as after a refused first commit.
@@ -145,8 +151,8 @@ impl<E: Engine> Drive<'_, E> {
                         // everything else, at a moment this owner knows, and is made again.
                         let ended = E::standing(&mut tx).within(wait).await;
                         E::abandon(tx);
-                        if let Ok(Ok(Standing::RolledBack)) = ended {
-                            return (Some(Standing::RolledBack), false);
+                        if let Ok(Ok(ended @ (Standing::RolledBack | Standing::Ended))) = ended {
+                            return (Some(ended), false);
                         }
                         tracing::warn!(%lost, "the failed attempt's claim is gone with its connection");
                         (None, true)
