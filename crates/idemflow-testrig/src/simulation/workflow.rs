@@ -80,6 +80,14 @@ pub(crate) enum TransactionEnd {
     Implicit,
 }
 
+impl TransactionEnd {
+    /// Whether the runner's transaction is committed by it: the claim or takeover and every
+    /// effect so far with it, outside the runner's care.
+    pub(crate) fn commits(self) -> bool {
+        matches!(self, Self::Commit | Self::CommitThenFail | Self::Implicit)
+    }
+}
+
 /// The provider faults a schedule uses.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum ProviderFault {
@@ -273,8 +281,8 @@ async fn scripted<E: SimEngine>(
     request: &SimRequest,
 ) -> Result<String, PhaseError> {
     let act = act_for(shared, phase, context).await;
-    if let Act::EndTransaction(_) = act {
-        shared.note_transaction_ended(shared.scheduler.current(), context);
+    if let Act::EndTransaction(end) = act {
+        shared.note_transaction_ended(shared.scheduler.current(), context, end);
     }
     effect::<E>(connection, context, request.life, phase).await?;
     let note = local_act::<E>(
@@ -461,9 +469,9 @@ impl<E: SimEngine> LocalPhase<E> for Complete {
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
         let act = act_for(&self.0, <Self as LocalPhase<E>>::NAME, context).await;
-        if let Act::EndTransaction(_) = act {
+        if let Act::EndTransaction(end) = act {
             self.0
-                .note_transaction_ended(self.0.scheduler.current(), context);
+                .note_transaction_ended(self.0.scheduler.current(), context, end);
         }
         effect::<E>(connection, context, progress.life, "complete").await?;
         let act = if act == Act::Unstorable {

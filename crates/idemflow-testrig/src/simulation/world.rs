@@ -146,8 +146,9 @@ pub(crate) struct Log {
     pub phase_attempts: HashMap<String, (u32, &'static str)>,
     /// Every token seen on each key, with the claim (its time) it was seen on.
     pub tokens_seen: HashMap<(String, i64), String>,
-    /// Runs whose phase ended the runner's transaction, by actor: the key and token they ran.
-    pub ended_runs: HashMap<ActorId, (String, i64)>,
+    /// Runs whose phase ended the runner's transaction, by actor: the key and token they ran,
+    /// and whether the phase committed that transaction.
+    pub ended_runs: HashMap<ActorId, (String, i64, bool)>,
     /// The (key, token) of every such run: its effects escaped the runner's transaction.
     pub escaped: HashSet<(String, i64)>,
     pub counts: Counts,
@@ -240,11 +241,16 @@ impl Shared {
     }
 
     /// A phase of `actor`'s run is about to end the runner's transaction under it.
-    pub(crate) fn note_transaction_ended(&self, actor: ActorId, context: &PhaseContext) {
-        let run = (context.key.as_str().to_owned(), context.lock_version);
+    pub(crate) fn note_transaction_ended(
+        &self,
+        actor: ActorId,
+        context: &PhaseContext,
+        end: TransactionEnd,
+    ) {
+        let (key, token) = (context.key.as_str().to_owned(), context.lock_version);
         let mut log = self.log();
-        log.escaped.insert(run.clone());
-        log.ended_runs.insert(actor, run);
+        log.escaped.insert((key.clone(), token));
+        log.ended_runs.insert(actor, (key, token, end.commits()));
     }
 
     pub(crate) fn note_token(&self, actor: ActorId, context: &PhaseContext) {
@@ -392,10 +398,10 @@ impl Shared {
         let ended = log
             .ended_runs
             .remove(&actor)
-            .is_some_and(|(ran, _)| ran == key);
+            .filter(|(ran, _, _)| ran == key);
         // 201 is the workflow's success; a 500 (the ended transaction, a give-up) or the failure
         // path's 502 are what such a run may end with.
-        if ended
+        if ended.is_some()
             && let Ok(Outcome::Executed(response)) = result
             && response.status == 201
         {
@@ -405,6 +411,20 @@ impl Shared {
                  phase, and was answered {} as if it had succeeded: its work was recorded over a \
                  transaction that had ended",
                 response.status
+            ));
+            return;
+        }
+        // A phase that committed the runner's transaction committed its effects: a retry would
+        // apply them again. Only a rollback the database made whole leaves such a run to be
+        // tried again.
+        if let Some((_, _, true)) = ended
+            && let Ok(Outcome::Interrupted { error, .. }) = result
+        {
+            drop(log);
+            self.violation(format!(
+                "{actor}'s run of key {key} (life {life}) committed the runner's transaction in \
+                 a phase, and was left to be tried again ({error}): its committed effects would \
+                 be applied twice"
             ));
             return;
         }
