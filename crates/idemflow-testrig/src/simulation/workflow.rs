@@ -80,14 +80,6 @@ pub(crate) enum TransactionEnd {
     Implicit,
 }
 
-impl TransactionEnd {
-    /// Whether the runner's transaction is committed by it: the claim or takeover and every
-    /// effect so far with it, outside the runner's care.
-    pub(crate) fn commits(self) -> bool {
-        matches!(self, Self::Commit | Self::CommitThenFail | Self::Implicit)
-    }
-}
-
 /// The provider faults a schedule uses.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum ProviderFault {
@@ -196,6 +188,7 @@ async fn effect<E: SimEngine>(
 
 /// What a local phase's act makes of its run: the note it passes on, or its failure.
 async fn local_act<E: SimEngine>(
+    shared: &Shared,
     act: Act,
     connection: &mut ConnectionOf<E>,
     context: &PhaseContext,
@@ -234,7 +227,7 @@ async fn local_act<E: SimEngine>(
             Ok(format!("{phase} wrote for ever"))
         }
         Act::EndTransaction(ending) => {
-            end_transaction::<E>(connection, context, ending, phase, life).await?;
+            end_transaction::<E>(shared, connection, context, ending, phase, life).await?;
             Ok(format!("{phase} ended its transaction"))
         }
         Act::HugeError => Err(PhaseError::retryable(format!(
@@ -246,17 +239,25 @@ async fn local_act<E: SimEngine>(
 }
 
 /// Ends the runner's transaction under the phase, as `ending` says.
+/// A committing end that succeeded is noted as such: one whose statement failed (its connection
+/// killed, say) may have committed nothing.
 async fn end_transaction<E: SimEngine>(
+    shared: &Shared,
     connection: &mut ConnectionOf<E>,
     context: &PhaseContext,
     ending: TransactionEnd,
     phase: &str,
     life: u32,
 ) -> Result<(), PhaseError> {
+    let committed = || shared.note_transaction_committed(shared.scheduler.current());
     match ending {
-        TransactionEnd::Commit => E::execute(connection, "COMMIT").await?,
+        TransactionEnd::Commit => {
+            E::execute(connection, "COMMIT").await?;
+            committed();
+        }
         TransactionEnd::CommitThenFail => {
             E::execute(connection, "COMMIT").await?;
+            committed();
             return Err(PhaseError::retryable("scripted failure after a COMMIT"));
         }
         TransactionEnd::Rollback => E::execute(connection, "ROLLBACK").await?,
@@ -266,6 +267,7 @@ async fn end_transaction<E: SimEngine>(
         }
         TransactionEnd::Implicit => {
             E::execute(connection, E::IMPLICIT_COMMIT.unwrap_or("COMMIT")).await?;
+            committed();
         }
     }
     Ok(())
@@ -281,11 +283,12 @@ async fn scripted<E: SimEngine>(
     request: &SimRequest,
 ) -> Result<String, PhaseError> {
     let act = act_for(shared, phase, context).await;
-    if let Act::EndTransaction(end) = act {
-        shared.note_transaction_ended(shared.scheduler.current(), context, end);
+    if let Act::EndTransaction(_) = act {
+        shared.note_transaction_ended(shared.scheduler.current(), context);
     }
     effect::<E>(connection, context, request.life, phase).await?;
     let note = local_act::<E>(
+        shared,
         act,
         connection,
         context,
@@ -469,9 +472,9 @@ impl<E: SimEngine> LocalPhase<E> for Complete {
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
         let act = act_for(&self.0, <Self as LocalPhase<E>>::NAME, context).await;
-        if let Act::EndTransaction(end) = act {
+        if let Act::EndTransaction(_) = act {
             self.0
-                .note_transaction_ended(self.0.scheduler.current(), context, end);
+                .note_transaction_ended(self.0.scheduler.current(), context);
         }
         effect::<E>(connection, context, progress.life, "complete").await?;
         let act = if act == Act::Unstorable {
@@ -480,6 +483,7 @@ impl<E: SimEngine> LocalPhase<E> for Complete {
             act
         };
         local_act::<E>(
+            &self.0,
             act,
             connection,
             context,

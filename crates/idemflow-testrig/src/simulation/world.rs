@@ -147,8 +147,9 @@ pub(crate) struct Log {
     /// Every token seen on each key, with the claim (its time) it was seen on.
     pub tokens_seen: HashMap<(String, i64), String>,
     /// Runs whose phase ended the runner's transaction, by actor: the key and token they ran,
-    /// and whether the phase committed that transaction.
-    pub ended_runs: HashMap<ActorId, (String, i64, bool)>,
+    /// whether the phase committed that transaction, and how many engine connections the world
+    /// had killed by then.
+    pub ended_runs: HashMap<ActorId, (String, i64, bool, u64)>,
     /// The (key, token) of every such run: its effects escaped the runner's transaction.
     pub escaped: HashSet<(String, i64)>,
     pub counts: Counts,
@@ -241,16 +242,20 @@ impl Shared {
     }
 
     /// A phase of `actor`'s run is about to end the runner's transaction under it.
-    pub(crate) fn note_transaction_ended(
-        &self,
-        actor: ActorId,
-        context: &PhaseContext,
-        end: TransactionEnd,
-    ) {
+    pub(crate) fn note_transaction_ended(&self, actor: ActorId, context: &PhaseContext) {
         let (key, token) = (context.key.as_str().to_owned(), context.lock_version);
         let mut log = self.log();
         log.escaped.insert((key.clone(), token));
-        log.ended_runs.insert(actor, (key, token, end.commits()));
+        let kills = log.counts.kills;
+        log.ended_runs.insert(actor, (key, token, false, kills));
+    }
+
+    /// The phase of `actor`'s run committed the runner's transaction: the claim or takeover and
+    /// every effect so far with it, outside the runner's care.
+    pub(crate) fn note_transaction_committed(&self, actor: ActorId) {
+        if let Some(run) = self.log().ended_runs.get_mut(&actor) {
+            run.2 = true;
+        }
     }
 
     pub(crate) fn note_token(&self, actor: ActorId, context: &PhaseContext) {
@@ -398,7 +403,7 @@ impl Shared {
         let ended = log
             .ended_runs
             .remove(&actor)
-            .filter(|(ran, _, _)| ran == key);
+            .filter(|(ran, _, _, _)| ran == key);
         // 201 is the workflow's success; a 500 (the ended transaction, a give-up) or the failure
         // path's 502 are what such a run may end with.
         if ended.is_some()
@@ -416,8 +421,11 @@ impl Shared {
         }
         // A phase that committed the runner's transaction committed its effects: a retry would
         // apply them again. Only a rollback the database made whole leaves such a run to be
-        // tried again.
-        if let Some((_, _, true)) = ended
+        // tried again. Unless a connection was killed since: one lost with its transaction's
+        // end unread can no longer tell (docs/runner.md), and the row tells only of a claim or
+        // takeover.
+        if let Some((_, _, true, kills)) = ended
+            && kills == log.counts.kills
             && let Ok(Outcome::Interrupted { error, .. }) = result
         {
             drop(log);
