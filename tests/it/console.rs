@@ -404,6 +404,113 @@ async fn the_standalone_console_asks_for_its_password_and_never_binds_beyond_loo
     );
 }
 
+/// Serves `console` alone (`idemflow_console::serve`, as `idemflow console` does): the address it
+/// listens on.
+async fn serve_alone(console: Console, options: ServeOptions) -> SocketAddr {
+    let (sender, bound) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        idemflow_console::serve(console, options, move |local| {
+            let _ = sender.send(local);
+        })
+        .await
+        .unwrap();
+    });
+    bound.await.unwrap()
+}
+
+/// One HTTP/1.1 exchange written by hand (a browser on a rebound name sends a Host no HTTP client
+/// library lets a test forge): the status and the body.
+async fn exchange(address: SocketAddr, request: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer[9..12].parse().unwrap();
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned());
+    (status, body.unwrap_or_default())
+}
+
+fn get_with_host(path: &str, host: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn without_a_password_the_standalone_console_answers_loopback_host_names_only(pool: PgPool) {
+    let _seeded = seed(&pool).await;
+    let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let console = Console::new(idemflow_pg::PgOperator::new(pool.clone())).read_only(false);
+    let address = serve_alone(console, ServeOptions::new(loopback)).await;
+    let port = address.port();
+    for host in [
+        format!("127.0.0.1:{port}"),
+        "127.0.0.1".to_owned(),
+        format!("localhost:{port}"),
+        "localhost".to_owned(),
+        format!("LocalHost:{port}"),
+        format!("[::1]:{port}"),
+        "[::1]".to_owned(),
+    ] {
+        let (status, html) = exchange(address, &get_with_host("/", &host)).await;
+        assert_eq!(status, 200, "Host {host}: {html}");
+    }
+    for host in [
+        format!("rebound.example:{port}"),
+        "rebound.example".to_owned(),
+        format!("127.0.0.1.rebound.example:{port}"),
+        format!("localhost.rebound.example:{port}"),
+        format!("127.0.0.1:{}", port.wrapping_add(1)),
+        format!("localhost:{port}@rebound.example"),
+    ] {
+        let (status, html) = exchange(address, &get_with_host("/", &host)).await;
+        assert_eq!(status, 421, "Host {host}: {html}");
+    }
+    // The attack: a page on a name rebound to 127.0.0.1 reads a key's stored request and expires
+    // it, with Host and Origin both its own name (so the cross-site check alone lets it through).
+    let rebound = format!("rebound.example:{port}");
+    let (status, html) = exchange(
+        address,
+        &get_with_host(&format!("/key?tenant={TENANT}&key=order-1"), &rebound),
+    )
+    .await;
+    assert_eq!(status, 421, "{html}");
+    assert!(!html.contains("amount"), "{html}");
+    let done = token(&pool, "order-1").await.to_string();
+    let form = format!("tenant={TENANT}&key=order-1&lock_version={done}&state=done&confirmed=yes");
+    let post = format!(
+        "POST /key/expire HTTP/1.1\r\nHost: {rebound}\r\nOrigin: http://{rebound}\r\n\
+         Connection: close\r\nContent-Type: application/x-www-form-urlencoded\r\n\
+         Content-Length: {}\r\n\r\n{form}",
+        form.len()
+    );
+    assert_eq!(exchange(address, &post).await.0, 421);
+    assert!(key_row(&pool, "order-1").await.is_some(), "the key is kept");
+    // A request with no Host at all (HTTP/1.0) names no loopback host either.
+    let (status, _) = exchange(address, "GET / HTTP/1.0\r\n\r\n").await;
+    assert_eq!(status, 421);
+
+    // With a password, any Host is answered to whoever knows it, as before.
+    let console = Console::new(idemflow_pg::PgOperator::new(pool.clone()));
+    let address = serve_alone(
+        console,
+        ServeOptions::new(loopback).password(Some("s3cret".to_owned())),
+    )
+    .await;
+    let (status, html) = exchange(
+        address,
+        &format!(
+            "GET / HTTP/1.1\r\nHost: console.internal.example\r\nAuthorization: Basic {}\r\n\
+             Connection: close\r\n\r\n",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "ana:s3cret")
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{html}");
+}
+
 /// Where the browser test saves its screenshots: `IDEMFLOW_SCREENSHOTS` (docs/console/ to remake
 /// the documentation's), else a temporary directory.
 fn screenshots() -> std::path::PathBuf {
