@@ -469,17 +469,20 @@ async fn expire_of(
     }
 }
 
+/// Records an action. The form's fields are recorded as they came, valid or not (an invalid
+/// one is what an operator looks for), so they are written escaped (`Debug`): a field holding a
+/// line break would otherwise write a log line of its own, forged by whoever posted the form.
 fn record(action: Action, outcome: Outcome, form: &ActionForm, principal: Option<&Principal>) {
     let principal = principal.map_or("unknown", |p| p.0.as_str());
     tracing::info!(
         target: "idemflow::console",
         action = action.name(),
         outcome = outcome.name(),
-        tenant = %form.tenant,
-        key = %form.key,
-        lock_version = %form.lock_version,
+        tenant = ?form.tenant,
+        key = ?form.key,
+        lock_version = ?form.lock_version,
         forced = form.force == "on",
-        principal,
+        principal = ?principal,
         "console action"
     );
     metrics::counter!(

@@ -23,6 +23,9 @@ pub struct ServeOptions {
     pub bind: SocketAddr,
     /// The basic-auth password (any user name; it names the principal of the actions).
     pub password: Option<String>,
+    /// Routes served beside the console's, behind the same password and `Host` checks (the
+    /// CLI's `/metrics`).
+    pub routes: Option<axum::Router>,
 }
 
 impl ServeOptions {
@@ -31,6 +34,7 @@ impl ServeOptions {
         Self {
             bind,
             password: None,
+            routes: None,
         }
     }
 
@@ -38,6 +42,13 @@ impl ServeOptions {
     #[must_use]
     pub fn password(mut self, password: Option<String>) -> Self {
         self.password = password.filter(|p| !p.is_empty());
+        self
+    }
+
+    /// Serves `routes` beside the console's (they must not overlap them), behind the same checks.
+    #[must_use]
+    pub fn routes(mut self, routes: axum::Router) -> Self {
+        self.routes = Some(routes);
         self
     }
 }
@@ -73,6 +84,9 @@ pub async fn serve(
         .local_addr()
         .map_err(|error| ServeError::Io(options.bind, error))?;
     let mut router = console.router();
+    if let Some(routes) = options.routes {
+        router = router.merge(routes);
+    }
     if let Some(password) = options.password {
         router = router.layer(middleware::from_fn(move |request, next| {
             let password = password.clone();
@@ -239,5 +253,6 @@ idemflow_core::with_setters! {
     ServeOptions {
         with_bind => bind: SocketAddr,
         with_password => password: Option<String>,
+        with_routes => routes: Option<axum::Router>,
     }
 }
