@@ -52,9 +52,11 @@ pub async fn key_page(
             &reason,
         );
     }
+    // Another tenant's key reads as no key at all: its page says nothing of whether it exists.
+    let shown = console.tenants_of(principal.as_ref()).allows(&query.tenant);
     let report = match console.operator.key_report(&query.tenant, &query.key).await {
-        Ok(Some(report)) => report,
-        Ok(None) => {
+        Ok(Some(report)) if shown => report,
+        Ok(_) => {
             let text = format!(
                 "No key {:?} for tenant {:?}: never claimed, or expired.",
                 query.key, query.tenant
@@ -152,6 +154,7 @@ enum Outcome {
     AlreadyDue,
     RefusedReadOnly,
     RefusedCrossSite,
+    RefusedTenant,
     RefusedLiveOwner,
     RefusedFinished,
     MovedOn,
@@ -167,6 +170,7 @@ impl Outcome {
             Self::AlreadyDue => "already_due",
             Self::RefusedReadOnly => "refused_read_only",
             Self::RefusedCrossSite => "refused_cross_site",
+            Self::RefusedTenant => "refused_tenant",
             Self::RefusedLiveOwner => "refused_live_owner",
             Self::RefusedFinished => "refused_finished",
             Self::MovedOn => "moved_on",
@@ -179,7 +183,9 @@ impl Outcome {
     fn status(self) -> StatusCode {
         match self {
             Self::Done | Self::AlreadyDue => StatusCode::OK,
-            Self::RefusedReadOnly | Self::RefusedCrossSite => StatusCode::FORBIDDEN,
+            Self::RefusedReadOnly | Self::RefusedCrossSite | Self::RefusedTenant => {
+                StatusCode::FORBIDDEN
+            }
             Self::RefusedLiveOwner | Self::RefusedFinished | Self::MovedOn => StatusCode::CONFLICT,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::Invalid => StatusCode::BAD_REQUEST,
@@ -265,7 +271,7 @@ async fn act(
         "key",
         &[("tenant", &form.tenant), ("key", &form.key)],
     );
-    let (outcome, text) = decide(action, console, headers, &form).await;
+    let (outcome, text) = decide(action, console, headers, principal.as_ref(), &form).await;
     let Some(outcome) = outcome else {
         // Not confirmed yet: ask, and record nothing.
         let fields = [
@@ -295,6 +301,7 @@ async fn decide(
     action: Action,
     console: &Console,
     headers: &HeaderMap,
+    principal: Option<&Principal>,
     form: &ActionForm,
 ) -> (Option<Outcome>, String) {
     if !same_origin(headers) {
@@ -311,6 +318,15 @@ async fn decide(
     }
     if let Err(reason) = check(&form.tenant, &form.key) {
         return (Some(Outcome::Invalid), reason);
+    }
+    if !console.tenants_of(principal).allows(&form.tenant) {
+        return (
+            Some(Outcome::RefusedTenant),
+            format!(
+                "refused: this console does not show tenant {:?}'s keys to you",
+                form.tenant
+            ),
+        );
     }
     let Ok(seen) = form.lock_version.parse::<i64>() else {
         return (
