@@ -198,3 +198,31 @@ async fn the_documented_read_only_acl_serves_every_page_and_is_refused_every_act
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_redis_cluster_is_refused_at_connect_with_a_clear_error() {
+    let node = crate::support::redis::own_server(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ])
+    .await;
+    let refused = RedisPool::connect(&node.url).await.unwrap_err();
+    assert!(
+        matches!(refused, idemflow_redis::StoreError::Cluster),
+        "{refused:?}"
+    );
+    let refused = RedisStore
+        .open(&node.url, &OperatorOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, idemflow_store::OperatorError::Unsupported(_)),
+        "{refused:?}"
+    );
+    assert!(refused.to_string().contains("Redis Cluster"), "{refused}");
+    // A single Redis, its own configuration otherwise the same, is taken.
+    let single = crate::support::redis::own_server(&[]).await;
+    assert!(RedisPool::connect(&single.url).await.is_ok());
+}
