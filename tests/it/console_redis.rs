@@ -226,3 +226,169 @@ async fn a_redis_cluster_is_refused_at_connect_with_a_clear_error() {
     let single = crate::support::redis::own_server(&[]).await;
     assert!(RedisPool::connect(&single.url).await.is_ok());
 }
+
+/// Fills `count` started keys of one workflow, their leases an hour long, claimed as requests
+/// claim them (many at a time).
+async fn fill(pool: &RedisPool, count: usize) {
+    use futures_util::StreamExt;
+    futures_util::stream::iter(0..count)
+        .map(|index| {
+            let pool = pool.clone();
+            async move {
+                claim(
+                    &pool,
+                    "acme",
+                    &format!("k-{index:06}"),
+                    Duration::from_secs(3600),
+                )
+                .await;
+            }
+        })
+        .buffer_unordered(256)
+        .collect::<()>()
+        .await;
+}
+
+/// What the slow log records from: a command shorter than this is not the longest.
+const SLOW_LOG_FROM_MICROS: i64 = 100;
+
+/// Runs what the console's pages read on Redis (the overview, the stuck list, the statistics)
+/// with the server's slow log recording every command from 100 µs: the longest single command (a
+/// script is one), in microseconds, with its name (none: all were shorter), and the reads' time.
+async fn longest_command_of_the_consoles_reads(pool: &RedisPool) -> (i64, String, Duration) {
+    let mut connection = pool.connection();
+    let () = redis::pipe()
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-log-slower-than")
+        .arg(SLOW_LOG_FROM_MICROS)
+        .ignore()
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-max-len")
+        .arg(1_000_000)
+        .ignore()
+        .cmd("SLOWLOG")
+        .arg("RESET")
+        .ignore()
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let operator = RedisStore::operator(pool);
+    let started = std::time::Instant::now();
+    let overview = operator.overview().await.unwrap();
+    assert!(overview.oldest_started_seconds.is_some());
+    operator.stuck_keys(5, 100).await.unwrap();
+    operator.table_stats().await.unwrap();
+    let took = started.elapsed();
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let mut longest = (0, String::new(), took);
+    for entry in entries {
+        let redis::Value::Array(fields) = entry else {
+            continue;
+        };
+        let (Some(redis::Value::Int(micros)), Some(redis::Value::Array(arguments))) =
+            (fields.get(2), fields.get(3))
+        else {
+            continue;
+        };
+        let name = match arguments.first() {
+            Some(redis::Value::BulkString(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
+            _ => continue,
+        };
+        if !matches!(name.as_str(), "SLOWLOG" | "CONFIG") && *micros > longest.0 {
+            longest = (*micros, name, took);
+        }
+    }
+    longest
+}
+
+/// The overview and the stuck list read the started keys in pages, and find what only the last
+/// page holds: the oldest started key, and a key stuck on its attempts.
+#[tokio::test]
+async fn the_overview_and_the_stuck_list_find_keys_past_the_first_page() {
+    let pool = fresh("console-pages").await;
+    let count = 3 * usize::try_from(idemflow_redis::MEMBERS_PER_SCRIPT).unwrap() + 7;
+    fill(&pool, count).await;
+    let mut connection = pool.connection();
+    let leases = pool.leases(WORKFLOW);
+    let last: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&leases)
+        .arg(-2)
+        .arg(-1)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    // The last lease's key was claimed an hour ago; the one before has failed seven times.
+    let (created, attempts) = (&last[1], &last[0]);
+    let claimed: i64 = redis::cmd("HGET")
+        .arg(created)
+        .arg("ca")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let () = redis::pipe()
+        .cmd("HSET")
+        .arg(created)
+        .arg("ca")
+        .arg(claimed - 3_600_000)
+        .ignore()
+        .cmd("HSET")
+        .arg(attempts)
+        .arg("att")
+        .arg(7)
+        .ignore()
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let operator = RedisStore::operator(&pool);
+    let overview = operator.overview().await.unwrap();
+    assert_eq!(overview.started[0].keys, i64::try_from(count).unwrap());
+    let oldest = overview.oldest_started_seconds.unwrap();
+    assert!((3_600..3_700).contains(&oldest), "{oldest}");
+    let stuck = operator.stuck_keys(5, 100).await.unwrap();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!(stuck[0].attempts, 7);
+    assert_eq!(pool.row(&stuck[0].tenant, &stuck[0].key), *attempts);
+}
+
+/// At 50,000 started keys, no command the console's reads send runs longer than 25 ms: each
+/// script walks one page of a sorted set (at most 256 members), so every claim waits at most
+/// that long behind a page load. (Walking them all in one script took 60-70 ms here, and
+/// grows with the keys in flight.) On a server of the test's own, whose slow log no other test
+/// writes to.
+#[tokio::test]
+async fn no_command_of_the_consoles_reads_walks_every_started_key() {
+    let server = crate::support::redis::own_server(&[]).await;
+    let pool = RedisPool::connect_with_prefix(&server.url, "idemflow-test:bounded")
+        .await
+        .unwrap();
+    fill(&pool, 50_000).await;
+    let (micros, name, _) = longest_command_of_the_consoles_reads(&pool).await;
+    assert!(micros < 25_000, "{name} ran {micros} µs");
+}
+
+/// The measurement of docs/console.md: 100,000 started keys, the longest single command of the
+/// console's reads (the slow log's figure), and the reads' whole time. Run it with
+/// `cargo nextest run --test it --run-ignored only --no-capture -E
+/// 'test(console_redis::measure_the_consoles_reads_at_100k_started_keys)'`.
+#[tokio::test]
+#[ignore = "a measurement: 100,000 keys"]
+async fn measure_the_consoles_reads_at_100k_started_keys() {
+    let server = crate::support::redis::own_server(&[]).await;
+    let pool = RedisPool::connect_with_prefix(&server.url, "idemflow-test:measure")
+        .await
+        .unwrap();
+    let filling = std::time::Instant::now();
+    fill(&pool, 100_000).await;
+    println!("filled 100000 started keys in {:?}", filling.elapsed());
+    for _ in 0..3 {
+        let (micros, name, took) = longest_command_of_the_consoles_reads(&pool).await;
+        println!("longest single command: {name} {micros} µs; overview + stuck + stats: {took:?}");
+    }
+}

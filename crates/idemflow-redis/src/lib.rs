@@ -29,7 +29,8 @@ mod scripts;
 mod tamper;
 
 pub use console::{
-    end_lease, expire_key, finished_keys, key_bodies, key_report, overview, scan_keys, stuck_keys,
+    MEMBERS_PER_SCRIPT, end_lease, expire_key, finished_keys, key_bodies, key_report, overview,
+    scan_keys, stuck_keys,
 };
 
 pub use operator::RedisOperator;

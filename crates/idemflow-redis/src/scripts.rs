@@ -480,28 +480,78 @@ pub(crate) fn expire_key() -> redis::Script {
     ])
 }
 
+/// `page(set, score, member, count)`: up to `count` members of the sorted set `set` with their
+/// scores, after `member` at `score` (the last one a page before read; `''` for the first page):
+/// right after it where it still is (`ZRANK`), else from the first member at that score, so a
+/// member that went or moved meanwhile makes some members read twice, never one passed over.
+/// `O(log n + count)`, whatever the set's size.
+const PAGE: &str = "local function page(set, score, member, count) \
+    local start = 0 \
+    if member ~= '' then \
+        local rank = redis.call('ZRANK', set, member) \
+        if rank and redis.call('ZSCORE', set, member) == score then \
+            start = rank + 1 \
+        else \
+            start = redis.call('ZCOUNT', set, '-inf', '(' .. score) \
+        end \
+    end \
+    return redis.call('ZRANGE', set, start, start + count - 1, 'WITHSCORES') \
+end ";
+
 /// KEYS: workflows, finishes. ARGV: the prefix of the sorted sets of lease ends. `{now,
-/// {workflow in hex, keys, due}..., oldest started claim (ms) or false, finished in the last
-/// minute, in the last 15 minutes}`. Reads only started keys (each workflow's sorted set, and
-/// each started row's claim time) and the finishes of the last quarter hour.
+/// {workflow in hex, keys, due}..., finished in the last minute, in the last 15 minutes}`: counts
+/// only (`ZCARD`, `ZCOUNT`), whatever the number of keys.
 pub(crate) fn overview() -> ReadOnly {
     read_only(&[
         NOW,
         "local started = {} \
-         local oldest = false \
          for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[1])) do \
              local leases = ARGV[1] .. workflow \
              local keys = redis.call('ZCARD', leases) \
              if keys > 0 then \
                  table.insert(started, {workflow, keys, redis.call('ZCOUNT', leases, '-inf', now)}) \
-                 for _, row in ipairs(redis.call('ZRANGE', leases, 0, -1)) do \
-                     local created = tonumber(redis.call('HGET', row, 'ca')) \
-                     if created and (not oldest or created < oldest) then oldest = created end \
-                 end \
              end \
          end \
-         return {now, started, oldest, \
+         return {now, started, \
              redis.call('ZCOUNT', KEYS[2], now - 60000, '+inf'), \
              redis.call('ZCOUNT', KEYS[2], now - 900000, '+inf')}",
+    ])
+}
+
+/// KEYS: a workflow's leases. ARGV: the page's position (score, member), its size. One page of
+/// the started keys: `{oldest claim (ms) among them or false, members read, the last one's score,
+/// the last member}`.
+pub(crate) fn oldest_started() -> ReadOnly {
+    read_only(&[
+        PAGE,
+        "local found = page(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])) \
+         local oldest = false \
+         for at = 1, #found, 2 do \
+             local created = tonumber(redis.call('HGET', found[at], 'ca')) \
+             if created and (not oldest or created < oldest) then oldest = created end \
+         end \
+         return {oldest, #found / 2, found[#found] or '', found[#found - 1] or ''}",
+    ])
+}
+
+/// KEYS: a workflow's leases. ARGV: the page's position (score, member), its size, the attempts
+/// that make a key stuck. One page of the started keys: `{members read, the last one's score, the
+/// last member, {lease end, tenant, key} of each stuck one (its lease over, or that many attempts
+/// at one recovery point)}`.
+pub(crate) fn stuck_page() -> ReadOnly {
+    read_only(&[
+        NOW,
+        PAGE,
+        "local found = page(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])) \
+         local stuck = {} \
+         for at = 1, #found, 2 do \
+             local ends = tonumber(found[at + 1]) \
+             local held = redis.call('HMGET', found[at], 't', 'k', 'att') \
+             if held[1] and held[2] and (ends <= now or \
+                 (tonumber(held[3]) or 1) >= tonumber(ARGV[4])) then \
+                 table.insert(stuck, {ends, held[1], held[2]}) \
+             end \
+         end \
+         return {#found / 2, found[#found] or '', found[#found - 1] or '', stuck}",
     ])
 }
