@@ -43,41 +43,27 @@ pub async fn key_page(
     let base = base(&original, &uri);
     let principal = principal.map(|Extension(p)| p);
     let frame = console.frame(&base, principal.as_ref());
+    let fail = |status, text: &str| failure(&console, &base, principal.as_ref(), status, text);
     if let Err(reason) = check(&query.tenant, &query.key) {
-        return failure(
-            &console,
-            &base,
-            principal.as_ref(),
-            StatusCode::BAD_REQUEST,
-            &reason,
-        );
+        return fail(StatusCode::BAD_REQUEST, &reason);
     }
-    // Another tenant's key reads as no key at all: its page says nothing of whether it exists.
-    let shown = console.tenants_of(principal.as_ref()).allows(&query.tenant);
-    let report = match console.operator.key_report(&query.tenant, &query.key).await {
-        Ok(Some(report)) if shown => report,
-        Ok(_) => {
+    // Another tenant's key reads as no key at all, and is not read: its page says nothing of
+    // whether it exists.
+    let report = if console.tenants_of(principal.as_ref()).allows(&query.tenant) {
+        console.operator.key_report(&query.tenant, &query.key).await
+    } else {
+        Ok(None)
+    };
+    let report = match report {
+        Ok(Some(report)) => report,
+        Ok(None) => {
             let text = format!(
                 "No key {:?} for tenant {:?}: never claimed, or expired.",
                 query.key, query.tenant
             );
-            return failure(
-                &console,
-                &base,
-                principal.as_ref(),
-                StatusCode::NOT_FOUND,
-                &text,
-            );
+            return fail(StatusCode::NOT_FOUND, &text);
         }
-        Err(error) => {
-            return failure(
-                &console,
-                &base,
-                principal.as_ref(),
-                StatusCode::SERVICE_UNAVAILABLE,
-                &error.to_string(),
-            );
-        }
+        Err(error) => return fail(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
     };
     let mut body = pages::summary(&report);
     body.push_str(&pages::timeline(&report));
@@ -88,15 +74,7 @@ pub async fn key_page(
         Ok(Some(bodies)) => body.push_str(&pages::bodies(&bodies)),
         // Deleted between the two reads: the page shows the key as it was.
         Ok(None) => {}
-        Err(error) => {
-            return failure(
-                &console,
-                &base,
-                principal.as_ref(),
-                StatusCode::SERVICE_UNAVAILABLE,
-                &error.to_string(),
-            );
-        }
+        Err(error) => return fail(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
     }
     Html(crate::html::page(
         &frame,
