@@ -260,3 +260,123 @@ async fn the_binary_reads_stdin_connects_and_exits_with_the_right_codes(pool: Pg
         idemflow_cli::fingerprint(idemflow_cli::Format::Human, "POST", "/v1/checkouts", body);
     assert_eq!(fingerprint(body), (0, printed.stdout, String::new()));
 }
+
+/// `idemflow console` records what the documents promise: a tracing event on stderr (INFO by
+/// default, `RUST_LOG` to change it) and the counter on `/metrics`, per action. A form field
+/// holding a line break is written escaped, so it cannot forge a log line of its own.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn the_console_logs_and_counts_each_action_and_no_form_field_forges_a_log_line(pool: PgPool) {
+    seed(&pool).await;
+    let url = test_database_url(&pool).await;
+    let address = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let console = Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args([
+            "console",
+            "--database-url",
+            &url,
+            "--bind",
+            &address.to_string(),
+        ])
+        .env_remove("RUST_LOG")
+        .env_remove(idemflow_console::PASSWORD_ENV)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut console = Killed(Some(console));
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let root = format!("http://{address}");
+    tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        while client.get(&root).send().await.is_err() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap();
+    let token: i64 =
+        sqlx::query_scalar("SELECT lock_version FROM idempotency_keys WHERE key = 'order-1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let forged = "acme\n2026-01-01T00:00:00.000000Z  INFO idemflow::console: console action \
+                  action=\"expire\" outcome=\"done\" tenant=\"acme\" key=\"order-2\"";
+    let post = |tenant: &'static str| {
+        let client = client.clone();
+        let url = format!("{root}/key/expire");
+        let token = token.to_string();
+        async move {
+            client
+                .post(url)
+                .form(&[
+                    ("tenant", tenant),
+                    ("key", "order-1"),
+                    ("lock_version", &token),
+                    ("state", "done"),
+                    ("confirmed", "yes"),
+                ])
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(post(forged).await, reqwest::StatusCode::BAD_REQUEST);
+    assert_eq!(post("acme").await, reqwest::StatusCode::OK);
+    let metrics = client
+        .get(format!("{root}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for outcome in ["done", "invalid"] {
+        assert!(
+            metrics.lines().any(|line| line.starts_with(&format!(
+                "idemflow_console_actions_total{{action=\"expire\",outcome=\"{outcome}\""
+            )) && line.ends_with(" 1")),
+            "{metrics}"
+        );
+    }
+    let output = console.stop();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let actions: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("console action"))
+        .collect();
+    assert_eq!(actions.len(), 2, "{stderr}");
+    assert!(
+        actions[0].contains(r#"outcome="invalid""#) && actions[0].contains(r"acme\n2026-01-01"),
+        "{stderr}"
+    );
+    assert!(actions[1].contains(r#"outcome="done""#), "{stderr}");
+    assert!(
+        !stderr.lines().any(|line| line.starts_with("2026-01-01")),
+        "a form field forged a log line: {stderr}"
+    );
+}
+
+/// A child process killed when the test ends, however it ends.
+struct Killed(Option<std::process::Child>);
+
+impl Killed {
+    /// Kills it now: what it wrote.
+    fn stop(&mut self) -> std::process::Output {
+        let mut child = self.0.take().unwrap();
+        child.kill().unwrap();
+        child.wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

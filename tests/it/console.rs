@@ -213,7 +213,8 @@ async fn the_search_finds_keys_by_tenant_prefix_and_state_and_pages_through_them
 #[sqlx::test(migrator = "idemflow::MIGRATOR")]
 async fn actions_are_confirmed_fenced_and_refused_for_a_live_owner_unless_forced(pool: PgPool) {
     let _seeded = seed(&pool).await;
-    let root = serve(Console::new(idemflow_pg::PgOperator::new(pool.clone()))).await;
+    let root =
+        serve(Console::new(idemflow_pg::PgOperator::new(pool.clone())).allow_actions()).await;
     let live = token(&pool, LIVE).await;
     let shown = live.to_string();
     let end = format!("{root}/key/end-lease");
@@ -404,6 +405,278 @@ async fn the_standalone_console_asks_for_its_password_and_never_binds_beyond_loo
     );
 }
 
+/// Serves `console` alone (`idemflow_console::serve`, as `idemflow console` does): the address it
+/// listens on.
+async fn serve_alone(console: Console, options: ServeOptions) -> SocketAddr {
+    let (sender, bound) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        idemflow_console::serve(console, options, move |local| {
+            let _ = sender.send(local);
+        })
+        .await
+        .unwrap();
+    });
+    bound.await.unwrap()
+}
+
+/// One HTTP/1.1 exchange written by hand (a browser on a rebound name sends a Host no HTTP client
+/// library lets a test forge): the status and the body.
+async fn exchange(address: SocketAddr, request: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer[9..12].parse().unwrap();
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned());
+    (status, body.unwrap_or_default())
+}
+
+fn get_with_host(path: &str, host: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn without_a_password_the_standalone_console_answers_loopback_host_names_only(pool: PgPool) {
+    let _seeded = seed(&pool).await;
+    let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let console = Console::new(idemflow_pg::PgOperator::new(pool.clone())).read_only(false);
+    let address = serve_alone(console, ServeOptions::new(loopback)).await;
+    let port = address.port();
+    for host in [
+        format!("127.0.0.1:{port}"),
+        "127.0.0.1".to_owned(),
+        format!("localhost:{port}"),
+        "localhost".to_owned(),
+        format!("LocalHost:{port}"),
+        format!("[::1]:{port}"),
+        "[::1]".to_owned(),
+    ] {
+        let (status, html) = exchange(address, &get_with_host("/", &host)).await;
+        assert_eq!(status, 200, "Host {host}: {html}");
+    }
+    for host in [
+        format!("rebound.example:{port}"),
+        "rebound.example".to_owned(),
+        format!("127.0.0.1.rebound.example:{port}"),
+        format!("localhost.rebound.example:{port}"),
+        format!("127.0.0.1:{}", port.wrapping_add(1)),
+        format!("localhost:{port}@rebound.example"),
+    ] {
+        let (status, html) = exchange(address, &get_with_host("/", &host)).await;
+        assert_eq!(status, 421, "Host {host}: {html}");
+    }
+    // The attack: a page on a name rebound to 127.0.0.1 reads a key's stored request and expires
+    // it, with Host and Origin both its own name (so the cross-site check alone lets it through).
+    let rebound = format!("rebound.example:{port}");
+    let (status, html) = exchange(
+        address,
+        &get_with_host(&format!("/key?tenant={TENANT}&key=order-1"), &rebound),
+    )
+    .await;
+    assert_eq!(status, 421, "{html}");
+    assert!(!html.contains("amount"), "{html}");
+    let done = token(&pool, "order-1").await.to_string();
+    let form = format!("tenant={TENANT}&key=order-1&lock_version={done}&state=done&confirmed=yes");
+    let post = format!(
+        "POST /key/expire HTTP/1.1\r\nHost: {rebound}\r\nOrigin: http://{rebound}\r\n\
+         Connection: close\r\nContent-Type: application/x-www-form-urlencoded\r\n\
+         Content-Length: {}\r\n\r\n{form}",
+        form.len()
+    );
+    assert_eq!(exchange(address, &post).await.0, 421);
+    assert!(key_row(&pool, "order-1").await.is_some(), "the key is kept");
+    // A request with no Host at all (HTTP/1.0) names no loopback host either.
+    let (status, _) = exchange(address, "GET / HTTP/1.0\r\n\r\n").await;
+    assert_eq!(status, 421);
+
+    // With a password, any Host is answered to whoever knows it, as before.
+    let console = Console::new(idemflow_pg::PgOperator::new(pool.clone()));
+    let address = serve_alone(
+        console,
+        ServeOptions::new(loopback).password(Some("s3cret".to_owned())),
+    )
+    .await;
+    let (status, html) = exchange(
+        address,
+        &format!(
+            "GET / HTTP/1.1\r\nHost: console.internal.example\r\nAuthorization: Basic {}\r\n\
+             Connection: close\r\n\r\n",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "ana:s3cret")
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{html}");
+}
+
+/// The values of `name="…"` attributes in `html`, as a browser reads them (character references
+/// decoded).
+fn attribute_values(html: &str, name: &str) -> Vec<String> {
+    let marker = format!(" {name}=\"");
+    html.split(&marker)
+        .skip(1)
+        .filter_map(|rest| rest.split_once('"').map(|(value, _)| value))
+        .map(|value| {
+            value
+                .replace("&quot;", "\"")
+                .replace("&#39;", "'")
+                .replace("&lt;", "<")
+                .replace("&gt;", ">")
+                .replace("&amp;", "&")
+        })
+        .collect()
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_mount_prefix_is_written_escaped_and_every_link_under_it_works(pool: PgPool) {
+    let _seeded = seed(&pool).await;
+    // A prefix a request path may hold, with a quote and what reads as a character reference.
+    let prefix = "/it's&amp;ops";
+    let app = Router::new().nest(
+        prefix,
+        Console::new(idemflow_pg::PgOperator::new(pool.clone())).router(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let host = address.to_string();
+    for path in ["", "/keys?tenant=1", "/stuck", "/key?tenant=1&key=order-1"] {
+        let (status, html) =
+            exchange(address, &get_with_host(&format!("{prefix}{path}"), &host)).await;
+        assert_eq!(status, 200, "{path}: {html}");
+        assert!(
+            !html.contains("=\"/it's"),
+            "{path}: a raw quote in an attribute: {html}"
+        );
+        let links: Vec<String> = attribute_values(&html, "href")
+            .into_iter()
+            .chain(attribute_values(&html, "src"))
+            .collect();
+        assert!(links.iter().any(|link| link.ends_with("/stuck")), "{html}");
+        for link in links {
+            assert!(link.starts_with(prefix), "{path}: {link}");
+            let (status, page) = exchange(address, &get_with_host(&link, &host)).await;
+            assert_eq!(status, 200, "{path}: the link {link}: {page}");
+        }
+    }
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn an_embedded_console_is_read_only_until_its_actions_are_allowed(pool: PgPool) {
+    let _seeded = seed(&pool).await;
+    let done = token(&pool, "order-1").await.to_string();
+    let expire = [
+        ("tenant", TENANT),
+        ("key", "order-1"),
+        ("lock_version", done.as_str()),
+        ("state", "done"),
+        ("confirmed", "yes"),
+    ];
+    let root = serve(Console::new(idemflow_pg::PgOperator::new(pool.clone()))).await;
+    let (_, html) = page(&key_url(&root, "order-1")).await;
+    assert!(html.contains(r#"id="actions-off""#), "{html}");
+    let (status, html) = post(&format!("{root}/key/expire"), &expire).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{html}");
+    assert!(key_row(&pool, "order-1").await.is_some());
+
+    let root =
+        serve(Console::new(idemflow_pg::PgOperator::new(pool.clone())).allow_actions()).await;
+    let (_, html) = page(&key_url(&root, "order-1")).await;
+    assert!(html.contains(r#"id="expire""#), "{html}");
+    let (status, html) = post(&format!("{root}/key/expire"), &expire).await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    assert!(key_row(&pool, "order-1").await.is_none());
+}
+
+/// Serves `console` under `/ops` with every request signed in as `who` (none: signed out).
+async fn serve_as(console: Console, who: Option<&'static str>) -> String {
+    let console = console.router().layer(axum::middleware::from_fn(
+        move |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+            if let Some(who) = who {
+                request
+                    .extensions_mut()
+                    .insert(idemflow_console::Principal(who.to_owned()));
+            }
+            next.run(request).await
+        },
+    ));
+    let app = Router::new().nest("/ops", console);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{address}/ops")
+}
+
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn an_operator_limited_to_some_tenants_sees_and_acts_on_theirs_only(pool: PgPool) {
+    let seeded = seed(&pool).await;
+    // Tenant 2 has keys of the same names as tenant 1's.
+    let (runner, workflow) = (Runner::new(pool.clone()), seeded.harness.checkout());
+    for key in ["order-1", "order-2"] {
+        run(&runner, &workflow, &tenant(2), key, &body(10)).await;
+    }
+    let theirs: i64 = sqlx::query_scalar(
+        "SELECT lock_version FROM idempotency_keys WHERE tenant = '2' AND key = 'order-1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let console = || {
+        Console::new(idemflow_pg::PgOperator::new(pool.clone()))
+            .allow_actions()
+            .tenants(|principal| match principal.map(|p| p.0.as_str()) {
+                Some("ana@example.com") => idemflow_console::Tenants::only(["1"]),
+                _ => idemflow_console::Tenants::none(),
+            })
+    };
+    let root = serve_as(console(), Some("ana@example.com")).await;
+    let (status, _) = page(&key_url(&root, "order-1")).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, html) = page(&format!("{root}/key?tenant=2&key=order-1")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{html}");
+    assert!(!html.contains("amount"), "{html}");
+    for search in [
+        format!("{root}/keys?key=order-1"),
+        format!("{root}/keys?tenant=2"),
+    ] {
+        let (status, html) = page(&search).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(!html.contains("tenant=2&amp;"), "{search}: {html}");
+    }
+    let (_, html) = page(&format!("{root}/keys?key=order-1")).await;
+    assert!(html.contains("tenant=1&amp;key=order-1"), "{html}");
+    let (status, html) = post(
+        &format!("{root}/key/expire"),
+        &[
+            ("tenant", "2"),
+            ("key", "order-1"),
+            ("lock_version", &theirs.to_string()),
+            ("state", "done"),
+            ("confirmed", "yes"),
+        ],
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{html}");
+    assert!(html.contains("refused_tenant"), "{html}");
+    let kept: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE tenant = '2' AND key = 'order-1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kept, 1, "another tenant's key was expired");
+
+    // Signed out: the hook answers no tenant, and no key is shown.
+    let root = serve_as(console(), None).await;
+    let (status, _) = page(&key_url(&root, "order-1")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (_, html) = page(&format!("{root}/stuck")).await;
+    assert!(!html.contains("order-"), "{html}");
+}
+
 /// Where the browser test saves its screenshots: `IDEMFLOW_SCREENSHOTS` (docs/console/ to remake
 /// the documentation's), else a temporary directory.
 fn screenshots() -> std::path::PathBuf {
@@ -431,7 +704,8 @@ async fn in_a_browser_an_operator_finds_a_crashed_key_reads_its_timeline_and_end
     let shots = screenshots();
     let root = serve(
         Console::new(idemflow_pg::PgOperator::new(pool.clone()))
-            .workflow(&seeded.harness.checkout()),
+            .workflow(&seeded.harness.checkout())
+            .allow_actions(),
     )
     .await;
     let read_only =
@@ -662,7 +936,9 @@ async fn the_console_runs_as_the_runtime_role_and_read_only_as_the_read_only_rol
         );
         assert!(gone.await.is_err());
         // The full console as the runtime role: it reads, and its actions write.
-        let root = serve(Console::new(idemflow_pg::PgOperator::new(runtime.clone()))).await;
+        let root =
+            serve(Console::new(idemflow_pg::PgOperator::new(runtime.clone())).allow_actions())
+                .await;
         assert_eq!(page(&root).await.0, StatusCode::OK);
         assert_eq!(page(&key_url(&root, "order-1")).await.0, StatusCode::OK);
         let shown: i64 =

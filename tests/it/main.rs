@@ -14,6 +14,7 @@ mod cli_binary;
 mod clock_skew;
 mod conformance;
 mod console;
+mod console_redis;
 mod consumer;
 mod crash_processes;
 mod deploy;

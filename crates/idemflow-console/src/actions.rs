@@ -43,39 +43,27 @@ pub async fn key_page(
     let base = base(&original, &uri);
     let principal = principal.map(|Extension(p)| p);
     let frame = console.frame(&base, principal.as_ref());
+    let fail = |status, text: &str| failure(&console, &base, principal.as_ref(), status, text);
     if let Err(reason) = check(&query.tenant, &query.key) {
-        return failure(
-            &console,
-            &base,
-            principal.as_ref(),
-            StatusCode::BAD_REQUEST,
-            &reason,
-        );
+        return fail(StatusCode::BAD_REQUEST, &reason);
     }
-    let report = match console.operator.key_report(&query.tenant, &query.key).await {
+    // Another tenant's key reads as no key at all, and is not read: its page says nothing of
+    // whether it exists.
+    let report = if console.tenants_of(principal.as_ref()).allows(&query.tenant) {
+        console.operator.key_report(&query.tenant, &query.key).await
+    } else {
+        Ok(None)
+    };
+    let report = match report {
         Ok(Some(report)) => report,
         Ok(None) => {
             let text = format!(
                 "No key {:?} for tenant {:?}: never claimed, or expired.",
                 query.key, query.tenant
             );
-            return failure(
-                &console,
-                &base,
-                principal.as_ref(),
-                StatusCode::NOT_FOUND,
-                &text,
-            );
+            return fail(StatusCode::NOT_FOUND, &text);
         }
-        Err(error) => {
-            return failure(
-                &console,
-                &base,
-                principal.as_ref(),
-                StatusCode::SERVICE_UNAVAILABLE,
-                &error.to_string(),
-            );
-        }
+        Err(error) => return fail(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
     };
     let mut body = pages::summary(&report);
     body.push_str(&pages::timeline(&report));
@@ -86,15 +74,7 @@ pub async fn key_page(
         Ok(Some(bodies)) => body.push_str(&pages::bodies(&bodies)),
         // Deleted between the two reads: the page shows the key as it was.
         Ok(None) => {}
-        Err(error) => {
-            return failure(
-                &console,
-                &base,
-                principal.as_ref(),
-                StatusCode::SERVICE_UNAVAILABLE,
-                &error.to_string(),
-            );
-        }
+        Err(error) => return fail(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
     }
     Html(crate::html::page(
         &frame,
@@ -152,6 +132,7 @@ enum Outcome {
     AlreadyDue,
     RefusedReadOnly,
     RefusedCrossSite,
+    RefusedTenant,
     RefusedLiveOwner,
     RefusedFinished,
     MovedOn,
@@ -167,6 +148,7 @@ impl Outcome {
             Self::AlreadyDue => "already_due",
             Self::RefusedReadOnly => "refused_read_only",
             Self::RefusedCrossSite => "refused_cross_site",
+            Self::RefusedTenant => "refused_tenant",
             Self::RefusedLiveOwner => "refused_live_owner",
             Self::RefusedFinished => "refused_finished",
             Self::MovedOn => "moved_on",
@@ -179,7 +161,9 @@ impl Outcome {
     fn status(self) -> StatusCode {
         match self {
             Self::Done | Self::AlreadyDue => StatusCode::OK,
-            Self::RefusedReadOnly | Self::RefusedCrossSite => StatusCode::FORBIDDEN,
+            Self::RefusedReadOnly | Self::RefusedCrossSite | Self::RefusedTenant => {
+                StatusCode::FORBIDDEN
+            }
             Self::RefusedLiveOwner | Self::RefusedFinished | Self::MovedOn => StatusCode::CONFLICT,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::Invalid => StatusCode::BAD_REQUEST,
@@ -265,7 +249,7 @@ async fn act(
         "key",
         &[("tenant", &form.tenant), ("key", &form.key)],
     );
-    let (outcome, text) = decide(action, console, headers, &form).await;
+    let (outcome, text) = decide(action, console, headers, principal.as_ref(), &form).await;
     let Some(outcome) = outcome else {
         // Not confirmed yet: ask, and record nothing.
         let fields = [
@@ -295,6 +279,7 @@ async fn decide(
     action: Action,
     console: &Console,
     headers: &HeaderMap,
+    principal: Option<&Principal>,
     form: &ActionForm,
 ) -> (Option<Outcome>, String) {
     if !same_origin(headers) {
@@ -311,6 +296,15 @@ async fn decide(
     }
     if let Err(reason) = check(&form.tenant, &form.key) {
         return (Some(Outcome::Invalid), reason);
+    }
+    if !console.tenants_of(principal).allows(&form.tenant) {
+        return (
+            Some(Outcome::RefusedTenant),
+            format!(
+                "refused: this console does not show tenant {:?}'s keys to you",
+                form.tenant
+            ),
+        );
     }
     let Ok(seen) = form.lock_version.parse::<i64>() else {
         return (
@@ -469,17 +463,20 @@ async fn expire_of(
     }
 }
 
+/// Records an action. The form's fields are recorded as they came, valid or not (an invalid
+/// one is what an operator looks for), so they are written escaped (`Debug`): a field holding a
+/// line break would otherwise write a log line of its own, forged by whoever posted the form.
 fn record(action: Action, outcome: Outcome, form: &ActionForm, principal: Option<&Principal>) {
     let principal = principal.map_or("unknown", |p| p.0.as_str());
     tracing::info!(
         target: "idemflow::console",
         action = action.name(),
         outcome = outcome.name(),
-        tenant = %form.tenant,
-        key = %form.key,
-        lock_version = %form.lock_version,
+        tenant = ?form.tenant,
+        key = ?form.key,
+        lock_version = ?form.lock_version,
         forced = form.force == "on",
-        principal,
+        principal = ?principal,
         "console action"
     );
     metrics::counter!(

@@ -57,10 +57,12 @@ pub fn attr(text: &str) -> String {
 
 /// A whole page: the frame (title, navigation, engine, read-only badge) around `body`.
 pub fn page(frame: &Frame<'_>, title: &str, body: &str) -> String {
-    let base = frame.base;
+    // The mount prefix is the request's path (or what the application's layers made of it), so
+    // it is escaped like any other value.
+    let base = attr(frame.base);
     // The overview is the mount point itself: `/ops` when nested there (axum matches a nested
     // root without the trailing slash), `/` at the root.
-    let home = if base.is_empty() { "/" } else { base };
+    let home = if base.is_empty() { "/" } else { base.as_str() };
     let mode = if frame.read_only {
         r#"<span class="badge read-only" id="read-only">read-only</span>"#
     } else {
@@ -166,6 +168,24 @@ mod tests {
         assert_eq!(
             escape("<script>\"x\"&'y'\u{1b}[2J"),
             "&lt;script&gt;&quot;x&quot;&amp;&#39;y&#39;\\u{1b}[2J"
+        );
+    }
+
+    #[test]
+    fn a_mount_prefix_cannot_write_markup() {
+        let frame = Frame {
+            base: "/ops\"><script>alert(1)</script><a b=\"",
+            engine: "PostgreSQL",
+            read_only: false,
+            principal: None,
+        };
+        let html = page(&frame, "Overview", "");
+        assert!(!html.contains("<script>alert"), "{html}");
+        assert!(
+            html.contains(
+                r#"href="/ops&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;&lt;a b=&quot;/keys""#
+            ),
+            "{html}"
         );
     }
 

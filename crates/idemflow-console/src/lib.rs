@@ -5,7 +5,8 @@
 //! ```no_run
 //! # async fn mount(pool: sqlx::SqlitePool, app: axum::Router) {
 //! let operator = idemflow_sqlite::SqliteOperator::new(pool);
-//! let console = idemflow_console::Console::new(operator).read_only(true);
+//! // Read-only until `.allow_actions()`; every tenant's keys until `.tenants(…)` says otherwise.
+//! let console = idemflow_console::Console::new(operator);
 //! let app = app.nest("/ops/idemflow", console.router());
 //! # }
 //! ```
@@ -15,8 +16,10 @@
 //! request and response), the stuck list. Actions: end a lease and expire a key, each confirmed,
 //! refused for a live owner unless forced, fenced by the token the operator was shown, and
 //! recorded (a tracing event and the `idemflow_console_actions_total` counter, naming the
-//! [`Principal`] when the application's layers set one). Read-only mode is enforced by the server:
-//! the actions' routes answer 403 whatever the page shows. Its assets are compiled in; pages work
+//! [`Principal`] when the application's layers set one). A console starts read-only, enforced by
+//! the server (the actions' routes answer 403 whatever the page shows): an application opts in
+//! to the actions with [`Console::allow_actions`]. [`Console::tenants`] limits each operator to
+//! some tenants' keys. Its assets are compiled in; pages work
 //! without JavaScript (which only adds the confirmation dialog). docs/console.md has the rest.
 
 #![deny(missing_docs)]
@@ -27,7 +30,7 @@ mod pages;
 mod search;
 mod serve;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use axum::Router;
@@ -55,12 +58,45 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal(pub String);
 
+/// Which tenants' keys an operator may see and act on: what [`Console::tenants`]' hook answers
+/// for each request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Tenants {
+    /// Every tenant's.
+    All,
+    /// These tenants' only (none: no key at all).
+    Only(BTreeSet<String>),
+}
+
+impl Tenants {
+    /// These tenants' keys only.
+    pub fn only<T: Into<String>>(tenants: impl IntoIterator<Item = T>) -> Self {
+        Self::Only(tenants.into_iter().map(Into::into).collect())
+    }
+
+    /// No tenant's keys: what to answer for a request the hook cannot place.
+    pub fn none() -> Self {
+        Self::Only(BTreeSet::new())
+    }
+
+    /// Whether `tenant`'s keys are among these.
+    pub fn allows(&self, tenant: &str) -> bool {
+        match self {
+            Self::All => true,
+            Self::Only(tenants) => tenants.contains(tenant),
+        }
+    }
+}
+
+type TenantHook = Arc<dyn Fn(Option<&Principal>) -> Tenants + Send + Sync>;
+
 /// The console over one engine's database.
 #[derive(Clone)]
 pub struct Console {
     operator: Arc<dyn Operator>,
     read_only: bool,
     workflows: Arc<HashMap<String, Vec<(String, bool)>>>,
+    tenants: Option<TenantHook>,
 }
 
 impl std::fmt::Debug for Console {
@@ -69,31 +105,68 @@ impl std::fmt::Debug for Console {
             .debug_struct("Console")
             .field("engine", &self.operator.engine())
             .field("read_only", &self.read_only)
+            .field("tenants_limited", &self.tenants.is_some())
             .finish()
     }
 }
 
 impl Console {
     /// A console over any engine's [`Operator`] (`PgOperator`, `SqliteOperator`,
-    /// `MySqlOperator`, `RedisOperator`, or one opened by URL).
+    /// `MySqlOperator`, `RedisOperator`, or one opened by URL). It starts read-only
+    /// ([`Console::allow_actions`] opts in to the actions) and shows every tenant's keys
+    /// ([`Console::tenants`] limits them).
     pub fn new(operator: impl Operator + 'static) -> Self {
         Self::shared(Arc::new(operator))
     }
 
-    /// A console over an operator already shared (one opened by URL, boxed).
+    /// A console over an operator already shared (one opened by URL, boxed); read-only, as
+    /// [`Console::new`].
     pub fn shared(operator: Arc<dyn Operator>) -> Self {
         Self {
             operator,
-            read_only: false,
+            // Mounted in an application, the console answers whoever the application lets
+            // through: what can delete a key's stored response is opted in to, never inherited.
+            read_only: true,
             workflows: Arc::default(),
+            tenants: None,
         }
     }
 
-    /// Read-only: every action is refused by the server (403), and no action is offered.
+    /// Offers and performs the actions (end a lease, expire a key): without it, the console is
+    /// read-only.
+    #[must_use]
+    pub fn allow_actions(self) -> Self {
+        self.read_only(false)
+    }
+
+    /// Read-only (`true`, the default): every action is refused by the server (403), and no
+    /// action is offered. `false` is [`Console::allow_actions`].
     #[must_use]
     pub fn read_only(mut self, read_only: bool) -> Self {
         self.read_only = read_only;
         self
+    }
+
+    /// Limits each operator to some tenants' keys: `hook` is asked, for every request, which
+    /// tenants the signed-in [`Principal`] (`None` when the application's layers set none) may
+    /// see and act on. Another tenant's key is not found on its page, is left out of the search
+    /// and the stuck list, and an action on it is refused (`refused_tenant`, 403) before the
+    /// database is read. The overview's figures stay the store's, every tenant's: they name no
+    /// tenant and no key.
+    #[must_use]
+    pub fn tenants(
+        mut self,
+        hook: impl Fn(Option<&Principal>) -> Tenants + Send + Sync + 'static,
+    ) -> Self {
+        self.tenants = Some(Arc::new(hook));
+        self
+    }
+
+    /// The tenants `principal` may see.
+    fn tenants_of(&self, principal: Option<&Principal>) -> Tenants {
+        self.tenants
+            .as_ref()
+            .map_or(Tenants::All, |hook| hook(principal))
     }
 
     /// Names a workflow's phases, local and foreign, so a key's page lists them with where the
@@ -232,7 +305,8 @@ async fn search_page(
                 .into_response();
         }
     };
-    match search::run(console.operator.as_ref(), &parsed).await {
+    let tenants = console.tenants_of(principal.as_ref());
+    match search::run(console.operator.as_ref(), &parsed, &tenants).await {
         Ok(found) => Html(pages::search(&frame, &form, Some(&found))).into_response(),
         Err(error) => failure(
             &console,
@@ -255,13 +329,17 @@ async fn stuck(
 ) -> Response {
     let base = base(&original, &uri);
     let principal = principal.map(|axum::Extension(p)| p);
+    let tenants = console.tenants_of(principal.as_ref());
     match console.operator.stuck_keys(STUCK_ATTEMPTS, 100).await {
-        Ok(keys) => Html(pages::stuck(
-            &console.frame(&base, principal.as_ref()),
-            &keys,
-            STUCK_ATTEMPTS,
-        ))
-        .into_response(),
+        Ok(mut keys) => {
+            keys.retain(|key| tenants.allows(&key.tenant));
+            Html(pages::stuck(
+                &console.frame(&base, principal.as_ref()),
+                &keys,
+                STUCK_ATTEMPTS,
+            ))
+            .into_response()
+        }
         Err(error) => failure(
             &console,
             &base,

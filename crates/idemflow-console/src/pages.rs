@@ -141,7 +141,7 @@ pub fn overview(frame: &Frame<'_>, overview: &Overview) -> String {
         let _ = write!(
             body,
             r#"<p>{due} started keys are past their lease: <a href="{}/stuck">see the stuck list</a>.</p>"#,
-            frame.base
+            attr(frame.base)
         );
     }
     page(frame, "Overview", &body)
@@ -161,7 +161,7 @@ fn search_form(frame: &Frame<'_>, form: &SearchForm) -> String {
 <label>Last error has <input name="error" value="{error}"></label>
 <button type="submit">Search</button>
 </form>"#,
-        base = frame.base,
+        base = attr(frame.base),
         tenant = attr(&form.tenant),
         key = attr(&form.key),
         prefix = if form.prefix == "on" { " checked" } else { "" },
@@ -317,7 +317,7 @@ pub fn actions(frame: &Frame<'_>, report: &KeyReport) -> String {
         let _ = write!(
             out,
             r#"<form method="post" action="{base}/key/end-lease" id="end-lease" data-confirm="End the lease of key {key} (token {token})? Its owner's writes are refused from then on, and a resumer or the next retry takes it over.">{hidden}{force}<button type="submit" class="danger">End lease</button></form>"#,
-            base = frame.base,
+            base = attr(frame.base),
             key = attr(&report.key),
             token = report.lock_version,
         );
@@ -330,7 +330,7 @@ pub fn actions(frame: &Frame<'_>, report: &KeyReport) -> String {
     let _ = write!(
         out,
         r#"<form method="post" action="{base}/key/expire" id="expire" data-confirm="Expire key {key} now? {consequence}">{hidden}{force}<button type="submit" class="danger">Expire key</button></form>"#,
-        base = frame.base,
+        base = attr(frame.base),
         key = attr(&report.key),
         consequence = attr(consequence),
     );
@@ -359,7 +359,7 @@ pub fn confirm(
         "Confirm",
         &format!(
             r#"<form method="post" action="{base}/key/{action}" id="confirm"><p class="message">{q}</p>{hidden}<input type="hidden" name="confirmed" value="yes"><button type="submit" class="danger">Yes, {action}</button></form>"#,
-            base = frame.base,
+            base = attr(frame.base),
             q = escape(question),
         ),
     )

@@ -200,8 +200,13 @@ pub struct Found {
     pub next: Option<(String, String)>,
 }
 
-/// Runs one page of `search`.
-pub async fn run(operator: &dyn Operator, search: &Search) -> Result<Found, SearchError> {
+/// Runs one page of `search`, showing the keys of `tenants` only (another tenant's key is read,
+/// as any row of the range is, and passed over).
+pub async fn run(
+    operator: &dyn Operator,
+    search: &Search,
+    tenants: &crate::Tenants,
+) -> Result<Found, SearchError> {
     let rows = operator.scan_keys(&search.from(), SCAN).await?;
     let mut keys = Vec::new();
     let mut next = None;
@@ -213,7 +218,7 @@ pub async fn run(operator: &dyn Operator, search: &Search) -> Result<Found, Sear
             break;
         }
         scanned += 1;
-        if search.matches(report) {
+        if search.matches(report) && tenants.allows(&report.tenant) {
             keys.push(report.clone());
             if keys.len() == PAGE {
                 next = Some((report.tenant.clone(), report.key.clone()));

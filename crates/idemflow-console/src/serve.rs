@@ -1,6 +1,6 @@
-//! Running the console alone (`idemflow console`): on a loopback address as it is, or on any
-//! other address only behind a basic-auth password, which comes from the environment (a flag
-//! would show in `ps` and in shell history).
+//! Running the console alone (`idemflow console`): on a loopback address as it is, answering only
+//! requests that name loopback in their `Host`, or on any other address only behind a basic-auth
+//! password, which comes from the environment (a flag would show in `ps` and in shell history).
 
 use std::net::SocketAddr;
 
@@ -23,6 +23,9 @@ pub struct ServeOptions {
     pub bind: SocketAddr,
     /// The basic-auth password (any user name; it names the principal of the actions).
     pub password: Option<String>,
+    /// Routes served beside the console's, behind the same password and `Host` checks (the
+    /// CLI's `/metrics`).
+    pub routes: Option<axum::Router>,
 }
 
 impl ServeOptions {
@@ -31,6 +34,7 @@ impl ServeOptions {
         Self {
             bind,
             password: None,
+            routes: None,
         }
     }
 
@@ -38,6 +42,13 @@ impl ServeOptions {
     #[must_use]
     pub fn password(mut self, password: Option<String>) -> Self {
         self.password = password.filter(|p| !p.is_empty());
+        self
+    }
+
+    /// Serves `routes` beside the console's (they must not overlap them), behind the same checks.
+    #[must_use]
+    pub fn routes(mut self, routes: axum::Router) -> Self {
+        self.routes = Some(routes);
         self
     }
 }
@@ -73,10 +84,17 @@ pub async fn serve(
         .local_addr()
         .map_err(|error| ServeError::Io(options.bind, error))?;
     let mut router = console.router();
+    if let Some(routes) = options.routes {
+        router = router.merge(routes);
+    }
     if let Some(password) = options.password {
         router = router.layer(middleware::from_fn(move |request, next| {
             let password = password.clone();
             async move { basic_auth(&password, request, next).await }
+        }));
+    } else {
+        router = router.layer(middleware::from_fn(move |request, next| {
+            loopback_host_only(local, request, next)
         }));
     }
     ready(local);
@@ -107,6 +125,45 @@ async fn shutdown() {
     {
         let _ = interrupt.await;
     }
+}
+
+/// Without a password the console trusts whoever reaches its loopback address, and a web page
+/// reaches it too once its DNS name is rebound to 127.0.0.1: the browser then sends that name in
+/// `Host` and `Origin` alike, so the cross-site check passes, and the page could read stored
+/// requests and expire keys. Such a request names the page's host, never loopback's: only
+/// loopback's own names are answered (421 Misdirected Request otherwise), before any handler runs.
+async fn loopback_host_only(
+    local: SocketAddr,
+    request: Request<axum::body::Body>,
+    next: Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|value| value.to_str().ok());
+    if host.is_some_and(|host| names_loopback(host, local)) {
+        return next.run(request).await;
+    }
+    (
+        StatusCode::MISDIRECTED_REQUEST,
+        "this console answers only requests for localhost, 127.0.0.1 or [::1]; \
+         set a password to serve it under another name\n",
+    )
+        .into_response()
+}
+
+/// Whether `host` (a `Host` header) names loopback: `localhost`, `127.0.0.1`, `[::1]` or the
+/// address bound, with the bound port or none.
+fn names_loopback(host: &str, local: SocketAddr) -> bool {
+    let host = host.to_ascii_lowercase();
+    let name = host
+        .strip_suffix(&format!(":{}", local.port()))
+        .unwrap_or(&host);
+    let bound = match local.ip() {
+        std::net::IpAddr::V4(ip) => ip.to_string(),
+        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+    };
+    matches!(name, "localhost" | "127.0.0.1" | "[::1]") || name == bound
 }
 
 /// Lets a request through with the right password (any user name, which becomes its
@@ -159,6 +216,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_loopback_names_are_loopback() {
+        let local: SocketAddr = "127.0.0.1:8089".parse().expect("address");
+        for host in [
+            "localhost",
+            "LOCALHOST:8089",
+            "127.0.0.1:8089",
+            "[::1]",
+            "[::1]:8089",
+        ] {
+            assert!(names_loopback(host, local), "{host}");
+        }
+        for host in [
+            "localhost:8090",
+            "rebound.example:8089",
+            "127.0.0.1.rebound.example",
+            "localhost.",
+            "",
+        ] {
+            assert!(!names_loopback(host, local), "{host}");
+        }
+        let other: SocketAddr = "127.0.0.7:8089".parse().expect("address");
+        assert!(names_loopback("127.0.0.7:8089", other));
+    }
+
+    #[test]
     fn secrets_compare_whole() {
         assert!(same_secret(b"s3cret", b"s3cret"));
         assert!(!same_secret(b"s3cre", b"s3cret"));
@@ -171,5 +253,6 @@ idemflow_core::with_setters! {
     ServeOptions {
         with_bind => bind: SocketAddr,
         with_password => password: Option<String>,
+        with_routes => routes: Option<axum::Router>,
     }
 }

@@ -147,18 +147,47 @@ pub async fn key_bodies(
     }))
 }
 
-type Overviewed = (i64, Vec<(String, i64, i64)>, Option<i64>, i64, i64);
+/// Members of a sorted set one script reads at most: a script blocks every other client while it
+/// runs, so what an operator's page costs Redis is paid in pages of this many, never in one walk
+/// of every started key.
+pub const MEMBERS_PER_SCRIPT: i64 = 256;
+
+type Overviewed = (i64, Vec<(String, i64, i64)>, i64, i64);
 
 /// The store at a glance: started keys by workflow (its sorted set of lease ends), the oldest
 /// started key, the resumer's lag, and keys finished lately (the set of finishes). The count of
-/// keys is the index's, exact.
+/// keys is the index's, exact. The counts are one script of `ZCARD` and `ZCOUNT`; the oldest
+/// started key is read off the started rows in pages of [`MEMBERS_PER_SCRIPT`].
 pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
-    let (now, started, oldest, last_minute, last_15): Overviewed = scripts::overview()
+    let mut connection = pool.connection();
+    let (now, started, last_minute, last_15): Overviewed = scripts::overview()
         .key(pool.workflows())
         .key(pool.finishes())
         .arg(pool.leases_prefix())
-        .invoke_async(&mut pool.connection())
+        .invoke_async(&mut connection)
         .await?;
+    let mut oldest: Option<i64> = None;
+    for (workflow, _, _) in &started {
+        let leases = format!("{}{workflow}", pool.leases_prefix());
+        let (mut score, mut member) = (String::new(), String::new());
+        loop {
+            let (created, read, last_score, last_member): (Option<i64>, i64, String, String) =
+                scripts::oldest_started()
+                    .key(&leases)
+                    .arg(&score)
+                    .arg(&member)
+                    .arg(MEMBERS_PER_SCRIPT)
+                    .invoke_async(&mut connection)
+                    .await?;
+            if let Some(created) = created {
+                oldest = Some(oldest.map_or(created, |oldest| oldest.min(created)));
+            }
+            if read < MEMBERS_PER_SCRIPT {
+                break;
+            }
+            (score, member) = (last_score, last_member);
+        }
+    }
     let mut started = started
         .into_iter()
         .map(|(workflow, keys, due)| {
@@ -176,7 +205,7 @@ pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
     let lag = crate::resumer_lag(pool).await?;
     let keys: i64 = redis::cmd("ZCARD")
         .arg(pool.index())
-        .query_async(&mut pool.connection())
+        .query_async(&mut connection)
         .await?;
     Ok(Overview {
         started,
@@ -250,48 +279,51 @@ pub async fn scan_keys(
 }
 
 /// Started keys whose lease is over or with `min_attempts` attempts or more, the oldest lease
-/// first, at most `limit`: read from the sorted sets of lease ends (started keys only).
+/// first, at most `limit`: read from the sorted sets of lease ends (started keys only), in pages
+/// of [`MEMBERS_PER_SCRIPT`], each workflow's until it gave `limit` (later ones end later).
 pub async fn stuck_keys(
     pool: &RedisPool,
     min_attempts: i32,
     limit: i64,
 ) -> Result<Vec<KeyReport>, StoreError> {
     let mut connection = pool.connection();
-    let (time, workflows): ((i64, i64), Vec<String>) = redis::pipe()
-        .cmd("TIME")
-        .cmd("SMEMBERS")
+    let workflows: Vec<String> = redis::cmd("SMEMBERS")
         .arg(pool.workflows())
         .query_async(&mut connection)
         .await?;
-    let now = time.0 * 1000 + time.1 / 1000;
-    let mut started: Vec<(i64, String)> = Vec::new();
+    let mut stuck: Vec<(i64, String, String)> = Vec::new();
     for workflow in workflows {
-        let ends: Vec<(String, i64)> = redis::cmd("ZRANGE")
-            .arg(format!("{}{workflow}", pool.leases_prefix()))
-            .arg(0)
-            .arg(-1)
-            .arg("WITHSCORES")
-            .query_async(&mut connection)
-            .await?;
-        started.extend(ends.into_iter().map(|(row, ends)| (ends, row)));
+        let leases = format!("{}{workflow}", pool.leases_prefix());
+        let (mut score, mut member) = (String::new(), String::new());
+        let mut found = 0;
+        loop {
+            type Page = (i64, String, String, Vec<(i64, String, String)>);
+            let (read, last_score, last_member, page): Page = scripts::stuck_page()
+                .key(&leases)
+                .arg(&score)
+                .arg(&member)
+                .arg(MEMBERS_PER_SCRIPT)
+                .arg(min_attempts)
+                .invoke_async(&mut connection)
+                .await?;
+            found += page.len() as i64;
+            stuck.extend(page);
+            if read < MEMBERS_PER_SCRIPT || found >= limit {
+                break;
+            }
+            (score, member) = (last_score, last_member);
+        }
     }
-    started.sort();
+    stuck.sort();
+    let mut seen = std::collections::HashSet::new();
     let mut reports = Vec::new();
-    for (ends, row) in started {
+    for (_, tenant, key) in stuck {
         if reports.len() as i64 >= limit {
             break;
         }
-        let (tenant, key, attempts): (Option<String>, Option<String>, Option<i64>) =
-            redis::cmd("HMGET")
-                .arg(&row)
-                .arg(&["t", "k", "att"])
-                .query_async(&mut connection)
-                .await?;
-        let (Some(tenant), Some(key)) = (tenant, key) else {
-            continue;
-        };
-        let stuck = ends <= now || attempts.unwrap_or(1) >= i64::from(min_attempts);
-        if stuck && let Some(report) = key_report(pool, &tenant, &key).await? {
+        if seen.insert((tenant.clone(), key.clone()))
+            && let Some(report) = key_report(pool, &tenant, &key).await?
+        {
             reports.push(report);
         }
     }

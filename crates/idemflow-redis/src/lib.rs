@@ -29,7 +29,8 @@ mod scripts;
 mod tamper;
 
 pub use console::{
-    end_lease, expire_key, finished_keys, key_bodies, key_report, overview, scan_keys, stuck_keys,
+    MEMBERS_PER_SCRIPT, end_lease, expire_key, finished_keys, key_bodies, key_report, overview,
+    scan_keys, stuck_keys,
 };
 
 pub use operator::RedisOperator;
@@ -65,6 +66,14 @@ pub enum StoreError {
     /// A stored row breaks the store's promises.
     #[error("corrupt key row: {0}")]
     Corrupt(String),
+    /// The server is a Redis Cluster node. The store's scripts touch keys in more than one hash
+    /// slot (a row, its workflow's set of lease ends, the fence, the indexes), which a cluster
+    /// refuses, so its first claim would fail; refused at connect instead.
+    #[error(
+        "Redis Cluster is not supported: the store's scripts touch keys in more than one hash \
+         slot; point it at a single Redis (with replicas or not)"
+    )]
+    Cluster,
 }
 
 impl From<StoreError> for EngineError {
@@ -72,6 +81,7 @@ impl From<StoreError> for EngineError {
         match error {
             StoreError::Fenced => Self::Fenced,
             StoreError::Corrupt(message) => Self::Corrupt(message),
+            StoreError::Cluster => Self::Database(DatabaseError::other(StoreError::Cluster)),
             // A broken connection: the runner tries again where it would on a database.
             StoreError::Redis(error) if error.is_io_error() || error.is_connection_dropped() => {
                 Self::Database(DatabaseError::new(DatabaseErrorKind::ConnectionLost, error))
@@ -112,7 +122,8 @@ impl RedisPool {
         Self::connect_with_prefix(url, DEFAULT_PREFIX).await
     }
 
-    /// Connects, keys under `prefix` (two services, or two test cases, on one Redis).
+    /// Connects, keys under `prefix` (two services, or two test cases, on one Redis). A Redis
+    /// Cluster node is refused ([`StoreError::Cluster`]).
     pub async fn connect_with_prefix(url: &str, prefix: &str) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
         // A connection manager, not a bare multiplexed connection: a bare one stays broken once
@@ -122,6 +133,9 @@ impl RedisPool {
             connection,
             prefix: Arc::from(prefix),
         };
+        if pool.is_cluster().await {
+            return Err(StoreError::Cluster);
+        }
         if let Ok(Some(policy)) = pool.evicting_policy().await {
             tracing::warn!(
                 %policy,
@@ -147,6 +161,40 @@ impl RedisPool {
             .get(1)
             .filter(|policy| policy.starts_with("allkeys-"))
             .cloned())
+    }
+
+    /// Whether the server is a Redis Cluster node: `HELLO`'s `mode` (which any user may ask
+    /// for), else `INFO cluster`'s `cluster_enabled`; `false` when the server answers neither.
+    async fn is_cluster(&self) -> bool {
+        let hello: redis::RedisResult<redis::Value> = redis::cmd("HELLO")
+            .query_async(&mut self.connection())
+            .await;
+        if let Ok(hello) = hello {
+            let fields: Vec<(redis::Value, redis::Value)> = match hello {
+                redis::Value::Map(fields) => fields,
+                redis::Value::Array(flat) => {
+                    let mut flat = flat.into_iter();
+                    std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
+                }
+                _ => Vec::new(),
+            };
+            let text = |value: &redis::Value| match value {
+                redis::Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+                redis::Value::SimpleString(text) => Some(text.clone()),
+                _ => None,
+            };
+            if let Some((_, mode)) = fields
+                .iter()
+                .find(|(name, _)| text(name).as_deref() == Some("mode"))
+            {
+                return text(mode).as_deref() == Some("cluster");
+            }
+        }
+        let info: redis::RedisResult<String> = redis::cmd("INFO")
+            .arg("cluster")
+            .query_async(&mut self.connection())
+            .await;
+        info.is_ok_and(|info| info.lines().any(|line| line.trim() == "cluster_enabled:1"))
     }
 
     /// The connection every command goes through.

@@ -141,17 +141,22 @@ impl OperatorEngine for RedisStore {
         &["redis", "rediss"]
     }
 
-    /// Connects, the keys under `options.key_prefix` (default [`DEFAULT_PREFIX`]). Redis has no
-    /// read-only session: a read-only tool refuses its writes itself.
+    /// Connects, the keys under `options.key_prefix` (default [`DEFAULT_PREFIX`]); a Redis Cluster
+    /// is refused (`OperatorError::Unsupported`). Redis has no read-only session: a read-only
+    /// tool refuses its writes itself, and a read-only Redis user refuses them too.
     async fn open(
         &self,
         url: &str,
         options: &OperatorOptions,
     ) -> Result<Box<dyn Operator>, OperatorError> {
         let prefix = options.key_prefix.as_deref().unwrap_or(DEFAULT_PREFIX);
-        let pool = RedisPool::connect_with_prefix(url, prefix)
-            .await
-            .map_err(|error| OperatorError::Connect(format!("cannot connect to Redis: {error}")))?;
+        let pool =
+            RedisPool::connect_with_prefix(url, prefix)
+                .await
+                .map_err(|error| match error {
+                    StoreError::Cluster => OperatorError::Unsupported(error.to_string()),
+                    error => OperatorError::Connect(format!("cannot connect to Redis: {error}")),
+                })?;
         Ok(Box::new(RedisOperator::new(pool)))
     }
 }

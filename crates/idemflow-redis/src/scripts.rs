@@ -69,6 +69,99 @@ fn script(parts: &[&str]) -> redis::Script {
     redis::Script::new(&parts.concat())
 }
 
+/// A script that only reads: what operators' tools run. It goes as `EVALSHA_RO` (`EVAL_RO` when
+/// the server has not cached it yet), so a Redis user allowed reads only may run it (the
+/// read-only recipe of docs/console.md: `+@read +time +evalsha_ro +eval_ro`), and Redis itself
+/// refuses it any write. A server older than Redis 7, which has neither, gets `EVALSHA`.
+pub(crate) struct ReadOnly {
+    script: redis::Script,
+    code: String,
+}
+
+fn read_only(parts: &[&str]) -> ReadOnly {
+    let code = parts.concat();
+    ReadOnly {
+        script: redis::Script::new(&code),
+        code,
+    }
+}
+
+impl ReadOnly {
+    /// A call with its first key.
+    pub(crate) fn key(&self, key: impl redis::ToRedisArgs) -> ReadCall<'_> {
+        let mut call = ReadCall {
+            script: self,
+            keys: Vec::new(),
+            args: Vec::new(),
+        };
+        call.key(key);
+        call
+    }
+}
+
+/// A call of a [`ReadOnly`] script, its keys and arguments.
+pub(crate) struct ReadCall<'a> {
+    script: &'a ReadOnly,
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl ReadCall<'_> {
+    pub(crate) fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
+        key.write_redis_args(&mut self.keys);
+        self
+    }
+
+    pub(crate) fn arg(&mut self, arg: impl redis::ToRedisArgs) -> &mut Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    fn command(&self, name: &str, body: &str) -> redis::Cmd {
+        let mut command = redis::cmd(name);
+        command
+            .arg(body)
+            .arg(self.keys.len())
+            .arg(&self.keys)
+            .arg(&self.args);
+        command
+    }
+
+    pub(crate) async fn invoke_async<T: redis::FromRedisValue>(
+        &self,
+        connection: &mut redis::aio::ConnectionManager,
+    ) -> redis::RedisResult<T> {
+        let hash = self.script.script.get_hash();
+        match self
+            .command("EVALSHA_RO", hash)
+            .query_async(connection)
+            .await
+        {
+            Err(error) if error.code() == Some("NOSCRIPT") => {
+                self.command("EVAL_RO", &self.script.code)
+                    .query_async(connection)
+                    .await
+            }
+            Err(error) if unknown_command(&error) => {
+                let mut invocation = self.script.script.prepare_invoke();
+                for key in &self.keys {
+                    invocation.key(key.as_slice());
+                }
+                for arg in &self.args {
+                    invocation.arg(arg.as_slice());
+                }
+                invocation.invoke_async(connection).await
+            }
+            answered => answered,
+        }
+    }
+}
+
+/// The server has no such command (`EVALSHA_RO` before Redis 7).
+fn unknown_command(error: &redis::RedisError) -> bool {
+    error.code() == Some("ERR") && error.to_string().contains("unknown command")
+}
+
 /// KEYS: row. Returns `{now, {fp, wf, st, lu, lv, rs, rh, rb, apart}}`.
 pub(crate) fn look_up() -> redis::Script {
     script(&[
@@ -282,8 +375,8 @@ pub(crate) fn take_over_due() -> redis::Script {
 
 /// KEYS: workflows. ARGV: the prefix of the sorted sets of lease ends. How long the oldest lapsed
 /// lease of a started key has been over, in ms (0 when none has).
-pub(crate) fn resumer_lag() -> redis::Script {
-    script(&[
+pub(crate) fn resumer_lag() -> ReadOnly {
+    read_only(&[
         NOW,
         "local lag = 0 \
          for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[1])) do \
@@ -296,8 +389,8 @@ pub(crate) fn resumer_lag() -> redis::Script {
 
 /// KEYS: workflows. ARGV: the prefix of the sorted sets of lease ends, then the (hex) workflows
 /// known. `{workflow, due keys}` for each other workflow with due keys.
-pub(crate) fn count_due_unknown() -> redis::Script {
-    script(&[
+pub(crate) fn count_due_unknown() -> ReadOnly {
+    read_only(&[
         NOW,
         "local known = {} \
          for index = 2, #ARGV do known[ARGV[index]] = true end \
@@ -353,8 +446,8 @@ end ";
 
 /// KEYS: row, the row's body apart prefix (`<row>:body:`). `{now, {t, k, wf, st, rp, lu, lv, att,
 /// err, rs, fp, ca, jr}, response bytes}` (the fields nil when the key is absent).
-pub(crate) fn report() -> redis::Script {
-    script(&[
+pub(crate) fn report() -> ReadOnly {
+    read_only(&[
         NOW,
         "local fields = redis.call('HMGET', KEYS[1], 't', 'k', 'wf', 'st', 'rp', 'lu', 'lv', 'att', \
              'err', 'rs', 'fp', 'ca', 'jr') \
@@ -387,28 +480,78 @@ pub(crate) fn expire_key() -> redis::Script {
     ])
 }
 
+/// `page(set, score, member, count)`: up to `count` members of the sorted set `set` with their
+/// scores, after `member` at `score` (the last one a page before read; `''` for the first page):
+/// right after it where it still is (`ZRANK`), else from the first member at that score, so a
+/// member that went or moved meanwhile makes some members read twice, never one passed over.
+/// `O(log n + count)`, whatever the set's size.
+const PAGE: &str = "local function page(set, score, member, count) \
+    local start = 0 \
+    if member ~= '' then \
+        local rank = redis.call('ZRANK', set, member) \
+        if rank and redis.call('ZSCORE', set, member) == score then \
+            start = rank + 1 \
+        else \
+            start = redis.call('ZCOUNT', set, '-inf', '(' .. score) \
+        end \
+    end \
+    return redis.call('ZRANGE', set, start, start + count - 1, 'WITHSCORES') \
+end ";
+
 /// KEYS: workflows, finishes. ARGV: the prefix of the sorted sets of lease ends. `{now,
-/// {workflow in hex, keys, due}..., oldest started claim (ms) or false, finished in the last
-/// minute, in the last 15 minutes}`. Reads only started keys (each workflow's sorted set, and
-/// each started row's claim time) and the finishes of the last quarter hour.
-pub(crate) fn overview() -> redis::Script {
-    script(&[
+/// {workflow in hex, keys, due}..., finished in the last minute, in the last 15 minutes}`: counts
+/// only (`ZCARD`, `ZCOUNT`), whatever the number of keys.
+pub(crate) fn overview() -> ReadOnly {
+    read_only(&[
         NOW,
         "local started = {} \
-         local oldest = false \
          for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[1])) do \
              local leases = ARGV[1] .. workflow \
              local keys = redis.call('ZCARD', leases) \
              if keys > 0 then \
                  table.insert(started, {workflow, keys, redis.call('ZCOUNT', leases, '-inf', now)}) \
-                 for _, row in ipairs(redis.call('ZRANGE', leases, 0, -1)) do \
-                     local created = tonumber(redis.call('HGET', row, 'ca')) \
-                     if created and (not oldest or created < oldest) then oldest = created end \
-                 end \
              end \
          end \
-         return {now, started, oldest, \
+         return {now, started, \
              redis.call('ZCOUNT', KEYS[2], now - 60000, '+inf'), \
              redis.call('ZCOUNT', KEYS[2], now - 900000, '+inf')}",
+    ])
+}
+
+/// KEYS: a workflow's leases. ARGV: the page's position (score, member), its size. One page of
+/// the started keys: `{oldest claim (ms) among them or false, members read, the last one's score,
+/// the last member}`.
+pub(crate) fn oldest_started() -> ReadOnly {
+    read_only(&[
+        PAGE,
+        "local found = page(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])) \
+         local oldest = false \
+         for at = 1, #found, 2 do \
+             local created = tonumber(redis.call('HGET', found[at], 'ca')) \
+             if created and (not oldest or created < oldest) then oldest = created end \
+         end \
+         return {oldest, #found / 2, found[#found] or '', found[#found - 1] or ''}",
+    ])
+}
+
+/// KEYS: a workflow's leases. ARGV: the page's position (score, member), its size, the attempts
+/// that make a key stuck. One page of the started keys: `{members read, the last one's score, the
+/// last member, {lease end, tenant, key} of each stuck one (its lease over, or that many attempts
+/// at one recovery point)}`.
+pub(crate) fn stuck_page() -> ReadOnly {
+    read_only(&[
+        NOW,
+        PAGE,
+        "local found = page(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])) \
+         local stuck = {} \
+         for at = 1, #found, 2 do \
+             local ends = tonumber(found[at + 1]) \
+             local held = redis.call('HMGET', found[at], 't', 'k', 'att') \
+             if held[1] and held[2] and (ends <= now or \
+                 (tonumber(held[3]) or 1) >= tonumber(ARGV[4])) then \
+                 table.insert(stuck, {ends, held[1], held[2]}) \
+             end \
+         end \
+         return {#found / 2, found[#found] or '', found[#found - 1] or '', stuck}",
     ])
 }

@@ -135,3 +135,77 @@ pub async fn lose_everything(pool: &RedisPool) {
             .expect("DEL");
     }
 }
+
+/// A `redis-server` of the test's own (`IDEMFLOW_REDIS_SERVER`, default `redis-server` on the
+/// `PATH`), for what cannot share the server other tests use: a configuration of its own (a
+/// cluster node), or a slow log no other test writes to. Killed when dropped.
+pub struct OwnServer {
+    child: std::process::Child,
+    directory: std::path::PathBuf,
+    /// Its URL.
+    pub url: String,
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.directory);
+    }
+}
+
+/// Starts a `redis-server` with `arguments` beside the test's own (no persistence, loopback, a
+/// free port), and waits until it answers.
+pub async fn own_server(arguments: &[&str]) -> OwnServer {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let directory = std::env::temp_dir().join(format!("idemflow-redis-{port}"));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let binary = std::env::var("IDEMFLOW_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+    let child = std::process::Command::new(&binary)
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ])
+        .args(["--appendonly", "no", "--dir"])
+        .arg(&directory)
+        .args(arguments)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| {
+            panic!(
+                "cannot start {binary} ({error}): these tests need a Redis server binary \
+                 (Debian: apt-get install redis-server), or IDEMFLOW_REDIS_SERVER naming one"
+            )
+        });
+    let server = OwnServer {
+        child,
+        directory,
+        url: format!("redis://127.0.0.1:{port}"),
+    };
+    let client = redis::Client::open(server.url.as_str()).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            if let Ok(mut connection) = client.get_multiplexed_async_connection().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut connection)
+                    .await
+                    .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the test's own redis-server answers");
+    server
+}
