@@ -43,6 +43,16 @@ idemflow_require_libfaketime() {
     '/usr/lib64/faketime/libfaketime.so.1'
 }
 
+# redis-server: the Redis tests that need a server of their own (a Redis Cluster node, a
+# server filled with 100k keys to measure) start one beside the shared one
+# (tests/it/support/redis.rs: own_server); Debian's redis-server package ships the binary.
+idemflow_require_redis_server() {
+  if [[ -n ${IDEMFLOW_REDIS_SERVER:-} ]]; then
+    return 0
+  fi
+  idemflow_require redis-server '/usr/bin/redis-server' '/usr/local/bin/redis-server'
+}
+
 # promtool: scripts/check-deploy checks the Prometheus alert rules under deploy/prometheus, runs
 # their unit tests and parses the dashboard's queries. Debian's prometheus package ships it as
 # /usr/bin/promtool, with the server (and, recommended, the node exporter) as services the check
