@@ -3,8 +3,9 @@
 //! settings it draws (layout, isolation, bodies apart, sealing, a consumer on the engine's pool).
 //! One source, every engine: the suite runs seeds 0 to 149 on PostgreSQL (in three parts, side
 //! by side, about 45 s each), seeds 0 to 99 on SQLite (two parts) and seeds 0 to 149 on
-//! MariaDB (three parts): the same schedules every time. The foreign-only world (a payment whose
-//! phases are all foreign) runs seeds 0 to 99 on Redis (two parts) and 0 to 49 on PostgreSQL.
+//! MariaDB (three parts): the same schedules every time. The foreign-only world (a payment and a
+//! payout whose phases are all foreign) runs seeds 0 to 99 on Redis (two parts) and 0 to 49 on
+//! PostgreSQL.
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
@@ -131,10 +132,10 @@ mod mariadb {
     }
 }
 
-/// The foreign-only world (`simulation::foreign`: a payment whose phases are all foreign, two
-/// tenants sharing key names, impostors, lost rows, closed connections) on Redis, the engine
-/// that runs only such workflows: seeds 0 to 99, in two parts. Each schedule's keys live under a
-/// prefix of its own.
+/// The foreign-only world (`simulation::foreign`: a payment and a payout whose phases are all
+/// foreign, two tenants sharing key names, impostors, lost rows claimed again under either
+/// workflow, closed connections) on Redis, the engine that runs only such workflows: seeds 0 to
+/// 99, in two parts. Each schedule's keys live under a prefix of its own.
 mod redis {
     use super::{explore, seeds_from_env};
     use idemflow_testrig::simulation::Simulation;

@@ -252,9 +252,9 @@ impl Simulation {
         })
     }
 
-    /// Prepares schedules of the foreign-only world (`foreign`: a payment whose phases are all
-    /// foreign, the workflow every engine runs) on the PostgreSQL database `pool` reaches
-    /// (migrated): the reference its Redis schedules are read against.
+    /// Prepares schedules of the foreign-only world (`foreign`: a payment and a payout whose
+    /// phases are all foreign, the workflows every engine runs) on the PostgreSQL database `pool`
+    /// reaches (migrated): the reference its Redis schedules are read against.
     pub async fn foreign_on_postgres(pool: &PgPool) -> Result<Self, sqlx::Error> {
         let options = pool.connect_options().as_ref().clone();
         // An owner parked before its commit holds its row's lock: the schedule's writes give

@@ -1,6 +1,6 @@
 //! What the foreign-only world does behind the runner's back, per engine: read a key's row, end
-//! its lease, age its finish, lose it, close the engine's connections, and audit the store's own
-//! bookkeeping.
+//! its lease, age its finish, lose it (finished, or started and cold), close the engine's
+//! connections, and audit the store's own bookkeeping.
 
 use async_trait::async_trait;
 use idemflow_core::TenantId;
@@ -20,6 +20,8 @@ pub struct RowSample {
     pub live: bool,
     /// The recovery point.
     pub point: String,
+    /// The workflow its life was claimed under.
+    pub workflow: String,
 }
 
 /// An engine the foreign-only world runs on.
@@ -55,6 +57,17 @@ pub trait ForeignSimEngine: Engine {
     /// operator's delete (SQL). Whether it did.
     async fn lose(observer: &PoolOf<Self>, tenant: &TenantId, key: &str) -> Result<bool, String>;
 
+    /// Loses a started key's row alone if it is still as `seen` was (started, with the same
+    /// token and lease end), its lease ended a day back first, as an eviction takes a cold row
+    /// (a crashed run's): on Redis its entry in its workflow's set of lease ends stays behind,
+    /// due. Whether it did.
+    async fn lose_started(
+        observer: &PoolOf<Self>,
+        tenant: &TenantId,
+        key: &str,
+        seen: &RowSample,
+    ) -> Result<bool, String>;
+
     /// Closes the engine's connections from the server's side. How many.
     async fn kill(engine: &PoolOf<Self>, observer: &PoolOf<Self>) -> Result<u64, String>;
 
@@ -73,8 +86,9 @@ impl ForeignSimEngine for PgStore {
         tenant: &TenantId,
         key: &str,
     ) -> Result<Option<RowSample>, String> {
-        let row: Option<(String, i64, String, bool, String)> = sqlx::query_as(
-            "SELECT state, lock_version, locked_until::text, locked_until > now(), recovery_point \
+        let row: Option<(String, i64, String, bool, String, String)> = sqlx::query_as(
+            "SELECT state, lock_version, locked_until::text, locked_until > now(), recovery_point, \
+                    workflow \
              FROM idempotency_keys WHERE tenant = $1 AND key = $2",
         )
         .bind(tenant.as_str())
@@ -82,13 +96,16 @@ impl ForeignSimEngine for PgStore {
         .fetch_optional(observer)
         .await
         .map_err(|error| error.to_string())?;
-        Ok(row.map(|(state, token, lease, live, point)| RowSample {
-            state,
-            token,
-            lease,
-            live,
-            point,
-        }))
+        Ok(
+            row.map(|(state, token, lease, live, point, workflow)| RowSample {
+                state,
+                token,
+                lease,
+                live,
+                point,
+                workflow,
+            }),
+        )
     }
 
     async fn lapse(
@@ -131,6 +148,27 @@ impl ForeignSimEngine for PgStore {
         )
         .bind(tenant.as_str())
         .bind(key)
+        .execute(observer)
+        .await
+        .map(|done| done.rows_affected() == 1)
+        .map_err(|error| error.to_string())
+    }
+
+    async fn lose_started(
+        observer: &sqlx::PgPool,
+        tenant: &TenantId,
+        key: &str,
+        seen: &RowSample,
+    ) -> Result<bool, String> {
+        sqlx::query(
+            "DELETE FROM idempotency_keys \
+             WHERE tenant = $1 AND key = $2 AND state = 'started' AND lock_version = $3 \
+               AND locked_until::text = $4",
+        )
+        .bind(tenant.as_str())
+        .bind(key)
+        .bind(seen.token)
+        .bind(&seen.lease)
         .execute(observer)
         .await
         .map(|done| done.rows_affected() == 1)
@@ -218,6 +256,17 @@ pub(crate) mod redis_store {
         redis.call('DEL', KEYS[1]) \
         return 1";
 
+    /// KEYS: row. ARGV: token, lease end, leases prefix. Rewinds a started row's lease end, in
+    /// its row's workflow's sorted set too, as `LAPSE` does, when token and lease end are still
+    /// the ones seen; then deletes the row alone (its entry in that set stays, due, as after an
+    /// eviction of a crashed run's row).
+    const LOSE_STARTED: &str = "local held = redis.call('HMGET', KEYS[1], 'st', 'lv', 'lu', 'wf') \
+        if held[1] ~= 'started' or held[2] ~= ARGV[1] or held[3] ~= ARGV[2] then return 0 end \
+        local workflow = held[4]:gsub('.', function(c) return string.format('%02x', c:byte()) end) \
+        redis.call('ZADD', ARGV[3] .. workflow, tonumber(held[3]) - 86400000, KEYS[1]) \
+        redis.call('DEL', KEYS[1]) \
+        return 1";
+
     #[async_trait]
     impl ForeignSimEngine for RedisStore {
         const SIM_NAME: &'static str = "redis";
@@ -233,12 +282,12 @@ pub(crate) mod redis_store {
                 .cmd("TIME")
                 .cmd("HMGET")
                 .arg(&row)
-                .arg(&["st", "lv", "lu", "rp"])
+                .arg(&["st", "lv", "lu", "rp", "wf"])
                 .query_async(&mut observer.connection())
                 .await
                 .map_err(failed)?;
             let now = time.0 * 1000 + time.1 / 1000;
-            let [state, token, lease, point] = <[Option<String>; 4]>::try_from(fields)
+            let [state, token, lease, point, workflow] = <[Option<String>; 5]>::try_from(fields)
                 .map_err(|fields| format!("HMGET answered {} fields", fields.len()))?;
             let Some(state) = state else {
                 return Ok(None);
@@ -250,6 +299,7 @@ pub(crate) mod redis_store {
                 state,
                 lease,
                 point: point.unwrap_or_default(),
+                workflow: workflow.unwrap_or_default(),
             }))
         }
 
@@ -290,6 +340,23 @@ pub(crate) mod redis_store {
                 .map_err(failed)
         }
 
+        async fn lose_started(
+            observer: &RedisPool,
+            tenant: &TenantId,
+            key: &str,
+            seen: &RowSample,
+        ) -> Result<bool, String> {
+            redis::Script::new(LOSE_STARTED)
+                .key(observer.row(tenant.as_str(), key))
+                .arg(seen.token)
+                .arg(&seen.lease)
+                .arg(observer.leases(""))
+                .invoke_async::<i64>(&mut observer.connection())
+                .await
+                .map(|done| done == 1)
+                .map_err(failed)
+        }
+
         async fn kill(engine: &RedisPool, observer: &RedisPool) -> Result<u64, String> {
             let id: i64 = redis::cmd("CLIENT")
                 .arg("ID")
@@ -306,8 +373,9 @@ pub(crate) mod redis_store {
         }
 
         /// Every started row is in its workflow's sorted set at its lease end, every finished
-        /// row in the set of finishes at its finish and in no set of leases, and no finish
-        /// names a row that is not finished (retention would delete it).
+        /// row in the set of finishes at its finish and in no set of leases, no finish names a
+        /// row that is not finished (retention would delete it), and a workflow's set of lease
+        /// ends names only started rows of that workflow.
         async fn audit(observer: &RedisPool) -> Vec<String> {
             match audit(observer).await {
                 Ok(problems) => problems,
@@ -356,6 +424,7 @@ pub(crate) mod redis_store {
                 ));
             }
         }
+        problems.extend(stale_leases(observer, &mut connection).await?);
         for row in names {
             let (state, workflow, lease, finished): (
                 Option<String>,
@@ -388,6 +457,68 @@ pub(crate) mod redis_store {
                     "finished {row} at {finished:?} but the set of finishes says {in_finishes:?}"
                 )),
                 _ => {}
+            }
+        }
+        Ok(problems)
+    }
+
+    /// The entries of every workflow's set of lease ends that name no started row of that
+    /// workflow. Once every key has ended, each is an entry left for good: the resumer's lag
+    /// and the count of due keys hold it, and while the key runs again under the other
+    /// workflow, that workflow's resumer would take it for its own.
+    async fn stale_leases(
+        observer: &RedisPool,
+        connection: &mut redis::aio::ConnectionManager,
+    ) -> Result<Vec<String>, redis::RedisError> {
+        let prefix = observer.leases("");
+        let mut sets = Vec::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(connection)
+                .await?;
+            sets.extend(batch);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        let mut problems = Vec::new();
+        for set in sets {
+            let named = set.strip_prefix(&prefix).unwrap_or_default();
+            let workflow = idemflow_core::hex::decode(named)
+                .and_then(|bytes| String::from_utf8(bytes).ok())
+                .unwrap_or_else(|| named.to_owned());
+            let entries: Vec<String> = redis::cmd("ZRANGE")
+                .arg(&set)
+                .arg(0)
+                .arg(-1)
+                .query_async(connection)
+                .await?;
+            for row in entries {
+                let (state, claimed_under): (Option<String>, Option<String>) = redis::cmd("HMGET")
+                    .arg(&row)
+                    .arg(&["st", "wf"])
+                    .query_async(connection)
+                    .await?;
+                let stale = match (state.as_deref(), claimed_under) {
+                    (Some(_), Some(other)) if other != workflow => format!(
+                        "which was claimed since under {other}: a resumer of {workflow} would \
+                         take it and run {workflow}'s phases on {other}'s request"
+                    ),
+                    (Some("started"), _) => continue,
+                    (None, _) => "whose row is gone".to_owned(),
+                    (Some(state), _) => format!("which is {state}"),
+                };
+                problems.push(format!(
+                    "{workflow}'s set of lease ends still names {row}, {stale}; the entry stays \
+                     for good, and the resumer's lag counts it"
+                ));
             }
         }
         Ok(problems)

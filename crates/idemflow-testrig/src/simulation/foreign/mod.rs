@@ -1,28 +1,35 @@
-//! The schedule explorer's foreign-only world: a payment whose phases are all foreign (charge the
-//! card, then send the receipt, each a call to the mock provider with its derived key), the kind
-//! of workflow every engine runs, Redis included. Its schedules are drawn by a seed as the
-//! checkout world's are (`world.rs`), over the same scheduler: actors wait at the engine's crash
-//! points and at the start of each phase until the schedule grants them a step.
+//! The schedule explorer's foreign-only world: workflows whose phases are all foreign, the kind
+//! every engine runs, Redis included. Two of them: a payment (charge the card, then send the
+//! receipt, each a call to the mock provider with its derived key) and a payout (one call, under
+//! a derived key of its own). Its schedules are drawn by a seed as the checkout world's are
+//! (`world.rs`), over the same scheduler: actors wait at the engine's crash points and at the
+//! start of each phase until the schedule grants them a step.
 //!
 //! A schedule has two tenants sharing 2 to 3 key names (so a key's row must never answer another
 //! tenant), and these actors: clients sending first attempts, retries and bursts of copies, an
-//! impostor sending another body under a key that holds a request (it must get 422), 1 to 3
-//! resumers with their own batch sizes, and an operator running retention. Chaos: leases ended by
-//! rewinding them (only where the row is as it was one sample ago and no owner relies on it),
-//! finishes aged past the retention window, a finished key's row lost alone (a Redis eviction, a
-//! stray delete), the engine's connections closed by the server, and provider faults (503, a
-//! timeout, a reset, a charge whose response is lost, a delay). Phases are told to succeed, be
-//! slow, fail retryably or panic; any engine point may crash its run.
+//! impostor sending another body, or the same body for the other workflow, under a key that holds
+//! a request (it must get 422), 1 to 3 resumers with their own batch sizes, each serving both
+//! workflows or one, and an operator running retention. Chaos: leases ended by rewinding them
+//! (only where the row is as it was one sample ago and no owner relies on it), finishes aged past
+//! the retention window, a key's row lost alone (a Redis eviction, a stray delete: a finished
+//! row, or a started one no owner relies on, its lease ended first as a cold row's has), the
+//! engine's connections closed by the server, and provider faults (503, a timeout, a reset, a
+//! charge whose response is lost, a delay). A key whose row was lost is new to the store, so its
+//! client's next request may be for the other workflow: a claim of the key anew under it.
+//! Phases are told to succeed, be slow, fail retryably or panic; any engine point may crash its
+//! run.
 //!
 //! After the schedule every actor is let go, faults heal, and client retries (with the resumers
 //! and leases ended for them) must bring every key to a response. Then the checks:
 //! - a foreign call starts only by the key's owner, on a live lease, at the recovery point
-//!   before its phase; never two calls with one derived key at once;
+//!   before its phase, for a key whose life was claimed under the phase's workflow; never two
+//!   calls with one derived key at once;
 //! - a key is finished at most once per life: once, plus once for each time it was deleted
 //!   (retention after its window, or lost) — an execution beyond that ran a request twice;
-//! - every 2xx a client got is for its own tenant, key and amount; distinct responses for a key
-//!   are at most its lives; an impostor gets 422, never a response;
-//! - the store's own bookkeeping is whole (`ForeignSimEngine::audit`: Redis's sorted sets).
+//! - every 2xx a client got is for its own tenant, key, amount and workflow; distinct responses
+//!   for a key are at most its lives; an impostor gets 422, never a response;
+//! - the store's own bookkeeping is whole (`ForeignSimEngine::audit`: Redis's sorted sets, each
+//!   naming only rows it should).
 
 mod engines;
 
@@ -52,8 +59,14 @@ use super::{Counts, ScheduleReport};
 use idemflow_testkit::provider::{Fault, MockProvider};
 use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 
-/// The workflow's name.
-const WORKFLOW: &str = "sim.pay.v1";
+/// The payment: `charge`, then `receipt`.
+const PAY: &str = "sim.pay.v1";
+
+/// The payout: `payout`, one call under a derived key of its own.
+const PAYOUT: &str = "sim.payout.v1";
+
+/// The workflows, as a slot names them (its index here).
+const WORKFLOWS: [&str; 2] = [PAY, PAYOUT];
 
 /// Long: leases end only when the schedule says so.
 const LEASE: Duration = Duration::from_secs(30);
@@ -99,6 +112,9 @@ struct Slot {
     tenant: TenantId,
     key: String,
     amount: u64,
+    /// The workflow its client's requests are for (an index of `WORKFLOWS`): the one its row
+    /// names whenever a sample saw a row, and after a loss maybe the other.
+    workflow: usize,
     /// Last two samples of its row, newest first.
     seen: [Option<RowSample>; 2],
     /// Finished and aged past the window since it was last seen claimed.
@@ -183,9 +199,11 @@ impl<E: ForeignSimEngine> Shared<E> {
     }
 
     /// A foreign call may start only by the key's owner, on a live lease, at the recovery point
-    /// before its phase; and never while another call with its derived key is in flight.
+    /// before its phase, for a key whose life was claimed under the phase's workflow; and never
+    /// while another call with its derived key is in flight.
     async fn begin_call(
         &self,
+        workflow: &str,
         phase: &'static str,
         before: &str,
         context: &PhaseContext,
@@ -194,6 +212,19 @@ impl<E: ForeignSimEngine> Shared<E> {
         let actor = self.scheduler.current();
         self.log().counts.calls += 1;
         let row = E::sample(&self.observer, &context.tenant, context.key.as_str()).await;
+        let name = format!("{}/{}", context.tenant.as_str(), context.key.as_str());
+        // Token, lease and recovery point can all agree while this does not: a resumer of one
+        // workflow that took a key claimed under another (its row lost alone and claimed again)
+        // runs its own phases, with their derived keys, on the other workflow's request.
+        if let Ok(Some(row)) = &row
+            && row.workflow != workflow
+        {
+            self.violation(format!(
+                "{actor} called {derived}, a derived key of {workflow}, for {name}, whose life \
+                 was claimed under {}: one workflow's phase ran on another's request",
+                row.workflow
+            ));
+        }
         let problem = match row {
             Err(error) => Some(format!("reading the key failed: {error}")),
             Ok(None) => Some("the key does not exist".to_owned()),
@@ -210,9 +241,7 @@ impl<E: ForeignSimEngine> Shared<E> {
         };
         if let Some(problem) = problem {
             self.violation(format!(
-                "{actor} called {phase} for {}/{} as a stale owner: {problem}",
-                context.tenant.as_str(),
-                context.key.as_str()
+                "{actor} called {phase} for {name} as a stale owner: {problem}"
             ));
         }
         let id = self.next_call.fetch_add(1, Ordering::SeqCst);
@@ -316,7 +345,7 @@ impl<E: ForeignSimEngine> ForeignPhase for Charge<E> {
         let act = self.0.act(Self::NAME, context).await;
         let _call = self
             .0
-            .begin_call(Self::NAME, "start", context, key.as_str())
+            .begin_call(PAY, Self::NAME, "start", context, key.as_str())
             .await;
         let charge = charge_at(&self.0, act, key.as_str(), payment.amount).await?;
         Ok(Charged { payment, charge })
@@ -348,19 +377,64 @@ impl<E: ForeignSimEngine> ForeignPhase for Receipt<E> {
         let act = self.0.act(Self::NAME, context).await;
         let _call = self
             .0
-            .begin_call(Self::NAME, "charge", context, key.as_str())
+            .begin_call(PAY, Self::NAME, "charge", context, key.as_str())
             .await;
         let receipt = charge_at(&self.0, act, key.as_str(), 1).await?;
         // The token makes each execution's response its own: a second execution of one life
-        // shows as a second response.
+        // shows as a second response. The workflow shows whose phases made it.
         Ok(StoredResponse::json(
             201,
             &serde_json::json!({
+                "workflow": PAY,
                 "tenant": charged.payment.tenant,
                 "key": charged.payment.key,
                 "amount": charged.payment.amount,
                 "charge": charged.charge,
                 "receipt": receipt,
+                "token": context.lock_version,
+            }),
+        ))
+    }
+}
+
+/// The payout's one phase: a call under its own derived key (`<tenant>:<key>:payout`), so a
+/// request run by the other workflow's phases shows in the derived keys it calls.
+struct Payout<E: ForeignSimEngine>(Arc<Shared<E>>);
+
+#[async_trait]
+impl<E: ForeignSimEngine> ForeignPhase for Payout<E> {
+    const NAME: &'static str = "payout";
+    type Input = Payment;
+    type Output = StoredResponse;
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+
+    fn retry_policy(&self) -> RetryPolicy {
+        policy()
+    }
+
+    async fn call(
+        &self,
+        key: &DerivedKey,
+        payment: Payment,
+        context: &PhaseContext,
+    ) -> Result<StoredResponse, PhaseError> {
+        let act = self.0.act(Self::NAME, context).await;
+        let _call = self
+            .0
+            .begin_call(PAYOUT, Self::NAME, "start", context, key.as_str())
+            .await;
+        let payout = charge_at(&self.0, act, key.as_str(), payment.amount).await?;
+        Ok(StoredResponse::json(
+            201,
+            &serde_json::json!({
+                "workflow": PAYOUT,
+                "tenant": payment.tenant,
+                "key": payment.key,
+                "amount": payment.amount,
+                "payout": payout,
                 "token": context.lock_version,
             }),
         ))
@@ -412,24 +486,53 @@ impl<E: ForeignSimEngine> CrashHook for Hook<E> {
     }
 }
 
+/// The workflows a resumer serves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Serves {
+    Both,
+    Pay,
+    Payout,
+}
+
+impl Serves {
+    fn serves(self, workflow: usize) -> bool {
+        matches!(
+            (self, workflow),
+            (Self::Both, _) | (Self::Pay, 0) | (Self::Payout, 1)
+        )
+    }
+}
+
 /// What the seed chose.
 #[derive(Debug)]
 struct Setup {
     keys: usize,
     steps: usize,
-    resumers: Vec<i64>,
+    /// Each resumer's batch size and workflows; the first serves both (the end's drains are
+    /// its).
+    resumers: Vec<(i64, Serves)>,
     apart: bool,
     sealed: bool,
 }
 
 impl Setup {
     fn draw(rng: &mut Rng) -> Self {
+        let keys = rng.between(2, 4) as usize;
+        let steps = rng.between(40, 90) as usize;
+        let mut resumers = Vec::new();
+        for index in 0..rng.between(1, 4) {
+            let batch = rng.between(1, 4) as i64;
+            let serves = if index == 0 {
+                Serves::Both
+            } else {
+                rng.weighted(&[(2, Serves::Both), (1, Serves::Pay), (1, Serves::Payout)])
+            };
+            resumers.push((batch, serves));
+        }
         Self {
-            keys: rng.between(2, 4) as usize,
-            steps: rng.between(40, 90) as usize,
-            resumers: (0..rng.between(1, 4))
-                .map(|_| rng.between(1, 4) as i64)
-                .collect(),
+            keys,
+            steps,
+            resumers,
             apart: rng.chance(0.4),
             sealed: rng.chance(0.3),
         }
@@ -457,7 +560,8 @@ struct World<E: ForeignSimEngine> {
     rng: Rng,
     slots: Vec<Slot>,
     runner: Runner<E>,
-    workflow: Arc<Workflow<E>>,
+    /// As `WORKFLOWS` names them.
+    workflows: [Arc<Workflow<E>>; 2],
     resumers: Vec<(Arc<Resumer<E>>, Arc<AtomicBool>)>,
     /// Per resumer, each slot's token as last sampled when its latest drain began: while that
     /// drain runs, a slot whose token has changed since may be one it took over, whose owner
@@ -500,22 +604,32 @@ pub(crate) async fn run<E: ForeignSimEngine>(
         });
     let runner =
         Runner::<E>::on(engine.clone(), config).with_crash_hook(Arc::new(Hook(shared.clone())));
-    let workflow = Arc::new(
-        Workflow::<E>::builder_on::<Payment>(WORKFLOW)
+    let workflows = [
+        Workflow::<E>::builder_on::<Payment>(PAY)
             .foreign(Charge(shared.clone()))
             .foreign(Receipt(shared.clone()))
             .lease(LEASE)
-            .build()
-            .unwrap_or_else(|error| unreachable!("the sim workflow is valid: {error}")),
-    );
+            .build(),
+        Workflow::<E>::builder_on::<Payment>(PAYOUT)
+            .foreign(Payout(shared.clone()))
+            .lease(LEASE)
+            .build(),
+    ]
+    .map(|built| {
+        Arc::new(built.unwrap_or_else(|error| unreachable!("the sim workflows are valid: {error}")))
+    });
     let resumers = setup
         .resumers
         .iter()
-        .map(|&batch_size| {
+        .map(|&(batch_size, serves)| {
             let mut registry = Registry::<E>::new();
-            registry
-                .register(workflow.clone())
-                .unwrap_or_else(|_| unreachable!("one workflow"));
+            for (index, workflow) in workflows.iter().enumerate() {
+                if serves.serves(index) {
+                    registry
+                        .register(workflow.clone())
+                        .unwrap_or_else(|_| unreachable!("two workflows of distinct names"));
+                }
+            }
             let config = ResumerConfig::default()
                 .with_batch_size(batch_size)
                 .with_concurrency(1)
@@ -536,6 +650,7 @@ pub(crate) async fn run<E: ForeignSimEngine>(
                 tenant: tenant.clone(),
                 key: format!("k{index}"),
                 amount: 1000 + 10 * index as u64 + which as u64,
+                workflow: 0,
                 seen: [None, None],
                 aged: false,
             })
@@ -551,7 +666,7 @@ pub(crate) async fn run<E: ForeignSimEngine>(
         rng,
         slots,
         runner,
-        workflow,
+        workflows,
         resumers,
         drain_tokens: Vec::new(),
         actors: JoinSet::new(),
@@ -580,6 +695,16 @@ impl<E: ForeignSimEngine> World<E> {
             };
             if now.as_ref().is_some_and(|row| row.state == "started") {
                 slot.aged = false;
+            }
+            // Its client asks for what its row holds: a row claimed under the other workflow
+            // (a client's request that was under way when the row was lost) wins over the
+            // client's intent.
+            if let Some(held) = now.as_ref().and_then(|row| {
+                WORKFLOWS
+                    .iter()
+                    .position(|workflow| *workflow == row.workflow)
+            }) {
+                slot.workflow = held;
             }
             slot.seen = [now, slot.seen[0].take()];
         }
@@ -636,12 +761,12 @@ impl<E: ForeignSimEngine> World<E> {
             }
             Action::Send => {
                 let index = self.pick();
-                self.send(index, None);
+                self.send(index);
             }
             Action::Burst => {
                 let index = self.pick();
                 for _ in 0..self.rng.between(2, 4) {
-                    self.send(index, None);
+                    self.send(index);
                 }
             }
             Action::Impostor => self.impostor(),
@@ -662,34 +787,59 @@ impl<E: ForeignSimEngine> World<E> {
         }
     }
 
-    /// A client sends the slot's request (or, as an impostor, another amount under its key).
-    fn send(&mut self, index: usize, impostor: Option<u64>) {
+    /// A client sends the slot's request, for its workflow.
+    fn send(&mut self, index: usize) {
+        let slot = &self.slots[index];
+        self.send_as(index, slot.workflow, slot.amount, false);
+    }
+
+    /// A client sends `amount` under the slot's key, for the workflow `workflow` names (an
+    /// impostor: a request the key does not hold).
+    fn send_as(&mut self, index: usize, workflow: usize, amount: u64, impostor: bool) {
         let slot = self.slots[index].clone();
-        let amount = impostor.unwrap_or(slot.amount);
         let actor = self.shared.scheduler.new_actor();
         let (runner, workflow, shared) = (
             self.runner.clone(),
-            self.workflow.clone(),
+            self.workflows[workflow].clone(),
             self.shared.clone(),
         );
         shared.log().counts.requests += 1;
-        shared.event(actor, format!("sends {} (amount {amount})", slot.name()));
+        shared.event(
+            actor,
+            format!(
+                "sends {} (amount {amount}, {})",
+                slot.name(),
+                workflow.name()
+            ),
+        );
         self.actors.spawn(ACTOR.scope(actor, async move {
             let result = client_request(&runner, &workflow, &slot, amount).await;
-            record(&shared, actor, &slot, amount, impostor.is_some(), &result);
+            record(&shared, actor, &slot, amount, &workflow, impostor, &result);
             shared.scheduler.ended(actor);
         }));
     }
 
-    /// Another body under a key that holds its request (claimed, not aged, so retention cannot
-    /// take it away before the impostor's look-up).
+    /// Another request under a key that holds one (claimed, not aged, so retention cannot take
+    /// it away before the impostor's look-up): another amount for the workflow its row names, or
+    /// the same body for the other workflow (a key is bound to its workflow as to its body).
     fn impostor(&mut self) {
         let index = self.pick();
         let slot = &self.slots[index];
-        if slot.seen[0].is_none() || slot.aged {
+        let Some(held) = slot.seen[0].as_ref().filter(|_| !slot.aged) else {
             return;
+        };
+        let Some(workflow) = WORKFLOWS
+            .iter()
+            .position(|workflow| *workflow == held.workflow)
+        else {
+            return;
+        };
+        let amount = slot.amount;
+        if self.rng.chance(0.5) {
+            self.send_as(index, workflow, amount + 500, true);
+        } else {
+            self.send_as(index, 1 - workflow, amount, true);
         }
-        self.send(index, Some(slot.amount + 500));
     }
 
     fn drain(&mut self) {
@@ -729,17 +879,21 @@ impl<E: ForeignSimEngine> World<E> {
             })
     }
 
-    /// Ends the lease of a started key no owner relies on, whose row was the same in the last two
-    /// samples (an owner that wrote its lease a moment ago may be on its way to its call).
+    /// Whether slot `index` is a started key no owner relies on, whose row was the same in the
+    /// last two samples (an owner that wrote its lease a moment ago may be on its way to its
+    /// call): one whose lease the schedule may end, or whose row it may lose.
+    fn unrelied(&self, index: usize) -> bool {
+        let slot = &self.slots[index];
+        matches!(&slot.seen, [Some(now), Some(before)]
+            if now.state == "started" && now == before
+                && !self.maybe_taken_by_a_drain(index, now.token))
+            && !self.shared.scheduler.is_exposed(&slot.name())
+    }
+
+    /// Ends the lease of a started key no owner relies on.
     async fn lapse(&mut self) {
         let candidates: Vec<usize> = (0..self.slots.len())
-            .filter(|&index| {
-                let slot = &self.slots[index];
-                matches!(&slot.seen, [Some(now), Some(before)]
-                    if now.state == "started" && now == before
-                        && !self.maybe_taken_by_a_drain(index, now.token))
-                    && !self.shared.scheduler.is_exposed(&slot.name())
-            })
+            .filter(|&index| self.unrelied(index))
             .collect();
         if candidates.is_empty() {
             return;
@@ -764,11 +918,9 @@ impl<E: ForeignSimEngine> World<E> {
     fn fault(&mut self) {
         let index = self.pick();
         let slot = &self.slots[index];
-        let phase = if self.rng.chance(0.6) {
-            "charge"
-        } else {
-            "receipt"
-        };
+        let phase = self
+            .rng
+            .weighted(&[(3, "charge"), (2, "receipt"), (2, "payout")]);
         let fault = match self.rng.weighted(&[(2, 0), (1, 1), (1, 2), (2, 3), (1, 4)]) {
             0 => Fault::ServerError(503),
             1 => Fault::Timeout,
@@ -827,23 +979,38 @@ impl<E: ForeignSimEngine> World<E> {
         }
     }
 
-    /// Loses a finished key's row alone, as an eviction does: it takes cold keys, so the key is
-    /// old first (its finish aged past the window, its entry in the store's index of finishes
-    /// with it), then gone. Its client comes back at once most of the time: its retry claims the
-    /// key anew, under the old key's index entries if the store left them.
+    /// Loses a key's row alone, as an eviction does: it takes cold keys, so the key is old
+    /// first, then gone. A finished key's finish is aged past the window (its entry in the
+    /// store's index of finishes with it); a started key no owner relies on (a crashed run's,
+    /// one postponed) has its lease ended first (its entry in its workflow's index of lease ends
+    /// with it, due). A key whose row is gone is new to the store, so its client's next request
+    /// may be another workflow's (half the time); it comes back at once most of the time: its
+    /// retry claims the key anew, under the old row's index entries if the store left them.
     async fn lose(&mut self) {
         let index = self.pick();
         let slot = &self.slots[index];
         let observer = &self.shared.observer;
-        let aged = E::age(observer, &slot.tenant, &slot.key).await;
-        if let (Ok(true), Ok(true)) = (aged, E::lose(observer, &slot.tenant, &slot.key).await) {
+        let lost = match slot.seen[0].as_ref() {
+            Some(seen) if self.unrelied(index) => {
+                E::lose_started(observer, &slot.tenant, &slot.key, seen).await
+            }
+            _ => match E::age(observer, &slot.tenant, &slot.key).await {
+                Ok(true) => E::lose(observer, &slot.tenant, &slot.key).await,
+                other => other,
+            },
+        };
+        if let Ok(true) = lost {
             *self.shared.log().deletions.entry(slot.name()).or_default() += 1;
             self.shared
                 .event(ActorId(0), format!("evicts the old row of {}", slot.name()));
-            self.slots[index].seen[0] = None;
-            self.slots[index].aged = false;
+            let slot = &mut self.slots[index];
+            slot.seen[0] = None;
+            slot.aged = false;
+            if self.rng.chance(0.5) {
+                slot.workflow = 1 - slot.workflow;
+            }
             if self.rng.chance(0.7) {
-                self.send(index, None);
+                self.send(index);
             }
         }
     }
@@ -862,14 +1029,25 @@ impl<E: ForeignSimEngine> World<E> {
             self.actors.abort_all();
         }
         let mut ended = vec![false; self.slots.len()];
+        // A client retries the request its key's row holds, whichever workflow's it is.
+        self.sample().await;
         for round in 0..END_ROUNDS {
             for (slot, ended) in self.slots.iter().zip(ended.iter_mut()) {
                 if *ended {
                     continue;
                 }
                 let actor = self.shared.scheduler.new_actor();
-                let result = client_request(&self.runner, &self.workflow, slot, slot.amount).await;
-                record(&self.shared, actor, slot, slot.amount, false, &result);
+                let workflow = &self.workflows[slot.workflow];
+                let result = client_request(&self.runner, workflow, slot, slot.amount).await;
+                record(
+                    &self.shared,
+                    actor,
+                    slot,
+                    slot.amount,
+                    workflow,
+                    false,
+                    &result,
+                );
                 *ended = matches!(
                     &result,
                     Ok(Outcome::Executed(response) | Outcome::Replayed(response))
@@ -951,12 +1129,14 @@ async fn client_request<E: ForeignSimEngine>(
     runner.run(workflow, &slot.tenant, &key, request).await
 }
 
-/// Records a client's answer, and checks it is for this client.
+/// Records a client's answer, and checks it is for this client: its tenant, key, amount and
+/// workflow.
 fn record<E: ForeignSimEngine>(
     shared: &Shared<E>,
     actor: ActorId,
     slot: &Slot,
     amount: u64,
+    workflow: &Workflow<E>,
     impostor: bool,
     result: &Result<Outcome, RunError>,
 ) {
@@ -975,19 +1155,22 @@ fn record<E: ForeignSimEngine>(
     };
     if impostor {
         shared.violation(format!(
-            "an impostor under {} (amount {amount}) was answered {what}, not 422",
-            slot.name()
+            "an impostor under {} (amount {amount}, {}) was answered {what}, not 422",
+            slot.name(),
+            workflow.name()
         ));
         return;
     }
     let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
     let mine = body["tenant"] == slot.tenant.as_str()
         && body["key"] == slot.key.as_str()
-        && body["amount"] == amount;
+        && body["amount"] == amount
+        && body["workflow"] == workflow.name();
     if !mine {
         shared.violation(format!(
-            "{} (amount {amount}) was answered another's response: {body}",
-            slot.name()
+            "{} (amount {amount}, {}) was answered another's response: {body}",
+            slot.name(),
+            workflow.name()
         ));
     }
     let mut log = shared.log();
