@@ -1042,7 +1042,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     (
         "crates/idemflow-testrig/src/simulation/foreign/mod.rs",
         "run",
-        103,
+        80,
     ),
     ("crates/idemflow-http/src/layer.rs", "handle", 93),
     ("crates/idemflow-cli/src/lib.rs", "end_lease_answer", 92),
@@ -1066,11 +1066,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
         "crates/idemflow-consumer/src/consumer.rs",
         "process_in_transaction",
         78,
-    ),
-    (
-        "crates/idemflow-testrig/src/simulation/foreign/engines.rs",
-        "audit",
-        76,
     ),
     ("crates/idemflow-console/src/pages.rs", "overview", 76),
     ("crates/idemflow-http/src/handler.rs", "settle", 75),

@@ -387,24 +387,7 @@ pub(crate) mod redis_store {
     async fn audit(observer: &RedisPool) -> Result<Vec<String>, redis::RedisError> {
         let mut connection = observer.connection();
         let mut problems = Vec::new();
-        let rows_prefix = format!("{}:key:", observer.prefix());
-        let mut names = Vec::new();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{rows_prefix}*"))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut connection)
-                .await?;
-            names.extend(batch.into_iter().filter(|name| !name.contains(":body:")));
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        let names = row_names(observer, &mut connection).await?;
         let finishes: Vec<(String, i64)> = redis::cmd("ZRANGE")
             .arg(observer.finishes())
             .arg(0)
@@ -460,6 +443,31 @@ pub(crate) mod redis_store {
             }
         }
         Ok(problems)
+    }
+
+    /// The name of every key's row under the observer's prefix (not the bodies stored apart).
+    async fn row_names(
+        observer: &RedisPool,
+        connection: &mut redis::aio::ConnectionManager,
+    ) -> Result<Vec<String>, redis::RedisError> {
+        let rows_prefix = format!("{}:key:", observer.prefix());
+        let mut names = Vec::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{rows_prefix}*"))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(connection)
+                .await?;
+            names.extend(batch.into_iter().filter(|name| !name.contains(":body:")));
+            if next == 0 {
+                return Ok(names);
+            }
+            cursor = next;
+        }
     }
 
     /// The entries of every workflow's set of lease ends that name no started row of that

@@ -570,6 +570,55 @@ struct World<E: ForeignSimEngine> {
     actors: JoinSet<()>,
 }
 
+/// The schedule's workflows, as `WORKFLOWS` names them.
+fn workflows<E: ForeignSimEngine>(shared: &Arc<Shared<E>>) -> [Arc<Workflow<E>>; 2] {
+    [
+        Workflow::<E>::builder_on::<Payment>(PAY)
+            .foreign(Charge(shared.clone()))
+            .foreign(Receipt(shared.clone()))
+            .lease(LEASE)
+            .build(),
+        Workflow::<E>::builder_on::<Payment>(PAYOUT)
+            .foreign(Payout(shared.clone()))
+            .lease(LEASE)
+            .build(),
+    ]
+    .map(|built| {
+        Arc::new(built.unwrap_or_else(|error| unreachable!("the sim workflows are valid: {error}")))
+    })
+}
+
+/// The schedule's resumers, each serving the workflows its setup draws, with the flag that says
+/// whether it is draining.
+fn resumers<E: ForeignSimEngine>(
+    setup: &Setup,
+    workflows: &[Arc<Workflow<E>>; 2],
+    runner: &Runner<E>,
+) -> Vec<(Arc<Resumer<E>>, Arc<AtomicBool>)> {
+    setup
+        .resumers
+        .iter()
+        .map(|&(batch_size, serves)| {
+            let mut registry = Registry::<E>::new();
+            for (index, workflow) in workflows.iter().enumerate() {
+                if serves.serves(index) {
+                    registry
+                        .register(workflow.clone())
+                        .unwrap_or_else(|_| unreachable!("two workflows of distinct names"));
+                }
+            }
+            let config = ResumerConfig::default()
+                .with_batch_size(batch_size)
+                .with_concurrency(1)
+                .with_retention(None);
+            (
+                Arc::new(Resumer::with_config(runner.clone(), registry, config)),
+                Arc::new(AtomicBool::new(false)),
+            )
+        })
+        .collect()
+}
+
 /// Runs the foreign-only schedule `seed` on `engine` (a pool of its own, closed by nobody here),
 /// with `observer` for the schedule's own reads and chaos; keys under tenants named for the seed.
 pub(crate) async fn run<E: ForeignSimEngine>(
@@ -604,42 +653,8 @@ pub(crate) async fn run<E: ForeignSimEngine>(
         });
     let runner =
         Runner::<E>::on(engine.clone(), config).with_crash_hook(Arc::new(Hook(shared.clone())));
-    let workflows = [
-        Workflow::<E>::builder_on::<Payment>(PAY)
-            .foreign(Charge(shared.clone()))
-            .foreign(Receipt(shared.clone()))
-            .lease(LEASE)
-            .build(),
-        Workflow::<E>::builder_on::<Payment>(PAYOUT)
-            .foreign(Payout(shared.clone()))
-            .lease(LEASE)
-            .build(),
-    ]
-    .map(|built| {
-        Arc::new(built.unwrap_or_else(|error| unreachable!("the sim workflows are valid: {error}")))
-    });
-    let resumers = setup
-        .resumers
-        .iter()
-        .map(|&(batch_size, serves)| {
-            let mut registry = Registry::<E>::new();
-            for (index, workflow) in workflows.iter().enumerate() {
-                if serves.serves(index) {
-                    registry
-                        .register(workflow.clone())
-                        .unwrap_or_else(|_| unreachable!("two workflows of distinct names"));
-                }
-            }
-            let config = ResumerConfig::default()
-                .with_batch_size(batch_size)
-                .with_concurrency(1)
-                .with_retention(None);
-            (
-                Arc::new(Resumer::with_config(runner.clone(), registry, config)),
-                Arc::new(AtomicBool::new(false)),
-            )
-        })
-        .collect();
+    let workflows = workflows(&shared);
+    let resumers = resumers(&setup, &workflows, &runner);
     let tenants = ["a", "b"].map(|name| {
         TenantId::new(format!("fsim-{seed}-{name}"))
             .unwrap_or_else(|error| unreachable!("a valid tenant: {error}"))
