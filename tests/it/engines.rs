@@ -282,6 +282,7 @@ engines!(
     the_consumer_rolls_a_failed_handler_back_with_the_identity,
     the_consumer_applies_concurrent_deliveries_of_one_message_once,
     the_consumers_retention_forgets_old_identities_only,
+    the_consumer_never_applies_twice_a_message_whose_handler_ended_its_transaction,
 );
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -777,6 +778,63 @@ async fn the_consumer_applies_a_message_once_and_acknowledges_its_redeliveries<E
         Processed::Applied
     );
     assert_eq!(E::orders(&pool, "m-1").await, 2);
+}
+
+/// A consumer's handler that ends the delivery's transaction under it, as `ending` says, after
+/// writing its order; and, with `again`, writes its order once more after that (the deadlock
+/// idiom's retry), succeeding either way.
+struct EndsItsTransaction {
+    ending: &'static str,
+    again: bool,
+}
+
+#[async_trait]
+impl<E: Lab> idemflow_consumer::Handler<E> for EndsItsTransaction {
+    async fn handle(
+        &self,
+        connection: &mut ConnectionOf<E>,
+        message: &idemflow_consumer::Message,
+    ) -> Result<(), idemflow_consumer::HandlerError> {
+        E::insert_order(connection, message.id(), 1).await?;
+        E::execute(connection, self.ending).await?;
+        if self.again {
+            E::insert_order(connection, message.id(), 1).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A handler holds the connection itself. One that rolls the delivery's transaction back and
+/// writes again (the deadlock idiom) committed its order without the message's identity: before,
+/// the delivery was reported applied, and each redelivery applied it again. One that commits
+/// committed the identity with its order. Either way the message is applied once: the consumer
+/// sees the transaction ended, records the identity, and says so; a redelivery is a duplicate.
+async fn the_consumer_never_applies_twice_a_message_whose_handler_ended_its_transaction<E: Lab>(
+    pool: PoolOf<E>,
+) {
+    use idemflow_consumer::{ConsumerError, Processed};
+    E::create_orders(&pool).await;
+    let consumer = consumer::<E>(&pool);
+    for (id, ending, again) in [
+        ("m-rollback-again", "ROLLBACK", true),
+        ("m-commit", "COMMIT", false),
+    ] {
+        let handler = EndsItsTransaction { ending, again };
+        let delivery = message(id, b"credit 30");
+        let first = consumer.process(&handler, &delivery).await;
+        assert!(
+            matches!(&first, Err(ConsumerError::TransactionEnded(ended)) if ended == id),
+            "{id}: {first:?}"
+        );
+        for _ in 0..2 {
+            assert_eq!(
+                consumer.process(&handler, &delivery).await.unwrap(),
+                Processed::Duplicate,
+                "{id}"
+            );
+        }
+        assert_eq!(E::orders(&pool, id).await, 1, "{id}: applied once");
+    }
 }
 
 async fn the_consumer_rolls_a_failed_handler_back_with_the_identity<E: Lab>(pool: PoolOf<E>) {

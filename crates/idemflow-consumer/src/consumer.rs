@@ -10,7 +10,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idemflow_store::{ConnectionOf, ConsumerStore, DatabaseError, EngineError, EnginePool, PoolOf};
+use idemflow_store::{
+    ConnectionOf, ConsumerStore, DatabaseError, EngineError, EnginePool, PoolOf, Standing,
+};
 use tracing::Instrument;
 
 use crate::identity::{Message, Subscriber, hex};
@@ -91,6 +93,18 @@ pub enum ConsumerError {
     /// handler: redelivering runs it again.
     #[error("the handler panicked (rolled back): {0}")]
     Panicked(String),
+    /// The handler ended the delivery's transaction (a `COMMIT` or `ROLLBACK` of its own, an
+    /// implicit commit, a statement tried again after a deadlock's rollback): its effects may
+    /// have committed apart from the message's identity. The identity is now recorded, so a
+    /// redelivery is a duplicate and the handler never runs on this message again. Acknowledge
+    /// it (or let the redelivery be acknowledged as a duplicate), look at what was applied, and
+    /// fix the handler: it must leave the transaction it is handed open.
+    #[error(
+        "the handler ended the delivery's transaction for message {0:?}: its effects may have \
+         committed without the message's identity, which is now recorded (the message is not \
+         applied again)"
+    )]
+    TransactionEnded(String),
     /// A [`ConsumerCrashHook`] stopped the delivery at a crash point, as a crash would have.
     #[error("stopped at crash point {0}")]
     Crashed(ConsumerCrashPoint),
@@ -226,6 +240,7 @@ impl<E: ConsumerStore> Consumer<E> {
                 Ok(Processed::Duplicate) => ("duplicate", Some(DUPLICATES)),
                 Err(ConsumerError::PayloadMismatch { .. }) => ("refused", Some(REFUSED)),
                 Err(ConsumerError::Crashed(_)) => ("crashed", None),
+                Err(ConsumerError::TransactionEnded(_)) => ("transaction_ended", Some(FAILED)),
                 Err(_) => ("failed", Some(FAILED)),
             };
             tracing::Span::current().record("outcome", outcome);
@@ -236,7 +251,8 @@ impl<E: ConsumerStore> Consumer<E> {
                 Err(error @ ConsumerError::PayloadMismatch { .. }) => {
                     tracing::error!(%error, "message id reused with another payload");
                 }
-                Err(ConsumerError::Crashed(_)) | Ok(_) => {}
+                // Logged where it was found, at ERROR.
+                Err(ConsumerError::Crashed(_) | ConsumerError::TransactionEnded(_)) | Ok(_) => {}
                 Err(error) => tracing::warn!(%error, "delivery rolled back"),
             }
             result
@@ -293,6 +309,17 @@ impl<E: ConsumerStore> Consumer<E> {
             handler.handle(E::connection(&mut transaction), message),
         ))
         .await;
+        if handled.is_ok() {
+            // A handler holds the connection itself: before anything commits in its name, the
+            // transaction must still be the one the delivery began.
+            let standing = E::standing(&mut transaction).await.map_err(failed)?;
+            if standing != Standing::Open {
+                E::abandon(transaction);
+                return self
+                    .after_transaction_ended(message, standing, handled)
+                    .await;
+            }
+        }
         match handled {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
@@ -322,6 +349,47 @@ impl<E: ConsumerStore> Consumer<E> {
             return Err(ConsumerError::Crashed(ConsumerCrashPoint::AfterCommit));
         }
         Ok(Processed::Applied)
+    }
+
+    /// The handler ended the delivery's transaction. Whether the identity committed (with a
+    /// `COMMIT` of the handler's) is read by inserting it again, in a transaction of its own.
+    /// Rolled back whole by the database with the identity, nothing committed: the delivery
+    /// failed as any other and is redelivered. Otherwise the effects may have committed: the
+    /// identity is recorded (if it is not already), so the message is never applied again.
+    async fn after_transaction_ended(
+        &self,
+        message: &Message,
+        standing: Standing,
+        handled: Result<Result<(), HandlerError>, String>,
+    ) -> Result<Processed, ConsumerError> {
+        let failed = |error| consumer_error(error, message.id());
+        let mut transaction = E::begin_delivery(&self.pool, self.wait_limit)
+            .await
+            .map_err(failed)?;
+        let fingerprint = message.fingerprint().as_slice();
+        let recorded_now = E::insert_identity(
+            &mut transaction,
+            self.subscriber.as_str(),
+            message.id(),
+            fingerprint,
+        )
+        .await
+        .map_err(failed)?;
+        if recorded_now && standing == Standing::RolledBack {
+            E::rollback(transaction).await.map_err(failed)?;
+            return Err(match handled {
+                Ok(Err(error)) => ConsumerError::Handler(error),
+                _ => ConsumerError::Handler(HandlerError::from(
+                    "the delivery's transaction was rolled back under the handler",
+                )),
+            });
+        }
+        E::commit_keeping(transaction).await.map_err(failed)?;
+        tracing::error!(
+            "the handler ended the delivery's transaction; the message is recorded applied and \
+             never applied again (docs/consumer.md: what a handler must not do)"
+        );
+        Err(ConsumerError::TransactionEnded(message.id().to_owned()))
     }
 
     async fn crashes_at(&self, point: ConsumerCrashPoint, message: &Message) -> bool {
