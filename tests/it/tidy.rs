@@ -1062,11 +1062,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("crates/idemflow-testkit/src/explorer.rs", "run_case", 82),
     ("crates/idemflow-testrig/src/simulation/mod.rs", "run", 79),
     ("crates/idemflow-runner/src/drive/steps.rs", "call", 79),
-    (
-        "crates/idemflow-consumer/src/consumer.rs",
-        "process_in_transaction",
-        78,
-    ),
     ("crates/idemflow-console/src/pages.rs", "overview", 76),
     ("crates/idemflow-http/src/handler.rs", "settle", 75),
     (

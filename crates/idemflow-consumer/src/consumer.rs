@@ -305,6 +305,18 @@ impl<E: ConsumerStore> Consumer<E> {
                 None => return Err(ConsumerError::Contended(message.id().to_owned())),
             }
         }
+        self.apply(handler, message, transaction).await
+    }
+
+    /// Runs the handler in the delivery's transaction, which holds the message's new identity,
+    /// and commits both, unless the handler failed or ended that transaction itself.
+    async fn apply<H: Handler<E> + ?Sized>(
+        &self,
+        handler: &H,
+        message: &Message,
+        mut transaction: E::Transaction,
+    ) -> Result<Processed, ConsumerError> {
+        let failed = |error| consumer_error(error, message.id());
         let handled = CatchPanic(Box::pin(
             handler.handle(E::connection(&mut transaction), message),
         ))
