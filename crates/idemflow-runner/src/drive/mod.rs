@@ -230,6 +230,9 @@ struct Drive<'r, E: Engine> {
     /// (`idemflow_store::Standing`): asked once, when a write over the phases' work changed
     /// nothing or the attempt failed, and kept for the record.
     ended: Option<Standing>,
+    /// The engine could not say how the attempt's transaction stands (its connection lost as
+    /// it was asked): a write that changed nothing may not have met another owner at all.
+    standing_unread: bool,
 }
 
 impl<E: Engine> Runner<E> {
@@ -287,6 +290,7 @@ impl<E: Engine> Runner<E> {
             abandoned: false,
             overran: false,
             ended: None,
+            standing_unread: false,
         };
         let ran = match drive.enter(entry, last_error) {
             Ok((position, carry)) => drive.run(position, carry).await,
@@ -359,12 +363,20 @@ impl<E: Engine> Drive<'_, E> {
         let Err(error) = written else {
             return Ok(());
         };
-        if matches!(error, EngineError::Fenced)
-            && let Some(ended) = self.ended_under().await
-        {
-            return Err(Stop::failed(failure(PhaseError::retryable(
-                ended.describe(),
-            ))));
+        if matches!(error, EngineError::Fenced) {
+            if let Some(ended) = self.ended_under().await {
+                return Err(Stop::failed(failure(PhaseError::retryable(
+                    ended.describe(),
+                ))));
+            }
+            if self.standing_unread {
+                // Fenced, or the transaction ended under a phase and the connection was lost
+                // before the engine could say: not a fence to answer, but a failed attempt,
+                // whose record finds out from the key's row.
+                return Err(Stop::failed(failure(PhaseError::retryable(format!(
+                    "{doing}: changed nothing, and the transaction's standing could not be read"
+                )))));
+            }
         }
         Err(store_stop(error, doing, failure))
     }
@@ -388,10 +400,12 @@ impl<E: Engine> Drive<'_, E> {
             }
             Ok(Err(error)) => {
                 tracing::warn!(%error, "the transaction's standing could not be read");
+                self.standing_unread = true;
                 None
             }
             Err(error) => {
                 tracing::warn!(%error, "the transaction's standing could not be read in time");
+                self.standing_unread = true;
                 None
             }
         }
