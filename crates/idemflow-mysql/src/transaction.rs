@@ -86,16 +86,15 @@ impl Transaction {
     }
 
     /// Whether this is still the transaction the engine began (`idemflow_store::Standing`). In
-    /// a transaction: open. Out of one, it may have been rolled back whole, with nothing since,
-    /// when the phase's last statement was a deadlock's victim (1213): the runner then asks the
-    /// key's row whether its claim or takeover committed all the same (a `COMMIT` before the
-    /// victim's statement). Otherwise a `COMMIT`, a statement committed around, or a write after
-    /// a rollback may have committed. A lock wait (1205) is not a rollback: by default InnoDB
-    /// undoes the waiting statement alone, so out of a transaction after one, the transaction
-    /// ended before it (and where `innodb_rollback_on_timeout` is on, the key ends with a 500
-    /// rather than risk running its phases twice). In a transaction begun after the key's claim
-    /// committed (nothing of the owner's in it before the phases) the row cannot tell: there a
-    /// phase that commits and then fails as a deadlock's victim is taken for a rollback.
+    /// a transaction: open. Out of one, it was rolled back whole, with nothing since, when the
+    /// phase's last statement was a deadlock's victim (1213). Otherwise a `COMMIT`, a statement
+    /// committed around, or a write after a rollback may have committed. A lock wait (1205) is
+    /// not a rollback: by default InnoDB undoes the waiting statement alone, so out of a
+    /// transaction after one, the transaction ended before it (and where
+    /// `innodb_rollback_on_timeout` is on, the key ends with a 500 rather than risk running its
+    /// phases twice). A phase that commits and then fails as a deadlock's victim is taken for a
+    /// rollback: MariaDB names no transaction, and the key's row cannot answer for this owner
+    /// (a rolled-back draw of the fence is drawn again by the next taker).
     ///
     /// A phase that ends the transaction and begins one of its own (`BEGIN` commits the open one
     /// implicitly) leaves the connection in a transaction: MariaDB names no transaction, so that

@@ -112,7 +112,8 @@ impl<E: Engine> Drive<'_, E> {
         }
         // A rollback the engine read from the connection is the last thing that happened on it,
         // not the only one: a phase may have committed first (a claim or takeover committed with
-        // its effects) and failed after. The row tells, where this owner's hold is uncommitted.
+        // its effects) and failed after. The row tells, where this owner's hold is uncommitted
+        // and its token is never drawn again.
         if ended == Some(Standing::RolledBack) && self.hold_committed_under_a_phase().await {
             ended = Some(Standing::Ended);
         }
@@ -182,7 +183,9 @@ impl<E: Engine> Drive<'_, E> {
     /// lost without a word on how it ended (its connection gone): the engine can no longer say,
     /// the row still can. A fenced lease renewal finds this owner's token, or changes nothing.
     async fn hold_committed_under_a_phase(&mut self) -> bool {
-        if self.hold == Hold::Committed {
+        // Where a rolled-back draw is drawn again, the token in the row may be the next
+        // taker's: the row cannot answer for this owner.
+        if self.hold == Hold::Committed || !E::TOKENS_NEVER_DRAWN_AGAIN {
             return false;
         }
         let wait = self.runner.config.database_timeout;
