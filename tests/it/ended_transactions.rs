@@ -464,6 +464,13 @@ impl LocalPhase<idemflow_mysql::MySqlStore> for DeadlockVictim {
                     .await
                     .unwrap();
             }
+            // The other session waits as long as this test needs: a wait ended by the server's
+            // limits (the statement time is half the lock wait) before this phase asks for the
+            // second row would leave no deadlock to make.
+            sqlx::query("SET SESSION max_statement_time = 0, innodb_lock_wait_timeout = 60")
+                .execute(&mut *other)
+                .await
+                .unwrap();
             lock(2).execute(&mut *other).await.unwrap();
             let other_session: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
                 .fetch_one(&mut *other)
