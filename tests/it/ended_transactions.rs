@@ -17,10 +17,10 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use async_trait::async_trait;
-use idemflow_core::{Key, StoredResponse};
+use idemflow_core::{DerivedKey, Key, StoredResponse};
 use idemflow_runner::{
-    ConnectionOf, CrashPoint, LocalPhase, Outcome, PhaseContext, PhaseError, PoolOf, Registry,
-    Resumer, Runner, RunnerConfig, Workflow,
+    ConnectionOf, CrashPoint, ForeignPhase, LocalPhase, Outcome, PhaseContext, PhaseError, PoolOf,
+    Registry, Resumer, Runner, RunnerConfig, Workflow,
 };
 use idemflow_testkit::provider::MockProvider;
 
@@ -34,6 +34,7 @@ engines!(
     a_phase_that_commits_and_fails_ends_its_key_with_a_500_and_runs_once,
     a_phase_that_writes_again_after_a_rollback_ends_its_key_with_a_500_and_runs_once,
     a_phase_whose_writes_were_rolled_back_never_leaves_its_key_done_without_them,
+    a_takeover_rolled_back_under_its_phase_never_records_over_the_next_takers_key,
 );
 
 /// How a phase ends the runner's transaction.
@@ -403,6 +404,136 @@ mod postgres_and_sqlite {
     }
 }
 
+/// Where the handover stands: each step waited for by the other side.
+#[derive(Default)]
+struct Handover {
+    /// Runs of the first phase so far.
+    runs: std::sync::atomic::AtomicUsize,
+    /// The first taker's phase rolled its takeover back and wrote again in autocommit.
+    rolled_back: tokio::sync::Notify,
+    /// The first taker's phase may return.
+    release_first: tokio::sync::Notify,
+    /// The next taker holds the key, committed, and is in its foreign phase.
+    next_holds: tokio::sync::Notify,
+    /// The next taker's foreign phase may return.
+    release_next: tokio::sync::Notify,
+}
+
+/// The first phase: fails its first run (the key is postponed, to be taken over), ends the
+/// transaction under the second (a rollback and the write tried again, in autocommit) and waits
+/// there, and runs plainly after that.
+struct RollsBackItsTakeover(Arc<Handover>);
+
+#[async_trait]
+impl<E: Lab> LocalPhase<E> for RollsBackItsTakeover {
+    const NAME: &'static str = "create_order";
+    type Input = Checkout;
+    type Output = Order;
+
+    async fn run(
+        &self,
+        connection: &mut ConnectionOf<E>,
+        checkout: Checkout,
+        context: &PhaseContext,
+    ) -> Result<Order, PhaseError> {
+        let handover = &self.0;
+        let run = handover
+            .runs
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if run == 0 {
+            return Err(PhaseError::retryable("the first attempt fails"));
+        }
+        if run == 1 {
+            misbehave::<E>(
+                connection,
+                context.key.as_str(),
+                Ending::Rollback,
+                After::WritesAgain,
+            )
+            .await?;
+            handover.rolled_back.notify_one();
+            handover.release_first.notified().await;
+        } else {
+            E::insert_order(connection, context.key.as_str(), checkout.amount).await?;
+        }
+        Ok(Order {
+            amount: checkout.amount,
+        })
+    }
+}
+
+/// The foreign phase: the next taker waits in it, holding the key, until released.
+struct HeldCall(Arc<Handover>);
+
+#[async_trait]
+impl ForeignPhase for HeldCall {
+    const NAME: &'static str = "charge";
+    type Input = Order;
+    type Output = String;
+
+    async fn call(&self, _: &DerivedKey, _: Order, _: &PhaseContext) -> Result<String, PhaseError> {
+        self.0.next_holds.notify_one();
+        self.0.release_next.notified().await;
+        Ok("ch_next".to_owned())
+    }
+}
+
+/// A takeover rolled back under its phase leaves the key as it was, lease over: the next taker
+/// takes it over from the same token. Where the fence is drawn inside the transaction (MariaDB,
+/// SQLite), it draws the very token the rolled-back takeover drew. The first taker, asking the
+/// row whether its takeover committed under the phase, must not take the next taker's hold for
+/// its own: before, it did, and recorded its 500 over the key the next taker was running, whose
+/// own result was then refused.
+async fn a_takeover_rolled_back_under_its_phase_never_records_over_the_next_takers_key<E: Lab>(
+    pool: PoolOf<E>,
+) {
+    E::create_orders(&pool).await;
+    let handover = Arc::new(Handover::default());
+    let workflow = Arc::new(
+        Workflow::<E>::builder_on::<Checkout>("handover.v1")
+            .local(RollsBackItsTakeover(Arc::clone(&handover)))
+            .foreign(HeldCall(Arc::clone(&handover)))
+            .local(Answer)
+            .lease(std::time::Duration::from_secs(30))
+            .build()
+            .unwrap(),
+    );
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let key = Key::parse("handed-over").unwrap();
+    let postponed = runner.run(&workflow, &tenant(), &key, request(BODY)).await;
+    assert!(
+        matches!(postponed, Ok(Outcome::Interrupted { .. })),
+        "{postponed:?}"
+    );
+    E::lapse_leases(&pool, None).await.unwrap();
+    let take = |runner: Runner<E>| {
+        let workflow = Arc::clone(&workflow);
+        let key = key.clone();
+        tokio::spawn(async move { runner.run(&workflow, &tenant(), &key, request(BODY)).await })
+    };
+    let first = take(runner.clone());
+    handover.rolled_back.notified().await;
+    let next = take(Runner::<E>::on(pool.clone(), RunnerConfig::default()));
+    handover.next_holds.notified().await;
+    handover.release_first.notify_one();
+    let first = first.await.unwrap();
+    handover.release_next.notify_one();
+    let next = next.await.unwrap();
+    assert!(
+        matches!(&first, Ok(Outcome::Forgotten(response)) if response.status == 500),
+        "the first taker lost the key: answered, nothing recorded: {first:?}"
+    );
+    assert!(
+        matches!(&next, Ok(Outcome::Executed(response)) if response.status == 201),
+        "the next taker's run is the key's: {next:?}"
+    );
+    let replayed = runner.run(&workflow, &tenant(), &key, request(BODY)).await;
+    assert!(
+        matches!(&replayed, Ok(Outcome::Replayed(response)) if response.status == 201),
+        "{replayed:?}"
+    );
+}
+
 /// On MariaDB, the phase commits and then fails as a lock wait does (1205): the connection is in
 /// no transaction. By default InnoDB undoes a waiting statement alone, so the transaction ended
 /// before it: the phase's `COMMIT`. Taken for a rollback (as 1205 was), the claim was made again
@@ -418,6 +549,27 @@ async fn on_mariadb_a_phase_that_commits_and_then_waits_out_a_lock_ends_its_key_
         At::First,
         Ending::Commit,
         After::Signals(1205),
+    )
+    .await;
+    assert_transaction_ended(&first, 1, 0);
+}
+
+/// On MariaDB, the phase commits and then fails as a deadlock's victim (1213): read from the
+/// connection, a rollback whole. But the phase's `COMMIT` committed the claim with the order, and
+/// the key's row, asked by the claim's token and holder, says so. Before, taken for a rollback,
+/// the claim was made again (and lost to the committed one) and the committed order ran again.
+#[tokio::test]
+async fn on_mariadb_a_phase_that_commits_and_then_dies_as_a_deadlock_victim_ends_its_key_with_a_500()
+ {
+    let pool = crate::support::mariadb::fresh("ended_commit_then_deadlock").await;
+    <idemflow_mysql::MySqlStore as Lab>::create_orders(&pool).await;
+    let provider = MockProvider::start().await;
+    let first = run_to_the_end::<idemflow_mysql::MySqlStore>(
+        &pool,
+        &provider,
+        At::First,
+        Ending::Commit,
+        After::Signals(1213),
     )
     .await;
     assert_transaction_ended(&first, 1, 0);

@@ -89,7 +89,9 @@ pub(crate) fn life_of(lock_version: i64) -> i64 {
 }
 
 /// Extends the owner's lease to `lease` from now (a heartbeat), never shortening it; a statement
-/// of its own (autocommit).
+/// of its own (autocommit). Fenced by the token and the holder: it renews this very owner's
+/// hold, never that of a later taker that drew the same token after this owner's takeover
+/// rolled back.
 pub async fn renew_lease(
     connection: &mut MySqlConnection,
     owner: &Owner,
@@ -100,6 +102,7 @@ pub async fn renew_lease(
         .bind(owner.tenant().as_str())
         .bind(owner.key().as_str())
         .bind(owner.lock_version())
+        .bind(owner.holder())
         .execute(connection)
         .await?
         .rows_affected();

@@ -222,23 +222,26 @@ pub const RESPONSE_APART: &str =
     "SELECT body FROM idempotency_responses WHERE tenant = ? AND `key` = ? AND life = ?";
 
 /// Extends the lease of a started key (fenced), never shortening it: the lease in ms,
-/// `tenant`, `key`, `lock_version`.
+/// `tenant`, `key`, `lock_version`, the owner's holder (a takeover's token can be drawn twice:
+/// the lease is renewed for the owner that drew it, see the migration that adds the holder).
 pub const RENEW_LEASE: &str = concat!(
     "UPDATE idempotency_keys SET locked_until = GREATEST(locked_until, ",
     now_ms!(),
-    " + ?) WHERE tenant = ? AND `key` = ? AND lock_version = ? AND state = 'started'"
+    " + ?) WHERE tenant = ? AND `key` = ? AND lock_version = ? AND holder = ? \
+       AND state = 'started'"
 );
 
 /// Takes over a started key whose lease is over, naming the token the taker saw; the fence
 /// advances, so the taker's token is the seen one plus one; the journal gets its `taken_over`
-/// entry: who takes it (`resumer` or `retry`), the lease in ms, `tenant`, `key`, the token seen.
+/// entry: who takes it (`resumer` or `retry`), the taker's holder, the lease in ms, `tenant`,
+/// `key`, the token seen.
 pub const TAKE_OVER: &str = concat!(
     "UPDATE idempotency_keys SET ",
     journal_with!(
         "'event', 'taken_over', 'token', life * 1048576 + fence + 1, 'by', ?, \
          'attempt', attempts + 1"
     ),
-    "fence = fence + 1, locked_until = ",
+    "fence = fence + 1, holder = ?, locked_until = ",
     now_ms!(),
     " + ?, attempts = attempts + 1, updated_at = ",
     now_ms!(),

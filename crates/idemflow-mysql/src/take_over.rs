@@ -12,7 +12,7 @@ use crate::claim::millis;
 use crate::error::StoreError;
 use crate::statements;
 use crate::transaction::Transaction;
-use idemflow_store::Owner;
+use idemflow_store::{Owner, fresh_holder};
 
 /// A key taken over: its new owner and where its execution stands.
 pub type TakenOver = idemflow_store::Taken<Owner>;
@@ -54,8 +54,10 @@ async fn take_over_by(
     by: &str,
 ) -> Result<Option<TakenOver>, StoreError> {
     let lease_from = std::time::Instant::now();
+    let holder = fresh_holder();
     let updated = sqlx::query(statements::TAKE_OVER)
         .bind(by)
+        .bind(holder)
         .bind(millis(lease))
         .bind(tenant.as_str())
         .bind(key.as_str())
@@ -79,7 +81,12 @@ async fn take_over_by(
     let request: Option<String> = row.try_get("request")?;
     let attempts: i32 = row.try_get("attempts")?;
     Ok(Some(TakenOver {
-        owner: Owner::new(tenant.clone(), key.clone(), row.try_get("lock_version")?),
+        owner: Owner::holding(
+            tenant.clone(),
+            key.clone(),
+            row.try_get("lock_version")?,
+            holder,
+        ),
         recovery_point: row.try_get("recovery_point")?,
         phase_output: json(row.try_get("phase_output")?)?,
         request: json(request)?.unwrap_or(Value::Null),

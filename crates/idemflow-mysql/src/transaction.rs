@@ -92,9 +92,9 @@ impl Transaction {
     /// not a rollback: by default InnoDB undoes the waiting statement alone, so out of a
     /// transaction after one, the transaction ended before it (and where
     /// `innodb_rollback_on_timeout` is on, the key ends with a 500 rather than risk running its
-    /// phases twice). A phase that commits and then fails as a deadlock's victim is taken for a
-    /// rollback: MariaDB names no transaction, and the key's row cannot answer for this owner
-    /// (a rolled-back draw of the fence is drawn again by the next taker).
+    /// phases twice). A phase that commits and then fails as a deadlock's victim reads as a
+    /// rollback here (MariaDB names no transaction); where the transaction held an uncommitted
+    /// claim or takeover, the runner then asks the key's row, by the owner's token and holder.
     ///
     /// A phase that ends the transaction and begins one of its own (`BEGIN` commits the open one
     /// implicitly) leaves the connection in a transaction: MariaDB names no transaction, so that

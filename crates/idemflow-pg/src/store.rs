@@ -71,7 +71,6 @@ impl Engine for PgStore {
     /// the claim) has the claim prepared.
     type Ticket = (i64, bool);
     const NAME: &'static str = "postgres";
-    const TOKENS_NEVER_DRAWN_AGAIN: bool = true;
 
     fn connection(transaction: &mut Transaction) -> &mut PgConnection {
         transaction

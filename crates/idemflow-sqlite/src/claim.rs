@@ -13,7 +13,7 @@ use sqlx::pool::PoolConnection;
 use crate::error::StoreError;
 use crate::statements;
 use crate::transaction::Transaction;
-use idemflow_store::Owner;
+use idemflow_store::{Owner, fresh_holder};
 
 /// Everything a claim stores: the boundary's [`idemflow_store::Claim`].
 pub type ClaimRequest<'a> = idemflow_store::Claim<'a>;
@@ -47,6 +47,7 @@ pub async fn begin_claim(
         .await?;
     let request = serde_json::to_string(claim.request)
         .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
+    let holder = fresh_holder();
     sqlx::query(statements::CLAIM)
         .bind(claim.tenant.as_str())
         .bind(claim.key.as_str())
@@ -55,6 +56,7 @@ pub async fn begin_claim(
         .bind(request)
         .bind(millis(claim.lease))
         .bind(token)
+        .bind(holder)
         .execute(transaction.connection())
         .await?;
     sqlx::query(statements::CLAIMED_SAVEPOINT)
@@ -62,7 +64,7 @@ pub async fn begin_claim(
         .await?;
     Ok(Claimed::Owned(
         transaction,
-        Owner::new(claim.tenant.clone(), claim.key.clone(), token),
+        Owner::holding(claim.tenant.clone(), claim.key.clone(), token, holder),
     ))
 }
 

@@ -86,7 +86,9 @@ pub async fn finish(
 }
 
 /// Extends the owner's lease to `lease` from now (a heartbeat), never shortening it; a statement
-/// of its own (SQLite commits it alone).
+/// of its own (SQLite commits it alone). Fenced by the token and the holder: it renews this very
+/// owner's hold, never that of a later taker that drew the same token after this owner's draw
+/// rolled back.
 pub async fn renew_lease(
     connection: &mut SqliteConnection,
     owner: &Owner,
@@ -97,6 +99,7 @@ pub async fn renew_lease(
         .bind(owner.key().as_str())
         .bind(owner.lock_version())
         .bind(millis(lease))
+        .bind(owner.holder())
         .execute(connection)
         .await?
         .rows_affected();

@@ -54,14 +54,15 @@ pub const NEXT_FENCE: &str =
 
 /// The claim's insert, its journal starting with the `claimed` entry: `?1` tenant, `?2` key,
 /// `?3` fingerprint, `?4` workflow, `?5` request (JSON text), `?6` lease in ms, `?7` the fencing
-/// token, which is also the row's life.
+/// token, which is also the row's life, `?8` the holder (a token can be drawn twice: see the
+/// migration that adds it).
 pub const CLAIM: &str = concat!(
     "INSERT INTO idempotency_keys \
          (tenant, key, fingerprint, workflow, request, locked_until, lock_version, life, \
-          created_at, updated_at, journal) \
+          holder, created_at, updated_at, journal) \
      VALUES (?1, ?2, ?3, ?4, ?5, ",
     now_ms!(),
-    " + ?6, ?7, ?7, ",
+    " + ?6, ?7, ?7, ?8, ",
     now_ms!(),
     ", ",
     now_ms!(),
@@ -126,20 +127,22 @@ pub const RESPONSE_APART: &str =
     "SELECT body FROM idempotency_responses WHERE tenant = ?1 AND key = ?2 AND life = ?3";
 
 /// Extends the lease of a started key (fenced), never shortening it: `?1` tenant, `?2` key, `?3`
-/// lock_version, `?4` lease in ms.
+/// lock_version, `?4` lease in ms, `?5` the owner's holder (the one who drew this token: the
+/// lease is renewed for that owner only).
 pub const RENEW_LEASE: &str = concat!(
     "UPDATE idempotency_keys SET locked_until = max(locked_until, ",
     now_ms!(),
-    " + ?4) WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND state = 'started'"
+    " + ?4) WHERE tenant = ?1 AND key = ?2 AND lock_version = ?3 AND holder = ?5 \
+       AND state = 'started'"
 );
 
 /// Takes over a started key whose lease is over, naming the token the taker saw, with its
 /// `taken_over` entry in the journal: `?1` tenant, `?2` key, `?3` the token seen, `?4` the new
-/// token, `?5` lease in ms, `?6` who takes it (`resumer` or `retry`).
+/// token, `?5` lease in ms, `?6` who takes it (`resumer` or `retry`), `?7` the taker's holder.
 pub const TAKE_OVER: &str = concat!(
     "UPDATE idempotency_keys SET ",
     journal_with!("'event', 'taken_over', 'token', ?4, 'by', ?6, 'attempt', attempts + 1"),
-    "lock_version = ?4, locked_until = ",
+    "lock_version = ?4, holder = ?7, locked_until = ",
     now_ms!(),
     " + ?5, attempts = attempts + 1, updated_at = ",
     now_ms!(),

@@ -12,7 +12,7 @@ use crate::claim::millis;
 use crate::error::StoreError;
 use crate::statements;
 use crate::transaction::Transaction;
-use idemflow_store::Owner;
+use idemflow_store::{Owner, fresh_holder};
 
 /// A key taken over: its new owner and where its execution stands.
 pub type TakenOver = idemflow_store::Taken<Owner>;
@@ -56,6 +56,7 @@ async fn take_over_by(
     let token: i64 = sqlx::query_scalar(statements::NEXT_FENCE)
         .fetch_one(&mut *connection)
         .await?;
+    let holder = fresh_holder();
     let Some(row) = sqlx::query(statements::TAKE_OVER)
         .bind(tenant.as_str())
         .bind(key.as_str())
@@ -63,6 +64,7 @@ async fn take_over_by(
         .bind(token)
         .bind(millis(lease))
         .bind(by)
+        .bind(holder)
         .fetch_optional(connection)
         .await?
     else {
@@ -75,7 +77,7 @@ async fn take_over_by(
     };
     let request: Option<String> = row.try_get("request")?;
     Ok(Some(TakenOver {
-        owner: Owner::new(tenant.clone(), key.clone(), token),
+        owner: Owner::holding(tenant.clone(), key.clone(), token, holder),
         recovery_point: row.try_get("recovery_point")?,
         phase_output: json(row.try_get("phase_output")?)?,
         request: json(request)?.unwrap_or(Value::Null),

@@ -109,12 +109,6 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
     type Ticket: Send + 'static;
     /// The engine's name, for logs and metrics.
     const NAME: &'static str;
-    /// Whether a fencing token drawn by a claim or takeover that then rolled back is never drawn
-    /// again (PostgreSQL's sequence). Only then does a row holding an owner's token prove that
-    /// this owner's uncommitted claim or takeover committed (under a phase that committed it):
-    /// where the draw rolls back with the transaction (MariaDB's fence column, SQLite's fence
-    /// row), the next taker draws the same token, and the row answers for that one.
-    const TOKENS_NEVER_DRAWN_AGAIN: bool = false;
 
     /// The connection inside `transaction`.
     fn connection(transaction: &mut Self::Transaction) -> &mut ConnectionOf<Self>;
@@ -230,7 +224,10 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
         owner: &Self::Owner,
     ) -> Result<(), EngineError>;
     /// Extends the owner's lease to `lease` from now, never shortening it (fenced), outside any
-    /// transaction.
+    /// transaction. It renews this very owner's hold or changes nothing: where a token can be
+    /// drawn twice (a draw rolled back with its transaction), the owner's holder is checked
+    /// with it. So it also answers, from the row, whether an owner's uncommitted claim or
+    /// takeover committed after all (under a phase that ended the transaction).
     async fn renew_lease(
         connection: &mut ConnectionOf<Self>,
         owner: &Self::Owner,

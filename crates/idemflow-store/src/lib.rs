@@ -49,7 +49,7 @@ pub use operator::{
     Migration, Operator, OperatorEngine, OperatorError, OperatorOptions, Partitions, engine_for,
     migrations,
 };
-pub use owner::{KeyOwner, Owner};
+pub use owner::{KeyOwner, Owner, fresh_holder};
 pub use pool::ConnectionPool;
 pub use report::{
     JOURNAL_LIMIT, JournalEntry, KeyBodies, KeyReport, KeyResponse, SEALED_MARKER, TableStats,

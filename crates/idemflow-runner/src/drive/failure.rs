@@ -112,8 +112,7 @@ impl<E: Engine> Drive<'_, E> {
         }
         // A rollback the engine read from the connection is the last thing that happened on it,
         // not the only one: a phase may have committed first (a claim or takeover committed with
-        // its effects) and failed after. The row tells, where this owner's hold is uncommitted
-        // and its token is never drawn again.
+        // its effects) and failed after. The row tells, where this owner's hold is uncommitted.
         if ended == Some(Standing::RolledBack) && self.hold_committed_under_a_phase().await {
             ended = Some(Standing::Ended);
         }
@@ -181,11 +180,10 @@ impl<E: Engine> Drive<'_, E> {
     /// all the same: then a phase committed it (ending the runner's transaction), and what the
     /// phases wrote before may have committed with it. Asked when the attempt's transaction was
     /// lost without a word on how it ended (its connection gone): the engine can no longer say,
-    /// the row still can. A fenced lease renewal finds this owner's token, or changes nothing.
+    /// the row still can. A fenced lease renewal finds this very owner's hold (its token, and
+    /// where a token can be drawn twice, its holder), or changes nothing.
     async fn hold_committed_under_a_phase(&mut self) -> bool {
-        // Where a rolled-back draw is drawn again, the token in the row may be the next
-        // taker's: the row cannot answer for this owner.
-        if self.hold == Hold::Committed || !E::TOKENS_NEVER_DRAWN_AGAIN {
+        if self.hold == Hold::Committed {
             return false;
         }
         let wait = self.runner.config.database_timeout;
@@ -256,8 +254,10 @@ impl<E: Engine> Drive<'_, E> {
     }
 
     /// After the transaction ended under a phase, whether this owner's uncommitted claim or
-    /// takeover committed with it: then the row carries this owner's token, which a fenced lease
-    /// renewal finds, and the key is held as any committed hold. Otherwise the claim is made
+    /// takeover committed with it: then the row carries this owner's hold (its token and
+    /// holder), which a fenced lease renewal finds, and the key is held as any committed hold.
+    /// A later taker that drew the same token after this owner's draw rolled back holds another
+    /// holder: its key is never taken for this owner's. Otherwise the claim is made
     /// again with its token (nobody else ever saw it) and the takeover made again from the
     /// token it took over, as after a refused commit.
     async fn hold_after_end(&mut self) -> Result<(), RunError> {
