@@ -227,6 +227,8 @@ impl New<'_> {
             .bind(self.input.to_string())
             .bind(30_000_i64)
             .bind(token)
+            // The holder: this claim never asks the row whether it committed (docs/engines.md).
+            .bind(1_i64)
             .execute(&mut *connection)
             .await?;
         sqlx::query(statements::ADVANCE)

@@ -83,6 +83,8 @@ async fn raw_claim(
         .bind(&shape.request)
         .bind(LEASE_MS)
         .bind(token)
+        // The holder: this claim never asks the row whether it committed (docs/engines.md).
+        .bind(1_i64)
         .execute(&mut *connection)
         .await?;
     Ok(token)
