@@ -81,6 +81,7 @@ impl ForeignPhase for Charge {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt::init(); // INFO and up, with the tenant and key of each request
     let provider = MockProvider::start().await; // a payment provider over real HTTP, in process
     let mut args = std::env::args().skip(1);
     let bind = args.next().unwrap_or_else(|| "127.0.0.1:3000".to_owned());
@@ -116,6 +117,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "curl -i {address}/payments -H 'Authorization: Bearer acme' -H 'Idempotency-Key: k1' \
          -H 'Content-Type: application/json' -d '{{\"amount\": 500}}'"
     );
-    axum::serve(listener, app).await?;
+    // Served with limits on slow and oversized clients (docs/operations.md).
+    idemflow::http::serve(listener, app, idemflow::http::ServeLimits::default()).await?;
     Ok(())
 }

@@ -30,6 +30,7 @@ mod hello_example;
 mod isolation;
 mod large_responses;
 mod load;
+mod logs;
 mod many_processes;
 mod metrics;
 mod partitions;

@@ -407,7 +407,7 @@ where
         };
         let (ran, waited) = run_or_wait(waiting, run).await;
         let response = match ran {
-            Ok(result) => answer(result, &live),
+            Ok(result) => answer_span(&tenant, &key).in_scope(|| answer(result, &live)),
             Err(error) => {
                 // Phases' panics are caught by the runner; this is the runner's own.
                 tracing::error!(%error, "the request's task failed");
@@ -443,6 +443,15 @@ where
             .await
             .unwrap_or_else(|never| match never {})
     }
+}
+
+/// The span the answer to a request is made in: its tenant and key, as the runner's own span, so
+/// what the answer logs (a busy database, at WARN) names the key.
+pub(crate) fn answer_span(
+    tenant: &idemflow_core::TenantId,
+    key: &idemflow_core::Key,
+) -> tracing::Span {
+    tracing::info_span!("idemflow.answer", tenant = %tenant, key = %key)
 }
 
 /// The answer to the attempt: the handler's own response where this attempt ran the handler

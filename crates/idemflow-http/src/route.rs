@@ -161,7 +161,7 @@ impl<E: Engine> WorkflowService<E> {
         };
         let (ran, waited) = run_or_wait(waiting, run).await;
         let response = match ran {
-            Ok(result) => respond(result),
+            Ok(result) => crate::layer::answer_span(&tenant, &key).in_scope(|| respond(result)),
             Err(error) => {
                 tracing::error!(%error, "the request's task failed");
                 Problem::new(

@@ -201,6 +201,12 @@ impl<E: Engine> Runner<E> {
             attempt = taken.attempts,
         );
         async {
+            // At INFO, in the span naming the tenant and key: a resumer's takeover is the one
+            // sign, without polling, that a request's process died under it.
+            tracing::info!(
+                recovery_point = %taken.recovery_point,
+                "a resumer took over the key to finish it"
+            );
             metrics::count(metrics::TAKEOVERS, workflow.name());
             // However long it waited since its batch took it over, the call checks its fence.
             let start = Start::taken_over(taken, None, Hold::Committed);
