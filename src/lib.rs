@@ -75,7 +75,7 @@ pub mod postgres {
     pub use idemflow_pg::partitions;
     pub use idemflow_pg::{
         DUE_CHANNEL, KeyReport, MIGRATOR, PgOperator, PgStore, PoolSettings, StoreError,
-        TableStats, Transaction, end_lease, key_report, migrate, resumer_lag, stuck_keys,
+        TableStats, Transaction, end_lease, key_report, migrate, open, resumer_lag, stuck_keys,
         table_stats,
     };
     pub use idemflow_store::sqlx::{PgConnection, PgPool};
@@ -99,13 +99,19 @@ pub mod mysql {
     pub use idemflow_store::sqlx::{MySqlConnection, MySqlPool};
 }
 
-/// Keys in Redis (the `redis` feature): [`redis::RedisPool::connect`], then a runner on it runs
+/// Keys in Redis (the `redis` feature): [`redis::open`] (or [`redis::RedisPool::connect`]), then a runner on it runs
 /// workflows whose phases are all foreign (`Workflow::<redis::RedisStore>`). A local phase does not
 /// compile on it. Redis can lose acknowledged writes (a restart, a failover), and a lost key's
 /// retry runs again: docs/engines.md says when that is acceptable.
 #[cfg(feature = "redis")]
 pub mod redis {
     pub use idemflow_redis::{DEFAULT_PREFIX, RedisOperator, RedisPool, RedisStore, StoreError};
+
+    /// Connects to the Redis at `url`: the same call as the SQL engines' `open`, with nothing to
+    /// migrate (the engine's scripts are loaded on first use) and no settings but the URL's.
+    pub async fn open(url: &str) -> Result<RedisPool, StoreError> {
+        RedisPool::connect(url).await
+    }
 }
 
 /// What operators' tools read and do, on any engine ([`operator::Operator`]), and the engines

@@ -106,3 +106,54 @@ async fn start_at_once(url: &str) {
         }
     }
 }
+
+/// One call opens each SQL engine the same way (a URL and the engine's settings) and leaves the
+/// database migrated: a fresh database takes a key at once.
+#[sqlx::test(migrations = false)]
+async fn each_engines_open_takes_a_fresh_database_to_a_migrated_pool(
+    _: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let postgres = idemflow::postgres::open(
+        &database_url(&connect),
+        &idemflow::postgres::PoolSettings::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(keys_table(&postgres).await, 0);
+
+    let directory = std::env::temp_dir().join("idemflow-startup-open-sqlite");
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let sqlite = idemflow::sqlite::open(
+        &format!("sqlite://{}", directory.join("fresh.db").display()),
+        &idemflow::sqlite::OpenOptions::default(),
+    )
+    .await
+    .unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(&sqlite)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0);
+
+    let database = crate::support::mariadb::empty("startup_open").await;
+    let mysql = idemflow::mysql::open(
+        &crate::support::mariadb::url_of(&database),
+        &idemflow::mysql::OpenOptions::default(),
+    )
+    .await
+    .unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_keys")
+        .fetch_one(&mysql)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0);
+}
+
+async fn keys_table(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}

@@ -57,6 +57,16 @@ pub use take_over::{TakenOver, take_over};
 /// workspace's `migrations/postgres` links to it).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// Opens a pool on `url` with `settings` (one connection opened now, to fail early) and applies
+/// every pending migration: the same call, in the same shape, as `idemflow_sqlite::open` and
+/// `idemflow_mysql::open`. A role that may not change the schema connects with
+/// [`PoolSettings::connect`] instead, once an operator has migrated (docs/operations.md).
+pub async fn open(url: &str, settings: &PoolSettings) -> Result<sqlx::PgPool, sqlx::Error> {
+    let pool = settings.connect(url).await?;
+    migrate(&pool).await?;
+    Ok(pool)
+}
+
 /// Applies every pending migration. Safe to call from many processes at once: sqlx serializes
 /// migrators with an advisory lock.
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
