@@ -67,9 +67,9 @@ impl<E: Engine> Runner<E> {
         Self::on(pool.into_pool(), config)
     }
 
-    /// A runner of engine `E` on `pool`, with `config`: what code generic over `E: SqlEngine`
-    /// calls (there the pool's type is `sqlx::Pool<E::Database>`, which the compiler does not see
-    /// as `E`'s pool; over `E: Engine`, [`Runner::new`] works too).
+    /// A runner of engine `E` on its pool, with `config`. [`Runner::new`] and
+    /// [`Runner::with_config`] take the same pool, in generic code too (`Runner::<E>::new(pool)`
+    /// with `pool: PoolOf<E>`: docs/runner.md, "One workflow, several engines").
     pub fn on(pool: PoolOf<E>, config: RunnerConfig) -> Self {
         metrics::describe_once();
         Self {
