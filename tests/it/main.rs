@@ -38,6 +38,7 @@ mod pgbouncer;
 mod precision;
 mod protocol;
 mod redis_loss;
+mod refunds;
 mod resumer;
 mod retention;
 mod roles;

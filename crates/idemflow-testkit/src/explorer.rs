@@ -5,8 +5,9 @@
 //! For every case it checks:
 //! - **nothing left started**: the key finished (its response stored);
 //! - **replay**: a further retry returns the stored response, byte for byte;
-//! - **one charge per derived key**: every charge the provider made during the case carries one of
-//!   the request's derived keys, and no derived key was charged twice;
+//! - **one execution per derived key**: every call the mock provider executed during the case (a
+//!   charge, a refund, any operation: [`crate::provider::MockProvider::executed_keys`]) carries
+//!   one of the request's derived keys, and no derived key was executed twice;
 //! - **no phase ended the runner's transaction**: the stored response is not the engine's 500
 //!   `transaction_ended`, which the runner stores when a local phase committed or rolled back the
 //!   transaction it shares (docs/runner.md);
@@ -344,7 +345,7 @@ impl<E: Tamper> Explorer<E> {
 
     async fn run_case(&self, case: Case, provider: Option<&MockProvider>) -> CaseResult {
         let mut failures = Vec::new();
-        let charges_before = provider.map_or(0, |provider| provider.charges().len());
+        let charges_before = provider.map_or(0, |provider| provider.executed_keys().len());
         let first_attempt = self.first_attempt(&case, provider, &mut failures).await;
 
         // Recover: rewind the lease (never sleep for it) and let the recovery path finish it.
@@ -579,17 +580,17 @@ impl<E: Tamper> Explorer<E> {
                     .to_owned()
             })
             .collect();
-        let charges = provider.charges();
-        let made = &charges[before.min(charges.len())..];
+        // Charges and any other operation the provider executed (refunds, payouts, …).
+        let executed = provider.executed_keys();
+        let made = &executed[before.min(executed.len())..];
         let mut seen = std::collections::HashSet::new();
-        for charge in made {
-            if !derived.contains(&charge.idempotency_key) {
+        for key in made {
+            if !derived.contains(key) {
                 failures.push(format!(
-                    "charged under {:?}, not a derived key of this request",
-                    charge.idempotency_key
+                    "executed under {key:?}, not a derived key of this request"
                 ));
-            } else if !seen.insert(charge.idempotency_key.clone()) {
-                failures.push(format!("charged twice under {:?}", charge.idempotency_key));
+            } else if !seen.insert(key.clone()) {
+                failures.push(format!("executed twice under {key:?}"));
             }
         }
     }

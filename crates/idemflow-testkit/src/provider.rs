@@ -1,8 +1,10 @@
 //! A mock payment provider over real HTTP on 127.0.0.1, with Stripe's idempotency rules (simplified)
 //! and faults a test scripts call by call.
 //!
-//! One endpoint, `POST /v1/charges`, with an `Idempotency-Key` header and a JSON body
-//! `{"amount": 1000, "currency": "usd", "source": "tok_visa"}`:
+//! `POST /v1/charges`, with an `Idempotency-Key` header and a JSON body
+//! `{"amount": 1000, "currency": "usd", "source": "tok_visa"}`, and any other operation a test
+//! names, `POST /v1/<operation>` (refunds, payouts, transfers: [`operations`]) with any JSON
+//! object, under the same idempotency rules and the same faults:
 //!
 //! - the first request with a key executes: the source `tok_chargeDeclined` (or `tok_declined`) gives
 //!   402 `card_error`/`card_declined`, any other source a 200 charge `{"id": "ch_…", …}`;
@@ -17,7 +19,8 @@
 //!
 //! Faults ([`Fault`]) are queued with [`MockProvider::push_fault`] or
 //! [`MockProvider::push_fault_for`] and consumed by upcoming calls in queue order. The ledger
-//! ([`MockProvider::charges`], [`MockProvider::calls`], [`MockProvider::calls_for`]) says what
+//! ([`MockProvider::charges`], [`MockProvider::operations`], [`MockProvider::calls`],
+//! [`MockProvider::calls_for`]) says what
 //! really happened, whatever the client saw. See `docs/mock-provider.md` for what a caller sees for
 //! each fault.
 
@@ -47,6 +50,11 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::provider_client::ProviderClient;
+
+pub mod operations;
+
+pub use operations::Operation;
+use operations::OperationParams;
 
 /// How long a stored key is remembered unless [`MockProviderBuilder::key_ttl`] says otherwise.
 pub const DEFAULT_KEY_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -173,6 +181,7 @@ impl MockProviderBuilder {
         });
         let app = Router::new()
             .route("/v1/charges", post(create_charge))
+            .route("/v1/{operation}", post(operations::create))
             .fallback(not_found)
             .with_state(Arc::clone(&shared));
         let signal = {
@@ -334,7 +343,29 @@ impl MockProvider {
         self.shared.lock().charges.clone()
     }
 
-    /// How many calls reached `POST /v1/charges`, faulted and rejected ones included.
+    /// The idempotency key of every call executed, charges and other operations alike, in order
+    /// (replays add none): what "each derived key executed at most once" is checked against.
+    pub fn executed_keys(&self) -> Vec<String> {
+        self.shared.lock().executed.clone()
+    }
+
+    /// Every operation other than a charge executed, in order (replays add none).
+    pub fn operations(&self) -> Vec<Operation> {
+        self.shared.lock().operations.clone()
+    }
+
+    /// The executed operations named `operation` (`"refunds"`), in order.
+    pub fn operations_of(&self, operation: &str) -> Vec<Operation> {
+        let ledger = self.shared.lock();
+        ledger
+            .operations
+            .iter()
+            .filter(|executed| executed.operation == operation)
+            .cloned()
+            .collect()
+    }
+
+    /// How many calls reached the provider (any operation), faulted and rejected ones included.
     pub fn calls(&self) -> usize {
         self.shared.lock().calls
     }
@@ -355,9 +386,11 @@ impl MockProvider {
         let mut ledger = self.shared.lock();
         let next_charge = ledger.next_charge;
         let next_claim = ledger.next_claim;
+        let next_operation = ledger.next_operation;
         *ledger = Ledger {
             next_charge,
             next_claim,
+            next_operation,
             ..Ledger::default()
         };
     }
@@ -398,10 +431,14 @@ struct Ledger {
     keys: HashMap<String, KeyEntry>,
     faults: VecDeque<Scripted>,
     charges: Vec<Charge>,
+    operations: Vec<Operation>,
+    /// The idempotency key of every executed call, charges and operations, in order.
+    executed: Vec<String>,
     calls: usize,
     calls_by_key: HashMap<String, usize>,
     next_charge: u64,
     next_claim: u64,
+    next_operation: u64,
 }
 
 struct Scripted {
@@ -410,7 +447,7 @@ struct Scripted {
 }
 
 struct KeyEntry {
-    params: ChargeParams,
+    params: Params,
     created_at: Duration,
     state: KeyState,
 }
@@ -424,6 +461,13 @@ enum KeyState {
 struct Stored {
     status: StatusCode,
     body: Bytes,
+}
+
+/// What a key was first used with: a key used for a charge and then for a refund is a mismatch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Params {
+    Charge(ChargeParams),
+    Operation(OperationParams),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -479,7 +523,7 @@ impl Shared {
         ledger.faults.remove(index).map(|s| s.fault)
     }
 
-    fn decide(&self, key: &str, params: &ChargeParams) -> Decision {
+    fn decide(&self, key: &str, params: &Params) -> Decision {
         let mut ledger = self.lock();
         let now = ledger.clock;
         if let Some(entry) = ledger.keys.get(key) {
@@ -519,7 +563,23 @@ impl Shared {
         }
     }
 
-    fn execute(&self, key: &str, claim: u64, params: ChargeParams) -> Stored {
+    fn execute(&self, key: &str, claim: u64, params: Params) -> Stored {
+        match params {
+            Params::Charge(params) => self.charge(key, claim, params),
+            Params::Operation(params) => self.operate(key, claim, params),
+        }
+    }
+
+    /// Stores an executed call's answer with its key, unless the claim is gone (a reset).
+    fn store(ledger: &mut Ledger, key: &str, claim: u64, stored: &Stored) {
+        if let Some(entry) = ledger.keys.get_mut(key)
+            && matches!(entry.state, KeyState::InFlight { claim: c } if c == claim)
+        {
+            entry.state = KeyState::Done(stored.clone());
+        }
+    }
+
+    fn charge(&self, key: &str, claim: u64, params: ChargeParams) -> Stored {
         let mut ledger = self.lock();
         ledger.next_charge += 1;
         let id = format!("ch_mock{:06}", ledger.next_charge);
@@ -558,12 +618,9 @@ impl Shared {
             source: params.source,
             outcome,
         });
+        ledger.executed.push(key.to_owned());
         // After a reset() the claim is gone: the charge stays in the ledger but no key remembers it.
-        if let Some(entry) = ledger.keys.get_mut(key)
-            && matches!(entry.state, KeyState::InFlight { claim: c } if c == claim)
-        {
-            entry.state = KeyState::Done(stored.clone());
-        }
+        Self::store(&mut ledger, key, claim, &stored);
         stored
     }
 }
@@ -576,6 +633,20 @@ async fn create_charge(
     ConnectInfo(connection): ConnectInfo<ConnectionHandle>,
     headers: HeaderMap,
     body: Bytes,
+) -> Response {
+    serve_call(shared, connection, &headers, |key| {
+        validate(key, &body).map(|(key, params)| (key, Params::Charge(params)))
+    })
+    .await
+}
+
+/// One call of any operation: counted, its fault (if one is queued for it) applied, then
+/// `validate`d and decided under the provider's idempotency rules.
+async fn serve_call(
+    shared: Arc<Shared>,
+    connection: ConnectionHandle,
+    headers: &HeaderMap,
+    validate: impl FnOnce(Option<String>) -> Result<(String, Params), Invalid>,
 ) -> Response {
     let key = headers
         .get(IDEMPOTENCY_KEY_HEADER)
@@ -617,7 +688,7 @@ async fn create_charge(
         Some(Fault::Delay(delay)) => Some(delay),
         Some(Fault::ExecuteThenDrop) | None => None,
     };
-    let response = handle(shared, key, &body, delay).await;
+    let response = handle(shared, validate(key), delay).await;
     if matches!(fault, Some(Fault::ExecuteThenDrop)) {
         connection.kill();
     }
@@ -626,11 +697,10 @@ async fn create_charge(
 
 async fn handle(
     shared: Arc<Shared>,
-    key: Option<String>,
-    body: &[u8],
+    validated: Result<(String, Params), Invalid>,
     delay: Option<Duration>,
 ) -> Response {
-    let (key, params) = match validate(key, body) {
+    let (key, params) = match validated {
         Ok(valid) => valid,
         Err(Invalid(code, message)) => {
             shared.sleep(delay).await;
@@ -707,18 +777,7 @@ struct ChargeBody {
 struct Invalid(&'static str, String);
 
 fn validate(key: Option<String>, body: &[u8]) -> Result<(String, ChargeParams), Invalid> {
-    let Some(key) = key else {
-        return Err(Invalid(
-            "missing_idempotency_key",
-            format!("The {IDEMPOTENCY_KEY_HEADER} header is required."),
-        ));
-    };
-    if key.is_empty() || key.len() > MAX_KEY_LEN {
-        return Err(Invalid(
-            "invalid_idempotency_key",
-            format!("The {IDEMPOTENCY_KEY_HEADER} header must hold 1 to {MAX_KEY_LEN} bytes."),
-        ));
-    }
+    let key = validate_key(key)?;
     let body: ChargeBody = serde_json::from_slice(body).map_err(|e| {
         Invalid(
             "parameter_invalid",
@@ -756,12 +815,30 @@ fn validate(key: Option<String>, body: &[u8]) -> Result<(String, ChargeParams), 
     ))
 }
 
+/// The idempotency key every call needs: present, 1 to [`MAX_KEY_LEN`] bytes.
+fn validate_key(key: Option<String>) -> Result<String, Invalid> {
+    let Some(key) = key else {
+        return Err(Invalid(
+            "missing_idempotency_key",
+            format!("The {IDEMPOTENCY_KEY_HEADER} header is required."),
+        ));
+    };
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        return Err(Invalid(
+            "invalid_idempotency_key",
+            format!("The {IDEMPOTENCY_KEY_HEADER} header must hold 1 to {MAX_KEY_LEN} bytes."),
+        ));
+    }
+    Ok(key)
+}
+
 async fn not_found() -> Response {
     error_response(
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         Some("resource_missing"),
-        "Unrecognized request URL; the mock provider serves POST /v1/charges.",
+        "Unrecognized request URL; the mock provider serves POST /v1/charges and POST \
+         /v1/<operation>.",
     )
 }
 

@@ -156,9 +156,11 @@ impl ProviderClientBuilder {
             .retry(reqwest::retry::never())
             .build()
             .expect("a plain-HTTP reqwest client without a proxy builds");
+        let base_url = self.base_url.trim_end_matches('/').to_owned();
         ProviderClient {
             http,
-            charges_url: format!("{}/v1/charges", self.base_url.trim_end_matches('/')),
+            charges_url: format!("{base_url}/v1/charges"),
+            base_url,
             timeout: self.timeout,
         }
     }
@@ -168,6 +170,7 @@ impl ProviderClientBuilder {
 #[derive(Debug, Clone)]
 pub struct ProviderClient {
     http: reqwest::Client,
+    base_url: String,
     charges_url: String,
     timeout: Duration,
 }
@@ -218,6 +221,48 @@ impl ProviderClient {
         // A connection that dies after the headers fails here, and is a network error too.
         let body = response.bytes().await.map_err(transport)?;
         classify(status, retry_after, &body)
+    }
+}
+
+impl ProviderClient {
+    /// Calls `operation` (`"refunds"`, `"payouts"`: the mock provider's `POST /v1/<operation>`)
+    /// with `params` (a JSON object) under `idempotency_key`, and returns the provider's answer:
+    /// the operation as executed (`id`, `object`, `status`, the parameters), the first time and on
+    /// every replay.
+    ///
+    /// # Errors
+    ///
+    /// As [`ProviderClient::charge`]: every way the call can fail to give a final answer.
+    pub async fn operate(
+        &self,
+        operation: &str,
+        idempotency_key: &str,
+        params: &serde_json::Value,
+    ) -> Result<serde_json::Value, ProviderError> {
+        let response = self
+            .http
+            .post(format!("{}/v1/{operation}", self.base_url))
+            .header("Idempotency-Key", idempotency_key)
+            .json(params)
+            .send()
+            .await
+            .map_err(transport)?;
+        let status = response.status();
+        let retry_after = parse_retry_after(response.headers());
+        let body = response.bytes().await.map_err(transport)?;
+        if status.is_success() {
+            return serde_json::from_slice(&body).map_err(|_| ProviderError::UnexpectedResponse {
+                status: status.as_u16(),
+                body: String::from_utf8_lossy(&body).into_owned(),
+            });
+        }
+        match classify(status, retry_after, &body) {
+            Err(error) => Err(error),
+            Ok(_) => Err(ProviderError::UnexpectedResponse {
+                status: status.as_u16(),
+                body: String::from_utf8_lossy(&body).into_owned(),
+            }),
+        }
     }
 }
 

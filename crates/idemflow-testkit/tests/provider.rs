@@ -600,8 +600,15 @@ async fn a_bad_request_is_400_json_and_stores_nothing() {
         assert_eq!(raw_post(&provider, Some("k"), VISA).await.status, 200);
         assert_eq!(provider.charges().len(), 1);
 
+        // Every operation is POST /v1/<operation>: another method there is 405, another path 404.
         let other = raw_client()
             .get(format!("{}/v1/refunds", provider.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(other.status(), 405);
+        let other = raw_client()
+            .post(format!("{}/v2/refunds", provider.url()))
             .send()
             .await
             .unwrap();
