@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use idemflow_testkit::provider::MockProvider;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
+use crate::engines::Lab;
 use crate::support::example::{database_url, example_binary};
 
 /// Kills its processes however the test ends.
@@ -120,7 +121,7 @@ async fn each_engines_open_takes_a_fresh_database_to_a_migrated_pool(
     )
     .await
     .unwrap();
-    assert_eq!(keys_table(&postgres).await, 0);
+    assert_eq!(<idemflow_pg::PgStore as Lab>::keys(&postgres).await, 0);
 
     let directory = std::env::temp_dir().join("idemflow-startup-open-sqlite");
     let _ = std::fs::remove_dir_all(&directory);
@@ -131,11 +132,10 @@ async fn each_engines_open_takes_a_fresh_database_to_a_migrated_pool(
     )
     .await
     .unwrap();
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-        .fetch_one(&sqlite)
-        .await
-        .unwrap();
-    assert_eq!(rows, 0);
+    assert_eq!(
+        <idemflow_sqlite::SqliteStore as Lab>::keys(&sqlite).await,
+        0
+    );
 
     let database = crate::support::mariadb::empty("startup_open").await;
     let mysql = idemflow::mysql::open(
@@ -144,16 +144,5 @@ async fn each_engines_open_takes_a_fresh_database_to_a_migrated_pool(
     )
     .await
     .unwrap();
-    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_keys")
-        .fetch_one(&mysql)
-        .await
-        .unwrap();
-    assert_eq!(rows, 0);
-}
-
-async fn keys_table(pool: &sqlx::PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    assert_eq!(<idemflow_mysql::MySqlStore as Lab>::keys(&mysql).await, 0);
 }

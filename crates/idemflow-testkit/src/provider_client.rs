@@ -208,18 +208,8 @@ impl ProviderClient {
         source: &str,
     ) -> Result<ChargeResult, ProviderError> {
         let body = json!({"amount": amount, "currency": currency, "source": source});
-        let response = self
-            .http
-            .post(&self.charges_url)
-            .header("Idempotency-Key", idempotency_key)
-            .json(&body)
-            .send()
-            .await
-            .map_err(transport)?;
-        let status = response.status();
-        let retry_after = parse_retry_after(response.headers());
-        // A connection that dies after the headers fails here, and is a network error too.
-        let body = response.bytes().await.map_err(transport)?;
+        let (status, retry_after, body) =
+            self.post(&self.charges_url, idempotency_key, &body).await?;
         classify(status, retry_after, &body)
     }
 }
@@ -239,17 +229,8 @@ impl ProviderClient {
         idempotency_key: &str,
         params: &serde_json::Value,
     ) -> Result<serde_json::Value, ProviderError> {
-        let response = self
-            .http
-            .post(format!("{}/v1/{operation}", self.base_url))
-            .header("Idempotency-Key", idempotency_key)
-            .json(params)
-            .send()
-            .await
-            .map_err(transport)?;
-        let status = response.status();
-        let retry_after = parse_retry_after(response.headers());
-        let body = response.bytes().await.map_err(transport)?;
+        let url = format!("{}/v1/{operation}", self.base_url);
+        let (status, retry_after, body) = self.post(&url, idempotency_key, params).await?;
         if status.is_success() {
             return serde_json::from_slice(&body).map_err(|_| ProviderError::UnexpectedResponse {
                 status: status.as_u16(),
@@ -263,6 +244,31 @@ impl ProviderClient {
                 body: String::from_utf8_lossy(&body).into_owned(),
             }),
         }
+    }
+}
+
+impl ProviderClient {
+    /// Posts `body` as JSON to `url` under `idempotency_key`: the answer's status, its
+    /// `Retry-After` and its body, read whole.
+    async fn post(
+        &self,
+        url: &str,
+        idempotency_key: &str,
+        body: &serde_json::Value,
+    ) -> Result<(StatusCode, Option<Duration>, axum::body::Bytes), ProviderError> {
+        let response = self
+            .http
+            .post(url)
+            .header("Idempotency-Key", idempotency_key)
+            .json(body)
+            .send()
+            .await
+            .map_err(transport)?;
+        let status = response.status();
+        let retry_after = parse_retry_after(response.headers());
+        // A connection that dies after the headers fails here, and is a network error too.
+        let body = response.bytes().await.map_err(transport)?;
+        Ok((status, retry_after, body))
     }
 }
 
