@@ -238,6 +238,7 @@ conformance!(
     a_claimed_key_is_replayed_from_its_stored_response,
     of_two_claims_of_one_key_the_second_loses_and_writes_nothing,
     a_takeover_fences_the_old_owner_out_of_every_write,
+    a_renewal_renews_only_its_own_owners_hold,
     tokens_never_repeat_for_a_key_across_deletes,
     a_body_apart_is_read_for_its_own_life_only,
     retention_deletes_finished_keys_past_their_window_in_batches_only,
@@ -497,6 +498,44 @@ async fn a_takeover_fences_the_old_owner_out_of_every_write<S: Tamper>(pool: S::
     .unwrap();
     steps::commit::<S>(transaction).await.unwrap();
     assert_eq!(found::<S>(&pool, &key).await.response.unwrap().body, b"new");
+}
+
+/// A takeover whose transaction rolled back leaves the key to the next taker, who may draw the
+/// very token it drew (MariaDB's fence, SQLite's fence row: drawn in the transaction). The
+/// renewal of the first, which is also how the runner asks the row whether its hold committed
+/// after all, must not renew the next taker's hold: only the owner that holds the key renews.
+/// (Redis commits a takeover at once: there the first taker's hold is simply taken over.)
+async fn a_renewal_renews_only_its_own_owners_hold<S: Tamper>(pool: S::Pool) {
+    let key = key("k-holder");
+    let (transaction, claimed) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+    steps::commit::<S>(transaction).await.unwrap();
+    lapse_leases::<S>(&pool).await;
+    let mut transaction = steps::begin::<S>(&pool).await.unwrap();
+    let first = S::take_over(
+        &mut transaction,
+        &tenant(),
+        &key,
+        claimed.lock_version(),
+        LEASE,
+    )
+    .await
+    .unwrap()
+    .expect("a lapsed lease is taken over");
+    steps::rollback::<S>(transaction).await.unwrap();
+    lapse_leases::<S>(&pool).await;
+    let seen = found::<S>(&pool, &key).await.lock_version;
+    let next = steps::take_over::<S>(&pool, &tenant(), &key, seen, LEASE)
+        .await
+        .unwrap()
+        .expect("the next taker takes the key over");
+    assert_eq!(
+        refused(steps::renew_lease::<S>(&pool, &first.owner, LEASE).await),
+        Failure::Fenced,
+        "the first taker renewed the next one's hold"
+    );
+    steps::renew_lease::<S>(&pool, &next.owner, LEASE)
+        .await
+        .expect("the holder renews");
 }
 
 async fn tokens_never_repeat_for_a_key_across_deletes<S: Tamper>(pool: S::Pool) {

@@ -35,6 +35,7 @@ mod many_processes;
 mod metrics;
 mod partitions;
 mod pgbouncer;
+mod plans;
 mod precision;
 mod protocol;
 mod redis_loss;

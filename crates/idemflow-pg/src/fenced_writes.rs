@@ -88,7 +88,7 @@ pub async fn renew_lease(
          SET locked_until = greatest(locked_until, \
                                      clock_timestamp() + $4::bigint * interval '1 millisecond'), \
              updated_at = now() \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state <> 'done'",
     )
     .bind(owner.tenant().as_str())
     .bind(owner.key().as_str())
@@ -125,7 +125,7 @@ pub async fn postpone(
                                'point', recovery_point, 'error', $5::text) \
                  FROM (SELECT nextval('idempotency_keys_fence') AS token) AS fence), \
              last_error = $5, updated_at = now() \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state <> 'done'",
     )
     .bind(owner.tenant().as_str())
     .bind(owner.key().as_str())
@@ -142,7 +142,7 @@ pub async fn postpone(
 pub async fn delete_owned(connection: &mut PgConnection, owner: &Owner) -> Result<(), StoreError> {
     let result = sqlx::query(
         "DELETE FROM idempotency_keys \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started'",
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state <> 'done'",
     )
     .bind(owner.tenant().as_str())
     .bind(owner.key().as_str())

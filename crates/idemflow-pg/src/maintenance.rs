@@ -186,7 +186,7 @@ pub async fn end_lease(
                                'event', 'lease_ended', 'token', fence.token, 'by', 'operator') \
                  FROM (SELECT nextval('idempotency_keys_fence') AS token) AS fence), \
              updated_at = now() \
-         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+         WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state <> 'done' \
          RETURNING lock_version",
     )
     .bind(tenant)

@@ -64,6 +64,11 @@ pub const CLAIMED_SAVEPOINT: &str = "SAVEPOINT idemflow_claimed";
 /// Back to [`CLAIMED_SAVEPOINT`].
 pub const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT idemflow_claimed";
 
+// Every statement on one key names it by the primary key and says `state <> 'done'`, never
+// `state = 'started'`: on a generic plan (a prepared statement's from its sixth execution) the
+// latter made the partial index of started keys look cheaper than the primary key, and that
+// index still holds every key finished since the last vacuum, so each write scanned them all
+// (tests/it/plans.rs; docs/ARCHITECTURE.md). A key is `started` or `done`: the same rows.
 /// Records a completed phase (fenced), and its `phase` entry in the journal: `$1` tenant, `$2`
 /// key, `$3` lock_version, `$4` recovery point, `$5` its output, `$6` lease in ms, measured from
 /// this statement and never shortening.
@@ -75,7 +80,7 @@ pub const ADVANCE: &str = "UPDATE idempotency_keys \
          || jsonb_build_object('at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
                                'event', 'phase', 'token', $3::bigint, 'point', $4::text), \
      updated_at = now() \
- WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+ WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state <> 'done' \
    AND current_setting('idemflow.transaction', true) = 'open'";
 
 /// Stores the response and marks the key done (fenced), with its `finished` entry in the
@@ -89,7 +94,7 @@ pub const FINISH: &str = "UPDATE idempotency_keys \
          || jsonb_build_object('at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
                                'event', 'finished', 'token', $3::bigint, 'status', $5::smallint), \
      updated_at = now() \
- WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+ WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state <> 'done' \
    AND current_setting('idemflow.transaction', true) = 'open'";
 
 /// [`FINISH`] for a response stored out of the key's row: the key is marked done with its status
@@ -110,7 +115,7 @@ pub const FINISH_APART: &str = "WITH finished AS ( \
                     'at', floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
                     'event', 'finished', 'token', $3::bigint, 'status', $5::smallint), \
          updated_at = now() \
-     WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state = 'started' \
+     WHERE tenant = $1 AND key = $2 AND lock_version = $3 AND state <> 'done' \
        AND current_setting('idemflow.transaction', true) = 'open' \
      RETURNING tenant, key, created_at) \
  INSERT INTO idempotency_responses (tenant, key, created_at, body) \

@@ -51,7 +51,7 @@ pub async fn take_over(
              locked_until = clock_timestamp() + $4::bigint * interval '1 millisecond', \
              updated_at = now() \
          WHERE tenant = $1 AND key = $2 AND lock_version = $3 \
-           AND state = 'started' AND locked_until <= now() \
+           AND state <> 'done' AND locked_until <= now() \
            AND pg_try_advisory_xact_lock($5) \
          RETURNING lock_version, recovery_point, phase_output, request, attempts, last_error",
     )
