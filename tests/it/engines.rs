@@ -377,7 +377,7 @@ impl<E: Lab> LocalPhase<E> for Answer {
     }
 }
 
-fn checkout<E: Lab>(provider: &MockProvider) -> Workflow<E> {
+pub(crate) fn checkout<E: Lab>(provider: &MockProvider) -> Workflow<E> {
     Workflow::<E>::builder_on::<Checkout>("checkout.v1")
         .local(CreateOrder)
         .foreign(Charge {

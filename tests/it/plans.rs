@@ -28,7 +28,7 @@ use serde_json::Value;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::engines::{
-    Answer, BODY, Charge, Checkout, CrashOnce, CreateOrder, Lab, request, tenant,
+    BODY, Charge, Checkout, CrashOnce, CreateOrder, Lab, checkout, request, tenant,
 };
 
 /// Fails terminally after the charge: under the forget policy, its owner deletes the key.
@@ -86,53 +86,40 @@ async fn every_statement_on_one_key_uses_the_primary_key(
     }
     PgStore::create_orders(&pool).await;
     let provider = MockProvider::start().await;
-    let checkout = |name: &str| {
-        Workflow::<PgStore>::builder_on::<Checkout>(name)
-            .local(CreateOrder)
-            .foreign(Charge {
-                provider: provider.client(),
-            })
-            .local(Answer)
-            .lease(Duration::from_secs(30))
-            .build()
-            .unwrap()
-    };
     let config = RunnerConfig::default().with_warm_connections(false);
     let runner = Runner::<PgStore>::on(pool.clone(), config.clone());
 
     // A checkout: the look-up, the claim, an advance, the finish; then its replay.
-    let workflow = checkout("plans.v1");
+    let workflow = checkout::<PgStore>(&provider);
     let key = Key::parse("plans-1").unwrap();
     let first = runner.run(&workflow, &tenant(), &key, request(BODY)).await;
     assert!(matches!(first, Ok(Outcome::Executed(_))), "{first:?}");
-    // A key stopped before its call, taken over by a resumer (the scan, the fence confirmed
-    // with a renewal, the call, the finish).
-    let crashing =
-        Runner::<PgStore>::on(pool.clone(), config.clone()).with_crash_hook(Arc::new(CrashOnce {
-            point: CrashPoint::BeforeCall { phase: "charge" },
-            armed: AtomicBool::new(true),
-        }));
-    let key = Key::parse("plans-2").unwrap();
-    let _ = crashing
-        .run(&workflow, &tenant(), &key, request(BODY))
-        .await;
+    // A key stopped before its call (a run that crashes there, as a process would).
+    let stop_before_call = |key: &'static str| {
+        let crashing = Runner::<PgStore>::on(pool.clone(), config.clone()).with_crash_hook(
+            Arc::new(CrashOnce {
+                point: CrashPoint::BeforeCall { phase: "charge" },
+                armed: AtomicBool::new(true),
+            }),
+        );
+        let workflow = &workflow;
+        async move {
+            let key = Key::parse(key).unwrap();
+            let _ = crashing.run(workflow, &tenant(), &key, request(BODY)).await;
+            key
+        }
+    };
+    // Taken over by a resumer (the scan, the fence confirmed, the call, the finish).
+    stop_before_call("plans-2").await;
     PgStore::lapse_leases(&pool, None).await.unwrap();
     let mut registry = Registry::<PgStore>::new();
-    registry.register(checkout("plans.v1")).unwrap();
+    registry.register(checkout::<PgStore>(&provider)).unwrap();
     Resumer::new(runner.clone(), registry)
         .drain()
         .await
         .unwrap();
     // The same, taken over by the client's retry instead.
-    let key = Key::parse("plans-3").unwrap();
-    let _ = crashing
-        .clone()
-        .with_crash_hook(Arc::new(CrashOnce {
-            point: CrashPoint::BeforeCall { phase: "charge" },
-            armed: AtomicBool::new(true),
-        }))
-        .run(&workflow, &tenant(), &key, request(BODY))
-        .await;
+    let key = stop_before_call("plans-3").await;
     PgStore::lapse_leases(&pool, None).await.unwrap();
     let retried = runner.run(&workflow, &tenant(), &key, request(BODY)).await;
     assert!(matches!(retried, Ok(Outcome::Executed(_))), "{retried:?}");
@@ -163,15 +150,7 @@ async fn every_statement_on_one_key_uses_the_primary_key(
         "{postponed:?}"
     );
     // An operator ends a live lease (forced).
-    let key = Key::parse("plans-5").unwrap();
-    let _ = crashing
-        .clone()
-        .with_crash_hook(Arc::new(CrashOnce {
-            point: CrashPoint::BeforeCall { phase: "charge" },
-            armed: AtomicBool::new(true),
-        }))
-        .run(&workflow, &tenant(), &key, request(BODY))
-        .await;
+    let key = stop_before_call("plans-5").await;
     let report = PgStore::operator(&pool)
         .key_report(tenant().as_str(), key.as_str())
         .await
