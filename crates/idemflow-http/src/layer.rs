@@ -407,7 +407,7 @@ where
         };
         let (ran, waited) = run_or_wait(waiting, run).await;
         let response = match ran {
-            Ok(result) => answer_span(&tenant, &key).in_scope(|| answer(result, &live)),
+            Ok(result) => answered(&tenant, &key, result.is_err(), || answer(result, &live)),
             Err(error) => {
                 // Phases' panics are caught by the runner; this is the runner's own.
                 tracing::error!(%error, "the request's task failed");
@@ -445,13 +445,21 @@ where
     }
 }
 
-/// The span the answer to a request is made in: its tenant and key, as the runner's own span, so
-/// what the answer logs (a busy database, at WARN) names the key.
-pub(crate) fn answer_span(
+/// Makes the answer to a request with `make`. A run that failed (`failed`) is answered in a span
+/// naming its tenant and key, as the runner's own span does, so what the answer logs (a busy
+/// database, at WARN) names the key; an outcome is answered without one, so no request pays
+/// for a span it would not log in.
+pub(crate) fn answered<R>(
     tenant: &idemflow_core::TenantId,
     key: &idemflow_core::Key,
-) -> tracing::Span {
-    tracing::info_span!("idemflow.answer", tenant = %tenant, key = %key)
+    failed: bool,
+    make: impl FnOnce() -> R,
+) -> R {
+    if failed {
+        tracing::info_span!("idemflow.answer", tenant = %tenant, key = %key).in_scope(make)
+    } else {
+        make()
+    }
 }
 
 /// The answer to the attempt: the handler's own response where this attempt ran the handler

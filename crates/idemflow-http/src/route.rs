@@ -15,7 +15,7 @@ use idemflow_runner::{Engine, Request as RunRequest, Runner, Workflow};
 use crate::config::{HttpConfig, KeyMode};
 use crate::extract::key_problem;
 use crate::key_header::KeyHeaderError;
-use crate::layer::{preference_applied, wait_limit};
+use crate::layer::{answered, preference_applied, wait_limit};
 use crate::prepare::{Prepared, Refusal, prepare, target};
 use crate::problem::{Problem, respond};
 use crate::tenant::TenantResolver;
@@ -161,7 +161,7 @@ impl<E: Engine> WorkflowService<E> {
         };
         let (ran, waited) = run_or_wait(waiting, run).await;
         let response = match ran {
-            Ok(result) => crate::layer::answer_span(&tenant, &key).in_scope(|| respond(result)),
+            Ok(result) => answered(&tenant, &key, result.is_err(), || respond(result)),
             Err(error) => {
                 tracing::error!(%error, "the request's task failed");
                 Problem::new(
