@@ -233,10 +233,14 @@ impl Observe for PgObserver {
     }
 
     async fn kill(&self, offset: i64) -> bool {
+        // The victim is chosen in a subquery: with `ORDER BY … OFFSET` in the same query level,
+        // the planner evaluates the output list above the sort but below the limit, so
+        // `pg_terminate_backend` would run on every row the offset skips as well.
         let killed: Result<Option<bool>, _> = sqlx::query_scalar(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE application_name = $1 AND datname = current_database() \
-             ORDER BY pid OFFSET $2 LIMIT 1",
+            "SELECT pg_terminate_backend(pid) FROM ( \
+                 SELECT pid FROM pg_stat_activity \
+                 WHERE application_name = $1 AND datname = current_database() \
+                 ORDER BY pid OFFSET $2 LIMIT 1) victim",
         )
         .bind(crate::simulation::ENGINE_APPLICATION)
         .bind(offset)
@@ -385,5 +389,66 @@ impl Observe for PgObserver {
         .fetch_one(&self.0)
         .await
         .unwrap_or(0_i64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use sqlx::{Connection, PgConnection};
+
+    use super::{Observe, PgObserver};
+    use crate::simulation::ENGINE_APPLICATION;
+
+    /// The world counts one kill per kill it draws, and its checks lean on that count: a kill
+    /// that ended more sessions than it counted would let the others' ends pass for ordinary
+    /// failures. The statement must end exactly one session, whatever offset it draws.
+    #[tokio::test]
+    async fn a_kill_ends_exactly_one_engine_session_whatever_its_offset() {
+        let url = std::env::var("DATABASE_URL")
+            .expect("DATABASE_URL names the PostgreSQL server the tests run on");
+        let mut admin = PgConnection::connect(&url).await.unwrap();
+        let database = format!("idemflow_observer_kill_{}", std::process::id());
+        let drop = format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)");
+        for statement in [drop.clone(), format!("CREATE DATABASE {database}")] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                .execute(&mut admin)
+                .await
+                .unwrap();
+        }
+        let options = PgConnectOptions::from_str(&url)
+            .unwrap()
+            .database(&database);
+
+        let mut sessions = Vec::new();
+        for _ in 0..6 {
+            let engine = options.clone().application_name(ENGINE_APPLICATION);
+            sessions.push(PgConnection::connect_with(&engine).await.unwrap());
+        }
+        let observer = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .unwrap();
+        assert!(PgObserver(observer.clone()).kill(3).await);
+        observer.close().await;
+
+        let mut ended = 0;
+        for session in &mut sessions {
+            if sqlx::query("SELECT 1")
+                .execute(&mut *session)
+                .await
+                .is_err()
+            {
+                ended += 1;
+            }
+        }
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        assert_eq!(ended, 1, "one kill, one session ended");
     }
 }
