@@ -180,7 +180,7 @@ async fn raw_checkout(pool: &MySqlPool, shape: &Shape, key: &str) -> Result<Stri
     let token = raw_claim(&mut transaction, shape, CHECKOUT, key).await?;
     let order_id = MySqlStore::insert_order(&mut transaction, TENANT, key, 100).await?;
     let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
-    sqlx::query(statements::ADVANCE)
+    let advanced = sqlx::query(statements::ADVANCE)
         .bind("create_order")
         .bind("create_order")
         .bind(output.to_string())
@@ -190,6 +190,7 @@ async fn raw_checkout(pool: &MySqlPool, shape: &Shape, key: &str) -> Result<Stri
         .bind(token)
         .execute(&mut *transaction)
         .await?;
+    crate::raw::wrote_the_row("advance", key, advanced.rows_affected())?;
     transaction.commit().await?;
 
     let mut transaction = connection.begin().await?;

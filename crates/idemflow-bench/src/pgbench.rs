@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use crate::Error;
 use crate::load::LatencySummary;
-use crate::raw::LEASE_MS;
+use crate::raw::{self, LEASE_MS};
 use crate::report::{
     CHECKOUT as CHECKOUT_ID, ENGINE, LOCAL_ONLY, PGBENCH_ENGINE, PGBENCH_RAW_SELECT,
     PGBENCH_REFERENCE, REPLAY, Report, Run, Target, over,
@@ -62,6 +62,8 @@ async fn runs(ctx: &Ctx<'_>) -> Result<Vec<Run>, Error> {
         &ctx.shape.fingerprint,
         &ctx.shape.request,
         ctx.config.replay_keys,
+        // The checkout's and the local-only workflow's limits are the same: the default lease's.
+        crate::workflows::checkout(None)?.limits(),
     )?;
     let mut runs = Vec::new();
     let result = async {
@@ -94,7 +96,25 @@ async fn runs(ctx: &Ctx<'_>) -> Result<Vec<Run>, Error> {
     .await;
     let _ = std::fs::remove_dir_all(&dir);
     result?;
+    every_key_finished(ctx).await?;
     Ok(runs)
+}
+
+/// pgbench cannot check what a statement wrote: a script whose fenced writes matched no row
+/// would be measured doing less than it says. Every key the new-request scripts claimed must
+/// have been finished.
+async fn every_key_finished(ctx: &Ctx<'_>) -> Result<(), Error> {
+    let pool = sqlx::PgPool::connect_with(ctx.scratch.connect.clone()).await?;
+    let unfinished: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE key LIKE 'pgb-%' AND state <> 'done'",
+    )
+    .fetch_one(&pool)
+    .await?;
+    pool.close().await;
+    if unfinished > 0 {
+        return Err(format!("pgbench's scripts left {unfinished} keys unfinished").into());
+    }
+    Ok(())
 }
 
 /// The checkout engine's rate ÷ pgbench sending the engine's messages ≥ 0.7×, and ÷ the
@@ -160,6 +180,8 @@ const REPLAY_KEY: &str = "'replay-' || :r::text";
 /// The scripts' statements, values in place of parameters: the engine's own
 /// (idemflow_pg::statements), and the reference shape's claim.
 struct Statements {
+    /// How the engine begins each transaction of these workflows (its mark and its limits).
+    begin: String,
     tenant: String,
     fingerprint_hex: String,
     /// The fingerprint as a bytea literal.
@@ -170,8 +192,9 @@ struct Statements {
 }
 
 impl Statements {
-    fn new(fingerprint: &[u8], request: &serde_json::Value) -> Self {
+    fn new(fingerprint: &[u8], request: &serde_json::Value, limits: &idemflow_pg::Limits) -> Self {
         Self {
+            begin: statements::begin_message(limits),
             tenant: sql_text(TENANT),
             fingerprint_hex: hex(fingerprint),
             fingerprint: format!("'\\x{}'::bytea", hex(fingerprint)),
@@ -195,9 +218,10 @@ impl Statements {
              {prepare};\n\
              \\set prepared 1\n\
              \\endif\n\
-             BEGIN \\; EXECUTE {name}(:k, {tenant_hex}, {KEY}, decode('{fingerprint_hex}', 'hex'), \
+             {begin} \\; EXECUTE {name}(:k, {tenant_hex}, {KEY}, decode('{fingerprint_hex}', 'hex'), \
              {workflow_hex}, {request_hex}::jsonb, {LEASE_MS}, {TOKEN}) \\; {savepoint};\n",
             prepare = statements::PREPARE_CLAIM,
+            begin = self.begin.replace(';', " \\;"),
             savepoint = statements::CLAIMED_SAVEPOINT,
             name = statements::CLAIM_NAME,
             tenant_hex = text_hex(TENANT),
@@ -228,11 +252,12 @@ impl Statements {
         )
     }
 
-    fn advance(&self) -> String {
+    /// `text`: the engine's advance, or the reference shape's ([`raw::ADVANCE`]).
+    fn advance(&self, text: &str) -> String {
         format!(
             "{};\n",
             statements::with_values(
-                statements::ADVANCE,
+                text,
                 &[
                     &self.tenant,
                     KEY,
@@ -245,11 +270,12 @@ impl Statements {
         )
     }
 
-    fn finish(&self, point: &str, body: &str) -> String {
+    /// `text`: the engine's finish, or the reference shape's ([`raw::FINISH`]).
+    fn finish(&self, text: &str, point: &str, body: &str) -> String {
         format!(
             "{};\n",
             statements::with_values(
-                statements::FINISH,
+                text,
                 &[
                     &self.tenant,
                     KEY,
@@ -266,12 +292,15 @@ impl Statements {
     /// The checkout as the engine sends it: 2 commits, 9 round trips.
     fn checkout(&self) -> String {
         format!(
-            "{UNIQUE}{look_up}{claim}{insert_order}{advance}COMMIT;\nBEGIN;\n{MARK_PAID}{finish}COMMIT;\n",
+            "{UNIQUE}{look_up}{claim}{insert_order}{advance}COMMIT;\n{begin} \\; {begun};\n\
+             {MARK_PAID}{finish}COMMIT;\n",
             look_up = self.look_up(KEY, ":k"),
             claim = self.begin_claim(CHECKOUT),
             insert_order = self.insert_order(),
-            advance = self.advance(),
-            finish = self.finish("mark_paid", PAID_BODY),
+            advance = self.advance(statements::ADVANCE),
+            begin = self.begin.replace(';', " \\;"),
+            begun = statements::BEGUN_SAVEPOINT,
+            finish = self.finish(statements::FINISH, "mark_paid", PAID_BODY),
         )
     }
 
@@ -282,8 +311,8 @@ impl Statements {
             "{UNIQUE}{claim}BEGIN;\n{insert_order}{advance}COMMIT;\nBEGIN;\n{MARK_PAID}{finish}COMMIT;\n",
             claim = self.claim(CHECKOUT),
             insert_order = self.insert_order(),
-            advance = self.advance(),
-            finish = self.finish("mark_paid", PAID_BODY),
+            advance = self.advance(&raw::ADVANCE),
+            finish = self.finish(&raw::FINISH, "mark_paid", PAID_BODY),
         )
     }
 
@@ -294,7 +323,7 @@ impl Statements {
             look_up = self.look_up(KEY, ":k"),
             claim = self.begin_claim(PLACE),
             insert_order = self.insert_order(),
-            finish = self.finish("place_order", CREATED_BODY),
+            finish = self.finish(statements::FINISH, "place_order", CREATED_BODY),
         )
     }
 
@@ -329,9 +358,10 @@ fn write_scripts(
     fingerprint: &[u8],
     request: &serde_json::Value,
     replay_keys: u64,
+    limits: &idemflow_pg::Limits,
 ) -> Result<Vec<Script>, Error> {
     std::fs::create_dir_all(dir)?;
-    let statements = Statements::new(fingerprint, request);
+    let statements = Statements::new(fingerprint, request, limits);
     let scripts = [
         (
             CHECKOUT_ID,

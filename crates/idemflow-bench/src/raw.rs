@@ -3,6 +3,8 @@
 //! metrics or spawned BEGIN). Advance and finish are the engine's own texts
 //! (`idemflow_pg::statements`), so the difference between the two is the engine's own cost. pgbench runs the same text.
 
+use std::sync::LazyLock;
+
 use sqlx::PgPool;
 use sqlx::types::Json;
 
@@ -16,10 +18,28 @@ pub const CLAIM: &str = "INSERT INTO idempotency_keys (tenant, key, fingerprint,
      ON CONFLICT (tenant, key) DO NOTHING \
      RETURNING lock_version";
 
-/// The engine's own advance and finish, the very texts it sends: the raw baseline differs from
-/// the engine in everything around the statements, not in them.
-pub const ADVANCE: &str = idemflow_pg::statements::ADVANCE;
-pub const FINISH: &str = idemflow_pg::statements::FINISH;
+/// The engine's own advance and finish, the very texts it sends, less the one predicate that
+/// checks the engine's mark on its own transaction (`SET LOCAL idemflow.transaction`, set by the
+/// engine's `BEGIN` message): a hand-written transaction has no such mark, and with the predicate
+/// its writes would match no row. The raw baseline differs from the engine in everything around
+/// the statements, not in them.
+pub static ADVANCE: LazyLock<String> =
+    LazyLock::new(|| without_mark(idemflow_pg::statements::ADVANCE));
+pub static FINISH: LazyLock<String> =
+    LazyLock::new(|| without_mark(idemflow_pg::statements::FINISH));
+
+/// The predicate every owner's write of the engine carries (its own transaction's mark).
+const MARK_PREDICATE: &str = "AND current_setting('idemflow.transaction', true) = 'open'";
+
+/// `statement` without [`MARK_PREDICATE`], which it must carry exactly once.
+fn without_mark(statement: &str) -> String {
+    assert_eq!(
+        statement.matches(MARK_PREDICATE).count(),
+        1,
+        "the engine's write no longer carries its mark as the baseline expects: {statement}"
+    );
+    statement.replacen(MARK_PREDICATE, "", 1)
+}
 
 /// The raw replay: one primary-key select of the stored response.
 pub const SELECT_RESPONSE: &str = "SELECT response_status, response_headers, response_body \
@@ -76,7 +96,7 @@ async fn checkout_answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Stri
         .fetch_one(&mut *tx)
         .await?;
     let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
-    sqlx::query(ADVANCE)
+    let advanced = sqlx::query(ADVANCE.as_str())
         .bind(TENANT)
         .bind(key)
         .bind(lock_version)
@@ -85,6 +105,7 @@ async fn checkout_answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Stri
         .bind(LEASE_MS)
         .execute(&mut *tx)
         .await?;
+    wrote_the_row("advance", key, advanced.rows_affected())?;
     tx.commit().await?;
 
     let mut tx = pool.begin().await?;
@@ -95,7 +116,7 @@ async fn checkout_answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Stri
         .execute(&mut *tx)
         .await?;
     let body = format!(r#"{{"charge_id":"ch_{order_id}","order_id":{order_id},"status":"paid"}}"#);
-    sqlx::query(FINISH)
+    let finished = sqlx::query(FINISH.as_str())
         .bind(TENANT)
         .bind(key)
         .bind(lock_version)
@@ -105,6 +126,7 @@ async fn checkout_answer(pool: &PgPool, shape: &Shape, key: &str) -> Result<Stri
         .bind(body.as_bytes())
         .execute(&mut *tx)
         .await?;
+    wrote_the_row("finish", key, finished.rows_affected())?;
     tx.commit().await?;
     Ok(body)
 }
@@ -138,7 +160,7 @@ pub async fn place(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error>
         .fetch_one(&mut *tx)
         .await?;
     let body = format!(r#"{{"order_id":{order_id},"status":"created"}}"#);
-    sqlx::query(FINISH)
+    let finished = sqlx::query(FINISH.as_str())
         .bind(TENANT)
         .bind(key)
         .bind(lock_version)
@@ -148,8 +170,19 @@ pub async fn place(pool: &PgPool, shape: &Shape, key: &str) -> Result<(), Error>
         .bind(body.as_bytes())
         .execute(&mut *tx)
         .await?;
+    wrote_the_row("finish", key, finished.rows_affected())?;
     tx.commit().await?;
     Ok(())
+}
+
+/// A baseline that writes nothing measures nothing: a fenced write of the raw shape that matched
+/// no row fails the run.
+pub(crate) fn wrote_the_row(statement: &str, key: &str, rows: u64) -> Result<(), Error> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(format!("the raw {statement} of {key} wrote {rows} rows, not its key's one").into())
+    }
 }
 
 /// A stored response: status, headers, body.

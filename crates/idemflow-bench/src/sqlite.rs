@@ -231,7 +231,7 @@ impl New<'_> {
             .bind(1_i64)
             .execute(&mut *connection)
             .await?;
-        sqlx::query(statements::ADVANCE)
+        let advanced = sqlx::query(statements::ADVANCE)
             .bind(tenant)
             .bind(key)
             .bind(token)
@@ -240,8 +240,9 @@ impl New<'_> {
             .bind(30_000_i64)
             .execute(&mut *connection)
             .await?;
+        crate::raw::wrote_the_row("advance", key, advanced.rows_affected())?;
         let response = response();
-        let _: Option<i64> = sqlx::query_scalar(statements::FINISH)
+        let finished: Option<i64> = sqlx::query_scalar(statements::FINISH)
             .bind(tenant)
             .bind(key)
             .bind(token)
@@ -251,6 +252,7 @@ impl New<'_> {
             .bind(response.body.as_slice())
             .fetch_optional(&mut *connection)
             .await?;
+        crate::raw::wrote_the_row("finish", key, u64::from(finished.is_some()))?;
         sqlx::query("COMMIT").execute(&mut *connection).await?;
         Ok(())
     }

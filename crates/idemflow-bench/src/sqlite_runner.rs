@@ -97,7 +97,7 @@ async fn raw_finish(
     point: &str,
     body: &str,
 ) -> Result<(), Error> {
-    let _: Option<i64> = sqlx::query_scalar(statements::FINISH)
+    let finished: Option<i64> = sqlx::query_scalar(statements::FINISH)
         .bind(TENANT)
         .bind(key)
         .bind(token)
@@ -107,7 +107,7 @@ async fn raw_finish(
         .bind(body.as_bytes())
         .fetch_optional(connection)
         .await?;
-    Ok(())
+    crate::raw::wrote_the_row("finish", key, u64::from(finished.is_some()))
 }
 
 /// Raw checkout: BEGIN IMMEDIATE, claim, order, advance, COMMIT; (no-op); BEGIN IMMEDIATE, order
@@ -125,7 +125,7 @@ async fn raw_checkout(pool: &SqlitePool, shape: &Shape, key: &str) -> Result<Str
         .fetch_one(&mut *connection)
         .await?;
     let output = serde_json::json!({"order_id": order_id, "amount": 100, "source": "tok_visa"});
-    sqlx::query(statements::ADVANCE)
+    let advanced = sqlx::query(statements::ADVANCE)
         .bind(TENANT)
         .bind(key)
         .bind(token)
@@ -134,6 +134,7 @@ async fn raw_checkout(pool: &SqlitePool, shape: &Shape, key: &str) -> Result<Str
         .bind(LEASE_MS)
         .execute(&mut *connection)
         .await?;
+    crate::raw::wrote_the_row("advance", key, advanced.rows_affected())?;
     sqlx::query("COMMIT").execute(&mut *connection).await?;
 
     sqlx::query("BEGIN IMMEDIATE")

@@ -61,6 +61,20 @@ pub const JOURNAL_AT: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000
 /// been told it is free).
 pub const CLAIMED_SAVEPOINT: &str = "SAVEPOINT idemflow_claimed";
 
+/// Ends the message of every transaction the engine begins but a claim's (which ends with
+/// [`CLAIMED_SAVEPOINT`]): a savepoint only the engine's transaction has, so that one a failed
+/// statement aborted can still be asked whose it is (`Transaction::standing`).
+pub const BEGUN_SAVEPOINT: &str = "SAVEPOINT idemflow_begun";
+
+/// The start of the message that begins each of the engine's transactions under `limits`, as
+/// the engine sends it: [`crate::BEGIN`], the engine's mark on its own transaction (which every
+/// owner's write checks), and a `SET LOCAL` per limit. A claim's message goes on with the claim
+/// and [`CLAIMED_SAVEPOINT`], every other with [`BEGUN_SAVEPOINT`]. The benchmark's scripts
+/// begin their transactions with it.
+pub fn begin_message(limits: &idemflow_store::Limits) -> String {
+    crate::transaction::begin_statement(limits)
+}
+
 /// Back to [`CLAIMED_SAVEPOINT`].
 pub const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT idemflow_claimed";
 

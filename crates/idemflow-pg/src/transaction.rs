@@ -46,10 +46,7 @@ pub(crate) const STILL_OPEN: &str = "current_setting('idemflow.transaction', tru
 const STANDING: &str =
     "SELECT coalesce(current_setting('idemflow.transaction', true) = 'open', false)";
 
-/// Ends the message of every transaction the engine begins but a claim's (which ends with
-/// [`crate::statements::CLAIMED_SAVEPOINT`]): a savepoint only the engine's transaction has, so
-/// that one a failed statement aborted can still be asked whose it is ([`Transaction::standing`]).
-const BEGUN_SAVEPOINT: &str = "SAVEPOINT idemflow_begun";
+use crate::statements::BEGUN_SAVEPOINT;
 
 /// Back to [`BEGUN_SAVEPOINT`].
 const BACK_TO_BEGIN: &str = "ROLLBACK TO SAVEPOINT idemflow_begun";

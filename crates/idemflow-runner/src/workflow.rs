@@ -274,7 +274,10 @@ impl<E: Engine> Workflow<E> {
             .unwrap_or_else(|| self.default_local_timeout())
     }
 
-    pub(crate) fn limits(&self) -> &Limits {
+    /// What the server enforces on each of this workflow's transactions: statements cancelled at
+    /// its longest local phase's time limit, a session idle inside a transaction ended a little
+    /// after it (see docs/runner.md, "Defaults").
+    pub fn limits(&self) -> &Limits {
         &self.limits
     }
 
