@@ -28,6 +28,8 @@ mod key_header;
 mod layer;
 mod metrics;
 mod multipart;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 mod prefer;
 mod prepare;
 mod problem;
