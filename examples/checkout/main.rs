@@ -329,7 +329,7 @@ async fn serve_on<E: Shop>(pool: PoolOf<E>, args: ServeArgs) -> Result<ExitCode,
     };
     let app = service::router(pool, runner, checkout, crashes);
     println!(
-        "serve: listening on {url} (POST /v1/checkouts, GET /v1/checkouts/{{order_id}}){}; Ctrl-C stops it",
+        "serve: listening on {url} (POST /v1/checkouts, GET /v1/checkouts/{{order_id}}, GET /openapi.json){}; Ctrl-C stops it",
         if args.allow_crash_header {
             ", X-Crash-At honoured"
         } else {

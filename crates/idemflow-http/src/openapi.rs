@@ -97,7 +97,11 @@ pub fn replayed_header() -> Header {
 /// `Retry-After`: whole seconds, at least 1.
 pub fn retry_after_header() -> Header {
     HeaderBuilder::new()
-        .schema(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(1)))
+        .schema(
+            ObjectBuilder::new()
+                .schema_type(Type::Integer)
+                .minimum(Some(1)),
+        )
         .description(Some(
             "Whole seconds to wait before sending the request again with the same key.",
         ))
@@ -179,12 +183,8 @@ pub fn problem_response(status: u16) -> Response {
         .collect::<Vec<_>>()
         .join(" ");
     let examples = kinds.iter().map(|kind| {
-        let value = idemflow_core::problem_document(
-            kind.status,
-            kind.title,
-            kind.code,
-            kind.description,
-        );
+        let value =
+            idemflow_core::problem_document(kind.status, kind.title, kind.code, kind.description);
         (kind.code, ExampleBuilder::new().value(Some(value)).build())
     });
     let content = ContentBuilder::new()
@@ -246,10 +246,7 @@ pub fn idempotent_operation(operation: &mut Operation) {
         if let RefOr::T(response) = response {
             let headers = &mut response.headers;
             headers.insert("Idempotent-Replayed".to_owned(), replayed_header());
-            headers.insert(
-                "Preference-Applied".to_owned(),
-                preference_applied_header(),
-            );
+            headers.insert("Preference-Applied".to_owned(), preference_applied_header());
         }
     }
     for status in problem_statuses() {

@@ -171,6 +171,18 @@ impl ProblemType {
             "The request failed for good; this answer is stored and replayed.",
         )
     };
+    /// A local phase ended the runner's transaction, so its writes may have committed without
+    /// their recovery point: the key is never run again (stored by the runner).
+    pub const TRANSACTION_ENDED: Self = ProblemType {
+        stored: true,
+        ..refused(
+            500,
+            "transaction_ended",
+            "Internal Server Error",
+            "A step of the request ended its database transaction itself; the request is not \
+             run again, and this answer is stored and replayed.",
+        )
+    };
     /// A handler answered with an event stream (stored).
     pub const RESPONSE_NOT_STORABLE: Self = ProblemType {
         stored: true,
@@ -253,6 +265,7 @@ impl ProblemType {
         Self::INTERNAL_ERROR,
         Self::RETRIES_EXHAUSTED,
         Self::REQUEST_FAILED,
+        Self::TRANSACTION_ENDED,
         Self::RESPONSE_NOT_STORABLE,
         Self::RESPONSE_TOO_LARGE,
         Self::INTERRUPTED,
