@@ -24,8 +24,10 @@ pub struct CheckoutRequest {
     /// A three-letter lowercase ISO 4217 code.
     #[schema(pattern = "^[a-z]{3}$")]
     pub currency: String,
-    /// A card token: `tok_chargeDeclined` is declined (402), any other is charged.
-    #[schema(min_length = 1)]
+    /// A card token: `tok_chargeDeclined` is declined (402), any other is charged. No string of
+    /// a request may hold U+0000 (PostgreSQL's `jsonb` cannot store it: refused 422 on every
+    /// engine, so a request means the same wherever it is stored).
+    #[schema(min_length = 1, pattern = r"^[^\u0000]+$")]
     pub source: String,
 }
 

@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 
 use idemflow::http::ProblemType;
 use idemflow::http::openapi::{problem_response, problem_response_name};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::support::example::{DEMO_STEPS, example_binary};
 
@@ -244,6 +244,39 @@ async fn every_status_the_checkout_answers_is_declared() {
         .unwrap();
     assert_eq!(order.status(), 404);
     assert!(document["paths"]["/v1/checkouts/{order_id}"]["get"]["responses"]["404"].is_object());
+}
+
+/// The request schema refuses what the route refuses: no string of a request may hold U+0000
+/// (the runner refuses it, 422, on every engine), so each string property's pattern says so.
+#[tokio::test]
+async fn the_request_schema_refuses_a_string_holding_nul_as_the_route_does() {
+    let service = tokio::task::spawn_blocking(|| Service::start("nul"))
+        .await
+        .unwrap();
+    let body = json!({"amount": 2500, "currency": "usd", "source": "tok\u{0}visa"}).to_string();
+    let (status, code) = service.checkout(&keyed("nul-1"), &body).await;
+    assert_eq!((status, code.as_deref()), (422, Some("request_invalid")));
+
+    let document = service.document().await;
+    let properties = &document["components"]["schemas"]["CheckoutRequest"]["properties"];
+    for (name, property) in properties.as_object().unwrap() {
+        if property["type"] != "string" {
+            continue;
+        }
+        let pattern = property["pattern"].as_str().unwrap_or_default();
+        assert!(
+            refuses_nul(pattern),
+            "{name}'s pattern {pattern:?} lets U+0000 through"
+        );
+    }
+}
+
+/// Whether a pattern can match no string holding U+0000: it excludes it in a negated class, or
+/// is made only of positive classes and literals (no `.`, no negated class).
+fn refuses_nul(pattern: &str) -> bool {
+    let anchored = pattern.starts_with('^') && pattern.ends_with('$');
+    anchored
+        && (pattern.contains(r"[^\u0000]") || (!pattern.contains('.') && !pattern.contains("[^")))
 }
 
 /// The runner stores problems of its own (retries ran out, a terminal failure): each is in the
