@@ -314,3 +314,26 @@ fn every_problem_the_runner_stores_is_in_the_catalogue() {
     }
     assert!(seen >= 2, "the runner's problems were not found");
 }
+
+/// The route refuses what the request schema refuses: an amount past the schema's `maximum`
+/// (2^53 - 1) is refused 422, before anything runs, as the schema says, though 2^53 is a number
+/// a double holds exactly and canonical JSON takes.
+#[tokio::test]
+async fn the_route_refuses_an_amount_past_the_schemas_maximum() {
+    let service = tokio::task::spawn_blocking(|| Service::start("maximum"))
+        .await
+        .unwrap();
+    let document = service.document().await;
+    let amount = &document["components"]["schemas"]["CheckoutRequest"]["properties"]["amount"];
+    let maximum = amount["maximum"].as_u64().expect("the amount's maximum");
+    assert_eq!(maximum, (1 << 53) - 1);
+    let at = |amount: u64| {
+        json!({"amount": amount, "currency": "usd", "source": "tok_visa"}).to_string()
+    };
+    let (status, _) = service.checkout(&keyed("maximum-1"), &at(maximum)).await;
+    assert_eq!(status, 201);
+    let (status, code) = service
+        .checkout(&keyed("maximum-2"), &at(maximum + 1))
+        .await;
+    assert_eq!((status, code.as_deref()), (422, Some("request_invalid")));
+}
