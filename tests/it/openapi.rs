@@ -315,6 +315,23 @@ fn every_problem_the_runner_stores_is_in_the_catalogue() {
     assert!(seen >= 2, "the runner's problems were not found");
 }
 
+/// docs/http.md's table of statuses names every problem of the catalogue.
+#[test]
+fn every_problem_of_the_catalogue_is_in_the_http_documentation() {
+    let page = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/http.md"),
+    )
+    .unwrap();
+    for kind in ProblemType::ALL {
+        assert!(
+            page.contains(&format!("`code: {}`", kind.code))
+                || page.contains(&format!("`{}`", kind.code)),
+            "docs/http.md does not name {}",
+            kind.code
+        );
+    }
+}
+
 /// The route refuses what the request schema refuses: an amount past the schema's `maximum`
 /// (2^53 - 1) is refused 422, before anything runs, as the schema says, though 2^53 is a number
 /// a double holds exactly and canonical JSON takes.
