@@ -394,6 +394,8 @@ impl Observe for PgObserver {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use std::str::FromStr;
 
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
