@@ -16,6 +16,7 @@
 //! | `mysql` | `mysql`: `MySqlStore`, `mysql::open` |
 //! | `redis` | `redis`: `RedisStore`, for workflows whose phases are all foreign |
 //! | `http` (default) | `http`: the Idempotency-Key layer for axum/tower |
+//! | `openapi` | `http::openapi`: the layer's headers and problems as OpenAPI 3.1 components (utoipa) |
 //! | `client` | `client`: a client that sends requests under Idempotency-Keys |
 //! | `cli` | the `idemflow` operator binary, over the engines the other features name |
 //! | `crash-hooks` | crash points, for tests (dev-dependencies only) |

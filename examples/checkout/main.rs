@@ -15,10 +15,12 @@
 //! checkout serve [--bind ADDR] [--allow-crash-header] ...   the HTTP service only
 //! checkout worker [--metrics-bind ADDR] ...        the resumer, /metrics and /healthz
 //! checkout demo [--url URL]                        the demo against a running service
+//! checkout openapi                                 the OpenAPI document it serves at /openapi.json
 //! ```
 
 mod database;
 mod demo;
+mod openapi;
 mod orders;
 mod service;
 mod worker;
@@ -70,6 +72,8 @@ enum Command {
     Worker(WorkerArgs),
     /// The demo, against a running service
     Demo(DemoArgs),
+    /// Print the service's OpenAPI document (the one it serves at /openapi.json)
+    Openapi,
 }
 
 #[derive(Debug, Args)]
@@ -177,6 +181,10 @@ async fn main() -> ExitCode {
         Some(Command::Serve(args)) => serve(args).await,
         Some(Command::Worker(args)) => run_worker(args).await,
         Some(Command::Demo(args)) => run_demo(args).await,
+        Some(Command::Openapi) => {
+            println!("{}", openapi::json_text());
+            Ok(ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,
@@ -321,7 +329,7 @@ async fn serve_on<E: Shop>(pool: PoolOf<E>, args: ServeArgs) -> Result<ExitCode,
     };
     let app = service::router(pool, runner, checkout, crashes);
     println!(
-        "serve: listening on {url} (POST /v1/checkouts, GET /v1/checkouts/{{order_id}}){}; Ctrl-C stops it",
+        "serve: listening on {url} (POST /v1/checkouts, GET /v1/checkouts/{{order_id}}, GET /openapi.json){}; Ctrl-C stops it",
         if args.allow_crash_header {
             ", X-Crash-At honoured"
         } else {

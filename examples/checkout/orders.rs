@@ -6,7 +6,7 @@
 use idemflow::{ConnectionOf, MySqlStore, PgStore, PoolOf, SqlEngine, SqliteStore, sqlx};
 
 /// An order as `GET /v1/checkouts/{order_id}` shows it.
-#[derive(Debug, sqlx::FromRow, serde::Serialize)]
+#[derive(Debug, sqlx::FromRow, serde::Serialize, utoipa::ToSchema)]
 pub struct OrderRow {
     pub order_id: i64,
     pub amount: i64,

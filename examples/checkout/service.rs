@@ -36,11 +36,24 @@ pub fn router<E: Shop>(
     if let Some(crashes) = crashes {
         checkouts = checkouts.layer(middleware::from_fn_with_state(crashes, crash_header));
     }
-    checkouts.merge(
-        Router::new()
-            .route("/v1/checkouts/{order_id}", get(order::<E>))
-            .with_state(pool),
+    checkouts
+        .merge(
+            Router::new()
+                .route("/v1/checkouts/{order_id}", get(order::<E>))
+                .with_state(pool),
+        )
+        .route(crate::openapi::PATH, get(openapi))
+}
+
+/// `GET /openapi.json`: the document, made once from the code.
+async fn openapi() -> Response {
+    static DOCUMENT: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(crate::openapi::json_text);
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        DOCUMENT.as_str(),
     )
+        .into_response()
 }
 
 /// `GET /v1/checkouts/{order_id}`: the order as the example's table holds it, for its tenant only.

@@ -12,15 +12,73 @@ use idemflow_testkit::provider_client::{ChargeResult, ProviderClient};
 
 use super::orders::Shop;
 
-/// The request body of `POST /v1/checkouts`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The request body of `POST /v1/checkouts`. Its schema says what `validate` checks, so the
+/// OpenAPI document and the route agree on what is a checkout.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckoutRequest {
-    /// In the currency's smallest unit (cents).
+    /// In the currency's smallest unit (cents): positive, and at most 2^53 - 1, the largest
+    /// integer a JSON number holds exactly (a larger one is refused 400 before it is read).
+    // MAX_AMOUNT written out: the derive takes a literal (tests/it/openapi.rs checks the two).
+    #[schema(minimum = 1, maximum = 9007199254740991_i64)]
     pub amount: i64,
+    /// A three-letter lowercase ISO 4217 code.
+    #[schema(pattern = "^[a-z]{3}$")]
     pub currency: String,
-    /// A card token.
+    /// A card token: `tok_chargeDeclined` is declined (402), any other is charged. No string of
+    /// a request may hold U+0000 (PostgreSQL's `jsonb` cannot store it: refused 422 on every
+    /// engine, so a request means the same wherever it is stored).
+    #[schema(min_length = 1, pattern = r"^[^\u0000]+$")]
     pub source: String,
+}
+
+/// The largest amount a checkout takes: 2^53 - 1, the largest integer every JSON reader holds
+/// exactly. Larger ones that a double happens to hold (2^53) would run; refused instead, so the
+/// route takes exactly what its schema says.
+pub const MAX_AMOUNT: i64 = (1 << 53) - 1;
+
+/// The answer to a paid checkout (201). Its fields are in the order the stored bytes have them.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CheckoutPaid {
+    pub amount: i64,
+    /// The provider's charge.
+    pub charge_id: String,
+    pub currency: String,
+    pub order_id: i64,
+    /// Always `paid`.
+    #[schema(pattern = "^paid$")]
+    pub status: String,
+}
+
+/// The checkout's own problems (402 declined, 502 provider refused): an RFC 9457 document with
+/// the order it concerns.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CheckoutProblem {
+    pub detail: String,
+    pub order_id: i64,
+    pub status: u16,
+    pub title: String,
+    #[serde(rename = "type")]
+    #[schema(rename = "type")]
+    pub kind: String,
+}
+
+impl CheckoutProblem {
+    fn stored(status: u16, title: &str, detail: String, order_id: i64) -> StoredResponse {
+        let problem = Self {
+            detail,
+            order_id,
+            status,
+            title: title.to_owned(),
+            kind: "about:blank".to_owned(),
+        };
+        StoredResponse::problem(status, &to_json(&problem))
+    }
+}
+
+/// A value of this module's types as JSON (it always serializes).
+fn to_json(value: &impl Serialize) -> serde_json::Value {
+    serde_json::to_value(value).expect("the checkout's answers serialize")
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -130,11 +188,9 @@ impl ForeignPhase for Charge {
             },
             // The provider refused the request itself: retrying cannot help.
             Err(error) => {
-                let problem = serde_json::json!({
-                    "type": "about:blank", "title": "Bad Gateway", "status": 502,
-                    "detail": "the payment provider refused the charge request", "order_id": order.order_id,
-                });
-                Err(error).terminal_with(StoredResponse::problem(502, &problem))
+                let detail = "the payment provider refused the charge request".to_owned();
+                let problem = CheckoutProblem::stored(502, "Bad Gateway", detail, order.order_id);
+                Err(error).terminal_with(problem)
             }
         }
     }
@@ -162,19 +218,23 @@ impl<E: Shop> LocalPhase<E> for Finish {
                 charge_id,
             } => {
                 E::set_status(connection, order_id, "paid", Some(&charge_id)).await?;
-                let body = serde_json::json!({
-                    "order_id": order_id, "charge_id": charge_id, "amount": amount,
-                    "currency": currency, "status": "paid",
-                });
-                Ok(StoredResponse::json(201, &body))
+                let paid = CheckoutPaid {
+                    amount,
+                    charge_id,
+                    currency,
+                    order_id,
+                    status: "paid".to_owned(),
+                };
+                Ok(StoredResponse::json(201, &to_json(&paid)))
             }
             ChargeOutcome::Declined { order_id, reason } => {
                 E::set_status(connection, order_id, "declined", None).await?;
-                let problem = serde_json::json!({
-                    "type": "about:blank", "title": "Payment Required", "status": 402,
-                    "detail": reason, "order_id": order_id,
-                });
-                Ok(StoredResponse::problem(402, &problem))
+                Ok(CheckoutProblem::stored(
+                    402,
+                    "Payment Required",
+                    reason,
+                    order_id,
+                ))
             }
         }
     }
@@ -183,8 +243,10 @@ impl<E: Shop> LocalPhase<E> for Finish {
 /// Checked before the key is claimed: a request that fails leaves nothing behind, and the client
 /// may fix it and send it again under the same key.
 fn validate(request: &CheckoutRequest) -> Result<(), String> {
-    if request.amount <= 0 {
-        return Err("amount must be a positive number of cents".to_owned());
+    if request.amount <= 0 || request.amount > MAX_AMOUNT {
+        return Err(format!(
+            "amount must be a positive number of cents, at most {MAX_AMOUNT}"
+        ));
     }
     if request.currency.len() != 3
         || !request

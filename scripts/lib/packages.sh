@@ -143,3 +143,49 @@ idemflow_require_pgbouncer() {
   chmod -R a+rX "$(dirname "$cache")"
   export IDEMFLOW_PGBOUNCER="$cache/bin/pgbouncer"
 }
+
+# schemathesis: scripts/schemathesis runs it against the checkout service's OpenAPI document.
+# A Python tool, pinned, installed with pip into a virtual environment of its own under the cache
+# (once; later runs find it), so nothing is installed into the system's Python. Without python3's
+# venv module (Debian ships it apart, as python3-venv) it installs that first. Fails loudly: the
+# step is part of the suite and never skipped. IDEMFLOW_SCHEMATHESIS names another `st`.
+IDEMFLOW_SCHEMATHESIS_VERSION=4.32.5
+idemflow_require_schemathesis() {
+  if [[ -n ${IDEMFLOW_SCHEMATHESIS:-} ]]; then
+    return 0
+  fi
+  local cache
+  if [[ $(id -u) -eq 0 ]]; then
+    cache=/var/cache/idemflow/schemathesis-$IDEMFLOW_SCHEMATHESIS_VERSION
+  else
+    cache=${XDG_CACHE_HOME:-$HOME/.cache}/idemflow/schemathesis-$IDEMFLOW_SCHEMATHESIS_VERSION
+  fi
+  if [[ -x $cache/bin/st ]] && "$cache/bin/st" --version 2>/dev/null | grep -qF "$IDEMFLOW_SCHEMATHESIS_VERSION"; then
+    export IDEMFLOW_SCHEMATHESIS="$cache/bin/st"
+    return 0
+  fi
+  if ! command -v python3 >/dev/null 2>&1; then
+    idemflow_require python3 '/usr/bin/python3' || return 1
+  fi
+  # ensurepip is what Debian's python3 lacks without python3-venv.
+  if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    idemflow_require python3-venv '/usr/lib/python3*/ensurepip/__init__.py' || return 1
+    if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+      printf 'error: schemathesis needs python3 with its venv module; install python3-venv\n' >&2
+      return 1
+    fi
+  fi
+  printf '\n==> installing schemathesis %s into %s\n' "$IDEMFLOW_SCHEMATHESIS_VERSION" "$cache" >&2
+  rm -rf "$cache"
+  mkdir -p "$(dirname "$cache")"
+  if ! python3 -m venv "$cache" >&2 \
+    || ! "$cache/bin/pip" install --quiet --disable-pip-version-check \
+      "schemathesis==$IDEMFLOW_SCHEMATHESIS_VERSION" >&2 \
+    || ! "$cache/bin/st" --version >/dev/null 2>&1; then
+    rm -rf "$cache"
+    printf 'error: schemathesis %s could not be installed (python3 -m venv, then pip install)\n' \
+      "$IDEMFLOW_SCHEMATHESIS_VERSION" >&2
+    return 1
+  fi
+  export IDEMFLOW_SCHEMATHESIS="$cache/bin/st"
+}

@@ -33,6 +33,7 @@ mod load;
 mod logs;
 mod many_processes;
 mod metrics;
+mod openapi;
 mod partitions;
 mod pgbouncer;
 mod plans;

@@ -1047,10 +1047,9 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
         "run",
         80,
     ),
-    ("crates/idemflow-http/src/layer.rs", "handle", 93),
+    ("crates/idemflow-http/src/layer.rs", "handle", 89),
     ("crates/idemflow-cli/src/lib.rs", "end_lease_answer", 92),
-    ("crates/idemflow-http/src/problem.rs", "respond", 91),
-    ("crates/idemflow-http/src/route.rs", "handle", 90),
+    ("crates/idemflow-http/src/route.rs", "handle", 82),
     ("crates/idemflow-console/src/pages.rs", "bodies", 88),
     (
         "crates/idemflow-testrig/src/simulation/world.rs",
@@ -1066,7 +1065,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("crates/idemflow-testrig/src/simulation/mod.rs", "run", 79),
     ("crates/idemflow-runner/src/drive/steps.rs", "call", 79),
     ("crates/idemflow-console/src/pages.rs", "overview", 76),
-    ("crates/idemflow-http/src/handler.rs", "settle", 75),
+    ("crates/idemflow-http/src/handler.rs", "settle", 74),
     (
         "crates/idemflow-runner/src/drive/steps.rs",
         "record_before_call",

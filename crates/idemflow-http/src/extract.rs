@@ -1,10 +1,10 @@
 //! For handlers that call the runner themselves: the key as an extractor.
 
 use axum::extract::FromRequestParts;
-use axum::http::StatusCode;
 use axum::http::request::Parts;
 use idemflow_core::Key;
 
+use crate::ProblemType;
 use crate::key_header::{KeyHeaderError, idempotency_key};
 use crate::problem::Problem;
 
@@ -55,10 +55,10 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
 
 /// The 400 problem for a key header that cannot be used.
 pub(crate) fn key_problem(error: &KeyHeaderError) -> Problem {
-    let code = if *error == KeyHeaderError::Missing {
-        "idempotency_key_missing"
+    let kind = if *error == KeyHeaderError::Missing {
+        ProblemType::IDEMPOTENCY_KEY_MISSING
     } else {
-        "idempotency_key_invalid"
+        ProblemType::IDEMPOTENCY_KEY_INVALID
     };
-    Problem::new(StatusCode::BAD_REQUEST, code, error.to_string())
+    kind.problem(error.to_string())
 }

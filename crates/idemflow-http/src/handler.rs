@@ -186,8 +186,7 @@ impl<S> Handler<S> {
             // ends with a problem that says why.
             return Err(PhaseError::terminal_with(
                 crate::problem::stored_problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "response_not_storable",
+                    crate::ProblemType::RESPONSE_NOT_STORABLE,
                     "the handler answered with an event stream, which cannot be stored and replayed",
                 ),
                 "the handler answered with an event stream",
@@ -262,8 +261,7 @@ impl<S> Handler<S> {
             Ok(body) => Ok(body),
             Err(BodyError::TooLarge) => Err(PhaseError::terminal_with(
                 crate::problem::stored_problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "response_too_large",
+                    crate::ProblemType::RESPONSE_TOO_LARGE,
                     format!(
                         "the handler's response exceeds {} bytes and cannot be stored",
                         self.settings.max_response_bytes

@@ -19,12 +19,13 @@ use axum::response::{IntoResponse, Response};
 use idemflow_runner::{BuildError, Engine, Outcome, Rejection, Runner, Workflow};
 use tower::{Layer, Service, ServiceExt};
 
+use crate::ProblemType;
 use crate::config::{HttpConfig, KeyMode, Redaction, StatusRules};
 use crate::extract::key_problem;
 use crate::handler::{Handler, HandlerSettings, LIVE, Live};
 use crate::key_header::KeyHeaderError;
 use crate::prepare::{Refusal, prepare, target};
-use crate::problem::{Problem, respond, seconds};
+use crate::problem::{respond, seconds};
 use crate::recorded::{RecordedRequest, Unread};
 use crate::request_fingerprint::{FingerprintError, fingerprint};
 use crate::tenant::TenantResolver;
@@ -345,7 +346,8 @@ where
                 return respond(Ok(Outcome::Rejected(Rejection::InvalidBody(error))));
             }
             Err(FingerprintError::ContentType(why)) => {
-                return Problem::new(StatusCode::BAD_REQUEST, "content_type_invalid", why)
+                return ProblemType::CONTENT_TYPE_INVALID
+                    .problem(why)
                     .into_response();
             }
         };
@@ -411,12 +413,7 @@ where
             Err(error) => {
                 // Phases' panics are caught by the runner; this is the runner's own.
                 tracing::error!(%error, "the request's task failed");
-                Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal_error",
-                    "the request failed on an internal error; retry with the same idempotency key",
-                )
-                .into_response()
+                crate::problem::internal_error().into_response()
             }
         };
         preference_applied(response, limit.filter(|_| waited))

@@ -4,10 +4,11 @@
 use axum::body::{Body, Bytes};
 use axum::extract::OriginalUri;
 use axum::http::request::Parts;
-use axum::http::{Request, StatusCode, header};
+use axum::http::{Request, header};
 use idemflow_core::{Key, TenantId};
 use tokio::sync::OwnedSemaphorePermit;
 
+use crate::ProblemType;
 use crate::body::{BodyError, read_limited};
 use crate::config::HttpConfig;
 use crate::extract::key_problem;
@@ -50,18 +51,15 @@ pub(crate) async fn prepare(
     let (mut parts, body) = request.into_parts();
     let tenant = resolver.resolve(&parts).map_err(Refusal::Answer)?;
     if json_only && !is_json(&parts) {
-        return Err(Refusal::Answer(Problem::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "this endpoint takes application/json",
-        )));
+        return Err(Refusal::Answer(
+            ProblemType::UNSUPPORTED_MEDIA_TYPE.problem("this endpoint takes application/json"),
+        ));
     }
     let too_large = || {
-        Refusal::Answer(Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!("the body exceeds {} bytes", config.max_body_bytes),
-        ))
+        Refusal::Answer(
+            ProblemType::BODY_TOO_LARGE
+                .problem(format!("the body exceeds {} bytes", config.max_body_bytes)),
+        )
     };
     let declared = parts
         .headers
@@ -83,11 +81,10 @@ pub(crate) async fn prepare(
         // Before the claim: a client that stalls holds no key, and may send it all again.
         Err(BodyError::TimedOut(timeout)) => return Err(Refusal::Answer(body_timeout(timeout))),
         Err(BodyError::Unreadable(error)) => {
-            return Err(Refusal::Answer(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "body_unreadable",
-                format!("the body could not be read: {error}"),
-            )));
+            return Err(Refusal::Answer(
+                ProblemType::BODY_UNREADABLE
+                    .problem(format!("the body could not be read: {error}")),
+            ));
         }
     };
     Ok(Prepared {

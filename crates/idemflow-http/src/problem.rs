@@ -9,6 +9,8 @@ use axum::response::{IntoResponse, Response};
 use idemflow_core::StoredResponse;
 use idemflow_runner::{Outcome, Rejection, RunError};
 
+use crate::ProblemType;
+
 /// The header a replayed response carries.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
@@ -57,39 +59,27 @@ impl Problem {
 
 /// The 408 for a request body that did not arrive within `timeout` (see [`crate::ServeLimits`]).
 pub(crate) fn body_timeout(timeout: Duration) -> Problem {
-    Problem::new(
-        StatusCode::REQUEST_TIMEOUT,
-        "body_timeout",
-        format!(
-            "the request body did not arrive within {} ms; send the request again",
-            timeout.as_millis()
-        ),
-    )
+    ProblemType::BODY_TIMEOUT.problem(format!(
+        "the request body did not arrive within {} ms; send the request again",
+        timeout.as_millis()
+    ))
 }
 
 /// The 503 for a covered request that found no place within its wait (see
 /// [`crate::ServeLimits::max_covered_requests`]).
 pub(crate) fn overloaded() -> Problem {
-    Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "overloaded",
-        "the server is processing as many requests as it takes at once; \
+    ProblemType::OVERLOADED
+        .problem(
+            "the server is processing as many requests as it takes at once; \
          send the request again with the same idempotency key",
-    )
-    .retry_after(Duration::from_secs(1))
+        )
+        .retry_after(Duration::from_secs(1))
 }
 
 /// A problem as the layer stores it (a handler whose response cannot be stored, say): the same
 /// document it answers, `code` included.
-pub(crate) fn stored_problem(
-    status: StatusCode,
-    code: &'static str,
-    detail: impl Into<String>,
-) -> StoredResponse {
-    StoredResponse::problem(
-        status.as_u16(),
-        &Problem::new(status, code, detail).document(),
-    )
+pub(crate) fn stored_problem(kind: ProblemType, detail: impl Into<String>) -> StoredResponse {
+    StoredResponse::problem(kind.status, &kind.problem(detail).document())
 }
 
 impl IntoResponse for Problem {
@@ -133,90 +123,67 @@ pub fn respond(result: Result<Outcome, RunError>) -> Response {
             stored_response(&stored, false)
         }
         Ok(Outcome::Replayed(stored)) => stored_response(&stored, true),
-        Ok(Outcome::InProgress { retry_after }) => Problem::new(
-            StatusCode::CONFLICT,
-            "request_in_progress",
-            "a request with this idempotency key is in progress; retry later",
-        )
-        .retry_after(retry_after)
-        .into_response(),
-        Ok(Outcome::Mismatch) => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "idempotency_key_reused",
-            "this idempotency key was used for a different request",
-        )
-        .into_response(),
+        Ok(Outcome::InProgress { retry_after }) => ProblemType::REQUEST_IN_PROGRESS
+            .problem("a request with this idempotency key is in progress; retry later")
+            .retry_after(retry_after)
+            .into_response(),
+        Ok(Outcome::Mismatch) => ProblemType::IDEMPOTENCY_KEY_REUSED
+            .problem("this idempotency key was used for a different request")
+            .into_response(),
         Ok(Outcome::Rejected(rejection)) => rejected(&rejection).into_response(),
-        Ok(Outcome::Interrupted { retry_after, .. }) => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "interrupted",
-            "the request started and will be finished; retry with the same idempotency key",
-        )
-        .retry_after(retry_after)
-        .into_response(),
+        Ok(Outcome::Interrupted { retry_after, .. }) => ProblemType::INTERRUPTED
+            .problem(
+                "the request started and will be finished; retry with the same idempotency key",
+            )
+            .retry_after(retry_after)
+            .into_response(),
         Ok(other) => {
             // An outcome this layer was not built to know of: a bug to fix, answered in general.
             tracing::error!(?other, "an outcome the HTTP layer does not know");
-            Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                "the request failed on an internal error; retry with the same idempotency key",
-            )
-            .into_response()
+            internal_error().into_response()
         }
-        Err(RunError::Fenced) => Problem::new(
-            StatusCode::CONFLICT,
-            "request_in_progress",
-            "another attempt took this request over; retry later",
-        )
-        .retry_after(Duration::from_secs(1))
-        .into_response(),
+        Err(RunError::Fenced) => ProblemType::REQUEST_IN_PROGRESS
+            .problem("another attempt took this request over; retry later")
+            .retry_after(Duration::from_secs(1))
+            .into_response(),
         Err(RunError::Panicked { phase, message }) => {
             // A bug: recorded as a failed attempt (the key resumes by its retry policy), and
             // answered in general terms.
             tracing::error!(phase, message, "a phase panicked");
-            Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                "the request failed on an internal error; retry with the same idempotency key",
-            )
-            .into_response()
+            internal_error().into_response()
         }
         Err(RunError::Busy) => {
             // SQLite's one writer was held past the busy timeout: nothing of this request was
             // written, so the same key may come again at once. Not an error of the service.
             tracing::warn!("the database was busy; answered 503");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "database_busy",
-                "the database is busy; retry with the same idempotency key shortly",
-            )
-            .retry_after(BUSY_RETRY_AFTER)
-            .into_response()
+            ProblemType::DATABASE_BUSY
+                .problem("the database is busy; retry with the same idempotency key shortly")
+                .retry_after(BUSY_RETRY_AFTER)
+                .into_response()
         }
         Err(RunError::Sealing(error)) => {
             // A stored value did not open (a key id removed from the keyring, a ciphertext moved
             // between rows): a retry cannot help until an operator does.
             tracing::error!(%error, "a stored value did not open");
-            Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                "the request failed on an internal error",
-            )
-            .into_response()
+            ProblemType::INTERNAL_ERROR
+                .problem("the request failed on an internal error")
+                .into_response()
         }
         Err(error) => {
             // Logged in full here, answered in general terms: no database text leaves.
             tracing::error!(%error, "request failed");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                "the service could not process the request",
-            )
-            .retry_after(Duration::from_secs(1))
-            .into_response()
+            ProblemType::UNAVAILABLE
+                .problem("the service could not process the request")
+                .retry_after(Duration::from_secs(1))
+                .into_response()
         }
     }
+}
+
+/// The 500 for a bug, in general terms: the attempt counts and the key resumes.
+pub(crate) fn internal_error() -> Problem {
+    ProblemType::INTERNAL_ERROR
+        .problem("the request failed on an internal error; retry with the same idempotency key")
 }
 
 /// Retry-After for a busy database: its writer's transactions last milliseconds.
@@ -224,24 +191,13 @@ const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 fn rejected(rejection: &Rejection) -> Problem {
     match rejection {
-        Rejection::InvalidKey(error) => Problem::new(
-            StatusCode::BAD_REQUEST,
-            "idempotency_key_invalid",
-            error.to_string(),
-        ),
-        Rejection::InvalidBody(error) => {
-            Problem::new(StatusCode::BAD_REQUEST, "body_invalid", error.to_string())
+        Rejection::InvalidKey(error) => {
+            ProblemType::IDEMPOTENCY_KEY_INVALID.problem(error.to_string())
         }
-        Rejection::InvalidInput(why) => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "request_invalid",
-            why.clone(),
-        ),
-        other => Problem::new(
-            StatusCode::BAD_REQUEST,
-            "request_invalid",
-            other.to_string(),
-        ),
+        Rejection::InvalidBody(error) => ProblemType::BODY_INVALID.problem(error.to_string()),
+        Rejection::InvalidInput(why) => ProblemType::REQUEST_INVALID.problem(why.clone()),
+        // A refusal added to the runner later: the request was not the route's to run.
+        other => ProblemType::REQUEST_INVALID.problem(other.to_string()),
     }
 }
 

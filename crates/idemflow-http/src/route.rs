@@ -8,16 +8,17 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::MatchedPath;
-use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::http::{HeaderValue, Request, header};
 use axum::response::{IntoResponse, Response};
 use idemflow_runner::{Engine, Request as RunRequest, Runner, Workflow};
 
+use crate::ProblemType;
 use crate::config::{HttpConfig, KeyMode};
 use crate::extract::key_problem;
 use crate::key_header::KeyHeaderError;
 use crate::layer::{answered, preference_applied, wait_limit};
 use crate::prepare::{Prepared, Refusal, prepare, target};
-use crate::problem::{Problem, respond};
+use crate::problem::respond;
 use crate::tenant::TenantResolver;
 use crate::wait::{Finishes, Waiting, ends_a_hold, run_or_wait};
 
@@ -93,12 +94,9 @@ impl<E: Engine> WorkflowService<E> {
                 .map(|method| method.as_str())
                 .collect::<Vec<_>>()
                 .join(", ");
-            let mut response = Problem::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                format!("this endpoint takes {allow}"),
-            )
-            .into_response();
+            let mut response = ProblemType::METHOD_NOT_ALLOWED
+                .problem(format!("this endpoint takes {allow}"))
+                .into_response();
             if let Ok(allow) = HeaderValue::try_from(allow) {
                 response.headers_mut().insert(header::ALLOW, allow);
             }
@@ -164,12 +162,7 @@ impl<E: Engine> WorkflowService<E> {
             Ok(result) => answered(&tenant, &key, result.is_err(), || respond(result)),
             Err(error) => {
                 tracing::error!(%error, "the request's task failed");
-                Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal_error",
-                    "the request failed on an internal error; retry with the same idempotency key",
-                )
-                .into_response()
+                crate::problem::internal_error().into_response()
             }
         };
         preference_applied(response, limit.filter(|_| waited))

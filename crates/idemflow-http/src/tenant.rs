@@ -1,7 +1,7 @@
-use axum::http::StatusCode;
 use axum::http::request::Parts;
 use idemflow_core::TenantId;
 
+use crate::ProblemType;
 use crate::problem::Problem;
 
 /// Finds the tenant of a request: from its authenticated principal, never from its body.
@@ -29,8 +29,7 @@ pub struct BearerTenant;
 
 impl TenantResolver for BearerTenant {
     fn resolve(&self, request: &Parts) -> Result<TenantId, Problem> {
-        let unauthorized =
-            |detail: &str| Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", detail);
+        let unauthorized = |detail: &str| ProblemType::UNAUTHORIZED.problem(detail);
         let value = request
             .headers
             .get(axum::http::header::AUTHORIZATION)
