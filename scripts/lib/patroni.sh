@@ -199,6 +199,8 @@ _idemflow_patroni_up() {
     chown "$IDEMFLOW_PG_OWNER:" "$dir"
   fi
   printf '%s\n' "$dir"
+  # A start that fails leaves nothing running: the caller never learns what to stop.
+  trap _idemflow_patroni_down EXIT
   local ports
   ports=$(_idemflow_patroni_ports ETCD_PORT ETCD_PEER_PORT NODE1_PG_PORT NODE1_API_PORT \
     NODE2_PG_PORT NODE2_API_PORT HAPROXY_PORT HAPROXY_STATS_PORT)
@@ -229,6 +231,7 @@ _idemflow_patroni_up() {
   # HAProxy takes every server for up until its checks say otherwise: until the standby is marked
   # down, a client may land on it.
   _idemflow_patroni_wait 30 "HAProxy sending clients to node1 alone" _idemflow_patroni_routed node1
+  trap - EXIT
   printf '%s\n' "$ports"
 }
 
