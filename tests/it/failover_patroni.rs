@@ -333,7 +333,7 @@ async fn start_service(cluster: &Cluster) -> Service {
 /// What one event did, for the report and the checks.
 struct Switch {
     event: Event,
-    /// When the leader was killed, or the switchover command began.
+    /// When the leader had been killed, or the switchover command began.
     at: Instant,
     /// The leader before and after.
     from: &'static str,
@@ -383,11 +383,20 @@ async fn switch(event: Event) -> Switch {
     }
     tokio::time::sleep(WARM_UP).await;
 
-    let at = Instant::now();
-    match event {
-        Event::Crash => cluster.script(&["crash", from]).await,
-        Event::Switchover => cluster.script(&["switchover"]).await,
-    }
+    // The crash's instant is when the kill has been sent (a SIGKILLed postmaster answers
+    // nothing more; before it, the script's own start-up may still let requests through); the
+    // switchover's is when the operator asked for it.
+    let at = match event {
+        Event::Crash => {
+            cluster.script(&["crash", from]).await;
+            Instant::now()
+        }
+        Event::Switchover => {
+            let at = Instant::now();
+            cluster.script(&["switchover"]).await;
+            at
+        }
+    };
     let to = loop {
         match cluster.leader(&http).await {
             Some(node) if node != from => break node,
