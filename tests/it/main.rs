@@ -22,6 +22,7 @@ mod ended_transactions;
 mod engines;
 mod explore_checkout;
 mod failover;
+mod failover_patroni;
 mod failures;
 mod faults;
 mod fences;
