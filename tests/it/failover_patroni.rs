@@ -545,31 +545,13 @@ impl Switch {
 
     /// Every key done, one order each, paid; one charge per derived key at the provider.
     async fn each_key_ran_once(&self) {
-        let undone: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state <> 'done'")
-                .fetch_one(&self.observer)
-                .await
-                .unwrap();
-        assert_eq!(undone, 0, "every key done");
-        let orders: Vec<(String, i64, i64)> = sqlx::query_as(
-            "SELECT request_key, count(*), count(*) FILTER (WHERE status = 'paid') \
-             FROM checkout_orders GROUP BY request_key",
+        crate::support::example::each_key_ran_once(
+            &self.observer,
+            &self.service.provider,
+            self.answers.keys(),
+            self.answers.len(),
         )
-        .fetch_all(&self.observer)
-        .await
-        .unwrap();
-        assert_eq!(orders.len(), self.answers.len(), "keys with an order");
-        for (key, count, paid) in &orders {
-            assert_eq!((*count, *paid), (1, 1), "{key}: one order, paid");
-        }
-        let mut charges: HashMap<String, usize> = HashMap::new();
-        for charge in self.service.provider.charges() {
-            *charges.entry(charge.idempotency_key).or_default() += 1;
-        }
-        for key in self.answers.keys() {
-            assert_eq!(charges.get(&charge_key(key)), Some(&1), "{key}: one charge");
-        }
-        assert_eq!(charges.len(), self.answers.len(), "charges in all");
+        .await;
     }
 
     async fn check(&self) {

@@ -317,3 +317,39 @@ pub async fn start_worker(binary: &std::path::Path, name: &str, arguments: &[&st
     all.extend(arguments);
     start_process(binary, name, &all, "resuming").await.0
 }
+
+/// What a checkout run must leave behind, whatever failed over under it: every key done, one paid
+/// order per key (`keys` in all), and one charge per derived key at the provider, for each of the
+/// `answered` keys and no other.
+pub async fn each_key_ran_once<'a>(
+    observer: &sqlx::PgPool,
+    provider: &idemflow_testkit::provider::MockProvider,
+    answered: impl Iterator<Item = &'a String>,
+    keys: usize,
+) {
+    let undone: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE state <> 'done'")
+            .fetch_one(observer)
+            .await
+            .unwrap();
+    assert_eq!(undone, 0, "every key done");
+    let orders: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT request_key, count(*), count(*) FILTER (WHERE status = 'paid') \
+         FROM checkout_orders GROUP BY request_key",
+    )
+    .fetch_all(observer)
+    .await
+    .unwrap();
+    assert_eq!(orders.len(), keys, "keys with an order");
+    for (key, count, paid) in &orders {
+        assert_eq!((*count, *paid), (1, 1), "{key}: one order, paid");
+    }
+    let mut charges: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for charge in provider.charges() {
+        *charges.entry(charge.idempotency_key).or_default() += 1;
+    }
+    for key in answered {
+        assert_eq!(charges.get(&charge_key(key)), Some(&1), "{key}: one charge");
+    }
+    assert_eq!(charges.len(), keys, "charges in all");
+}
