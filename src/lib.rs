@@ -157,11 +157,11 @@ pub use idemflow_pg::{MIGRATOR, PgStore, PoolSettings, migrate};
 pub use idemflow_redis::RedisStore;
 pub use idemflow_runner::{
     BuildError, ConnectionOf, DatabaseError, DatabaseErrorKind, DrainReport, Engine, EngineError,
-    EnginePool, Failure, FailurePhase, ForeignPhase, Keyring, KeyringError, LocalPhase, Outcome,
-    PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf, RegisterError,
-    Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy, RunError, Runner,
-    RunnerConfig, SealError, SqlEngine, TerminalPolicy, Workflow, WorkflowBuilder, expire,
-    expire_paced, shutdown_signal,
+    EnginePool, Failure, FailurePhase, ForeignPhase, Isolation, Keyring, KeyringError, LocalPhase,
+    Outcome, PhaseContext, PhaseError, PhaseErrorKind, PhaseResultExt, PhaseValue, PoolOf,
+    RegisterError, Registry, Rejection, Request, Resumer, ResumerConfig, Retention, RetryPolicy,
+    RunError, Runner, RunnerConfig, SealError, SqlEngine, TerminalPolicy, Workflow,
+    WorkflowBuilder, expire, expire_paced, shutdown_signal,
 };
 /// Crash points, for tests (feature `crash-hooks`, which `idemflow-testkit` enables): a hook that
 /// stops a run where a crash would, installed with `Runner::with_crash_hook`.

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use idemflow_core::{FieldValue, Fingerprint, Key, StoredResponse, TenantId};
 use idemflow_store::{
-    Claim, Claimed, Engine, EngineError, FoundKey, JournalEntry, KeyOwner, KeyReport, Limits,
-    LookUp, Operator, Tamper,
+    Claim, Claimed, Engine, EngineError, FoundKey, Isolation, JournalEntry, KeyOwner, KeyReport,
+    Limits, LookUp, Operator, Tamper,
 };
 use serde_json::{Value, json};
 
@@ -50,9 +50,20 @@ mod steps {
         claim: Claim<'_>,
         ticket: S::Ticket,
     ) -> Result<Option<(S::Transaction, S::Owner)>, EngineError> {
+        begin_claim_at::<S>(pool, claim, ticket, Isolation::ReadCommitted).await
+    }
+
+    /// [`begin_claim`], its transaction at `isolation` (as leading local phases declare it).
+    pub async fn begin_claim_at<S: Engine>(
+        pool: &S::Pool,
+        claim: Claim<'_>,
+        ticket: S::Ticket,
+        isolation: Isolation,
+    ) -> Result<Option<(S::Transaction, S::Owner)>, EngineError> {
         let connection = pool.acquire().await?;
+        let limits = Limits::default().with_isolation(isolation);
         Ok(
-            match S::begin_claim(connection, claim, ticket, &Limits::default()).await? {
+            match S::begin_claim(connection, claim, ticket, &limits).await? {
                 Claimed::Owned(transaction, owner) => Some((transaction, owner)),
                 Claimed::Lost(_) => None,
             },
@@ -60,7 +71,15 @@ mod steps {
     }
 
     pub async fn begin<S: Engine>(pool: &S::Pool) -> Result<S::Transaction, EngineError> {
-        S::begin(pool.acquire().await?, &Limits::default()).await
+        begin_at::<S>(pool, Isolation::ReadCommitted).await
+    }
+
+    pub async fn begin_at<S: Engine>(
+        pool: &S::Pool,
+        isolation: Isolation,
+    ) -> Result<S::Transaction, EngineError> {
+        let limits = Limits::default().with_isolation(isolation);
+        S::begin(pool.acquire().await?, &limits).await
     }
 
     pub async fn commit<S: Engine>(transaction: S::Transaction) -> Result<(), EngineError> {
@@ -256,6 +275,39 @@ conformance!(
     the_consoles_scan_walks_the_primary_key_from_a_position,
     the_consoles_overview_counts_started_due_and_lately_finished_keys,
     the_console_expires_one_key_only_under_the_token_it_was_shown,
+);
+
+/// The cases of a transaction at a stronger isolation level (a local phase's declaration), on
+/// the engines that state one: PostgreSQL and MariaDB. (SQLite's transactions run one at a time
+/// whatever is declared; Redis runs no local phase.)
+macro_rules! conformance_at_levels {
+    ($($case:ident),* $(,)?) => {
+        mod postgres_levels {
+            $(
+                #[sqlx::test(migrator = "idemflow::MIGRATOR")]
+                async fn $case(pool: sqlx::PgPool) {
+                    super::$case::<idemflow_pg::PgStore>(pool).await;
+                }
+            )*
+        }
+        mod mariadb_levels {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let pool = crate::support::mariadb::fresh(
+                        concat!("conformance_", stringify!($case)),
+                    )
+                    .await;
+                    super::$case::<idemflow_mysql::MySqlStore>(pool).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance_at_levels!(
+    claims_racing_at_every_level_leave_one_row_and_the_loser_writes_nothing,
+    a_stale_owners_write_at_every_level_changes_nothing,
 );
 
 fn tenant() -> TenantId {
@@ -1303,4 +1355,129 @@ async fn the_console_expires_one_key_only_under_the_token_it_was_shown<S: Tamper
         None
     );
     assert!(found::<S>(&pool, &finishing).await.done);
+}
+
+/// Claims `key` with `ticket`, the claim's transaction at `isolation`.
+async fn claim_at<S: Tamper>(
+    pool: &S::Pool,
+    key: &Key,
+    workflow: &str,
+    ticket: S::Ticket,
+    isolation: Isolation,
+) -> Option<(S::Transaction, S::Owner)> {
+    let request: Value = serde_json::from_str(REQUEST).unwrap();
+    let (tenant, fingerprint) = (tenant(), fingerprint());
+    let claim = Claim {
+        tenant: &tenant,
+        key,
+        fingerprint: &fingerprint,
+        workflow,
+        request: &request,
+        lease: LEASE,
+    };
+    steps::begin_claim_at::<S>(pool, claim, ticket, isolation)
+        .await
+        .unwrap()
+}
+
+/// The claim's guarantee at a stronger level: a claim whose transaction took its snapshot before
+/// it waited on the first claim (PostgreSQL's look for the key inside the claim reads that
+/// snapshot) still loses once the first commits, and writes nothing. The unique index decides,
+/// whatever the snapshot: a unique violation, or at Serializable a serialization failure, both
+/// a lost race.
+async fn claims_racing_at_every_level_leave_one_row_and_the_loser_writes_nothing<S: Tamper>(
+    pool: S::Pool,
+) {
+    for isolation in Isolation::ALL {
+        let key = key(&format!("k-race-{}", isolation.as_str()));
+        let LookUp::Absent(first) = steps::look_up::<S>(&pool, &tenant(), &key).await.unwrap()
+        else {
+            panic!("new");
+        };
+        let LookUp::Absent(second) = steps::look_up::<S>(&pool, &tenant(), &key).await.unwrap()
+        else {
+            panic!("new");
+        };
+        let (mut transaction, owner) = claim_at::<S>(&pool, &key, "checkout@1", first, isolation)
+            .await
+            .unwrap();
+        let racing = tokio::spawn({
+            let (pool, key) = (pool.clone(), key.clone());
+            async move {
+                claim_at::<S>(&pool, &key, "other@1", second, isolation)
+                    .await
+                    .map(|(transaction, owner)| {
+                        drop(transaction);
+                        owner.lock_version()
+                    })
+            }
+        });
+        // Not a lease's expiry: time for the second claim to begin and wait on the first.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        S::advance(&mut transaction, &owner, "reserve", &json!(1), LEASE)
+            .await
+            .unwrap();
+        steps::commit::<S>(transaction).await.unwrap();
+        assert_eq!(
+            racing.await.unwrap(),
+            None,
+            "{isolation}: the second claim loses"
+        );
+        let found = found::<S>(&pool, &key).await;
+        assert_eq!(found.workflow, "checkout@1", "{isolation}");
+        assert_eq!(found.lock_version, owner.lock_version(), "{isolation}");
+        assert_eq!(report_of::<S>(&pool, &key).await.recovery_point, "reserve");
+    }
+}
+
+/// The fence's guarantee at a stronger level: an owner whose transaction read the key before
+/// another took it over writes nothing over the new owner, whatever its snapshot says. PostgreSQL
+/// refuses the write with a serialization failure (the row changed since the snapshot), which
+/// the runner answers by running the transaction again, where the write then matches no row;
+/// InnoDB writes on the latest row, and the fence matches none at once.
+async fn a_stale_owners_write_at_every_level_changes_nothing<S: Tamper>(pool: S::Pool) {
+    for isolation in Isolation::ALL {
+        let key = key(&format!("k-stale-{}", isolation.as_str()));
+        let (transaction, owner) = claim::<S>(&pool, &key, "checkout@1").await.unwrap();
+        steps::commit::<S>(transaction).await.unwrap();
+        let other = Key::parse(&format!("k-other-{}", isolation.as_str())).unwrap();
+        let (transaction, _) = claim::<S>(&pool, &other, "checkout@1").await.unwrap();
+        steps::commit::<S>(transaction).await.unwrap();
+        let mut stale = steps::begin_at::<S>(&pool, isolation).await.unwrap();
+        // The stale owner's transaction reads: its snapshot is taken, where the level keeps one.
+        // (Another key's row: at Serializable InnoDB's reads lock what they read, and a read of
+        // this key's row would hold the takeover off until the stale owner ends.)
+        let seen = S::look_up(S::connection(&mut stale), &tenant(), &other)
+            .await
+            .unwrap();
+        assert!(matches!(seen, LookUp::Found(_)));
+        S::lapse_leases(&pool, Some((tenant().as_str(), key.as_str())))
+            .await
+            .unwrap();
+        let taken = steps::take_over::<S>(&pool, &tenant(), &key, owner.lock_version(), LEASE)
+            .await
+            .unwrap()
+            .expect("the lapsed key is taken over");
+        let advanced = S::advance(&mut stale, &owner, "reserve", &json!(1), LEASE).await;
+        assert!(
+            matches!(advanced, Err(EngineError::Fenced))
+                || advanced.as_ref().is_err_and(EngineError::is_restartable),
+            "{isolation}: {advanced:?}"
+        );
+        steps::rollback::<S>(stale).await.unwrap();
+        // Run again, as the runner does: the write matches no row.
+        let mut again = steps::begin_at::<S>(&pool, isolation).await.unwrap();
+        let advanced = S::advance(&mut again, &owner, "reserve", &json!(1), LEASE).await;
+        assert!(
+            matches!(advanced, Err(EngineError::Fenced)),
+            "{isolation}: {advanced:?}"
+        );
+        steps::rollback::<S>(again).await.unwrap();
+        let report = report_of::<S>(&pool, &key).await;
+        assert_eq!(report.recovery_point, "start", "{isolation}");
+        assert_eq!(
+            found::<S>(&pool, &key).await.lock_version,
+            taken.owner.lock_version()
+        );
+    }
 }

@@ -42,6 +42,7 @@ mod precision;
 mod protocol;
 mod redis_loss;
 mod refunds;
+mod restarts;
 mod resumer;
 mod retention;
 mod roles;

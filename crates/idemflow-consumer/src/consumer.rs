@@ -413,10 +413,14 @@ impl<E: ConsumerStore> Consumer<E> {
 }
 
 /// An engine's error as the consumer reports it: busy is another delivery of the message holding
-/// it past the wait limit.
+/// it past the wait limit; a deadlock's victim (MariaDB's waiting inserts of one identity) is
+/// one too, its delivery rolled back whole.
 fn consumer_error(error: EngineError, message_id: &str) -> ConsumerError {
     match error {
         EngineError::Busy => ConsumerError::HeldElsewhere(message_id.to_owned()),
+        EngineError::Database(error) if error.is_restartable() => {
+            ConsumerError::HeldElsewhere(message_id.to_owned())
+        }
         EngineError::Database(error) => ConsumerError::Database(error),
         other => ConsumerError::Database(DatabaseError::other(other)),
     }

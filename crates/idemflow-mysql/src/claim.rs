@@ -19,7 +19,7 @@ use sqlx::pool::PoolConnection;
 use crate::error::{DEADLOCK, DUPLICATE_KEY, StoreError, error_number};
 use crate::statements::{self, FENCES_PER_LIFE};
 use crate::transaction::Transaction;
-use idemflow_store::Owner;
+use idemflow_store::{Isolation, Owner};
 
 /// Everything a claim stores: the boundary's [`idemflow_store::Claim`].
 pub type ClaimRequest<'a> = idemflow_store::Claim<'a>;
@@ -38,13 +38,24 @@ const DEADLOCK_RETRIES: usize = 3;
 
 /// Begins a transaction holding the claim of a new key.
 pub async fn begin_claim(
+    connection: PoolConnection<MySql>,
+    claim: &ClaimRequest<'_>,
+) -> Result<Claimed, StoreError> {
+    begin_claim_at(connection, claim, Isolation::ReadCommitted).await
+}
+
+/// [`begin_claim`], the transaction at `isolation` (the level its leading local phases declare).
+/// The primary key decides at every level: InnoDB checks a duplicate against the latest
+/// committed row with a locking read, whatever the transaction's snapshot.
+pub async fn begin_claim_at(
     mut connection: PoolConnection<MySql>,
     claim: &ClaimRequest<'_>,
+    isolation: Isolation,
 ) -> Result<Claimed, StoreError> {
     let request = serde_json::to_string(claim.request)
         .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
     for _ in 0..DEADLOCK_RETRIES {
-        let mut transaction = Transaction::begin(connection).await?;
+        let mut transaction = Transaction::begin_at(connection, isolation).await?;
         let sql = statements::claim_then_savepoint(
             claim.tenant.as_str().as_bytes(),
             claim.key.as_str().as_bytes(),

@@ -1,7 +1,9 @@
 //! [`StoreError`], the one error type of every store call, as the other engines have it. InnoDB's
-//! lock waits past `innodb_lock_wait_timeout` (1205) or `max_statement_time` (1969) and its
-//! deadlock victims (1213) are
-//! [`StoreError::Busy`]: an answer to retry later, never a failure a client sees as a 500.
+//! lock waits past `innodb_lock_wait_timeout` (1205) or `max_statement_time` (1969) are
+//! [`StoreError::Busy`]: an answer to retry later, never a failure a client sees as a 500. A
+//! deadlock's victim (1213) is a database error the boundary calls restartable
+//! (`idemflow_store::DatabaseErrorKind::Restartable`): InnoDB rolled the whole transaction back,
+//! and the runner runs it again at once (outside a transaction it can restart, it is busy too).
 
 use idemflow_store::{DatabaseError, DatabaseErrorKind, EngineError};
 
@@ -14,10 +16,9 @@ pub enum StoreError {
     #[error("fenced: the lease on this key was lost to another owner")]
     Fenced,
     /// A row lock was held for longer than the lock wait timeout (1205) or the statement timeout
-    /// (1969, which ends a wait first), or InnoDB chose this transaction as a deadlock's victim
-    /// (1213). Nothing the statement wrote is kept. The caller may try again later (over HTTP:
-    /// 503 with `Retry-After`).
-    #[error("busy: a row lock was held for longer than the lock wait timeout, or a deadlock")]
+    /// (1969, which ends a wait first). Nothing the statement wrote is kept. The caller may try
+    /// again later (over HTTP: 503 with `Retry-After`).
+    #[error("busy: a row lock was held for longer than the lock wait timeout")]
     Busy,
     /// A statement failed or the connection broke: sqlx's error, as it came. A transaction it
     /// happened in is lost.
@@ -31,9 +32,13 @@ pub enum StoreError {
 
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
+        // Not a deadlock (1213): InnoDB rolled its victim's whole transaction back, which the
+        // runner answers by running it again at once (`is_restartable`). A lock wait timeout
+        // undoes the waiting statement alone (unless `innodb_rollback_on_timeout`), and says a
+        // lock is held long rather than that two transactions crossed: busy, tried later.
         if matches!(
             error_number(&error),
-            Some(LOCK_WAIT_TIMEOUT | DEADLOCK | STATEMENT_TIMEOUT)
+            Some(LOCK_WAIT_TIMEOUT | STATEMENT_TIMEOUT)
         ) {
             Self::Busy
         } else {
@@ -87,11 +92,19 @@ impl From<StoreError> for EngineError {
 /// ER_NO_SUCH_TABLE: the migrations have not run.
 const NO_SUCH_TABLE: u16 = 1146;
 
+/// Whether InnoDB chose the transaction as a deadlock's victim (1213) and rolled all of it back.
+/// MySQL and MariaDB report a serialization conflict at Serializable the same way: their
+/// Serializable is locking reads, so a conflict is a lock wait, and a cycle of them a deadlock.
+pub(crate) fn is_restartable(error: &sqlx::Error) -> bool {
+    error_number(error) == Some(DEADLOCK)
+}
+
 /// sqlx's error on MySQL/MariaDB, classified for the boundary.
 pub(crate) fn database_error(error: sqlx::Error) -> DatabaseError {
     let kind = match (&error, error_number(&error)) {
         (sqlx::Error::Io(_), _) => DatabaseErrorKind::ConnectionLost,
         (_, Some(NO_SUCH_TABLE)) => DatabaseErrorKind::NoSchema,
+        (_, Some(DEADLOCK)) => DatabaseErrorKind::Restartable,
         _ => DatabaseErrorKind::Other,
     };
     DatabaseError::new(kind, error)

@@ -3,8 +3,9 @@
 //!
 //! A look-up is a consistent read, so a key being claimed looks absent until the claim commits;
 //! the claim's insert then waits for that claim's transaction and, refused by the duplicate key,
-//! answers from the committed row. Lock waits past the lock wait timeout and deadlock victims are
-//! [`EngineError::Busy`]: the transaction is lost, nothing it wrote is kept.
+//! answers from the committed row. Lock waits past the lock wait timeout are [`EngineError::Busy`];
+//! a deadlock's victim is a restartable database error (the runner runs its transaction again):
+//! either way the transaction is lost, nothing it wrote is kept.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,8 +14,8 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_store::layout::Maintained;
 use idemflow_store::{
-    Claim, Claimed, Engine, EngineError, EnginePool, LastError, Limits, LookUp, Owner, SqlEngine,
-    Standing, Taken,
+    Claim, Claimed, Engine, EngineError, EnginePool, Isolation, LastError, Limits, LookUp, Owner,
+    SqlEngine, Standing, Taken,
 };
 use serde_json::Value;
 use sqlx::pool::PoolConnection;
@@ -43,6 +44,10 @@ impl SqlEngine for MySqlStore {
     fn engine_error(error: sqlx::Error) -> EngineError {
         crate::StoreError::from(error).into()
     }
+
+    fn is_restartable(error: &sqlx::Error) -> bool {
+        crate::error::is_restartable(error)
+    }
 }
 
 #[async_trait]
@@ -53,6 +58,14 @@ impl Engine for MySqlStore {
     /// Nothing: the claim's insert draws its token (the key's life).
     type Ticket = ();
     const NAME: &'static str = "mysql";
+
+    /// Every level: InnoDB decides the claim's insert and every fenced write on the latest
+    /// committed row (a locking read), whatever the transaction's snapshot, so the primary key
+    /// and the fence hold as at Read Committed; the level is set for the one transaction, and
+    /// the session stays at Read Committed for the engine's own (docs/protocol.md).
+    fn isolation_refused(_level: Isolation, _with_claim: bool) -> Option<&'static str> {
+        None
+    }
 
     fn connection(transaction: &mut Transaction) -> &mut MySqlConnection {
         transaction.connection()
@@ -67,9 +80,9 @@ impl Engine for MySqlStore {
     /// connection closed (the server rolling back) past it.
     async fn begin(
         connection: PoolConnection<MySql>,
-        _limits: &Limits,
+        limits: &Limits,
     ) -> Result<Transaction, EngineError> {
-        Ok(Transaction::begin(connection).await?)
+        Ok(Transaction::begin_at(connection, limits.isolation).await?)
     }
 
     async fn commit_keeping(
@@ -119,12 +132,14 @@ impl Engine for MySqlStore {
         connection: PoolConnection<MySql>,
         claim: Claim<'_>,
         (): (),
-        _limits: &Limits,
+        limits: &Limits,
     ) -> Result<Claimed<Self>, EngineError> {
-        Ok(match crate::begin_claim(connection, &claim).await? {
-            crate::Claimed::Owned(transaction, owner) => Claimed::Owned(transaction, owner),
-            crate::Claimed::Lost(connection) => Claimed::Lost(connection),
-        })
+        Ok(
+            match crate::begin_claim_at(connection, &claim, limits.isolation).await? {
+                crate::Claimed::Owned(transaction, owner) => Claimed::Owned(transaction, owner),
+                crate::Claimed::Lost(connection) => Claimed::Lost(connection),
+            },
+        )
     }
 
     /// The claim draws a fresh token (a new life) by its insert: the refused one was never seen.

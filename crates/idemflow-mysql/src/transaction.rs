@@ -1,5 +1,6 @@
 //! [`Transaction`]: the engine's write transaction on InnoDB, at READ COMMITTED (set on every
-//! connection when it opens, [`crate::open`]).
+//! connection when it opens, [`crate::open`]), or at the stronger level its local phases declare
+//! ([`Transaction::begin_at`]).
 //!
 //! Dropped unfinished (a timeout, a cancelled request), the connection is closed rather than
 //! handed back to the pool inside the transaction: the next user would otherwise run inside it,
@@ -10,8 +11,9 @@ use sqlx::pool::PoolConnection;
 use sqlx::{MySql, MySqlConnection};
 use sqlx_core::transaction::TransactionManager;
 
-use idemflow_store::Standing;
+use idemflow_store::{Isolation, Standing};
 use sqlx::Row;
+use sqlx::SqlSafeStr;
 
 use crate::error::{DEADLOCK, StoreError};
 
@@ -32,6 +34,29 @@ impl Transaction {
         // Through sqlx's transaction manager, so it counts the transaction: a phase's own
         // `begin()` inside it becomes a savepoint, as on PostgreSQL.
         MySqlTransactionManager::begin(transaction.connection(), None).await?;
+        Ok(transaction)
+    }
+
+    /// `BEGIN` at `isolation`: Read Committed is the session's own level; a stronger one is set
+    /// for this transaction alone (`SET TRANSACTION`, which lasts until the next transaction
+    /// begins) in the message that begins it, so it costs no round trip of its own and leaves
+    /// the session at Read Committed for whatever runs on the connection next.
+    pub async fn begin_at(
+        connection: PoolConnection<MySql>,
+        isolation: Isolation,
+    ) -> Result<Self, StoreError> {
+        if isolation == Isolation::ReadCommitted {
+            return Self::begin(connection).await;
+        }
+        let mut transaction = Self {
+            connection: Some(connection),
+        };
+        let statement = format!("SET TRANSACTION ISOLATION LEVEL {}; BEGIN", isolation.sql());
+        MySqlTransactionManager::begin(
+            transaction.connection(),
+            Some(sqlx::AssertSqlSafe(statement).into_sql_str()),
+        )
+        .await?;
         Ok(transaction)
     }
 

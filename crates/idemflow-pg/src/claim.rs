@@ -179,8 +179,13 @@ enum Form {
 fn is_claim_conflict(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Database(error) => {
-            error.code().as_deref() == Some("23505")
-                && error.constraint() == Some("idempotency_keys_pkey")
+            (error.code().as_deref() == Some("23505")
+                && error.constraint() == Some("idempotency_keys_pkey"))
+                // A claim at Serializable that meets a row of its key committed after its
+                // snapshot is refused as a serialization failure, not a unique violation
+                // (docs/protocol.md, "A local phase at a stronger level"): nothing was written,
+                // and looking again finds the row, or an absent key to claim anew.
+                || error.code().as_deref() == Some("40001")
         }
         _ => false,
     }

@@ -44,10 +44,20 @@ pub(crate) fn database_error(error: sqlx::Error) -> DatabaseError {
     } else if has_code(&error, "42P01") {
         // undefined_table: the migrations have not run.
         DatabaseErrorKind::NoSchema
+    } else if is_restartable(&error) {
+        DatabaseErrorKind::Restartable
     } else {
         DatabaseErrorKind::Other
     };
     DatabaseError::new(kind, error)
+}
+
+/// serialization_failure (40001: Repeatable Read or Serializable refused a transaction whose
+/// reads another one changed) or deadlock_detected (40P01: the victim of a lock cycle, at any
+/// level): PostgreSQL has aborted the transaction, and running it again from its `BEGIN` is
+/// what its documentation prescribes.
+pub(crate) fn is_restartable(error: &sqlx::Error) -> bool {
+    has_code(error, "40001") || has_code(error, "40P01")
 }
 
 fn has_code(error: &sqlx::Error, code: &str) -> bool {
@@ -128,6 +138,12 @@ mod tests {
             database_error(coded("42P01")).kind(),
             DatabaseErrorKind::NoSchema
         );
+        for code in ["40001", "40P01"] {
+            assert!(database_error(coded(code)).is_restartable(), "{code}");
+        }
+        for code in ["55P03", "57014", "23505", "40002"] {
+            assert!(!database_error(coded(code)).is_restartable(), "{code}");
+        }
         let io = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed");
         assert!(database_error(sqlx::Error::Io(io)).is_connection_lost());
     }

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_store::layout::Maintained;
 use idemflow_store::{
-    Claim, Claimed, Engine, EngineError, EnginePool, LastError, Limits, LookUp, Owner, SqlEngine,
-    Standing, Taken,
+    Claim, Claimed, Engine, EngineError, EnginePool, Isolation, LastError, Limits, LookUp, Owner,
+    SqlEngine, Standing, Taken,
 };
 use serde_json::Value;
 use sqlx::pool::PoolConnection;
@@ -40,6 +40,10 @@ impl SqlEngine for PgStore {
 
     fn engine_error(error: sqlx::Error) -> EngineError {
         lost(error)
+    }
+
+    fn is_restartable(error: &sqlx::Error) -> bool {
+        crate::error::is_restartable(error)
     }
 }
 
@@ -71,6 +75,16 @@ impl Engine for PgStore {
     /// the claim) has the claim prepared.
     type Ticket = (i64, bool);
     const NAME: &'static str = "postgres";
+
+    /// Every level: the unique index decides the claim at each (a claim that meets a row of its
+    /// key committed after its snapshot fails with 23505, or 40001 at Serializable: both a lost
+    /// race), and a fenced write that meets a newer row fails with 40001 rather than write over
+    /// it (docs/protocol.md, "A local phase at a stronger level"). The partitioned layout's
+    /// trigger refuses a claim at any level but Read Committed: the layout is the database's,
+    /// which a workflow does not know when it is built (docs/runner.md says what to do).
+    fn isolation_refused(_level: Isolation, _with_claim: bool) -> Option<&'static str> {
+        None
+    }
 
     fn connection(transaction: &mut Transaction) -> &mut PgConnection {
         transaction

@@ -61,7 +61,15 @@ pub async fn take_over(
     .bind(millis(lease))
     .bind(claim_lock(tenant, key))
     .fetch_optional(connection)
-    .await?;
+    .await;
+    let row = match row {
+        // At Repeatable Read or Serializable (a client retry's takeover shares the transaction
+        // of the phases after it, at their level), a row changed since the statement's snapshot
+        // is refused with a serialization failure where Read Committed re-reads it and matches
+        // nothing: either way the key moved on, and the aborted transaction is rolled back.
+        Err(error) if crate::error::is_restartable(&error) => return Ok(None),
+        row => row?,
+    };
     Ok(row.map(|row| {
         let phase_output: Option<sqlx::types::Json<Value>> = row.get("phase_output");
         let request: sqlx::types::Json<Value> = row.get("request");

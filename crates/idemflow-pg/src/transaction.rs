@@ -22,12 +22,14 @@ use sqlx_core::transaction::TransactionManager;
 
 pub use idemflow_store::Limits;
 
-/// How every transaction of the engine begins: at Read Committed, stated, whatever the database's
-/// or the role's `default_transaction_isolation`. The protocol's arguments are made at Read
-/// Committed (docs/protocol.md): the partitioned layout's uniqueness check needs a snapshot taken
-/// after the claim lock, which only Read Committed gives a statement (its trigger refuses any other
-/// level), and a fenced write that meets a concurrent update must re-check its fence, not fail
-/// with a serialization error. Part of the `BEGIN`'s own message: no round trip of its own.
+/// How every transaction of the engine begins unless a local phase in it declares a stronger
+/// level: at Read Committed, stated, whatever the database's or the role's
+/// `default_transaction_isolation`. The protocol's arguments are made at Read Committed
+/// (docs/protocol.md): the partitioned layout's uniqueness check needs a snapshot taken after the
+/// claim lock, which only Read Committed gives a statement (its trigger refuses any other level).
+/// A transaction whose phases declare Repeatable Read or Serializable states that level in the
+/// same place ([`begin_statement`]), and docs/protocol.md argues the claim and the fence there.
+/// Part of the `BEGIN`'s own message: no round trip of its own.
 pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// The mark every transaction of the engine carries for its life: a setting of its own, made
@@ -51,12 +53,16 @@ use crate::statements::BEGUN_SAVEPOINT;
 /// Back to [`BEGUN_SAVEPOINT`].
 const BACK_TO_BEGIN: &str = "ROLLBACK TO SAVEPOINT idemflow_begun";
 
-/// [`BEGIN`], the engine's [`MARK`], then a `SET LOCAL` per limit (`statement_timeout`,
-/// `idle_in_transaction_session_timeout`, `lock_timeout`): in the message that begins the
-/// transaction, so no round trip of its own, and gone when it ends, so pooled connections keep
-/// their own settings. Integers formatted here, nothing else.
+/// [`BEGIN`] (or its stronger level, `limits.isolation`), the engine's [`MARK`], then a
+/// `SET LOCAL` per limit (`statement_timeout`, `idle_in_transaction_session_timeout`,
+/// `lock_timeout`): in the message that begins the transaction, so no round trip of its own, and
+/// gone when it ends, so pooled connections keep their own settings. Integers and the level's
+/// fixed words formatted here, nothing else.
 pub(crate) fn begin_statement(limits: &Limits) -> String {
-    let mut sql = format!("{BEGIN}; {MARK}");
+    let mut sql = match limits.isolation {
+        idemflow_store::Isolation::ReadCommitted => format!("{BEGIN}; {MARK}"),
+        level => format!("BEGIN ISOLATION LEVEL {}; {MARK}", level.sql()),
+    };
     for (setting, limit) in [
         ("statement_timeout", limits.statement_timeout),
         ("idle_in_transaction_session_timeout", limits.idle_timeout),

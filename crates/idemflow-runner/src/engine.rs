@@ -4,5 +4,5 @@
 
 pub use idemflow_store::{
     Claimed, ConnectionOf, ConnectionPool, DatabaseError, DatabaseErrorKind, Engine, EngineError,
-    EnginePool, KeyOwner, Limits, PoolOf, PooledOf, SqlEngine, Standing, Taken,
+    EnginePool, Isolation, KeyOwner, Limits, PoolOf, PooledOf, SqlEngine, Standing, Taken,
 };

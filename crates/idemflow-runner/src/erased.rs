@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use idemflow_core::{DerivedKey, PhaseName, StoredResponse};
 use serde_json::Value;
 
-use crate::engine::{ConnectionOf, Engine, EngineError, SqlEngine};
+use crate::engine::{ConnectionOf, DatabaseError, Engine, EngineError, Isolation, SqlEngine};
 use crate::heartbeat::overrun_grace;
 use crate::panic::catch_panic;
 
@@ -113,12 +113,14 @@ pub(crate) trait ErasedLocal<E: Engine>: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     fn retry_policy(&self) -> RetryPolicy;
     fn timeout(&self) -> Option<Duration>;
+    fn isolation(&self) -> Isolation;
     async fn run(
         &self,
         connection: &mut ConnectionOf<E>,
         input: Carry,
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError>;
+    fn encode_input(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
     fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error>;
     fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error>;
 }
@@ -163,6 +165,10 @@ impl<E: SqlEngine, P: LocalPhase<E>> ErasedLocal<E> for LocalStep<P> {
         LocalPhase::<E>::timeout(&self.phase)
     }
 
+    fn isolation(&self) -> Isolation {
+        LocalPhase::<E>::isolation(&self.phase)
+    }
+
     async fn run(
         &self,
         connection: &mut ConnectionOf<E>,
@@ -170,8 +176,14 @@ impl<E: SqlEngine, P: LocalPhase<E>> ErasedLocal<E> for LocalStep<P> {
         context: &PhaseContext,
     ) -> Result<Carry, PhaseError> {
         let input = downcast::<<P as LocalPhase<E>>::Input>(input, self.name)?;
-        let output = LocalPhase::<E>::run(&self.phase, connection, input, context).await?;
+        let output = LocalPhase::<E>::run(&self.phase, connection, input, context)
+            .await
+            .map_err(|error| error.read_restart(restartable::<E>))?;
         Ok(Box::new(output))
+    }
+
+    fn encode_input(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
+        encode::<<P as LocalPhase<E>>::Input>(carry)
     }
 
     fn encode_output(&self, carry: &Carry) -> Result<Value, serde_json::Error> {
@@ -181,6 +193,21 @@ impl<E: SqlEngine, P: LocalPhase<E>> ErasedLocal<E> for LocalStep<P> {
     fn decode_output(&self, value: &Value) -> Result<Carry, serde_json::Error> {
         decode::<<P as LocalPhase<E>>::Output>(value)
     }
+}
+
+/// Whether `error`, one link of a phase's error chain, is the database rolling the transaction
+/// back to keep transactions apart, as engine `E` classifies its errors: sqlx's error (what `?`
+/// on a statement gives), or the boundary's (a phase that called the engine's functions).
+fn restartable<E: SqlEngine>(error: &(dyn std::error::Error + 'static)) -> bool {
+    if let Some(error) = error.downcast_ref::<sqlx::Error>() {
+        return E::is_restartable(error);
+    }
+    if let Some(error) = error.downcast_ref::<DatabaseError>() {
+        return error.is_restartable();
+    }
+    error
+        .downcast_ref::<EngineError>()
+        .is_some_and(EngineError::is_restartable)
 }
 
 struct ForeignStep<P> {

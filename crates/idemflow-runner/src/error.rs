@@ -54,6 +54,9 @@ impl From<EngineError> for RunError {
         match error {
             EngineError::Fenced => Self::Fenced,
             EngineError::Busy => Self::Busy,
+            // A serialization failure or a deadlock's victim the runner could not run again
+            // (outside a drive, or past its restarts): nothing was kept, try again later.
+            EngineError::Database(error) if error.is_restartable() => Self::Busy,
             EngineError::Database(error) => Self::Database(error),
             EngineError::Corrupt(message) => Self::Corrupt(message),
             // A kind of engine error this runner was not built to know of.

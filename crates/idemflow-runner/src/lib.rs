@@ -11,7 +11,7 @@ mod drive;
 mod engine;
 pub use engine::{
     Claimed, ConnectionOf, ConnectionPool, DatabaseError, DatabaseErrorKind, Engine, EngineError,
-    EnginePool, KeyOwner, Limits, PoolOf, PooledOf, SqlEngine, Standing, Taken,
+    EnginePool, Isolation, KeyOwner, Limits, PoolOf, PooledOf, SqlEngine, Standing, Taken,
 };
 mod erased;
 mod error;

@@ -44,6 +44,11 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ),
     (RETRIES, "counter", "Failed attempts that will be retried."),
     (
+        RESTARTS,
+        "counter",
+        "Transactions run again at once after a serialization failure or a deadlock (not attempts).",
+    ),
+    (
         GIVE_UPS,
         "counter",
         "Keys whose retries ran out (the failure path ran).",
@@ -164,6 +169,7 @@ pub(crate) const REJECTIONS: &str = "idemflow_rejections_total";
 pub(crate) const TAKEOVERS: &str = "idemflow_takeovers_total";
 pub(crate) const FENCED: &str = "idemflow_fenced_total";
 pub(crate) const RETRIES: &str = "idemflow_retries_total";
+pub(crate) const RESTARTS: &str = "idemflow_restarts_total";
 pub(crate) const GIVE_UPS: &str = "idemflow_give_ups_total";
 pub(crate) const FINISHED: &str = "idemflow_finished_total";
 pub(crate) const NOT_EXECUTED: &str = "idemflow_not_executed_total";

@@ -1,3 +1,4 @@
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -5,7 +6,7 @@ use idemflow_core::{DerivedKey, Key, StoredResponse, TenantId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::engine::{ConnectionOf, SqlEngine};
+use crate::engine::{ConnectionOf, Isolation, SqlEngine};
 
 use crate::retry::RetryPolicy;
 
@@ -61,6 +62,17 @@ pub trait LocalPhase<E: SqlEngine>: Send + Sync + 'static {
     /// which closes the phase's connection (rolling it back), is the limit.
     fn timeout(&self) -> Option<Duration> {
         None
+    }
+
+    /// The isolation level this phase's statements need: Read Committed (the default), or a
+    /// stronger one where what the phase keeps true spans several rows (a balance that must not
+    /// go negative, a transfer between two rows). The transaction the phase runs in, shared with
+    /// the local phases next to it (the first ones with the key's claim), runs at the strongest
+    /// level any of them declares. A serialization failure or a deadlock there makes the runner
+    /// run the whole transaction again at once, a few times, before it counts a failed attempt:
+    /// docs/runner.md, "Choosing an isolation level".
+    fn isolation(&self) -> Isolation {
+        Isolation::ReadCommitted
     }
 
     /// Runs the phase's statements on `connection`, the runner's open transaction, and returns
@@ -204,62 +216,117 @@ pub enum PhaseErrorKind {
 ///
 /// `PhaseError` is not itself a `std::error::Error`: that is what lets every error convert into
 /// it (a blanket conversion would otherwise overlap the conversion of a type into itself).
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// A retryable error converted from an error value keeps that value: the runner reads the
+/// database's own error in its chain (sqlx's, through whatever wraps it) and, when the database
+/// rolled the transaction back to keep transactions apart (a serialization failure, a
+/// deadlock), runs the transaction again rather than counting the attempt ([`Self::restarts`]).
+#[derive(Debug, Clone)]
 pub struct PhaseError {
     /// What the failure does to the key.
     pub kind: PhaseErrorKind,
     /// What went wrong: recorded as the key's `last_error`, logged, and told to the failure path.
     pub message: String,
+    /// The error it was converted from, for the runner to read the database's error in it.
+    source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
+    /// The database rolled the transaction back to keep transactions apart.
+    restarts: bool,
 }
 
+/// Equal when they say the same: the source is how the message was found, not what it says.
+impl PartialEq for PhaseError {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.message == other.message
+    }
+}
+
+impl Eq for PhaseError {}
+
 impl PhaseError {
+    fn of(kind: PhaseErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+            restarts: false,
+        }
+    }
+
     /// A retryable failure: the key is tried again after the phase's backoff.
     pub fn retryable(message: impl Into<String>) -> Self {
-        Self {
-            kind: PhaseErrorKind::Retryable { retry_after: None },
-            message: message.into(),
-        }
+        Self::of(PhaseErrorKind::Retryable { retry_after: None }, message)
     }
 
     /// A retryable failure, not tried again before `retry_after` (a provider's `Retry-After`).
     pub fn retry_after(message: impl Into<String>, retry_after: Duration) -> Self {
-        Self {
-            kind: PhaseErrorKind::Retryable {
+        Self::of(
+            PhaseErrorKind::Retryable {
                 retry_after: Some(retry_after),
             },
-            message: message.into(),
-        }
+            message,
+        )
     }
 
     /// A terminal failure answered with a generic 500 problem.
     pub fn terminal(message: impl Into<String>) -> Self {
-        Self {
-            kind: PhaseErrorKind::Terminal { response: None },
-            message: message.into(),
-        }
+        Self::of(PhaseErrorKind::Terminal { response: None }, message)
     }
 
     /// A terminal failure answered with `response`.
     pub fn terminal_with(response: StoredResponse, message: impl Into<String>) -> Self {
-        Self {
-            kind: PhaseErrorKind::Terminal {
+        Self::of(
+            PhaseErrorKind::Terminal {
                 response: Some(response),
             },
-            message: message.into(),
-        }
+            message,
+        )
     }
 
     /// The phase did nothing: see [`PhaseErrorKind::NotExecuted`].
     pub fn not_executed(response: StoredResponse, message: impl Into<String>) -> Self {
-        Self {
-            kind: PhaseErrorKind::NotExecuted { response },
-            message: message.into(),
-        }
+        Self::of(PhaseErrorKind::NotExecuted { response }, message)
     }
 
     /// Whether the key is tried again (while the phase's retries last).
     pub fn is_retryable(&self) -> bool {
         matches!(self.kind, PhaseErrorKind::Retryable { .. })
+    }
+
+    /// Whether the database rolled the phase's transaction back to keep transactions apart (a
+    /// serialization failure, a deadlock's victim): the runner then runs the whole transaction
+    /// again at once, under the same key, without counting an attempt (a few times, then it is
+    /// an ordinary retryable failure). Read from the error the phase returned, by its engine.
+    pub fn restarts(&self) -> bool {
+        self.restarts
+    }
+
+    /// Marks the error as one the database asked to restart from, when it is retryable and
+    /// `restartable` says so of an error in the chain it was converted from.
+    pub(crate) fn read_restart(
+        mut self,
+        restartable: impl Fn(&(dyn std::error::Error + 'static)) -> bool,
+    ) -> Self {
+        if !self.is_retryable() || self.restarts {
+            return self;
+        }
+        let mut cause = self
+            .source
+            .as_deref()
+            .map(|source| source as &(dyn std::error::Error + 'static));
+        while let Some(error) = cause {
+            if restartable(error) {
+                self.restarts = true;
+                break;
+            }
+            cause = error.source();
+        }
+        self
+    }
+
+    /// This error, marked as one the database asked to restart from.
+    pub(crate) fn restarting(mut self, restarts: bool) -> Self {
+        self.restarts = restarts;
+        self
     }
 }
 
@@ -274,7 +341,9 @@ impl std::fmt::Display for PhaseError {
 /// error and its sources, as the key's `last_error` shows them.
 impl<E: std::error::Error + Send + Sync + 'static> From<E> for PhaseError {
     fn from(error: E) -> Self {
-        Self::retryable(describe(&error))
+        let mut converted = Self::retryable(describe(&error));
+        converted.source = Some(Arc::new(error));
+        converted
     }
 }
 
@@ -324,7 +393,12 @@ where
     }
 
     fn retryable(self) -> Result<T, PhaseError> {
-        self.map_err(|error| PhaseError::retryable(describe(&*error.into())))
+        self.map_err(|error| {
+            let error: Box<dyn std::error::Error + Send + Sync + 'static> = error.into();
+            let mut converted = PhaseError::retryable(describe(&*error));
+            converted.source = Some(Arc::from(error));
+            converted
+        })
     }
 
     fn retry_after(self, wait: std::time::Duration) -> Result<T, PhaseError> {

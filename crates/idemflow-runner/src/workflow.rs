@@ -9,7 +9,7 @@ use std::time::Duration;
 use idemflow_core::{PhaseName, PhaseNameError, StoredResponse};
 use serde_json::Value;
 
-use crate::engine::{Engine, Limits, SqlEngine};
+use crate::engine::{Engine, Isolation, Limits, SqlEngine};
 use crate::erased::{Carry, ErasedFailure, ErasedLocal, Step, decode, failure_step};
 use crate::heartbeat::overrun_grace;
 use crate::panic::{Panic, catch_panic_now};
@@ -52,6 +52,17 @@ pub enum BuildError {
         timeout: Duration,
         /// The workflow's lease.
         lease: Duration,
+    },
+    /// A local phase declares an isolation level its engine cannot keep the protocol's
+    /// guarantees at, in the transaction the phase runs in.
+    #[error("local phase {phase:?} declares {isolation}, which this engine refuses: {reason}")]
+    IsolationRefused {
+        /// The local phase.
+        phase: &'static str,
+        /// The level it declares ([`LocalPhase::isolation`]).
+        isolation: Isolation,
+        /// Why the engine cannot keep it (`Engine::isolation_refused`).
+        reason: &'static str,
     },
 }
 
@@ -126,8 +137,10 @@ pub struct Workflow<E: Engine> {
     name: String,
     pub(crate) steps: Vec<Step<E>>,
     lease: Duration,
-    /// What the server enforces on this workflow's transactions (from its local time limits).
-    limits: Limits,
+    /// What the server enforces on the transaction whose first phase is at each position (one
+    /// past the last included: a finish alone): the time limits of the workflow's longest local
+    /// phase, and the isolation level of the strongest local phase the transaction runs.
+    limits: Vec<Limits>,
     decode_request: fn(&Value) -> Result<Carry, serde_json::Error>,
     validate: Option<Validator>,
     redact_request: Option<RequestRedaction>,
@@ -274,11 +287,26 @@ impl<E: Engine> Workflow<E> {
             .unwrap_or_else(|| self.default_local_timeout())
     }
 
-    /// What the server enforces on each of this workflow's transactions: statements cancelled at
-    /// its longest local phase's time limit, a session idle inside a transaction ended a little
-    /// after it (see docs/runner.md, "Defaults").
+    /// What the server enforces on the claim's transaction (the one its leading local phases
+    /// share): statements cancelled at its longest local phase's time limit, a session idle
+    /// inside a transaction ended a little after it (see docs/runner.md, "Defaults"), and the
+    /// isolation level its leading local phases declare.
     pub fn limits(&self) -> &Limits {
-        &self.limits
+        &self.limits[0]
+    }
+
+    /// What the server enforces on the transaction whose first phase is at `position`: the
+    /// workflow's time limits, and the strongest level the local phases from there to the next
+    /// foreign phase declare (Read Committed where none runs: a record, a finish, a commit before
+    /// a call).
+    pub(crate) fn limits_at(&self, position: usize) -> &Limits {
+        &self.limits[position.min(self.steps.len())]
+    }
+
+    /// What the server enforces on a transaction that runs no phase of this workflow (a failed
+    /// attempt's record, a failure path): its time limits, at Read Committed.
+    pub(crate) fn record_limits(&self) -> &Limits {
+        &self.limits[self.steps.len()]
     }
 
     /// The name of the phase at `position` (the last one past the end).
@@ -324,6 +352,11 @@ impl<E: Engine> Workflow<E> {
         };
         catch_panic_now(|| redact(&mut response))?;
         Ok(response)
+    }
+
+    /// Whether the workflow redacts its requests.
+    pub(crate) fn redacts_requests(&self) -> bool {
+        self.redact_request.is_some()
     }
 
     /// Whether the workflow redacts its responses.
@@ -518,6 +551,36 @@ impl<Request, Chain: PhaseValue, E: Engine> WorkflowBuilder<Request, Chain, E> {
     }
 }
 
+/// The isolation level of the transaction whose first phase is at each position (and one past
+/// the last): the strongest level of the local phases from there to the next foreign phase. A
+/// level the engine refuses for one of those phases, in the transaction it shares (the claim's,
+/// for a phase before any foreign one), refuses the workflow.
+fn transaction_levels<E: Engine>(steps: &[Step<E>]) -> Result<Vec<Isolation>, BuildError> {
+    let mut levels = vec![Isolation::ReadCommitted; steps.len() + 1];
+    for position in (0..steps.len()).rev() {
+        if let Step::Local(local) = &steps[position] {
+            levels[position] = local.isolation().max(levels[position + 1]);
+        }
+    }
+    let mut with_claim = true;
+    for step in steps {
+        match step {
+            Step::Local(local) => {
+                let isolation = local.isolation();
+                if let Some(reason) = E::isolation_refused(isolation, with_claim) {
+                    return Err(BuildError::IsolationRefused {
+                        phase: local.name(),
+                        isolation,
+                        reason,
+                    });
+                }
+            }
+            Step::Foreign(_) => with_claim = false,
+        }
+    }
+    Ok(levels)
+}
+
 impl<Request, E: Engine> WorkflowBuilder<Request, StoredResponse, E> {
     /// Checks what the types cannot: names valid and unique, foreign timeouts shorter than the
     /// lease.
@@ -560,10 +623,14 @@ impl<Request, E: Engine> WorkflowBuilder<Request, StoredResponse, E> {
         // Statements are cancelled at the longest local limit (no single statement of a phase
         // may outlast the phase); a session left idle inside a transaction for longer than the
         // runner itself waits is ended by the server.
-        let limits = Limits::default()
+        let base = Limits::default()
             .with_statement_timeout(longest_local)
             .with_idle_timeout(longest_local.map(|limit| limit + 2 * overrun_grace(limit)))
             .with_lock_timeout(None);
+        let limits = transaction_levels::<E>(&self.steps)?
+            .into_iter()
+            .map(|isolation| base.with_isolation(isolation))
+            .collect();
         Ok(Workflow {
             name: self.name,
             steps: self.steps,

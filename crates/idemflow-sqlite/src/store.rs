@@ -14,8 +14,8 @@ use async_trait::async_trait;
 use idemflow_core::{Key, StoredResponse, TenantId};
 use idemflow_store::layout::Maintained;
 use idemflow_store::{
-    Claim, Claimed, Engine, EngineError, EnginePool, LastError, Limits, LookUp, Owner, SqlEngine,
-    Standing, Taken,
+    Claim, Claimed, Engine, EngineError, EnginePool, Isolation, LastError, Limits, LookUp, Owner,
+    SqlEngine, Standing, Taken,
 };
 use serde_json::Value;
 use sqlx::pool::PoolConnection;
@@ -44,6 +44,12 @@ impl SqlEngine for SqliteStore {
     fn engine_error(error: sqlx::Error) -> EngineError {
         crate::StoreError::from(error).into()
     }
+
+    /// Never: one writer at a time, taken first (`BEGIN IMMEDIATE`), so no transaction meets
+    /// another's writes or waits in a cycle; a busy database is [`EngineError::Busy`].
+    fn is_restartable(_error: &sqlx::Error) -> bool {
+        false
+    }
 }
 
 #[async_trait]
@@ -54,6 +60,13 @@ impl Engine for SqliteStore {
     /// Nothing: the claim draws its token in its own write transaction.
     type Ticket = ();
     const NAME: &'static str = "sqlite";
+
+    /// Every level: SQLite is serializable by nature. Every transaction of the engine takes the
+    /// one write lock first (`BEGIN IMMEDIATE`), so its transactions run one at a time and each
+    /// declared level is kept, as Serializable; none is stated, and none ever restarts.
+    fn isolation_refused(_level: Isolation, _with_claim: bool) -> Option<&'static str> {
+        None
+    }
 
     fn connection(transaction: &mut Transaction) -> &mut SqliteConnection {
         transaction.connection()

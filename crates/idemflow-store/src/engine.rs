@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use crate::error::EngineError;
 use crate::last_error::LastError;
 use crate::layout::Maintained;
-use crate::limits::Limits;
+use crate::limits::{Isolation, Limits};
 use crate::look_up::LookUp;
 use crate::operator::Operator;
 use crate::owner::KeyOwner;
@@ -112,6 +112,17 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
 
     /// The connection inside `transaction`.
     fn connection(transaction: &mut Self::Transaction) -> &mut ConnectionOf<Self>;
+
+    /// Why this engine cannot keep the protocol's guarantees in a transaction at `level`
+    /// (`with_claim`: the transaction holds a new key's claim, as the leading local phases'
+    /// does), or `None` where it can. A workflow whose local phases declare a refused level is
+    /// refused when it is built, with this reason. By default every level but Read Committed is
+    /// refused: an engine keeps a stronger one only where docs/protocol.md argues it.
+    fn isolation_refused(level: Isolation, with_claim: bool) -> Option<&'static str> {
+        let _ = with_claim;
+        (level != Isolation::ReadCommitted)
+            .then_some("this engine begins its transactions at Read Committed only")
+    }
 
     /// The operators' door to `pool`'s database: what tools (the console, the CLI) and tests
     /// read and do on it.
@@ -288,6 +299,12 @@ pub trait SqlEngine:
     /// sent on its connections by others than the engine (a savepoint around a failure path, a
     /// consumer's identity).
     fn engine_error(error: sqlx::Error) -> EngineError;
+
+    /// Whether sqlx's `error` says the database rolled the transaction back to keep
+    /// transactions apart (a serialization failure, a deadlock's victim: the engine's
+    /// [`crate::DatabaseErrorKind::Restartable`]), read from a local phase's own error so the
+    /// runner runs the transaction again instead of counting a failed attempt.
+    fn is_restartable(error: &sqlx::Error) -> bool;
 }
 
 /// A done key's stored response, its body read apart when it was stored apart: what a replay of

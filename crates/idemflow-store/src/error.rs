@@ -25,6 +25,14 @@ pub enum EngineError {
     Corrupt(String),
 }
 
+impl EngineError {
+    /// Whether the database rolled the transaction back to keep transactions apart
+    /// ([`DatabaseErrorKind::Restartable`]).
+    pub fn is_restartable(&self) -> bool {
+        matches!(self, EngineError::Database(error) if error.is_restartable())
+    }
+}
+
 /// What kind of database failure a [`DatabaseError`] is, as its engine classified it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -35,6 +43,11 @@ pub enum DatabaseErrorKind {
     ConnectionLost,
     /// The engine's tables are not there: its migrations have not run.
     NoSchema,
+    /// The database rolled the whole transaction back to keep transactions apart: a
+    /// serialization failure (SQLSTATE 40001) or a deadlock's victim (PostgreSQL 40P01,
+    /// MySQL/MariaDB 1213). Nothing of the transaction is kept, and the same transaction run
+    /// again at once may well pass: the runner restarts it in place.
+    Restartable,
     /// Anything else.
     Other,
 }
@@ -72,6 +85,12 @@ impl DatabaseError {
     /// Whether the connection died under the statement.
     pub fn is_connection_lost(&self) -> bool {
         self.kind == DatabaseErrorKind::ConnectionLost
+    }
+
+    /// Whether the database rolled the transaction back to keep transactions apart
+    /// ([`DatabaseErrorKind::Restartable`]).
+    pub fn is_restartable(&self) -> bool {
+        self.kind == DatabaseErrorKind::Restartable
     }
 
     /// The driver's error, when it is a `T`.

@@ -43,7 +43,7 @@ pub use engine::{
 };
 pub use error::{DatabaseError, DatabaseErrorKind, EngineError};
 pub use last_error::LastError;
-pub use limits::Limits;
+pub use limits::{Isolation, Limits};
 pub use look_up::{FoundKey, LookUp};
 pub use operator::{
     Migration, Operator, OperatorEngine, OperatorError, OperatorOptions, Partitions, engine_for,

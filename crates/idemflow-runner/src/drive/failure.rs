@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use idemflow_core::{Fingerprint, RecoveryPoint, StoredResponse};
-use idemflow_store::{Claim as ClaimRequest, LastError};
+use idemflow_store::{Claim as ClaimRequest, LastError, Limits};
 use serde_json::Value;
 
 use super::{
@@ -182,7 +182,7 @@ impl<E: Engine> Drive<'_, E> {
     /// lost without a word on how it ended (its connection gone): the engine can no longer say,
     /// the row still can. A fenced lease renewal finds this very owner's hold (its token, and
     /// where a token can be drawn twice, its holder), or changes nothing.
-    async fn hold_committed_under_a_phase(&mut self) -> bool {
+    pub(super) async fn hold_committed_under_a_phase(&mut self) -> bool {
         if self.hold == Hold::Committed {
             return false;
         }
@@ -521,8 +521,9 @@ impl<E: Engine> Drive<'_, E> {
     async fn take_again(&mut self) -> Result<Option<Held<E>>, RunError> {
         let workflow = self.workflow;
         match &self.hold {
+            // A record runs no phase: Read Committed, whatever the phases declare.
             Hold::Committed => Ok(Some(Held {
-                tx: begin_live::<E>(&self.runner.warm, workflow.limits()).await?,
+                tx: begin_live::<E>(&self.runner.warm, workflow.record_limits()).await?,
                 owner: self.owner.clone(),
                 attempt: self.context.attempt,
             })),
@@ -543,19 +544,25 @@ impl<E: Engine> Drive<'_, E> {
                     return Ok(None);
                 }
                 let fingerprint = *fingerprint;
-                self.claim_again(&fingerprint).await
+                self.claim_again(&fingerprint, workflow.record_limits())
+                    .await
             }
             Hold::TakeOver { seen } => {
                 let seen = *seen;
-                self.take_over_again(seen).await
+                self.take_over_again(seen, workflow.record_limits()).await
             }
         }
     }
 
-    /// The claim made again after its first `COMMIT` was refused, with the same token. Its BEGIN
-    /// is the first statement on its connection: one the server ended while it sat idle is
-    /// replaced (nothing ran on it; the server rolled back whatever did).
-    async fn claim_again(&self, fingerprint: &Fingerprint) -> Result<Option<Held<E>>, RunError> {
+    /// The claim made again after its first `COMMIT` was refused, or its transaction was rolled
+    /// back whole to be run again (`restart.rs`), with the same token, in a transaction under
+    /// `limits`. Its BEGIN is the first statement on its connection: one the server ended while
+    /// it sat idle is replaced (nothing ran on it; the server rolled back whatever did).
+    pub(super) async fn claim_again(
+        &self,
+        fingerprint: &Fingerprint,
+        limits: &Limits,
+    ) -> Result<Option<Held<E>>, RunError> {
         let workflow = self.workflow;
         let request = self.sealer().seal_value(Slot::Request, &self.request)?;
         let claim = ClaimRequest {
@@ -570,7 +577,7 @@ impl<E: Engine> Drive<'_, E> {
         loop {
             let connection = self.runner.warm.acquire().await?;
             let token = self.owner.lock_version();
-            match E::claim_again(connection, claim, token, workflow.limits()).await {
+            match E::claim_again(connection, claim, token, limits).await {
                 Ok(Claimed::Owned(tx, owner)) => {
                     return Ok(Some(Held {
                         tx,
@@ -594,9 +601,13 @@ impl<E: Engine> Drive<'_, E> {
     /// transaction (it reports a refused COMMIT first). Waiting for the lock (bounded) is what
     /// lets this attempt be counted; trying it once, as a takeover does, found it taken, and
     /// such a retry answered 409 with nothing recorded.
-    async fn take_over_again(&self, seen: i64) -> Result<Option<Held<E>>, RunError> {
+    pub(super) async fn take_over_again(
+        &self,
+        seen: i64,
+        limits: &Limits,
+    ) -> Result<Option<Held<E>>, RunError> {
         let workflow = self.workflow;
-        let mut tx = begin_live::<E>(&self.runner.warm, workflow.limits()).await?;
+        let mut tx = begin_live::<E>(&self.runner.warm, limits).await?;
         let (tenant, key) = (self.owner.tenant(), self.owner.key());
         if self.abandoned || self.commit_refused {
             let wait = if self.abandoned {
@@ -648,7 +659,7 @@ impl<E: Engine> Drive<'_, E> {
     }
 }
 
-fn in_progress() -> Outcome {
+pub(super) fn in_progress() -> Outcome {
     // Another request took the key while this one was recording its failure: it owns the
     // outcome now.
     Outcome::InProgress {
@@ -661,11 +672,11 @@ fn give_up_detail(attempts: u32, error: &str) -> String {
 }
 
 /// The key held again for this owner, in an open transaction, to record a failed attempt.
-struct Held<E: Engine> {
-    tx: Tx<E>,
-    owner: E::Owner,
+pub(super) struct Held<E: Engine> {
+    pub(super) tx: Tx<E>,
+    pub(super) owner: E::Owner,
     /// The attempt being recorded, counted at the key's recovery point.
-    attempt: u32,
+    pub(super) attempt: u32,
 }
 
 /// The recovery point a failure record leaves the key at, and the output recorded with it now

@@ -16,6 +16,7 @@
 
 mod entry;
 mod failure;
+mod restart;
 mod steps;
 
 use std::time::{Duration, Instant};
@@ -152,6 +153,9 @@ enum Stop {
     Failed(Box<FailedAttempt>),
     /// Not for this owner to record: it lost the key (fenced) or was stopped (crash point).
     Error(RunError),
+    /// Answered without a record: another request got the key while this one restarted its
+    /// transaction (its uncommitted claim or takeover made again and found taken).
+    Answered(Outcome),
 }
 
 impl Stop {
@@ -182,6 +186,8 @@ struct FailedAttempt {
 
 impl FailedAttempt {
     fn of(phase: &'static str, retry_policy: RetryPolicy, error: PhaseError) -> Self {
+        // `error.restarts()` (a serialization failure, a deadlock) makes the drive run the
+        // transaction again before it records this.
         Self {
             phase,
             retry_policy,
@@ -190,6 +196,15 @@ impl FailedAttempt {
             spent: false,
         }
     }
+}
+
+/// Where the open transaction began, as a restart runs it again from there: the position of its
+/// first phase (or of the write it began for), and the last completed phase not yet recorded
+/// then (a foreign result whose commit rides with it).
+#[derive(Debug, Clone, Copy)]
+struct TxStart {
+    position: usize,
+    unrecorded: Option<usize>,
 }
 
 /// A drive in progress: the owner, its open transaction, and what is not yet recorded.
@@ -233,6 +248,14 @@ struct Drive<'r, E: Engine> {
     /// The engine could not say how the attempt's transaction stands (its connection lost as
     /// it was asked): a write that changed nothing may not have met another owner at all.
     standing_unread: bool,
+    /// Where the open transaction (or the one about to begin) began: what a restart runs again.
+    tx_start: Option<TxStart>,
+    /// Times the current transaction was restarted after a serialization failure or a deadlock.
+    restarts: u32,
+    /// The request as the first phase was given it, encoded, where the request the drive holds
+    /// is the redacted one (a claim of a workflow that redacts its request): what a restart of
+    /// the claim's transaction decodes again.
+    first_input: Option<Value>,
 }
 
 impl<E: Engine> Runner<E> {
@@ -261,43 +284,20 @@ impl<E: Engine> Runner<E> {
         workflow: &Workflow<E>,
         start: Start<E>,
     ) -> Result<Outcome, RunError> {
-        let Start {
-            owner,
-            tx,
-            hold,
-            entry,
-            recorded_point,
-            context,
-            request,
-            last_error,
-            lease_from,
-        } = start;
-        let mut drive = Drive {
-            runner: self,
-            workflow,
-            owner,
-            tx,
-            hold,
-            recorded_point,
-            recorded_output: None,
-            context,
-            request,
-            unrecorded: None,
-            pending_foreign: None,
-            lease_from,
-            claim_refused: false,
-            commit_refused: false,
-            abandoned: false,
-            overran: false,
-            ended: None,
-            standing_unread: false,
-        };
+        let (mut drive, entry, last_error) = Drive::new(self, workflow, start);
         let ran = match drive.enter(entry, last_error) {
-            Ok((position, carry)) => drive.run(position, carry).await,
+            Ok((position, carry)) => {
+                drive.keep_first_input(position, &carry);
+                match drive.settle_level(position).await {
+                    Ok(()) => drive.run(position, carry).await,
+                    Err(stop) => Err(stop),
+                }
+            }
             Err(stop) => Err(stop),
         };
         match ran {
             Ok(outcome) => Ok(outcome),
+            Err(Stop::Answered(outcome)) => Ok(outcome),
             Err(Stop::Error(error)) => {
                 // The open transaction rolls back as it is dropped: nothing of it lands.
                 if matches!(error, RunError::Fenced) {
@@ -327,10 +327,79 @@ impl<E: Engine> Runner<E> {
     }
 }
 
+impl<'r, E: Engine> Drive<'r, E> {
+    /// A drive from where it starts, with the entry and the previous attempt's error to begin
+    /// with.
+    fn new(
+        runner: &'r Runner<E>,
+        workflow: &'r Workflow<E>,
+        start: Start<E>,
+    ) -> (Self, Entry, Option<String>) {
+        let Start {
+            owner,
+            tx,
+            hold,
+            entry,
+            recorded_point,
+            context,
+            request,
+            last_error,
+            lease_from,
+        } = start;
+        let drive = Drive {
+            runner,
+            workflow,
+            owner,
+            tx,
+            hold,
+            recorded_point,
+            recorded_output: None,
+            context,
+            request,
+            unrecorded: None,
+            pending_foreign: None,
+            lease_from,
+            claim_refused: false,
+            commit_refused: false,
+            abandoned: false,
+            overran: false,
+            ended: None,
+            standing_unread: false,
+            tx_start: None,
+            restarts: 0,
+            first_input: None,
+        };
+        (drive, entry, last_error)
+    }
+}
+
 impl<E: Engine> Drive<'_, E> {
+    /// Runs the phases from `position`; a transaction the database rolled back to keep
+    /// transactions apart (a serialization failure, a deadlock) runs again from its start, at
+    /// once and under the same hold (`restart.rs`), before its failure counts.
     async fn run(&mut self, mut position: usize, mut carry: Carry) -> Result<Outcome, Stop> {
+        loop {
+            match self.run_from(position, carry).await {
+                Err(Stop::Failed(failure)) if failure.error.restarts() => {
+                    match self.restart(&failure).await? {
+                        Some((from, input)) => (position, carry) = (from, input),
+                        None => return Err(Stop::Failed(failure)),
+                    }
+                }
+                ran => return ran,
+            }
+        }
+    }
+
+    async fn run_from(&mut self, mut position: usize, mut carry: Carry) -> Result<Outcome, Stop> {
         let steps = &self.workflow.steps;
         loop {
+            // The transaction the next phases (or the write that follows them) run in begins
+            // here, unless one is open already.
+            self.tx_start.get_or_insert(TxStart {
+                position,
+                unrecorded: self.unrecorded,
+            });
             while let Some(Step::Local(local)) = steps.get(position) {
                 carry = self.run_local(local.as_ref(), carry).await?;
                 self.unrecorded = Some(position);
@@ -347,6 +416,23 @@ impl<E: Engine> Drive<'_, E> {
             position += 1;
         }
     }
+
+    /// The open transaction committed: the hold with it, and the next transaction is a new one,
+    /// with restarts of its own.
+    fn committed(&mut self) {
+        self.hold = Hold::Committed;
+        self.tx_start = None;
+        self.restarts = 0;
+    }
+}
+
+/// What the server enforces on the transaction the drive begins or goes on in (the one that
+/// began at `tx_start`).
+fn tx_limits<E: Engine>(
+    workflow: &Workflow<E>,
+    tx_start: Option<TxStart>,
+) -> &idemflow_store::Limits {
+    workflow.limits_at(tx_start.map_or(0, |start| start.position))
 }
 
 impl<E: Engine> Drive<'_, E> {
@@ -435,17 +521,18 @@ fn redacted_or_problem<E: Engine>(
         })
 }
 
-/// The open transaction, begun now (under the workflow's limits) if there is none yet; the wait
-/// for a connection and for `BEGIN` bounded by the runner's database timeout.
+/// The open transaction, begun now (under `limits`: the workflow's, at the level of the phases
+/// it runs) if there is none yet; the wait for a connection and for `BEGIN` bounded by the
+/// runner's database timeout.
 async fn opened<'t, E: Engine>(
     tx: &'t mut Option<Tx<E>>,
     runner: &Runner<E>,
-    workflow: &Workflow<E>,
+    limits: &idemflow_store::Limits,
 ) -> Result<Result<&'t mut Tx<E>, EngineError>, RunError> {
     let open = match tx.take() {
         Some(open) => open,
         None => {
-            let begin = begin_live::<E>(&runner.warm, workflow.limits());
+            let begin = begin_live::<E>(&runner.warm, limits);
             match begin.within(runner.config.database_timeout).await? {
                 Ok(open) => open,
                 Err(error) => return Ok(Err(error)),
@@ -460,6 +547,12 @@ fn database_error(doing: &str, error: &impl std::fmt::Display) -> PhaseError {
     PhaseError::retryable(format!("{doing} failed: {error}"))
 }
 
+/// [`database_error`] of an engine's error, marked for a restart where the database rolled the
+/// transaction back to keep transactions apart (a serialization failure at `COMMIT`, say).
+fn engine_failure(doing: &str, error: &EngineError) -> PhaseError {
+    database_error(doing, error).restarting(error.is_restartable())
+}
+
 /// A store error while the drive writes: fenced stops the drive; anything else fails the
 /// attempt.
 fn store_stop(
@@ -469,7 +562,9 @@ fn store_stop(
 ) -> Stop {
     match error {
         EngineError::Fenced => Stop::Error(RunError::Fenced),
-        EngineError::Database(error) => Stop::failed(failure(database_error(doing, &error))),
+        EngineError::Database(error) => Stop::failed(failure(
+            database_error(doing, &error).restarting(error.is_restartable()),
+        )),
         other => Stop::Error(other.into()),
     }
 }

@@ -8,7 +8,10 @@ use idemflow_core::{DerivedKey, StoredResponse};
 use serde_json::Value;
 use tracing::Instrument;
 
-use super::{Drive, FailedAttempt, Hold, Stop, Tx, database_error, opened, store_stop};
+use super::{
+    Drive, FailedAttempt, Hold, Stop, Tx, database_error, engine_failure, opened, store_stop,
+    tx_limits,
+};
 use crate::crash::CrashPoint;
 use crate::deadline::Within;
 use crate::engine::{ConnectionPool, Engine, EngineError, KeyOwner};
@@ -35,7 +38,7 @@ impl<E: Engine> Drive<'_, E> {
         let workflow = self.workflow;
         let runner = self.runner;
         let failure = |error| FailedAttempt::of(local.name(), local.retry_policy(), error);
-        let open = opened(&mut self.tx, runner, workflow)
+        let open = opened(&mut self.tx, runner, tx_limits(workflow, self.tx_start))
             .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         let span = tracing::debug_span!("idemflow.phase", phase = local.name(), kind = "local");
@@ -43,8 +46,12 @@ impl<E: Engine> Drive<'_, E> {
         let started = Instant::now();
         // An uncommitted claim or takeover cannot be taken over by anyone (a claim is invisible,
         // a takeover holds the row's lock and the claim's lock): no heartbeat. A heartbeat
-        // would only wait for this very transaction's row lock.
-        let heartbeat = self.hold == Hold::Committed;
+        // would only wait for this very transaction's row lock. Nor in a transaction above Read
+        // Committed: a renewal committed under its snapshot would make its own fenced write a
+        // serialization failure (PostgreSQL), and the transaction run again for nothing.
+        let heartbeat = self.hold == Hold::Committed
+            && tx_limits(workflow, self.tx_start).isolation
+                == crate::engine::Isolation::ReadCommitted;
         let work = tokio::time::timeout(
             limit + overrun_grace(limit),
             catch_panic(local.run(E::connection(open), carry, &self.context)),
@@ -129,7 +136,7 @@ impl<E: Engine> Drive<'_, E> {
                 .sealer()
                 .seal_value(Slot::Output(name), &output)
                 .map_err(RunError::from)?;
-            let open = opened(&mut self.tx, runner, workflow)
+            let open = opened(&mut self.tx, runner, tx_limits(workflow, self.tx_start))
                 .await?
                 .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
             advanced_at = Some(Instant::now());
@@ -156,10 +163,10 @@ impl<E: Engine> Drive<'_, E> {
                 return Err(Stop::failed(FailedAttempt::of(
                     charged.raw_name(),
                     charged.retry_policy(),
-                    database_error("committing", &error),
+                    engine_failure("committing", &error),
                 )));
             }
-            self.hold = Hold::Committed;
+            self.committed();
             if let Some(advanced_at) = advanced_at {
                 self.lease_from = advanced_at;
             }
@@ -328,7 +335,7 @@ impl<E: Engine> Drive<'_, E> {
             .sealer()
             .seal_response(&response, self.owner.lock_version())
             .map_err(RunError::from)?;
-        let open = opened(&mut self.tx, runner, workflow)
+        let open = opened(&mut self.tx, runner, tx_limits(workflow, self.tx_start))
             .await?
             .map_err(|error| Stop::failed(failure(database_error("beginning", &error))))?;
         let apart_above = runner.config.response_apart_above;
@@ -350,7 +357,7 @@ impl<E: Engine> Drive<'_, E> {
             // roll back together, and the attempt fails.
             self.claim_refused = matches!(self.hold, Hold::Claim(_));
             self.commit_refused = true;
-            return Err(Stop::failed(failure(database_error("committing", &error))));
+            return Err(Stop::failed(failure(engine_failure("committing", &error))));
         }
         self.hold = Hold::Committed;
         runner
