@@ -63,6 +63,12 @@ pub fn tag(bucket: u16) -> &'static str {
     &tags[usize::from(bucket % BUCKETS)]
 }
 
+/// The hash slot of bucket `bucket`'s keys.
+pub fn bucket_slot(bucket: u16) -> u16 {
+    let tag = tag(bucket);
+    slot(&tag[1..tag.len() - 1])
+}
+
 /// The bucket of a tenant's key: FNV-1a (64 bits) of the tenant and the key in hex, joined by
 /// `:`, modulo [`BUCKETS`].
 pub fn bucket_of(tenant: &str, key: &str) -> u16 {

@@ -31,7 +31,7 @@ mod scripts;
 mod tamper;
 
 pub use connection::RedisConnection;
-pub use layout::BUCKETS;
+pub use layout::{BUCKETS, bucket_slot};
 
 pub use console::{
     MEMBERS_PER_SCRIPT, end_lease, expire_key, finished_keys, key_bodies, key_report, overview,

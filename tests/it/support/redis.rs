@@ -253,7 +253,8 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// `CLUSTER INFO` of the node at `url` says `cluster_state:ok`.
+/// `CLUSTER INFO` of the node at `url` says `cluster_state:ok`, and, if it is a replica, its link
+/// to its primary is up (a replica that never synced is never promoted).
 pub async fn cluster_ok(url: &str) -> bool {
     let Ok(client) = redis::Client::open(url) else {
         return false;
@@ -261,11 +262,19 @@ pub async fn cluster_ok(url: &str) -> bool {
     let Ok(mut connection) = client.get_multiplexed_async_connection().await else {
         return false;
     };
-    redis::cmd("CLUSTER")
+    let state = redis::cmd("CLUSTER")
         .arg("INFO")
         .query_async::<String>(&mut connection)
         .await
-        .is_ok_and(|info| info.contains("cluster_state:ok"))
+        .is_ok_and(|info| info.contains("cluster_state:ok"));
+    state
+        && redis::cmd("INFO")
+            .arg("replication")
+            .query_async::<String>(&mut connection)
+            .await
+            .is_ok_and(|info| {
+                !info.contains("role:slave") || info.contains("master_link_status:up")
+            })
 }
 
 /// Starts a cluster of the test's own (see [`OwnCluster`]) and waits until every node says
@@ -311,6 +320,6 @@ pub async fn own_cluster() -> OwnCluster {
         }
     })
     .await
-    .expect("every node of the test's own cluster says cluster_state:ok");
+    .expect("every node of the test's own cluster says cluster_state:ok, every replica synced");
     cluster
 }
