@@ -177,23 +177,8 @@ pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
             let count = counts.entry(workflow).or_default();
             count.0 += started_keys;
             count.1 += due;
-            let (mut score, mut member) = (String::new(), String::new());
-            loop {
-                let (created, read, last_score, last_member): (Option<i64>, i64, String, String) =
-                    scripts::oldest_started()
-                        .key(&leases)
-                        .arg(&score)
-                        .arg(&member)
-                        .arg(MEMBERS_PER_SCRIPT)
-                        .invoke_async(&mut connection)
-                        .await?;
-                if let Some(created) = created {
-                    oldest = Some(oldest.map_or(created, |oldest| oldest.min(created)));
-                }
-                if read < MEMBERS_PER_SCRIPT {
-                    break;
-                }
-                (score, member) = (last_score, last_member);
+            if let Some(created) = oldest_started(&mut connection, &leases).await? {
+                oldest = Some(oldest.map_or(created, |oldest| oldest.min(created)));
             }
         }
         keys += redis::cmd("ZCARD")
@@ -224,6 +209,32 @@ pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
         finished_last_15_minutes: last_15,
         estimated_keys: Some(keys),
     })
+}
+
+/// The oldest claim among the started keys of one set of lease ends, read page by page.
+async fn oldest_started(
+    connection: &mut crate::RedisConnection,
+    leases: &str,
+) -> Result<Option<i64>, StoreError> {
+    let mut oldest: Option<i64> = None;
+    let (mut score, mut member) = (String::new(), String::new());
+    loop {
+        let (created, read, last_score, last_member): (Option<i64>, i64, String, String) =
+            scripts::oldest_started()
+                .key(leases)
+                .arg(&score)
+                .arg(&member)
+                .arg(MEMBERS_PER_SCRIPT)
+                .invoke_async(connection)
+                .await?;
+        if let Some(created) = created {
+            oldest = Some(oldest.map_or(created, |oldest| oldest.min(created)));
+        }
+        if read < MEMBERS_PER_SCRIPT {
+            return Ok(oldest);
+        }
+        (score, member) = (last_score, last_member);
+    }
 }
 
 /// A member of the index back to its tenant and key.

@@ -9,17 +9,18 @@
 //! share with the recovery point. docs/engines.md says when to choose it.
 //!
 //! **How the protocol maps.** The claim is one script: the key's row is created only if absent
-//! (`EXISTS`, then `HSET`), with a fencing token from one counter (`INCR`), so a token never
-//! repeats while Redis keeps its data. Every owner write is a script that checks the token and
-//! writes in one atomic step. A started key sits in its workflow's sorted set of lease ends, which
-//! the resumer reads instead of scanning the keyspace; finished keys sit in a sorted set of
-//! finish times, which retention reads in batches. Keys of tenants live under names built from the
+//! (`EXISTS`, then `HSET`), with a fencing token from its bucket's counter (`INCR`), so a key's
+//! token never repeats while Redis keeps its data. Every owner write is a script that checks the
+//! token and writes in one atomic step. A started key sits in its workflow's sorted set of lease
+//! ends of its bucket, which the resumer reads instead of scanning the keyspace; finished keys sit
+//! in their bucket's sorted set of finish times, which retention reads in batches. Keys of tenants live under names built from the
 //! tenant and the key in hex, so no tenant's key can name another's. Each write stands alone:
 //! a [`Transaction`] groups nothing and its rollback undoes nothing (there are no local effects to
 //! undo), and a claim is visible at once, which is what tells a concurrent duplicate 409.
 //!
-//! The scripts touch several Redis keys that are not in one hash slot: this store runs on a single
-//! Redis (with or without replicas), not on Redis Cluster.
+//! Every key falls in one of [`BUCKETS`] buckets, and every Redis key of a bucket carries the
+//! bucket's hash tag, so each script touches one hash slot: the store runs on one Redis (with or
+//! without replicas) or on a Redis Cluster, with the same scripts ([`RedisPool::connect`]).
 
 #![deny(missing_docs)]
 

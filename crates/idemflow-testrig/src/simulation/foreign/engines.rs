@@ -432,17 +432,7 @@ pub(crate) mod redis_store {
             .into_iter()
             .filter(|name| !name.contains(":body:"))
             .collect();
-        let mut finishes: Vec<(String, i64)> = Vec::new();
-        for bucket in 0..BUCKETS {
-            let bucket_finishes: Vec<(String, i64)> = redis::cmd("ZRANGE")
-                .arg(observer.finishes(bucket))
-                .arg(0)
-                .arg(-1)
-                .arg("WITHSCORES")
-                .query_async(&mut connection)
-                .await?;
-            finishes.extend(bucket_finishes);
-        }
+        let finishes = all_finishes(observer, &mut connection).await?;
         for (row, _) in &finishes {
             let state: Option<String> = redis::cmd("HGET")
                 .arg(row)
@@ -457,14 +447,15 @@ pub(crate) mod redis_store {
         }
         problems.extend(stale_leases(observer, &mut connection).await?);
         for row in names {
-            let (state, workflow, lease, finished, tenant, key): (
+            type Fields = (
                 Option<String>,
                 Option<String>,
                 Option<i64>,
                 Option<i64>,
                 Option<String>,
                 Option<String>,
-            ) = redis::cmd("HMGET")
+            );
+            let (state, workflow, lease, finished, tenant, key): Fields = redis::cmd("HMGET")
                 .arg(&row)
                 .arg(&["st", "wf", "lu", "fa", "t", "k"])
                 .query_async(&mut connection)
@@ -497,6 +488,25 @@ pub(crate) mod redis_store {
             }
         }
         Ok(problems)
+    }
+
+    /// Every bucket's set of finishes, with the finish times.
+    async fn all_finishes(
+        observer: &RedisPool,
+        connection: &mut RedisConnection,
+    ) -> Result<Vec<(String, i64)>, redis::RedisError> {
+        let mut finishes: Vec<(String, i64)> = Vec::new();
+        for bucket in 0..BUCKETS {
+            let bucket_finishes: Vec<(String, i64)> = redis::cmd("ZRANGE")
+                .arg(observer.finishes(bucket))
+                .arg(0)
+                .arg(-1)
+                .arg("WITHSCORES")
+                .query_async(connection)
+                .await?;
+            finishes.extend(bucket_finishes);
+        }
+        Ok(finishes)
     }
 
     /// The entries of every workflow's set of lease ends that name no started row of that
