@@ -43,9 +43,11 @@ idemflow_require_libfaketime() {
     '/usr/lib64/faketime/libfaketime.so.1'
 }
 
-# redis-server: the Redis tests that need a server of their own (a Redis Cluster node, a
-# server filled with 100k keys to measure) start one beside the shared one
-# (tests/it/support/redis.rs: own_server); Debian's redis-server package ships the binary.
+# redis-server: the Redis Cluster the test command starts (scripts/lib/redis-cluster.sh, with
+# redis-cli, which the package brings), and the Redis tests that need servers of their own (a
+# cluster to kill a primary of or move slots in, a server filled with 100k keys to measure)
+# start them beside the shared one (tests/it/support/redis.rs: own_server, own_cluster);
+# Debian's redis-server package ships the binary.
 idemflow_require_redis_server() {
   if [[ -n ${IDEMFLOW_REDIS_SERVER:-} ]]; then
     return 0

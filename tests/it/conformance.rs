@@ -206,7 +206,7 @@ async fn sqlite(case: &str) -> sqlx::SqlitePool {
 
 /// One test per case and engine: PostgreSQL on a fresh database of its own (`#[sqlx::test]`),
 /// SQLite on a fresh file, MariaDB on a fresh database of its own, Redis under a prefix of its
-/// own, emptied first.
+/// own, emptied first, on one Redis and on a Redis Cluster of three primaries.
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod postgres {
@@ -244,6 +244,19 @@ macro_rules! conformance {
                 async fn $case() {
                     let pool = crate::support::redis::fresh(
                         concat!("conformance-", stringify!($case)),
+                    )
+                    .await;
+                    super::$case::<idemflow_redis::RedisStore>(pool).await;
+                }
+            )*
+        }
+        mod redis_cluster {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let pool = crate::support::redis::fresh_on(
+                        concat!("conformance-", stringify!($case)),
+                        true,
                     )
                     .await;
                     super::$case::<idemflow_redis::RedisStore>(pool).await;

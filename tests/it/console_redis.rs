@@ -1,7 +1,8 @@
 //! The console and the operators' reads on Redis, beyond what the conformance suite asks of every
 //! engine: the documented read-only ACL (scripts/redis/read-only.acl) serves every page and is
 //! refused every write; no script an operator's page runs walks more than a page of started keys,
-//! at any number of them; and a Redis Cluster is refused at connect, with a clear error.
+//! at any number of them, however many sit in one bucket; a Redis Cluster node's URL opens the
+//! cluster; and a prefix that would break the hash tags is refused at connect, with a clear error.
 
 use std::time::Duration;
 
@@ -199,54 +200,60 @@ async fn the_documented_read_only_acl_serves_every_page_and_is_refused_every_act
         .unwrap();
 }
 
+/// One node's URL of a Redis Cluster opens the cluster (the store's keys are spread over its
+/// primaries by their buckets' hash tags); a single Redis's opens it alone; a prefix holding a
+/// brace, which would take the place of the buckets' hash tags, is refused with a clear error.
 #[tokio::test]
-async fn a_redis_cluster_is_refused_at_connect_with_a_clear_error() {
-    let node = crate::support::redis::own_server(&[
-        "--cluster-enabled",
-        "yes",
-        "--cluster-config-file",
-        "nodes.conf",
-    ])
-    .await;
-    let refused = RedisPool::connect(&node.url).await.unwrap_err();
-    assert!(
-        matches!(refused, idemflow_redis::StoreError::Cluster),
-        "{refused:?}"
-    );
-    let refused = RedisStore
-        .open(&node.url, &OperatorOptions::default())
+async fn a_cluster_nodes_url_opens_the_cluster_and_a_prefix_with_braces_is_refused() {
+    let urls = crate::support::redis::cluster_urls();
+    let node = urls.split(',').next().unwrap();
+    let pool = RedisPool::connect_with_prefix(node, "idemflow-test:one-node-url")
+        .await
+        .unwrap();
+    assert!(pool.is_cluster());
+    assert_eq!(pool.primaries().await.unwrap().len(), 3);
+    assert!(!fresh("single-node-url").await.is_cluster());
+    let refused = RedisPool::connect_with_prefix(&url(), "idemflow-{tag}")
         .await
         .unwrap_err();
+    assert!(
+        matches!(refused, idemflow_redis::StoreError::Prefix(_)),
+        "{refused:?}"
+    );
+    let mut options = OperatorOptions::default();
+    options.key_prefix = Some("idemflow-{tag}".to_owned());
+    let refused = RedisStore.open(&url(), &options).await.unwrap_err();
     assert!(
         matches!(refused, idemflow_store::OperatorError::Unsupported(_)),
         "{refused:?}"
     );
-    assert!(refused.to_string().contains("Redis Cluster"), "{refused}");
-    // A single Redis, its own configuration otherwise the same, is taken.
-    let single = crate::support::redis::own_server(&[]).await;
-    assert!(RedisPool::connect(&single.url).await.is_ok());
+    assert!(refused.to_string().contains("prefix"), "{refused}");
 }
 
-/// Fills `count` started keys of one workflow, their leases an hour long, claimed as requests
-/// claim them (many at a time).
+/// Fills `count` started keys of one workflow, all in bucket 0 (the most one script could find
+/// in a bucket's set), their leases an hour long, claimed as requests claim them (many at a time).
 async fn fill(pool: &RedisPool, count: usize) {
     use futures_util::StreamExt;
-    futures_util::stream::iter(0..count)
-        .map(|index| {
-            let pool = pool.clone();
-            async move {
-                claim(
-                    &pool,
-                    "acme",
-                    &format!("k-{index:06}"),
-                    Duration::from_secs(3600),
-                )
-                .await;
-            }
-        })
-        .buffer_unordered(256)
-        .collect::<()>()
-        .await;
+    futures_util::stream::iter(
+        (0..)
+            .filter(|index| RedisPool::bucket("acme", &format!("k-{index:06}")) == 0)
+            .take(count),
+    )
+    .map(|index| {
+        let pool = pool.clone();
+        async move {
+            claim(
+                &pool,
+                "acme",
+                &format!("k-{index:06}"),
+                Duration::from_secs(3600),
+            )
+            .await;
+        }
+    })
+    .buffer_unordered(256)
+    .collect::<()>()
+    .await;
 }
 
 /// What the slow log records from: a command shorter than this is not the longest.
@@ -316,7 +323,7 @@ async fn the_overview_and_the_stuck_list_find_keys_past_the_first_page() {
     let count = 3 * usize::try_from(idemflow_redis::MEMBERS_PER_SCRIPT).unwrap() + 7;
     fill(&pool, count).await;
     let mut connection = pool.connection();
-    let leases = pool.leases(WORKFLOW);
+    let leases = pool.leases(0, WORKFLOW);
     let last: Vec<String> = redis::cmd("ZRANGE")
         .arg(&leases)
         .arg(-2)

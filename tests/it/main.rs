@@ -40,6 +40,7 @@ mod pgbouncer;
 mod plans;
 mod precision;
 mod protocol;
+mod redis_cluster;
 mod redis_loss;
 mod refunds;
 mod restarts;

@@ -4,8 +4,8 @@
 //! One source, every engine: the suite runs seeds 0 to 149 on PostgreSQL (in three parts, side
 //! by side, about 45 s each), seeds 0 to 99 on SQLite (two parts) and seeds 0 to 149 on
 //! MariaDB (three parts): the same schedules every time. The foreign-only world (a payment and a
-//! payout whose phases are all foreign) runs seeds 0 to 99 on Redis (two parts) and 0 to 49 on
-//! PostgreSQL.
+//! payout whose phases are all foreign) runs seeds 0 to 99 on Redis (two parts), 0 to 49 on a
+//! Redis Cluster of three primaries and 0 to 49 on PostgreSQL.
 //! `scripts/simulate` explores any others; `scripts/mutants/run` shows these seeds catch each of
 //! the defects they were built against. A failing schedule prints its seed and the command that
 //! replays it.
@@ -155,6 +155,24 @@ mod redis {
     #[tokio::test]
     async fn schedules_50_to_99() {
         explore(&simulation().await, seeds_from_env(50..100)).await;
+    }
+}
+
+/// The foreign-only world on a Redis Cluster of three primaries and three replicas
+/// (`REDIS_CLUSTER_URLS`, started by scripts/test): the same schedules as on one Redis, the
+/// store's scripts the same, its keys spread over the primaries by their buckets; the chaos
+/// closes the store's connection to every primary. Seeds 0 to 49.
+mod redis_cluster {
+    use super::{explore, seeds_from_env};
+    use idemflow_testrig::simulation::Simulation;
+
+    #[tokio::test]
+    async fn schedules_0_to_49() {
+        let urls = crate::support::redis::cluster_urls();
+        let simulation = Simulation::on_redis(&urls).await.unwrap_or_else(|error| {
+            panic!("the Redis Cluster schedules need the cluster at {urls}: {error}")
+        });
+        explore(&simulation, seeds_from_env(0..50)).await;
     }
 }
 

@@ -11,7 +11,7 @@ use idemflow_store::{
 };
 use serde_json::Value;
 
-use crate::{RedisPool, StoreError, scripts, workflow_of};
+use crate::{BUCKETS, RedisPool, StoreError, scripts, workflow_of};
 
 fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, StoreError> {
     bytes
@@ -97,14 +97,10 @@ pub async fn key_bodies(
     key: &str,
 ) -> Result<Option<KeyBodies>, StoreError> {
     let row = pool.row(tenant, key);
-    let (time, fields): ((i64, i64), Vec<Option<Vec<u8>>>) = redis::pipe()
-        .cmd("TIME")
-        .cmd("HMGET")
-        .arg(&row)
-        .arg(&["req", "st", "rs", "rh", "rb", "apart", "fa"])
-        .query_async(&mut pool.connection())
+    let (now, fields): (i64, Vec<Option<Vec<u8>>>) = scripts::bodies()
+        .key(&row)
+        .invoke_async(&mut pool.connection())
         .await?;
-    let now = time.0 * 1000 + time.1 / 1000;
     let mut fields = fields.into_iter();
     let mut next = || fields.next().flatten();
     let (request, state, status, headers, body, apart, finished) =
@@ -123,8 +119,8 @@ pub async fn key_bodies(
     }
     let apart = number(apart)?;
     let body = match apart {
-        Some(life) => redis::cmd("GET")
-            .arg(format!("{row}:body:{life}"))
+        Some(apart) => redis::cmd("GET")
+            .arg(RedisPool::body(&row, apart))
             .query_async::<Option<Vec<u8>>>(&mut pool.connection())
             .await?
             .unwrap_or_default(),
@@ -160,37 +156,39 @@ type Overviewed = (i64, Vec<(String, i64, i64)>, i64, i64);
 /// started key is read off the started rows in pages of [`MEMBERS_PER_SCRIPT`].
 pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
     let mut connection = pool.connection();
-    let (now, started, last_minute, last_15): Overviewed = scripts::overview()
-        .key(pool.workflows())
-        .key(pool.finishes())
-        .arg(pool.leases_prefix())
-        .invoke_async(&mut connection)
-        .await?;
+    let mut now = 0;
+    let (mut last_minute, mut last_15) = (0, 0);
+    let mut counts: std::collections::BTreeMap<String, (i64, i64)> =
+        std::collections::BTreeMap::new();
     let mut oldest: Option<i64> = None;
-    for (workflow, _, _) in &started {
-        let leases = format!("{}{workflow}", pool.leases_prefix());
-        let (mut score, mut member) = (String::new(), String::new());
-        loop {
-            let (created, read, last_score, last_member): (Option<i64>, i64, String, String) =
-                scripts::oldest_started()
-                    .key(&leases)
-                    .arg(&score)
-                    .arg(&member)
-                    .arg(MEMBERS_PER_SCRIPT)
-                    .invoke_async(&mut connection)
-                    .await?;
-            if let Some(created) = created {
+    let mut keys: i64 = 0;
+    for bucket in 0..BUCKETS {
+        let (bucket_now, started, minute, quarter): Overviewed = scripts::overview()
+            .key(pool.workflows(bucket))
+            .key(pool.finishes(bucket))
+            .arg(pool.leases_prefix(bucket))
+            .invoke_async(&mut connection)
+            .await?;
+        now = now.max(bucket_now);
+        last_minute += minute;
+        last_15 += quarter;
+        for (workflow, started_keys, due) in started {
+            let leases = format!("{}{workflow}", pool.leases_prefix(bucket));
+            let count = counts.entry(workflow).or_default();
+            count.0 += started_keys;
+            count.1 += due;
+            if let Some(created) = oldest_started(&mut connection, &leases).await? {
                 oldest = Some(oldest.map_or(created, |oldest| oldest.min(created)));
             }
-            if read < MEMBERS_PER_SCRIPT {
-                break;
-            }
-            (score, member) = (last_score, last_member);
         }
+        keys += redis::cmd("ZCARD")
+            .arg(pool.index(bucket))
+            .query_async::<i64>(&mut connection)
+            .await?;
     }
-    let mut started = started
+    let mut started = counts
         .into_iter()
-        .map(|(workflow, keys, due)| {
+        .map(|(workflow, (keys, due))| {
             let workflow = idemflow_core::hex::decode(&workflow)
                 .and_then(|bytes| String::from_utf8(bytes).ok())
                 .ok_or_else(|| StoreError::Corrupt(format!("workflow {workflow}")))?;
@@ -203,10 +201,6 @@ pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
         .collect::<Result<Vec<_>, StoreError>>()?;
     started.sort_by(|a, b| a.workflow.cmp(&b.workflow));
     let lag = crate::resumer_lag(pool).await?;
-    let keys: i64 = redis::cmd("ZCARD")
-        .arg(pool.index())
-        .query_async(&mut connection)
-        .await?;
     Ok(Overview {
         started,
         oldest_started_seconds: oldest.map(|created| (now - created).max(0) / 1000),
@@ -215,6 +209,32 @@ pub async fn overview(pool: &RedisPool) -> Result<Overview, StoreError> {
         finished_last_15_minutes: last_15,
         estimated_keys: Some(keys),
     })
+}
+
+/// The oldest claim among the started keys of one set of lease ends, read page by page.
+async fn oldest_started(
+    connection: &mut crate::RedisConnection,
+    leases: &str,
+) -> Result<Option<i64>, StoreError> {
+    let mut oldest: Option<i64> = None;
+    let (mut score, mut member) = (String::new(), String::new());
+    loop {
+        let (created, read, last_score, last_member): (Option<i64>, i64, String, String) =
+            scripts::oldest_started()
+                .key(leases)
+                .arg(&score)
+                .arg(&member)
+                .arg(MEMBERS_PER_SCRIPT)
+                .invoke_async(connection)
+                .await?;
+        if let Some(created) = created {
+            oldest = Some(oldest.map_or(created, |oldest| oldest.min(created)));
+        }
+        if read < MEMBERS_PER_SCRIPT {
+            return Ok(oldest);
+        }
+        (score, member) = (last_score, last_member);
+    }
 }
 
 /// A member of the index back to its tenant and key.
@@ -247,18 +267,27 @@ pub async fn scan_keys(
             "+".to_owned(),
         ),
     };
+    // Each bucket's index from the position, merged: the next `wanted` members of all are among
+    // the next `wanted` of each.
     let mut reports = Vec::new();
     while (reports.len() as i64) < limit {
         let wanted = limit - reports.len() as i64;
-        let members: Vec<String> = redis::cmd("ZRANGEBYLEX")
-            .arg(pool.index())
-            .arg(&min)
-            .arg(&max)
-            .arg("LIMIT")
-            .arg(0)
-            .arg(wanted)
-            .query_async(&mut pool.connection())
-            .await?;
+        let mut members: Vec<String> = Vec::new();
+        for bucket in 0..BUCKETS {
+            let found: Vec<String> = redis::cmd("ZRANGEBYLEX")
+                .arg(pool.index(bucket))
+                .arg(&min)
+                .arg(&max)
+                .arg("LIMIT")
+                .arg(0)
+                .arg(wanted)
+                .query_async(&mut pool.connection())
+                .await?;
+            members.extend(found);
+        }
+        members.sort();
+        members.dedup();
+        members.truncate(usize::try_from(wanted).unwrap_or(0));
         let Some(last) = members.last() else {
             break;
         };
@@ -287,13 +316,20 @@ pub async fn stuck_keys(
     limit: i64,
 ) -> Result<Vec<KeyReport>, StoreError> {
     let mut connection = pool.connection();
-    let workflows: Vec<String> = redis::cmd("SMEMBERS")
-        .arg(pool.workflows())
-        .query_async(&mut connection)
-        .await?;
+    let mut sets = Vec::new();
+    for bucket in 0..BUCKETS {
+        let workflows: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(pool.workflows(bucket))
+            .query_async(&mut connection)
+            .await?;
+        sets.extend(
+            workflows
+                .into_iter()
+                .map(|workflow| format!("{}{workflow}", pool.leases_prefix(bucket))),
+        );
+    }
     let mut stuck: Vec<(i64, String, String)> = Vec::new();
-    for workflow in workflows {
-        let leases = format!("{}{workflow}", pool.leases_prefix());
+    for leases in sets {
         let (mut score, mut member) = (String::new(), String::new());
         let mut found = 0;
         loop {
@@ -342,27 +378,41 @@ pub async fn expire_key(
 ) -> Result<Option<String>, StoreError> {
     let mut connection = pool.connection();
     let row = pool.row(tenant, key);
-    let Some(workflow) = workflow_of(&mut connection, &row).await? else {
+    let bucket = RedisPool::bucket(tenant, key);
+    let (workflow, apart): (Option<String>, Option<String>) = redis::cmd("HMGET")
+        .arg(&row)
+        .arg(&["wf", "apart"])
+        .query_async(&mut connection)
+        .await?;
+    let Some(workflow) = workflow else {
         return Ok(None);
     };
+    let apart = apart.unwrap_or_default();
     Ok(scripts::expire_key()
         .key(&row)
-        .key(pool.index())
-        .key(pool.finishes())
-        .key(pool.leases(&workflow))
+        .key(pool.index(bucket))
+        .key(pool.finishes(bucket))
+        .key(pool.leases(bucket, &workflow))
+        .key(pool.leased(bucket))
+        .key(format!("{row}:body:{apart}"))
         .arg(lock_version)
         .arg(state)
         .arg(RedisPool::member(tenant, key))
+        .arg(apart)
         .invoke_async(&mut connection)
         .await?)
 }
 
-/// Finished keys in all: the set of finishes' size.
+/// Finished keys in all: the sets of finishes' sizes, every bucket's.
 pub async fn finished_keys(pool: &RedisPool) -> Result<i64, StoreError> {
-    Ok(redis::cmd("ZCARD")
-        .arg(pool.finishes())
-        .query_async(&mut pool.connection())
-        .await?)
+    let mut finished = 0;
+    for bucket in 0..BUCKETS {
+        finished += redis::cmd("ZCARD")
+            .arg(pool.finishes(bucket))
+            .query_async::<i64>(&mut pool.connection())
+            .await?;
+    }
+    Ok(finished)
 }
 
 /// Ends a started key's lease now if its token is still `seen`, advancing the fence (an
@@ -379,10 +429,11 @@ pub async fn end_lease(
     let Some(workflow) = workflow_of(&mut connection, &row).await? else {
         return Ok(None);
     };
+    let bucket = RedisPool::bucket(tenant, key);
     let token: i64 = scripts::end_lease()
         .key(&row)
-        .key(pool.fence())
-        .key(pool.leases(&workflow))
+        .key(pool.fence(bucket))
+        .key(pool.leases(bucket, &workflow))
         .arg(seen)
         .invoke_async(&mut connection)
         .await?;

@@ -9,24 +9,30 @@
 //! share with the recovery point. docs/engines.md says when to choose it.
 //!
 //! **How the protocol maps.** The claim is one script: the key's row is created only if absent
-//! (`EXISTS`, then `HSET`), with a fencing token from one counter (`INCR`), so a token never
-//! repeats while Redis keeps its data. Every owner write is a script that checks the token and
-//! writes in one atomic step. A started key sits in its workflow's sorted set of lease ends, which
-//! the resumer reads instead of scanning the keyspace; finished keys sit in a sorted set of
-//! finish times, which retention reads in batches. Keys of tenants live under names built from the
+//! (`EXISTS`, then `HSET`), with a fencing token from its bucket's counter (`INCR`), so a key's
+//! token never repeats while Redis keeps its data. Every owner write is a script that checks the
+//! token and writes in one atomic step. A started key sits in its workflow's sorted set of lease
+//! ends of its bucket, which the resumer reads instead of scanning the keyspace; finished keys sit
+//! in their bucket's sorted set of finish times, which retention reads in batches. Keys of tenants live under names built from the
 //! tenant and the key in hex, so no tenant's key can name another's. Each write stands alone:
 //! a [`Transaction`] groups nothing and its rollback undoes nothing (there are no local effects to
 //! undo), and a claim is visible at once, which is what tells a concurrent duplicate 409.
 //!
-//! The scripts touch several Redis keys that are not in one hash slot: this store runs on a single
-//! Redis (with or without replicas), not on Redis Cluster.
+//! Every key falls in one of [`BUCKETS`] buckets, and every Redis key of a bucket carries the
+//! bucket's hash tag, so each script touches one hash slot: the store runs on one Redis (with or
+//! without replicas) or on a Redis Cluster, with the same scripts ([`RedisPool::connect`]).
 
 #![deny(missing_docs)]
 
+mod connection;
 mod console;
+mod layout;
 mod operator;
 mod scripts;
 mod tamper;
+
+pub use connection::RedisConnection;
+pub use layout::{BUCKETS, bucket_slot};
 
 pub use console::{
     MEMBERS_PER_SCRIPT, end_lease, expire_key, finished_keys, key_bodies, key_report, overview,
@@ -66,14 +72,10 @@ pub enum StoreError {
     /// A stored row breaks the store's promises.
     #[error("corrupt key row: {0}")]
     Corrupt(String),
-    /// The server is a Redis Cluster node. The store's scripts touch keys in more than one hash
-    /// slot (a row, its workflow's set of lease ends, the fence, the indexes), which a cluster
-    /// refuses, so its first claim would fail; refused at connect instead.
-    #[error(
-        "Redis Cluster is not supported: the store's scripts touch keys in more than one hash \
-         slot; point it at a single Redis (with replicas or not)"
-    )]
-    Cluster,
+    /// A prefix holding `{` or `}`: the store's Redis keys carry a hash tag of their own after
+    /// the prefix, which braces in the prefix would replace.
+    #[error("a Redis key prefix may not hold `{{` or `}}`: {0:?}")]
+    Prefix(String),
 }
 
 impl From<StoreError> for EngineError {
@@ -81,7 +83,9 @@ impl From<StoreError> for EngineError {
         match error {
             StoreError::Fenced => Self::Fenced,
             StoreError::Corrupt(message) => Self::Corrupt(message),
-            StoreError::Cluster => Self::Database(DatabaseError::other(StoreError::Cluster)),
+            StoreError::Prefix(prefix) => {
+                Self::Database(DatabaseError::other(StoreError::Prefix(prefix)))
+            }
             // A broken connection: the runner tries again where it would on a database.
             StoreError::Redis(error) if error.is_io_error() || error.is_connection_dropped() => {
                 Self::Database(DatabaseError::new(DatabaseErrorKind::ConnectionLost, error))
@@ -91,17 +95,22 @@ impl From<StoreError> for EngineError {
     }
 }
 
-/// Where the keys live: one Redis, through one multiplexed connection (commands from every task
-/// share it, pipelined), under a prefix. A connection the server closes (a restart, a failover's
-/// switch, `CLIENT KILL`) is replaced in the background: the commands in flight then fail, as the
-/// database being unavailable, and the ones after reach Redis again.
+/// Where the keys live: one Redis, or a Redis Cluster, through one [`RedisConnection`] (commands
+/// from every task share it, pipelined), under a prefix. On one Redis, a connection the server
+/// closes (a restart, a failover's switch, `CLIENT KILL`) is replaced in the background: the
+/// commands in flight then fail, as the database being unavailable, and the ones after reach
+/// Redis again. On a cluster, the cluster client sends each command to the primary of its key's
+/// slot, follows `MOVED` and `ASK` while slots move, and finds a promoted replica after a
+/// failover.
 ///
 /// It is also the store's connection: a multiplexed connection is shared, not taken, so the pool
 /// and the connection a statement runs on are one thing (cloned cheaply).
 #[derive(Clone)]
 pub struct RedisPool {
-    connection: ConnectionManager,
+    connection: RedisConnection,
     prefix: Arc<str>,
+    /// The first URL connected to: where node-wide commands find the cluster's primaries.
+    seed: Arc<str>,
 }
 
 impl fmt::Debug for RedisPool {
@@ -109,6 +118,7 @@ impl fmt::Debug for RedisPool {
         formatter
             .debug_struct("RedisPool")
             .field("prefix", &self.prefix)
+            .field("connection", &self.connection)
             .finish_non_exhaustive()
     }
 }
@@ -118,24 +128,48 @@ pub const DEFAULT_PREFIX: &str = "idemflow";
 
 impl RedisPool {
     /// Connects to the Redis at `url` (`redis://127.0.0.1:6379`), keys under [`DEFAULT_PREFIX`].
+    /// A Redis Cluster is found by any of its nodes' URLs, or by several separated by commas
+    /// (`redis://10.0.0.1:7000,redis://10.0.0.2:7000`): see [`RedisPool::connect_with_prefix`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::connect_with_prefix(url, DEFAULT_PREFIX).await
     }
 
-    /// Connects, keys under `prefix` (two services, or two test cases, on one Redis). A Redis
-    /// Cluster node is refused ([`StoreError::Cluster`]).
+    /// Connects, keys under `prefix` (two services, or two test cases, on one Redis). `url` is
+    /// one URL, or several separated by commas or white space. Several URLs are a Redis
+    /// Cluster's nodes (the cluster client learns the others from them); one URL is a cluster
+    /// when the server there says it is a cluster node (`HELLO`'s `mode`), else one Redis. The
+    /// prefix may hold no `{` or `}`: the store's names carry a hash tag of their own
+    /// ([`StoreError::Prefix`]).
     pub async fn connect_with_prefix(url: &str, prefix: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)?;
-        // A connection manager, not a bare multiplexed connection: a bare one stays broken once
-        // the server closes it, and every request after a Redis restart would fail for ever.
-        let connection = ConnectionManager::new(client).await?;
+        if prefix.contains(['{', '}']) {
+            return Err(StoreError::Prefix(prefix.to_owned()));
+        }
+        let urls = connection::split(url);
+        let Some(&seed) = urls.first() else {
+            return Err(StoreError::Redis(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "no Redis URL given",
+            ))));
+        };
+        let connection = if urls.len() > 1 {
+            RedisConnection::Cluster(connection::cluster(&urls).await?)
+        } else {
+            let client = redis::Client::open(seed)?;
+            // A connection manager, not a bare multiplexed connection: a bare one stays broken
+            // once the server closes it, and every request after a Redis restart would fail for
+            // ever.
+            let mut single = ConnectionManager::new(client).await?;
+            if connection::is_cluster(&mut single).await {
+                RedisConnection::Cluster(connection::cluster(&urls).await?)
+            } else {
+                RedisConnection::Single(single)
+            }
+        };
         let pool = Self {
             connection,
             prefix: Arc::from(prefix),
+            seed: Arc::from(seed),
         };
-        if pool.is_cluster().await {
-            return Err(StoreError::Cluster);
-        }
         if let Ok(Some(policy)) = pool.evicting_policy().await {
             tracing::warn!(
                 %policy,
@@ -148,9 +182,9 @@ impl RedisPool {
 
     /// The server's `maxmemory-policy` when it may evict the store's keys (an `allkeys-*`
     /// policy: the store's keys carry no expiry, so `volatile-*` policies never take them), else
-    /// `None`. An evicted key is a key lost: its next retry runs the request again. `Err` where
-    /// the server refuses `CONFIG GET` (as managed services may); [`RedisPool::connect`] then
-    /// says nothing.
+    /// `None` (on a cluster, as one node answers). An evicted key is a key lost: its next retry
+    /// runs the request again. `Err` where the server refuses `CONFIG GET` (as managed services
+    /// may); [`RedisPool::connect`] then says nothing.
     pub async fn evicting_policy(&self) -> Result<Option<String>, StoreError> {
         let answer: Vec<String> = redis::cmd("CONFIG")
             .arg("GET")
@@ -163,42 +197,29 @@ impl RedisPool {
             .cloned())
     }
 
-    /// Whether the server is a Redis Cluster node: `HELLO`'s `mode` (which any user may ask
-    /// for), else `INFO cluster`'s `cluster_enabled`; `false` when the server answers neither.
-    async fn is_cluster(&self) -> bool {
-        let hello: redis::RedisResult<redis::Value> = redis::cmd("HELLO")
-            .query_async(&mut self.connection())
-            .await;
-        if let Ok(hello) = hello {
-            let fields: Vec<(redis::Value, redis::Value)> = match hello {
-                redis::Value::Map(fields) => fields,
-                redis::Value::Array(flat) => {
-                    let mut flat = flat.into_iter();
-                    std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
-                }
-                _ => Vec::new(),
-            };
-            let text = |value: &redis::Value| match value {
-                redis::Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-                redis::Value::SimpleString(text) => Some(text.clone()),
-                _ => None,
-            };
-            if let Some((_, mode)) = fields
-                .iter()
-                .find(|(name, _)| text(name).as_deref() == Some("mode"))
-            {
-                return text(mode).as_deref() == Some("cluster");
-            }
+    /// Whether the store is on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.connection, RedisConnection::Cluster(_))
+    }
+
+    /// A connection of its own to each primary (on one Redis, to it), named `host:port`: for
+    /// what is sent to every node rather than to a key's (a `SCAN` of the keyspace, `CLIENT
+    /// KILL`), by tests and operators; the store itself never needs one.
+    pub async fn primaries(
+        &self,
+    ) -> Result<Vec<(String, redis::aio::MultiplexedConnection)>, StoreError> {
+        if self.is_cluster() {
+            return Ok(connection::primaries(&self.seed, &mut self.connection()).await?);
         }
-        let info: redis::RedisResult<String> = redis::cmd("INFO")
-            .arg("cluster")
-            .query_async(&mut self.connection())
-            .await;
-        info.is_ok_and(|info| info.lines().any(|line| line.trim() == "cluster_enabled:1"))
+        let client = redis::Client::open(&*self.seed)?;
+        Ok(vec![(
+            self.seed.to_string(),
+            client.get_multiplexed_async_connection().await?,
+        )])
     }
 
     /// The connection every command goes through.
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> RedisConnection {
         self.connection.clone()
     }
 
@@ -207,40 +228,65 @@ impl RedisPool {
         &self.prefix
     }
 
-    /// The row of a tenant's key: tenant and key in hex, so neither can hold the separator.
+    /// The bucket a tenant's key lives in ([`BUCKETS`]).
+    pub fn bucket(tenant: &str, key: &str) -> u16 {
+        layout::bucket_of(tenant, key)
+    }
+
+    /// What every Redis key of bucket `bucket` starts with: the prefix and the bucket's hash tag
+    /// (`idemflow:{3.7}:`).
+    pub fn bucket_prefix(&self, bucket: u16) -> String {
+        format!("{}:{}:", self.prefix, layout::tag(bucket))
+    }
+
+    /// The row of a tenant's key: tenant and key in hex, so neither can hold the separator, in
+    /// the key's bucket (`<prefix>:{<tag>}:key:<tenant>:<key>`).
     pub fn row(&self, tenant: &str, key: &str) -> String {
         format!(
-            "{}:key:{}:{}",
-            self.prefix,
+            "{}{}:{}",
+            self.rows_prefix(Self::bucket(tenant, key)),
             idemflow_core::hex::encode(tenant.as_bytes()),
             idemflow_core::hex::encode(key.as_bytes())
         )
     }
 
-    /// The sorted set of a workflow's started keys by lease end.
-    pub fn leases(&self, workflow: &str) -> String {
+    /// A row's body stored apart by the finish of token `apart`.
+    pub fn body(row: &str, apart: i64) -> String {
+        format!("{row}:body:{apart}")
+    }
+
+    /// The sorted set of a workflow's started keys of bucket `bucket`, by lease end.
+    pub fn leases(&self, bucket: u16, workflow: &str) -> String {
         format!(
-            "{}:leases:{}",
-            self.prefix,
+            "{}{}",
+            self.leases_prefix(bucket),
             idemflow_core::hex::encode(workflow.as_bytes())
         )
     }
 
-    /// The sorted set of finished keys by finish time.
-    pub fn finishes(&self) -> String {
-        format!("{}:finishes", self.prefix)
+    /// The sorted set of bucket `bucket`'s finished keys, by finish time.
+    pub fn finishes(&self, bucket: u16) -> String {
+        format!("{}finishes", self.bucket_prefix(bucket))
     }
 
-    /// The set of workflows (in hex) that have claimed keys.
-    pub(crate) fn workflows(&self) -> String {
-        format!("{}:workflows", self.prefix)
+    /// The set of workflows (in hex) that have claimed keys in bucket `bucket`.
+    pub fn workflows(&self, bucket: u16) -> String {
+        format!("{}workflows", self.bucket_prefix(bucket))
     }
 
-    /// The sorted set of every key (all scores 0, so members sort byte by byte): the tenant and
-    /// the key in hex joined by `!`, which sorts before every hex digit, so members sort as
-    /// `(tenant, key)` pairs do. What the console's scan walks.
-    pub(crate) fn index(&self) -> String {
-        format!("{}:index", self.prefix)
+    /// The hash of bucket `bucket`'s rows that have an entry in a set of lease ends: the row's
+    /// name, the workflow (in hex) whose set it is in. What lets a claim name, among its keys,
+    /// the set an earlier row of its key, lost alone, left an entry in.
+    pub fn leased(&self, bucket: u16) -> String {
+        format!("{}leased", self.bucket_prefix(bucket))
+    }
+
+    /// The sorted set of every key of bucket `bucket` (all scores 0, so members sort byte by
+    /// byte): the tenant and the key in hex joined by `!`, which sorts before every hex digit, so
+    /// members sort as `(tenant, key)` pairs do. What the console's scan walks, every bucket's
+    /// merged.
+    pub fn index(&self, bucket: u16) -> String {
+        format!("{}index", self.bucket_prefix(bucket))
     }
 
     /// A key's member of [`RedisPool::index`].
@@ -252,18 +298,20 @@ impl RedisPool {
         )
     }
 
-    /// What every row's name starts with.
-    pub(crate) fn rows_prefix(&self) -> String {
-        format!("{}:key:", self.prefix)
+    /// What every row's name in bucket `bucket` starts with.
+    pub fn rows_prefix(&self, bucket: u16) -> String {
+        format!("{}key:", self.bucket_prefix(bucket))
     }
 
-    /// What every sorted set of lease ends is named by, before its workflow in hex.
-    pub(crate) fn leases_prefix(&self) -> String {
-        format!("{}:leases:", self.prefix)
+    /// What every sorted set of lease ends of bucket `bucket` is named by, before its workflow
+    /// in hex.
+    pub(crate) fn leases_prefix(&self, bucket: u16) -> String {
+        format!("{}leases:", self.bucket_prefix(bucket))
     }
 
-    pub(crate) fn fence(&self) -> String {
-        format!("{}:fence", self.prefix)
+    /// Bucket `bucket`'s fence: the counter its keys' tokens are drawn from.
+    pub fn fence(&self, bucket: u16) -> String {
+        format!("{}fence", self.bucket_prefix(bucket))
     }
 }
 
@@ -281,6 +329,11 @@ pub struct Owner {
 }
 
 impl Owner {
+    /// The bucket the key lives in.
+    fn bucket(&self) -> u16 {
+        RedisPool::bucket(self.tenant.as_str(), self.key.as_str())
+    }
+
     /// The tenant the key belongs to.
     pub fn tenant(&self) -> &TenantId {
         &self.tenant
@@ -344,7 +397,7 @@ fn fenced(changed: i64) -> Result<(), StoreError> {
 
 /// The workflow a started row belongs to, read where a write needs its sorted set.
 async fn workflow_of(
-    connection: &mut ConnectionManager,
+    connection: &mut RedisConnection,
     row: &str,
 ) -> Result<Option<String>, StoreError> {
     Ok(redis::cmd("HGET")
@@ -394,20 +447,6 @@ fn taken(
         lease_from,
     })
 }
-
-/// A due key as the scan's script returns it: its workflow's index in the scan's list, then the
-/// fields of [`TakenFields`].
-type DueFields = (
-    i64,
-    i64,
-    i64,
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    Option<String>,
-);
 
 type LookedUp = (i64, Vec<Option<Vec<u8>>>);
 
@@ -583,7 +622,7 @@ impl Engine for RedisStore {
         key: &Key,
         life: i64,
     ) -> Result<Option<Vec<u8>>, EngineError> {
-        let body_key = format!("{}:body:{life}", pool.row(tenant.as_str(), key.as_str()));
+        let body_key = RedisPool::body(&pool.row(tenant.as_str(), key.as_str()), life);
         Ok(redis::cmd("GET")
             .arg(body_key)
             .query_async(&mut pool.connection())
@@ -600,25 +639,46 @@ impl Engine for RedisStore {
         let pool = &*connection;
         let request = serde_json::to_string(claim.request)
             .map_err(|error| StoreError::Corrupt(format!("request: {error}")))?;
-        let token: i64 = scripts::claim()
-            .key(pool.row(claim.tenant.as_str(), claim.key.as_str()))
-            .key(pool.fence())
-            .key(pool.leases(claim.workflow))
-            .key(pool.workflows())
-            .key(pool.finishes())
-            .key(pool.index())
-            .arg(claim.tenant.as_str())
-            .arg(claim.key.as_str())
-            .arg(claim.fingerprint.as_bytes())
-            .arg(claim.workflow)
-            .arg(request)
-            .arg(millis(claim.lease))
-            .arg(idemflow_core::hex::encode(claim.workflow.as_bytes()))
-            .arg(RedisPool::member(claim.tenant.as_str(), claim.key.as_str()))
-            .arg(pool.leases_prefix())
-            .invoke_async(&mut pool.connection())
-            .await
-            .map_err(StoreError::from)?;
+        let bucket = RedisPool::bucket(claim.tenant.as_str(), claim.key.as_str());
+        let workflow_hex = idemflow_core::hex::encode(claim.workflow.as_bytes());
+        // The set an earlier row of the key, lost alone, left an entry in, once the script named
+        // it: the claim's keys are all declared (Redis Cluster's rule), so that set is one.
+        let mut stale = String::new();
+        let token = loop {
+            let script = scripts::claim();
+            let mut invocation = script.prepare_invoke();
+            invocation
+                .key(pool.row(claim.tenant.as_str(), claim.key.as_str()))
+                .key(pool.fence(bucket))
+                .key(pool.leases(bucket, claim.workflow))
+                .key(pool.workflows(bucket))
+                .key(pool.finishes(bucket))
+                .key(pool.index(bucket))
+                .key(pool.leased(bucket));
+            if !stale.is_empty() {
+                invocation.key(format!("{}{stale}", pool.leases_prefix(bucket)));
+            }
+            let (token, named): (i64, String) = invocation
+                .arg(claim.tenant.as_str())
+                .arg(claim.key.as_str())
+                .arg(claim.fingerprint.as_bytes())
+                .arg(claim.workflow)
+                .arg(&request)
+                .arg(millis(claim.lease))
+                .arg(&workflow_hex)
+                .arg(RedisPool::member(claim.tenant.as_str(), claim.key.as_str()))
+                .arg(&stale)
+                .invoke_async(&mut pool.connection())
+                .await
+                .map_err(StoreError::from)?;
+            if token != -1 {
+                break token;
+            }
+            if named == stale {
+                return Err(StoreError::Corrupt(format!("claim: stale entry in {named}")).into());
+            }
+            stale = named;
+        };
         if token == 0 {
             return Ok(Claimed::Lost(connection));
         }
@@ -655,10 +715,11 @@ impl Engine for RedisStore {
         let Some(workflow) = workflow_of(&mut connection, &row).await? else {
             return Ok(None);
         };
+        let bucket = RedisPool::bucket(tenant.as_str(), key.as_str());
         let fields: Option<TakenFields> = scripts::take_over()
             .key(&row)
-            .key(pool.fence())
-            .key(pool.leases(&workflow))
+            .key(pool.fence(bucket))
+            .key(pool.leases(bucket, &workflow))
             .arg(seen)
             .arg(millis(lease))
             .invoke_async(&mut connection)
@@ -691,7 +752,7 @@ impl Engine for RedisStore {
             .map_err(|error| StoreError::Corrupt(format!("phase output: {error}")))?;
         let changed: i64 = scripts::advance()
             .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
-            .key(pool.leases(&owner.workflow))
+            .key(pool.leases(owner.bucket(), &owner.workflow))
             .arg(owner.lock_version)
             .arg(recovery_point)
             .arg(output)
@@ -717,10 +778,13 @@ impl Engine for RedisStore {
         } else {
             "0"
         };
+        let row = pool.row(owner.tenant.as_str(), owner.key.as_str());
         let changed: i64 = scripts::finish()
-            .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
-            .key(pool.leases(&owner.workflow))
-            .key(pool.finishes())
+            .key(&row)
+            .key(pool.leases(owner.bucket(), &owner.workflow))
+            .key(pool.finishes(owner.bucket()))
+            .key(pool.leased(owner.bucket()))
+            .key(RedisPool::body(&row, owner.lock_version))
             .arg(owner.lock_version)
             .arg(recovery_point)
             .arg(response.status)
@@ -755,8 +819,9 @@ impl Engine for RedisStore {
         let pool = &transaction.pool;
         let changed: i64 = scripts::delete_owned()
             .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
-            .key(pool.leases(&owner.workflow))
-            .key(pool.index())
+            .key(pool.leases(owner.bucket(), &owner.workflow))
+            .key(pool.index(owner.bucket()))
+            .key(pool.leased(owner.bucket()))
             .arg(owner.lock_version)
             .arg(RedisPool::member(owner.tenant.as_str(), owner.key.as_str()))
             .invoke_async(&mut pool.connection())
@@ -772,7 +837,7 @@ impl Engine for RedisStore {
     ) -> Result<(), EngineError> {
         let changed: i64 = scripts::renew_lease()
             .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
-            .key(pool.leases(&owner.workflow))
+            .key(pool.leases(owner.bucket(), &owner.workflow))
             .arg(owner.lock_version)
             .arg(millis(lease))
             .invoke_async(&mut pool.connection())
@@ -805,15 +870,7 @@ impl Engine for RedisStore {
         older_than: Duration,
         batch: i64,
     ) -> Result<u64, EngineError> {
-        let deleted: u64 = scripts::expire_batch()
-            .key(pool.finishes())
-            .key(pool.index())
-            .arg(millis(older_than))
-            .arg(batch)
-            .arg(pool.rows_prefix())
-            .invoke_async(&mut pool.connection())
-            .await
-            .map_err(StoreError::from)?;
+        let deleted = expire_batch(pool, older_than, batch).await?;
         Ok(deleted)
     }
 
@@ -841,8 +898,8 @@ async fn postpone(
 ) -> Result<(), StoreError> {
     let changed: i64 = scripts::postpone()
         .key(pool.row(owner.tenant.as_str(), owner.key.as_str()))
-        .key(pool.fence())
-        .key(pool.leases(&owner.workflow))
+        .key(pool.fence(owner.bucket()))
+        .key(pool.leases(owner.bucket(), &owner.workflow))
         .arg(owner.lock_version)
         .arg(millis(retry_after))
         .arg(last_error)
@@ -852,7 +909,10 @@ async fn postpone(
 }
 
 /// Takes over up to `batch` due keys of the named workflows, each with its workflow's lease: the
-/// resumer's scan, one script over the workflows' sorted sets of lease ends.
+/// resumer's scan. First a look at every bucket (a read-only script over the bucket's sets of
+/// lease ends of those workflows: its due entries, the longest-lapsed first), then the `batch`
+/// longest-lapsed of all taken one by one, each by a script given the row, its bucket's fence
+/// and the set that named it, which takes it only if it is still due and of that workflow.
 async fn take_over_due(
     pool: &RedisPool,
     workflows: &[(String, Duration)],
@@ -862,59 +922,140 @@ async fn take_over_due(
         return Ok(Vec::new());
     }
     let lease_from = Instant::now();
-    let script = scripts::take_over_due();
-    let mut invocation = script.key(pool.fence());
-    invocation.arg(batch);
-    for (workflow, lease) in workflows {
-        invocation.key(pool.leases(workflow)).arg(millis(*lease));
-    }
-    for (workflow, _) in workflows {
-        invocation.arg(workflow.as_str());
-    }
-    let rows: Vec<DueFields> = invocation.invoke_async(&mut pool.connection()).await?;
-    rows.into_iter()
-        .map(
-            |(index, token, attempts, tenant, key, point, output, request, error)| {
-                let workflow = usize::try_from(index)
-                    .ok()
-                    .and_then(|index| workflows.get(index.checked_sub(1)?))
-                    .map(|(workflow, _)| workflow.clone())
-                    .ok_or_else(|| StoreError::Corrupt(format!("workflow index {index}")))?;
-                let taken = taken(
-                    (token, attempts, tenant, key, point, output, request, error),
-                    &workflow,
-                    lease_from,
-                )?;
-                Ok((workflow, taken))
-            },
+    let looks = (0..BUCKETS).map(|bucket| async move {
+        let script = scripts::due();
+        let mut invocation = script.key(pool.leases(bucket, &workflows[0].0));
+        for (workflow, _) in &workflows[1..] {
+            invocation.key(pool.leases(bucket, workflow));
+        }
+        invocation.arg(batch);
+        let found: Vec<(i64, usize, String)> =
+            invocation.invoke_async(&mut pool.connection()).await?;
+        Ok::<_, StoreError>(
+            found
+                .into_iter()
+                .map(move |(ends, index, row)| (ends, bucket, index, row)),
         )
-        .collect()
+    });
+    let mut due: Vec<(i64, u16, usize, String)> = futures_util::future::try_join_all(looks)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
+    due.sort();
+    due.truncate(usize::try_from(batch).unwrap_or(usize::MAX));
+    let takes = due.into_iter().map(|(_, bucket, index, row)| async move {
+        let (workflow, lease) = workflows
+            .get(index.wrapping_sub(1))
+            .ok_or_else(|| StoreError::Corrupt(format!("workflow index {index}")))?;
+        let fields: Option<TakenFields> = scripts::take_due()
+            .key(&row)
+            .key(pool.fence(bucket))
+            .key(pool.leases(bucket, workflow))
+            .key(pool.leased(bucket))
+            .arg(millis(*lease))
+            .arg(workflow.as_str())
+            .arg(idemflow_core::hex::encode(workflow.as_bytes()))
+            .invoke_async(&mut pool.connection())
+            .await?;
+        fields
+            .map(|fields| {
+                Ok::<_, StoreError>((workflow.clone(), taken(fields, workflow, lease_from)?))
+            })
+            .transpose()
+    });
+    Ok(futures_util::future::try_join_all(takes)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect())
+}
+
+/// Deletes up to `batch` keys finished longer ago than `older_than`, with their bodies apart:
+/// bucket after bucket, a look at the bucket's set of finishes (read-only), then each row by a
+/// script given the row, its bucket's sets and its body apart, which deletes it only if it is
+/// still finished past the window with that body. How many.
+async fn expire_batch(
+    pool: &RedisPool,
+    older_than: Duration,
+    batch: i64,
+) -> Result<u64, StoreError> {
+    let mut deleted: u64 = 0;
+    for bucket in 0..BUCKETS {
+        let left = batch - i64::try_from(deleted).unwrap_or(i64::MAX);
+        if left <= 0 {
+            break;
+        }
+        let found: Vec<(String, String)> = scripts::expired()
+            .key(pool.finishes(bucket))
+            .arg(millis(older_than))
+            .arg(left)
+            .invoke_async(&mut pool.connection())
+            .await?;
+        let rows_prefix = pool.rows_prefix(bucket);
+        let deletes = found.into_iter().map(|(row, apart)| {
+            let member = row
+                .strip_prefix(&rows_prefix)
+                .map(|rest| rest.replacen(':', "!", 1))
+                .unwrap_or_default();
+            let body = format!("{row}:body:{apart}");
+            async move {
+                let one: u64 = scripts::expire_one()
+                    .key(&row)
+                    .key(pool.finishes(bucket))
+                    .key(pool.index(bucket))
+                    .key(body)
+                    .arg(millis(older_than))
+                    .arg(member)
+                    .arg(apart)
+                    .invoke_async(&mut pool.connection())
+                    .await?;
+                Ok::<_, StoreError>(one)
+            }
+        });
+        deleted += futures_util::future::try_join_all(deletes)
+            .await?
+            .into_iter()
+            .sum::<u64>();
+    }
+    Ok(deleted)
 }
 
 /// How long the oldest lapsed lease of a started key has been over (zero when none has): the
-/// resumer's lag.
+/// resumer's lag, the longest of every bucket's.
 pub async fn resumer_lag(pool: &RedisPool) -> Result<Duration, StoreError> {
-    let lag: i64 = scripts::resumer_lag()
-        .key(pool.workflows())
-        .arg(pool.leases_prefix())
-        .invoke_async(&mut pool.connection())
-        .await?;
+    let mut lag: i64 = 0;
+    for bucket in 0..BUCKETS {
+        let bucket_lag: i64 = scripts::resumer_lag()
+            .key(pool.workflows(bucket))
+            .arg(pool.leases_prefix(bucket))
+            .invoke_async(&mut pool.connection())
+            .await?;
+        lag = lag.max(bucket_lag);
+    }
     Ok(Duration::from_millis(u64::try_from(lag).unwrap_or(0)))
 }
 
-/// Due keys of workflows not in `known`, by workflow: keys no worker of these workflows resumes.
+/// Due keys of workflows not in `known`, by workflow: keys no worker of these workflows resumes,
+/// every bucket's added up.
 pub async fn count_due_unknown(
     pool: &RedisPool,
     known: &[String],
 ) -> Result<Vec<(String, i64)>, StoreError> {
-    let script = scripts::count_due_unknown();
-    let mut invocation = script.key(pool.workflows());
-    invocation.arg(pool.leases_prefix());
-    for workflow in known {
-        invocation.arg(idemflow_core::hex::encode(workflow.as_bytes()));
+    let mut totals: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+    for bucket in 0..BUCKETS {
+        let script = scripts::count_due_unknown();
+        let mut invocation = script.key(pool.workflows(bucket));
+        invocation.arg(pool.leases_prefix(bucket));
+        for workflow in known {
+            invocation.arg(idemflow_core::hex::encode(workflow.as_bytes()));
+        }
+        let counts: Vec<(String, i64)> = invocation.invoke_async(&mut pool.connection()).await?;
+        for (hex, due) in counts {
+            *totals.entry(hex).or_default() += due;
+        }
     }
-    let counts: Vec<(String, i64)> = invocation.invoke_async(&mut pool.connection()).await?;
-    counts
+    totals
         .into_iter()
         .map(|(hex, due)| {
             let bytes = idemflow_core::hex::decode(&hex)

@@ -141,8 +141,9 @@ impl OperatorEngine for RedisStore {
         &["redis", "rediss"]
     }
 
-    /// Connects, the keys under `options.key_prefix` (default [`DEFAULT_PREFIX`]); a Redis Cluster
-    /// is refused (`OperatorError::Unsupported`). Redis has no read-only session: a read-only
+    /// Connects, the keys under `options.key_prefix` (default [`DEFAULT_PREFIX`]), to one Redis or
+    /// a Redis Cluster (one node's URL, or several separated by commas). Redis has no read-only
+    /// session: a read-only
     /// tool refuses its writes itself, and a read-only Redis user refuses them too.
     async fn open(
         &self,
@@ -154,7 +155,7 @@ impl OperatorEngine for RedisStore {
             RedisPool::connect_with_prefix(url, prefix)
                 .await
                 .map_err(|error| match error {
-                    StoreError::Cluster => OperatorError::Unsupported(error.to_string()),
+                    StoreError::Prefix(_) => OperatorError::Unsupported(error.to_string()),
                     error => OperatorError::Connect(format!("cannot connect to Redis: {error}")),
                 })?;
         Ok(Box::new(RedisOperator::new(pool)))

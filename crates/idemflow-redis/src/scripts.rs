@@ -9,9 +9,19 @@
 //! A key's row is a hash (`t` tenant, `k` key, `fp` fingerprint, `wf` workflow, `req` request,
 //! `st` `started` or `done`, `rp` recovery point, `out` its output, `lv` fencing token, `lu` lease
 //! end, `att` attempts, `err` last error, `life` the claim's token, `ca` created, `rs` `rh` `rb`
-//! the response, `apart` the life a body stored apart belongs to, `fa` finished). A started key
-//! is also in its workflow's sorted set of lease ends, which the resumer reads instead of
-//! scanning the keyspace; a finished key is in the sorted set of finishes, which retention reads.
+//! the response, `apart` the token of the finish whose body is stored apart, `fa` finished).
+//! Every key lives in one of [`crate::BUCKETS`] buckets, chosen by its tenant and key, and every
+//! Redis key of a bucket carries the bucket's hash tag, so all sit in one hash slot: the row, its
+//! body apart, and the bucket's fence, sorted sets of lease ends (one per workflow), set of
+//! finishes, set of workflows, index of keys and hash of leased rows. A started key is in its
+//! workflow's sorted set of lease ends of its bucket, which the resumer reads instead of scanning
+//! the keyspace; a finished key is in its bucket's sorted set of finishes, which retention reads.
+//!
+//! Every script touches the keys of one bucket only, so it runs on Redis Cluster as on one
+//! Redis. Every key a script writes is one it was given (`KEYS`), as Redis Cluster asks, so that
+//! while a resharding moves the bucket's slot a write is sent where its keys are, or told to try
+//! again: a write never lands beside keys that moved. What a script only reads beyond its keys (a
+//! row a sorted set names) is a hint, checked again by the write that follows.
 
 /// The server's clock in milliseconds, as every script reads it, and `next_token`: the fence's
 /// next token, never below the clock in microseconds.
@@ -129,7 +139,7 @@ impl ReadCall<'_> {
 
     pub(crate) async fn invoke_async<T: redis::FromRedisValue>(
         &self,
-        connection: &mut redis::aio::ConnectionManager,
+        connection: &mut (impl redis::aio::ConnectionLike + Send),
     ) -> redis::RedisResult<T> {
         let hash = self.script.script.get_hash();
         match self
@@ -171,17 +181,26 @@ pub(crate) fn look_up() -> redis::Script {
     ])
 }
 
-/// KEYS: row, fence, leases, workflows, finishes, index. ARGV: tenant, key, fingerprint, workflow,
-/// request, lease ms, the workflow in hex, the row's member of the index, the prefix of the sorted
-/// sets of lease ends. Returns the claim's token, or 0 when the key is there (nothing written).
-/// The workflow joins the set of workflows with keys, which the resumer's lag and its count of
-/// keys no worker knows read. What an earlier row of the key that was lost alone (evicted,
-/// deleted by hand) left in the sets goes: its finish (retention would take it for this claim and
-/// delete a running key) and its lease end, in whichever workflow's set it is (a resumer of that
-/// workflow would take this claim for its own and run its phases on another workflow's request).
+/// KEYS: row, fence, leases, workflows, finishes, index, leased (all of the row's bucket), and
+/// an eighth when the client knows it: the bucket's set of lease ends of the workflow an earlier
+/// row of the key left an entry in. ARGV: tenant, key, fingerprint, workflow, request, lease ms,
+/// the workflow in hex, the row's member of the index, the workflow in hex of the eighth key (or
+/// `''`). Returns `{token, ''}`; `{0, ''}` when the key is there (nothing written); `{-1,
+/// workflow in hex}` when an earlier row of the key, lost alone, left an entry in another
+/// workflow's set that the call did not name (nothing written: the client names it and calls
+/// again, so that every key the script writes is one it declared).
+///
+/// The workflow joins the bucket's set of workflows with keys, which the resumer's lag and its
+/// count of keys no worker knows read. What an earlier row of the key that was lost alone
+/// (evicted, deleted by hand) left in the sets goes: its finish (retention would take it for this
+/// claim and delete a running key) and its lease end, in whichever workflow's set it is (a
+/// resumer of that workflow would take this claim for its own and run its phases on another
+/// workflow's request); `leased` names that set.
 pub(crate) fn claim() -> redis::Script {
     script(&[
-        "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end ",
+        "if redis.call('EXISTS', KEYS[1]) == 1 then return {0, ''} end \
+         local old = redis.call('HGET', KEYS[7], KEYS[1]) \
+         if old and old ~= ARGV[7] and old ~= ARGV[9] then return {-1, old} end ",
         NOW,
         JOURNAL,
         "local token = next_token(KEYS[2]) \
@@ -189,16 +208,15 @@ pub(crate) fn claim() -> redis::Script {
          redis.call('HSET', KEYS[1], 't', ARGV[1], 'k', ARGV[2], 'fp', ARGV[3], 'wf', ARGV[4], \
              'req', ARGV[5], 'st', 'started', 'rp', 'start', 'lv', token, 'lu', ends, 'att', 1, \
              'life', token, 'ca', now) \
-         for _, workflow in ipairs(redis.call('SMEMBERS', KEYS[4])) do \
-             redis.call('ZREM', ARGV[9] .. workflow, KEYS[1]) \
-         end \
+         if old and old ~= ARGV[7] then redis.call('ZREM', KEYS[8], KEYS[1]) end \
          redis.call('ZADD', KEYS[3], ends, KEYS[1]) \
+         redis.call('HSET', KEYS[7], KEYS[1], ARGV[7]) \
          redis.call('SADD', KEYS[4], ARGV[7]) \
          redis.call('ZREM', KEYS[5], KEYS[1]) \
          redis.call('ZADD', KEYS[6], 0, ARGV[8]) \
          journal(KEYS[1], string.format('{\"at\":%d,\"event\":\"claimed\",\"token\":%d}', \
              now, token)) \
-         return token",
+         return {token, ''}",
     ])
 }
 
@@ -219,8 +237,10 @@ pub(crate) fn advance() -> redis::Script {
     ])
 }
 
-/// KEYS: row, leases, finishes. ARGV: token, recovery point, status, headers, body, `1` to
-/// store the body apart (under `<row>:body:<life>`). 1, or 0 when fenced.
+/// KEYS: row, leases, finishes, leased, the body apart (`<row>:body:<token>`). ARGV: token,
+/// recovery point, status, headers, body, `1` to store the body apart (under the fifth key, named
+/// by the finishing owner's token: one per life, as a key finishes once per life and its tokens
+/// never repeat). 1, or 0 when fenced.
 pub(crate) fn finish() -> redis::Script {
     script(&[
         FENCE,
@@ -230,13 +250,13 @@ pub(crate) fn finish() -> redis::Script {
              'fa', now) \
          redis.call('HDEL', KEYS[1], 'out', 'lu') \
          if ARGV[6] == '1' then \
-             local life = redis.call('HGET', KEYS[1], 'life') \
-             redis.call('SET', KEYS[1] .. ':body:' .. life, ARGV[5]) \
-             redis.call('HSET', KEYS[1], 'rb', '', 'apart', life) \
+             redis.call('SET', KEYS[5], ARGV[5]) \
+             redis.call('HSET', KEYS[1], 'rb', '', 'apart', ARGV[1]) \
          else \
              redis.call('HSET', KEYS[1], 'rb', ARGV[5]) \
          end \
          redis.call('ZREM', KEYS[2], KEYS[1]) \
+         redis.call('HDEL', KEYS[4], KEYS[1]) \
          redis.call('ZADD', KEYS[3], now, KEYS[1]) \
          journal(KEYS[1], string.format('{\"at\":%d,\"event\":\"finished\",\"token\":%s,\"status\":%d}', \
              now, ARGV[1], tonumber(ARGV[3]))) \
@@ -273,14 +293,15 @@ pub(crate) fn postpone() -> redis::Script {
     ])
 }
 
-/// KEYS: row, leases, index. ARGV: token, the row's member of the index. 1, or 0 when fenced.
-/// Deletes the started key.
+/// KEYS: row, leases, index, leased. ARGV: token, the row's member of the index. 1, or 0 when
+/// fenced. Deletes the started key.
 pub(crate) fn delete_owned() -> redis::Script {
     script(&[
         FENCE,
         "redis.call('DEL', KEYS[1]) \
          redis.call('ZREM', KEYS[2], KEYS[1]) \
          redis.call('ZREM', KEYS[3], ARGV[2]) \
+         redis.call('HDEL', KEYS[4], KEYS[1]) \
          return 1",
     ])
 }
@@ -301,7 +322,7 @@ pub(crate) fn end_lease() -> redis::Script {
     ])
 }
 
-/// The body of a takeover, shared by [`take_over`] and [`take_over_due`] (after [`NOW`], whose
+/// The body of a takeover, shared by [`take_over`] and [`take_due`] (after [`NOW`], whose
 /// `next_token` it calls): `row` started, held by
 /// `seen` (or any token when `seen` is false), its lease over: a new token, one attempt more, a
 /// lease of `lease` ms. Returns the taken key's fields, or false.
@@ -332,20 +353,16 @@ pub(crate) fn take_over() -> redis::Script {
     ])
 }
 
-/// KEYS: fence, then each workflow's leases. ARGV: batch, then each workflow's lease ms, then each
-/// workflow's name. A list of `{workflow index (1-based), token, attempts, tenant, key, recovery
-/// point, output, request, last error}`, the longest-lapsed keys first whatever their workflow (so
-/// a workflow with a steady stream of due keys starves no other). An entry whose row is gone
-/// (deleted), or is another workflow's (lost alone and claimed again under it), is dropped from
-/// the set and never taken.
-pub(crate) fn take_over_due() -> redis::Script {
-    script(&[
+/// KEYS: each workflow's set of lease ends in one bucket. ARGV: how many. The due entries of
+/// those sets, the longest-lapsed first whatever their workflow: `{lease end, workflow index
+/// (1-based), row}` each, at most that many. Read-only: the resumer's first look at a bucket,
+/// which [`take_due`] then takes entry by entry.
+pub(crate) fn due() -> ReadOnly {
+    read_only(&[
         NOW,
-        JOURNAL,
-        TAKE,
         "local left = tonumber(ARGV[1]) \
          local due = {} \
-         for index = 2, #KEYS do \
+         for index = 1, #KEYS do \
              local ends = redis.call('ZRANGEBYSCORE', KEYS[index], '-inf', now, 'WITHSCORES', \
                  'LIMIT', 0, left) \
              for at = 1, #ends, 2 do \
@@ -353,28 +370,39 @@ pub(crate) fn take_over_due() -> redis::Script {
              end \
          end \
          table.sort(due, function(a, b) return a[1] < b[1] end) \
-         local taken = {} \
-         for _, one in ipairs(due) do \
-             if #taken >= left then break end \
-             local index, row = one[2], one[3] \
-             local workflow = redis.call('HGET', row, 'wf') \
-             if workflow ~= ARGV[#KEYS - 1 + index] then \
-                 redis.call('ZREM', KEYS[index], row) \
-             else \
-                 local fields = take(row, KEYS[1], KEYS[index], false, tonumber(ARGV[index]), now, \
-                     'resumer') \
-                 if fields then \
-                     table.insert(fields, 1, index - 1) \
-                     table.insert(taken, fields) \
-                 end \
-             end \
+         local found = {} \
+         for at = 1, math.min(left, #due) do \
+             table.insert(found, {string.format('%d', due[at][1]), due[at][2], due[at][3]}) \
          end \
-         return taken",
+         return found",
     ])
 }
 
-/// KEYS: workflows. ARGV: the prefix of the sorted sets of lease ends. How long the oldest lapsed
-/// lease of a started key has been over, in ms (0 when none has).
+/// KEYS: row, fence, the leases of the workflow whose set named the row, leased. ARGV: lease ms,
+/// the workflow, the workflow in hex. The resumer's takeover of one due entry: `{token,
+/// attempts, tenant, key, recovery point, output, request, last error}`, or nil. An entry whose
+/// row is gone (deleted, lost alone), or is another workflow's (lost alone and claimed again
+/// under it), is dropped from the set and never taken.
+pub(crate) fn take_due() -> redis::Script {
+    script(&[
+        NOW,
+        JOURNAL,
+        TAKE,
+        "local workflow = redis.call('HGET', KEYS[1], 'wf') \
+         if workflow ~= ARGV[2] then \
+             redis.call('ZREM', KEYS[3], KEYS[1]) \
+             if redis.call('HGET', KEYS[4], KEYS[1]) == ARGV[3] then \
+                 redis.call('HDEL', KEYS[4], KEYS[1]) \
+             end \
+             return false \
+         end \
+         return take(KEYS[1], KEYS[2], KEYS[3], false, tonumber(ARGV[1]), now, 'resumer')",
+    ])
+}
+
+/// KEYS: a bucket's workflows. ARGV: the bucket's prefix of the sorted sets of lease ends. How
+/// long the oldest lapsed lease of a started key of the bucket has been over, in ms (0 when none
+/// has).
 pub(crate) fn resumer_lag() -> ReadOnly {
     read_only(&[
         NOW,
@@ -387,8 +415,9 @@ pub(crate) fn resumer_lag() -> ReadOnly {
     ])
 }
 
-/// KEYS: workflows. ARGV: the prefix of the sorted sets of lease ends, then the (hex) workflows
-/// known. `{workflow, due keys}` for each other workflow with due keys.
+/// KEYS: a bucket's workflows. ARGV: the bucket's prefix of the sorted sets of lease ends, then
+/// the (hex) workflows known. `{workflow, due keys}` for each other workflow with due keys in the
+/// bucket.
 pub(crate) fn count_due_unknown() -> ReadOnly {
     read_only(&[
         NOW,
@@ -405,44 +434,48 @@ pub(crate) fn count_due_unknown() -> ReadOnly {
     ])
 }
 
-/// KEYS: finishes, index. ARGV: keep for ms, batch, the prefix of rows (`<prefix>:key:`). Deletes up to `batch` keys finished longer ago, with
-/// their bodies apart; how many. A row is deleted only when it is finished, by its own finish
-/// time: an entry whose row was lost, or is started again, is dropped from the set and nothing
-/// else, and one behind its row's finish is moved to it (the set is not the truth; the row is).
-pub(crate) fn expire_batch() -> redis::Script {
-    script(&[
+/// KEYS: a bucket's finishes. ARGV: keep for ms, how many. Read-only: retention's first look at a
+/// bucket, the entries finished longer ago (the oldest first), each `{row, body apart or ''}`,
+/// which [`expire_one`] then deletes row by row.
+pub(crate) fn expired() -> ReadOnly {
+    read_only(&[
         NOW,
-        MEMBER,
-        "local cutoff = now - tonumber(ARGV[1]) \
-         local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, \
+        "local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), \
              'LIMIT', 0, tonumber(ARGV[2])) \
-         local deleted = 0 \
+         local found = {} \
          for _, row in ipairs(old) do \
-             local held = redis.call('HMGET', row, 'st', 'fa', 'apart') \
-             if held[1] == 'done' and tonumber(held[2]) <= cutoff then \
-                 if held[3] then redis.call('DEL', row .. ':body:' .. held[3]) end \
-                 redis.call('DEL', row) \
-                 redis.call('ZREM', KEYS[2], member_of(row, ARGV[3])) \
-                 deleted = deleted + 1 \
-                 redis.call('ZREM', KEYS[1], row) \
-             elseif held[1] == 'done' then \
-                 redis.call('ZADD', KEYS[1], tonumber(held[2]), row) \
-             else \
-                 redis.call('ZREM', KEYS[1], row) \
-             end \
+             table.insert(found, {row, redis.call('HGET', row, 'apart') or ''}) \
          end \
-         return deleted",
+         return found",
     ])
 }
 
-/// `member_of(row, rows_prefix)`: the row's member of the index of every key (the tenant and the
-/// key in hex, joined by `!`, which sorts before every hex digit, so members sort as `(tenant,
-/// key)` pairs do, byte for byte).
-const MEMBER: &str = "local function member_of(row, rows_prefix) \
-    local rest = string.sub(row, #rows_prefix + 1) \
-    local colon = string.find(rest, ':', 1, true) \
-    return string.sub(rest, 1, colon - 1) .. '!' .. string.sub(rest, colon + 1) \
-end ";
+/// KEYS: row, finishes, index, the body apart seen (`<row>:body:<apart>`, or `<row>:body:`).
+/// ARGV: keep for ms, the row's member of the index, the body apart seen (or `''`). 1 when the
+/// row was deleted, with its body apart, else 0. A row is deleted only when it is finished, by
+/// its own finish time, with the body apart seen (another is a later life: the next batch sees
+/// it): an entry whose row was lost, or is started again, is dropped from the set and nothing
+/// else, and one behind its row's finish is moved to it (the set is not the truth; the row is).
+pub(crate) fn expire_one() -> redis::Script {
+    script(&[
+        NOW,
+        "local cutoff = now - tonumber(ARGV[1]) \
+         local held = redis.call('HMGET', KEYS[1], 'st', 'fa', 'apart') \
+         if held[1] == 'done' and tonumber(held[2]) <= cutoff then \
+             if (held[3] or '') ~= ARGV[3] then return 0 end \
+             if held[3] then redis.call('DEL', KEYS[4]) end \
+             redis.call('DEL', KEYS[1]) \
+             redis.call('ZREM', KEYS[3], ARGV[2]) \
+             redis.call('ZREM', KEYS[2], KEYS[1]) \
+             return 1 \
+         elseif held[1] == 'done' then \
+             redis.call('ZADD', KEYS[2], tonumber(held[2]), KEYS[1]) \
+         else \
+             redis.call('ZREM', KEYS[2], KEYS[1]) \
+         end \
+         return 0",
+    ])
+}
 
 /// KEYS: row, the row's body apart prefix (`<row>:body:`). `{now, {t, k, wf, st, rp, lu, lv, att,
 /// err, rs, fp, ca, jr}, response bytes}` (the fields nil when the key is absent).
@@ -464,18 +497,31 @@ pub(crate) fn report() -> ReadOnly {
     ])
 }
 
-/// KEYS: row, index, finishes, the leases of the row's workflow. ARGV: the token shown, the
-/// state shown, the row's member of the index. Deletes the key (with its body apart) if it still
-/// holds that token and state: the state, or nil.
+/// KEYS: row. `{now, {req, st, rs, rh, rb, apart, fa}}`: a key's stored bodies, with the clock
+/// of the server that holds it.
+pub(crate) fn bodies() -> ReadOnly {
+    read_only(&[
+        NOW,
+        "return {now, redis.call('HMGET', KEYS[1], 'req', 'st', 'rs', 'rh', 'rb', 'apart', 'fa')}",
+    ])
+}
+
+/// KEYS: row, index, finishes, the leases of the row's workflow, leased, the body apart seen
+/// (`<row>:body:<apart>`, or `<row>:body:`). ARGV: the token shown, the state shown, the row's
+/// member of the index, the body apart seen (or `''`). Deletes the key (with its body apart) if it
+/// still holds that token, state and body: the state, or nil.
 pub(crate) fn expire_key() -> redis::Script {
     script(&[
         "local held = redis.call('HMGET', KEYS[1], 'lv', 'st', 'apart') \
-         if held[1] ~= ARGV[1] or held[2] ~= ARGV[2] then return false end \
-         if held[3] then redis.call('DEL', KEYS[1] .. ':body:' .. held[3]) end \
+         if held[1] ~= ARGV[1] or held[2] ~= ARGV[2] or (held[3] or '') ~= ARGV[4] then \
+             return false \
+         end \
+         if held[3] then redis.call('DEL', KEYS[6]) end \
          redis.call('DEL', KEYS[1]) \
          redis.call('ZREM', KEYS[2], ARGV[3]) \
          redis.call('ZREM', KEYS[3], KEYS[1]) \
          redis.call('ZREM', KEYS[4], KEYS[1]) \
+         if held[2] == 'started' then redis.call('HDEL', KEYS[5], KEYS[1]) end \
          return held[2]",
     ])
 }
@@ -498,9 +544,9 @@ const PAGE: &str = "local function page(set, score, member, count) \
     return redis.call('ZRANGE', set, start, start + count - 1, 'WITHSCORES') \
 end ";
 
-/// KEYS: workflows, finishes. ARGV: the prefix of the sorted sets of lease ends. `{now,
-/// {workflow in hex, keys, due}..., finished in the last minute, in the last 15 minutes}`: counts
-/// only (`ZCARD`, `ZCOUNT`), whatever the number of keys.
+/// KEYS: a bucket's workflows, its finishes. ARGV: the bucket's prefix of the sorted sets of lease
+/// ends. `{now, {workflow in hex, keys, due}..., finished in the last minute, in the last 15
+/// minutes}`: counts only (`ZCARD`, `ZCOUNT`), whatever the number of keys.
 pub(crate) fn overview() -> ReadOnly {
     read_only(&[
         NOW,
@@ -518,9 +564,9 @@ pub(crate) fn overview() -> ReadOnly {
     ])
 }
 
-/// KEYS: a workflow's leases. ARGV: the page's position (score, member), its size. One page of
-/// the started keys: `{oldest claim (ms) among them or false, members read, the last one's score,
-/// the last member}`.
+/// KEYS: a workflow's leases in one bucket. ARGV: the page's position (score, member), its size.
+/// One page of the started keys: `{oldest claim (ms) among them or false, members read, the last
+/// one's score, the last member}`.
 pub(crate) fn oldest_started() -> ReadOnly {
     read_only(&[
         PAGE,
@@ -534,10 +580,10 @@ pub(crate) fn oldest_started() -> ReadOnly {
     ])
 }
 
-/// KEYS: a workflow's leases. ARGV: the page's position (score, member), its size, the attempts
-/// that make a key stuck. One page of the started keys: `{members read, the last one's score, the
-/// last member, {lease end, tenant, key} of each stuck one (its lease over, or that many attempts
-/// at one recovery point)}`.
+/// KEYS: a workflow's leases in one bucket. ARGV: the page's position (score, member), its size,
+/// the attempts that make a key stuck. One page of the started keys: `{members read, the last
+/// one's score, the last member, {lease end, tenant, key} of each stuck one (its lease over, or
+/// that many attempts at one recovery point)}`.
 pub(crate) fn stuck_page() -> ReadOnly {
     read_only(&[
         NOW,

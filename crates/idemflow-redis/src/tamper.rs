@@ -6,24 +6,40 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idemflow_store::{EngineError, Tamper};
 
-use crate::{RedisPool, RedisStore, StoreError};
+use crate::{BUCKETS, RedisPool, RedisStore, StoreError};
 
 /// The row names of every key (of `only`, when given), from the index of every key.
-async fn rows(pool: &RedisPool, only: Option<(&str, &str)>) -> Result<Vec<String>, StoreError> {
+async fn rows(
+    pool: &RedisPool,
+    only: Option<(&str, &str)>,
+) -> Result<Vec<(u16, String)>, StoreError> {
     if let Some((tenant, key)) = only {
-        return Ok(vec![pool.row(tenant, key)]);
+        return Ok(vec![(
+            RedisPool::bucket(tenant, key),
+            pool.row(tenant, key),
+        )]);
     }
-    let members: Vec<String> = redis::cmd("ZRANGE")
-        .arg(pool.index())
-        .arg(0)
-        .arg(-1)
-        .query_async(&mut pool.connection())
-        .await?;
-    Ok(members
-        .iter()
-        .filter_map(|member| member.split_once('!'))
-        .map(|(tenant, key)| format!("{}{tenant}:{key}", pool.rows_prefix()))
-        .collect())
+    let mut rows = Vec::new();
+    for bucket in 0..BUCKETS {
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg(pool.index(bucket))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut pool.connection())
+            .await?;
+        rows.extend(
+            members
+                .iter()
+                .filter_map(|member| member.split_once('!'))
+                .map(|(tenant, key)| {
+                    (
+                        bucket,
+                        format!("{}{tenant}:{key}", pool.rows_prefix(bucket)),
+                    )
+                }),
+        );
+    }
+    Ok(rows)
 }
 
 /// Moves a field holding a time `by` milliseconds back, with the row's entry in `set`, for rows
@@ -67,8 +83,8 @@ async fn move_back(
 #[async_trait]
 impl Tamper for RedisStore {
     async fn lapse_leases(pool: &RedisPool, only: Option<(&str, &str)>) -> Result<(), EngineError> {
-        for row in rows(pool, only).await? {
-            let leases = |workflow: &str| pool.leases(workflow);
+        for (bucket, row) in rows(pool, only).await? {
+            let leases = |workflow: &str| pool.leases(bucket, workflow);
             move_back(pool, &row, "started", "lu", leases, 86_400_000).await?;
         }
         Ok(())
@@ -76,14 +92,14 @@ impl Tamper for RedisStore {
 
     async fn age_finished(pool: &RedisPool, by: Duration) -> Result<(), EngineError> {
         let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
-        for row in rows(pool, None).await? {
-            move_back(pool, &row, "done", "fa", |_| pool.finishes(), by).await?;
+        for (bucket, row) in rows(pool, None).await? {
+            move_back(pool, &row, "done", "fa", |_| pool.finishes(bucket), by).await?;
         }
         Ok(())
     }
 
     async fn damage_journals(pool: &RedisPool) -> Result<(), EngineError> {
-        for row in rows(pool, None).await? {
+        for (_, row) in rows(pool, None).await? {
             let _: () = redis::cmd("HSET")
                 .arg(&row)
                 .arg("jr")

@@ -199,33 +199,52 @@ pub(crate) mod redis_store {
     use idemflow_redis::RedisPool;
     use idemflow_redis::RedisStore;
     use idemflow_redis::redis;
+    use idemflow_redis::redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+    use idemflow_redis::{BUCKETS, RedisConnection};
 
     use super::{ForeignSimEngine, RowSample};
+
+    /// Every Redis key under `pool`'s prefix matching `pattern` (after the prefix's `:`), on
+    /// every primary (`SCAN` answers for one node).
+    async fn scan(pool: &RedisPool, pattern: &str) -> Result<Vec<String>, redis::RedisError> {
+        let mut found = Vec::new();
+        let primaries = pool.primaries().await.map_err(|error| match error {
+            idemflow_redis::StoreError::Redis(error) => error,
+            other => {
+                redis::RedisError::from((redis::ErrorKind::Client, "primaries", other.to_string()))
+            }
+        })?;
+        for (_, mut connection) in primaries {
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(format!("{}:{pattern}", pool.prefix()))
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(&mut connection)
+                    .await?;
+                found.extend(batch);
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(found)
+    }
 
     /// Deletes every Redis key under `pool`'s prefix: a schedule starts on an empty store.
     pub(crate) async fn forget_prefix(pool: &RedisPool) -> Result<(), redis::RedisError> {
         let mut connection = pool.connection();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{}:*", pool.prefix()))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut connection)
+        for name in scan(pool, "*").await? {
+            redis::cmd("DEL")
+                .arg(&name)
+                .query_async::<()>(&mut connection)
                 .await?;
-            if !batch.is_empty() {
-                redis::cmd("DEL")
-                    .arg(&batch)
-                    .query_async::<()>(&mut connection)
-                    .await?;
-            }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
         }
+        Ok(())
     }
 
     fn failed(error: redis::RedisError) -> String {
@@ -309,7 +328,7 @@ pub(crate) mod redis_store {
             key: &str,
             seen: &RowSample,
         ) -> Result<bool, String> {
-            let leases = observer.leases("");
+            let leases = observer.leases(RedisPool::bucket(tenant.as_str(), key), "");
             redis::Script::new(LAPSE)
                 .key(observer.row(tenant.as_str(), key))
                 .arg(seen.token)
@@ -324,7 +343,7 @@ pub(crate) mod redis_store {
         async fn age(observer: &RedisPool, tenant: &TenantId, key: &str) -> Result<bool, String> {
             redis::Script::new(AGE)
                 .key(observer.row(tenant.as_str(), key))
-                .key(observer.finishes())
+                .key(observer.finishes(RedisPool::bucket(tenant.as_str(), key)))
                 .invoke_async::<i64>(&mut observer.connection())
                 .await
                 .map(|done| done == 1)
@@ -350,26 +369,47 @@ pub(crate) mod redis_store {
                 .key(observer.row(tenant.as_str(), key))
                 .arg(seen.token)
                 .arg(&seen.lease)
-                .arg(observer.leases(""))
+                .arg(observer.leases(RedisPool::bucket(tenant.as_str(), key), ""))
                 .invoke_async::<i64>(&mut observer.connection())
                 .await
                 .map(|done| done == 1)
                 .map_err(failed)
         }
 
+        /// The engine's connection (on a cluster, its connection to each primary), closed by the
+        /// server: `CLIENT KILL ID` with the id the engine's own connection reports.
         async fn kill(engine: &RedisPool, observer: &RedisPool) -> Result<u64, String> {
-            let id: i64 = redis::cmd("CLIENT")
-                .arg("ID")
-                .query_async(&mut engine.connection())
-                .await
-                .map_err(failed)?;
-            redis::cmd("CLIENT")
-                .arg("KILL")
-                .arg("ID")
-                .arg(id)
-                .query_async::<u64>(&mut observer.connection())
-                .await
-                .map_err(failed)
+            let mut killed = 0;
+            for (node, mut admin) in observer.primaries().await.map_err(|e| e.to_string())? {
+                let id_of = redis::cmd("CLIENT").arg("ID").to_owned();
+                let id: i64 = match engine.connection() {
+                    RedisConnection::Single(mut connection) => {
+                        id_of.query_async(&mut connection).await.map_err(failed)?
+                    }
+                    RedisConnection::Cluster(mut connection) => {
+                        let (host, port) = node
+                            .rsplit_once(':')
+                            .ok_or_else(|| format!("node {node}"))?;
+                        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                            host: host.to_owned(),
+                            port: port.parse().map_err(|_| format!("node {node}"))?,
+                        });
+                        let answer = connection
+                            .route_command(id_of, route)
+                            .await
+                            .map_err(failed)?;
+                        redis::from_redis_value(answer).map_err(|e| e.to_string())?
+                    }
+                };
+                killed += redis::cmd("CLIENT")
+                    .arg("KILL")
+                    .arg("ID")
+                    .arg(id)
+                    .query_async::<u64>(&mut admin)
+                    .await
+                    .map_err(failed)?;
+            }
+            Ok(killed)
         }
 
         /// Every started row is in its workflow's sorted set at its lease end, every finished
@@ -387,14 +427,12 @@ pub(crate) mod redis_store {
     async fn audit(observer: &RedisPool) -> Result<Vec<String>, redis::RedisError> {
         let mut connection = observer.connection();
         let mut problems = Vec::new();
-        let names = row_names(observer, &mut connection).await?;
-        let finishes: Vec<(String, i64)> = redis::cmd("ZRANGE")
-            .arg(observer.finishes())
-            .arg(0)
-            .arg(-1)
-            .arg("WITHSCORES")
-            .query_async(&mut connection)
-            .await?;
+        let names = scan(observer, "*:key:*").await?;
+        let names: Vec<String> = names
+            .into_iter()
+            .filter(|name| !name.contains(":body:"))
+            .collect();
+        let finishes = all_finishes(observer, &mut connection).await?;
         for (row, _) in &finishes {
             let state: Option<String> = redis::cmd("HGET")
                 .arg(row)
@@ -409,19 +447,26 @@ pub(crate) mod redis_store {
         }
         problems.extend(stale_leases(observer, &mut connection).await?);
         for row in names {
-            let (state, workflow, lease, finished): (
+            type Fields = (
                 Option<String>,
                 Option<String>,
                 Option<i64>,
                 Option<i64>,
-            ) = redis::cmd("HMGET")
+                Option<String>,
+                Option<String>,
+            );
+            let (state, workflow, lease, finished, tenant, key): Fields = redis::cmd("HMGET")
                 .arg(&row)
-                .arg(&["st", "wf", "lu", "fa"])
+                .arg(&["st", "wf", "lu", "fa", "t", "k"])
                 .query_async(&mut connection)
                 .await?;
             let Some(workflow) = workflow else { continue };
+            let bucket = RedisPool::bucket(
+                tenant.as_deref().unwrap_or_default(),
+                key.as_deref().unwrap_or_default(),
+            );
             let in_leases: Option<i64> = redis::cmd("ZSCORE")
-                .arg(observer.leases(&workflow))
+                .arg(observer.leases(bucket, &workflow))
                 .arg(&row)
                 .query_async(&mut connection)
                 .await?;
@@ -445,29 +490,23 @@ pub(crate) mod redis_store {
         Ok(problems)
     }
 
-    /// The name of every key's row under the observer's prefix (not the bodies stored apart).
-    async fn row_names(
+    /// Every bucket's set of finishes, with the finish times.
+    async fn all_finishes(
         observer: &RedisPool,
-        connection: &mut redis::aio::ConnectionManager,
-    ) -> Result<Vec<String>, redis::RedisError> {
-        let rows_prefix = format!("{}:key:", observer.prefix());
-        let mut names = Vec::new();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{rows_prefix}*"))
-                .arg("COUNT")
-                .arg(1000)
+        connection: &mut RedisConnection,
+    ) -> Result<Vec<(String, i64)>, redis::RedisError> {
+        let mut finishes: Vec<(String, i64)> = Vec::new();
+        for bucket in 0..BUCKETS {
+            let bucket_finishes: Vec<(String, i64)> = redis::cmd("ZRANGE")
+                .arg(observer.finishes(bucket))
+                .arg(0)
+                .arg(-1)
+                .arg("WITHSCORES")
                 .query_async(connection)
                 .await?;
-            names.extend(batch.into_iter().filter(|name| !name.contains(":body:")));
-            if next == 0 {
-                return Ok(names);
-            }
-            cursor = next;
+            finishes.extend(bucket_finishes);
         }
+        Ok(finishes)
     }
 
     /// The entries of every workflow's set of lease ends that name no started row of that
@@ -476,29 +515,15 @@ pub(crate) mod redis_store {
     /// workflow, that workflow's resumer would take it for its own.
     async fn stale_leases(
         observer: &RedisPool,
-        connection: &mut redis::aio::ConnectionManager,
+        connection: &mut RedisConnection,
     ) -> Result<Vec<String>, redis::RedisError> {
-        let prefix = observer.leases("");
-        let mut sets = Vec::new();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{prefix}*"))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(connection)
-                .await?;
-            sets.extend(batch);
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        let sets = scan(observer, "*:leases:*").await?;
         let mut problems = Vec::new();
         for set in sets {
-            let named = set.strip_prefix(&prefix).unwrap_or_default();
+            let named = set
+                .rsplit_once(":leases:")
+                .map(|(_, hex)| hex)
+                .unwrap_or_default();
             let workflow = idemflow_core::hex::decode(named)
                 .and_then(|bytes| String::from_utf8(bytes).ok())
                 .unwrap_or_else(|| named.to_owned());
