@@ -28,8 +28,8 @@ pub use idemflow_store::Limits;
 /// (docs/protocol.md): the partitioned layout's uniqueness check needs a snapshot taken after the
 /// claim lock, which only Read Committed gives a statement (its trigger refuses any other level).
 /// A transaction whose phases declare Repeatable Read or Serializable states that level in the
-/// same place ([`begin_statement`]), and docs/protocol.md argues the claim and the fence there.
-/// Part of the `BEGIN`'s own message: no round trip of its own.
+/// same place ([`crate::statements::begin_message`]), and docs/protocol.md argues the claim and
+/// the fence there. Part of the `BEGIN`'s own message: no round trip of its own.
 pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// The mark every transaction of the engine carries for its life: a setting of its own, made
