@@ -14,6 +14,10 @@ pub struct Config {
     pub mariadb_url: String,
     /// The Redis server the redis workload runs on (under a prefix of its own).
     pub redis_url: String,
+    /// The Redis Cluster the redis workload's cluster rows run on: its nodes' URLs,
+    /// comma-separated (`REDIS_CLUSTER_URLS`, as scripts/lib/redis-cluster.sh exports them);
+    /// `None`: the cluster rows are not run, and the report says so.
+    pub redis_cluster_urls: Option<String>,
     /// Tiny counts for CI (a smoke test): only the counts are meant to be read.
     pub quick: bool,
     /// Concurrent clients for the checkout, local-only, replay, http and pgbench workloads (and
@@ -77,6 +81,9 @@ impl Config {
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned()),
             redis_url: std::env::var("REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
+            redis_cluster_urls: std::env::var("REDIS_CLUSTER_URLS")
+                .ok()
+                .filter(|urls| !urls.trim().is_empty()),
             quick: false,
             clients: vec![1, 8, 32, 64],
             duration: Duration::from_secs(5),

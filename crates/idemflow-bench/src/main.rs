@@ -50,6 +50,11 @@ struct Args {
     /// default $REDIS_URL, else redis://127.0.0.1:6379
     #[arg(long)]
     redis_url: Option<String>,
+    /// The Redis Cluster of the redis workload's cluster rows (new keys and replays against the
+    /// single node): its nodes' URLs, comma-separated; default $REDIS_CLUSTER_URLS, else the
+    /// cluster rows are not run (scripts/lib/redis-cluster.sh starts a cluster)
+    #[arg(long)]
+    redis_cluster_urls: Option<String>,
 }
 
 /// `--only` in short: the workloads' names, from the registry.
@@ -139,6 +144,12 @@ fn config(args: Args) -> Result<Config, String> {
     }
     if let Some(url) = args.redis_url {
         config.redis_url = url;
+    }
+    if let Some(urls) = args
+        .redis_cluster_urls
+        .filter(|urls| !urls.trim().is_empty())
+    {
+        config.redis_cluster_urls = Some(urls);
     }
     if let Some(seconds) = args.duration_secs {
         config.duration = Duration::from_secs_f64(seconds);

@@ -10,6 +10,11 @@
 //!
 //! Then a storm of duplicates on each (new keys each round, every copy sent at once), counting what
 //! the copies were answered; and Redis's commands per request (`INFO stats`, one client).
+//!
+//! The cluster rows, where a Redis Cluster is given (`--redis-cluster-urls`, else
+//! `REDIS_CLUSTER_URLS`): `new` and `replay` at the same client counts on `Runner<RedisStore>` on
+//! the cluster and on the single node, alternating in quarters, the single node the baseline. With
+//! no cluster given the bench starts none: the report says the cluster rows were not run.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -64,6 +69,31 @@ pub struct RedisBeside {
     pub round_trips: Vec<(String, f64)>,
     /// Commands Redis ran per request, by operation, those inside the scripts included.
     pub commands: Vec<(String, f64)>,
+    /// The Redis Cluster of the cluster rows (its primaries, its Redis version); `None` when
+    /// they were not run.
+    pub cluster_server: Option<String>,
+    /// The cluster rows: one per operation of [`CLUSTER_OPERATIONS`] and client count; empty
+    /// when not run.
+    pub cluster: Vec<ClusterRun>,
+    /// Why the cluster rows were not run.
+    pub cluster_not_run: Option<String>,
+}
+
+/// One operation at one client count on the Redis Cluster and on the single node, alternating.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterRun {
+    pub operation: String,
+    pub clients: usize,
+    /// The single node (`--redis-url`): the baseline.
+    pub single_per_second: f64,
+    pub cluster_per_second: f64,
+}
+
+impl ClusterRun {
+    /// Cluster ÷ single node.
+    pub fn ratio(&self) -> Option<f64> {
+        (self.single_per_second > 0.0).then(|| self.cluster_per_second / self.single_per_second)
+    }
 }
 
 /// One operation at one client count on both engines.
@@ -101,6 +131,8 @@ pub struct StormRun {
 
 /// The operations, in the order of the report.
 pub const OPERATIONS: [&str; 3] = ["new", "replay", "http-new"];
+/// The operations of the cluster rows.
+pub const CLUSTER_OPERATIONS: [&str; 2] = ["new", "replay"];
 const REPLAY_KEYS: u64 = 1_000;
 
 /// Answers at once: the engine's own cost is what is measured.
@@ -242,6 +274,34 @@ async fn timed<E: Engine>(
     Ok(total)
 }
 
+/// Timed runs that take turns on two sides, each at its own keys.
+struct Turns<'a> {
+    client: &'a reqwest::Client,
+    duration: Duration,
+    offset: u64,
+}
+
+impl Turns<'_> {
+    /// Requests per second of `operation` by `clients` clients on `a` and on `b`, alternating in
+    /// quarters of the duration (a, b, a, b), so drift over the run falls on both alike.
+    async fn per_second<A: Engine, B: Engine>(
+        &mut self,
+        (a, b): (&Arc<Side<A>>, &Arc<Side<B>>),
+        operation: &'static str,
+        clients: usize,
+    ) -> Result<(f64, f64), Error> {
+        let quarter = self.duration / 4;
+        let (mut on_a, mut on_b) = (0, 0);
+        for _ in 0..2 {
+            on_a += timed(a, self.client, operation, clients, quarter, self.offset).await?;
+            on_b += timed(b, self.client, operation, clients, quarter, self.offset).await?;
+            self.offset += 1 << 32;
+        }
+        let seconds = (quarter * 2).as_secs_f64();
+        Ok((on_a as f64 / seconds, on_b as f64 / seconds))
+    }
+}
+
 /// `config.storm_rounds` rounds of `config.storm_keys` new keys, each round's copies sent by
 /// `config.storm_clients` clients released at once.
 async fn storm<E: Engine>(side: &Arc<Side<E>>, config: &Config) -> Result<StormRun, Error> {
@@ -330,8 +390,9 @@ async fn per_request(
     ))
 }
 
-/// Measures on the Redis at `config.redis_url` (under a prefix of its own, deleted before and
-/// after) and on the scratch PostgreSQL database.
+/// Measures on the Redis at `config.redis_url` and, where one is given, on the Redis Cluster at
+/// `config.redis_cluster_urls` (under a prefix of their own, deleted before and after), and on the
+/// scratch PostgreSQL database.
 async fn beside_postgres(config: &Config, scratch: &Scratch) -> Result<RedisBeside, Error> {
     let prefix = format!("idemflow-bench-{}", std::process::id());
     let redis = RedisPool::connect_with_prefix(&config.redis_url, &prefix)
@@ -343,82 +404,156 @@ async fn beside_postgres(config: &Config, scratch: &Scratch) -> Result<RedisBesi
                 config.redis_url
             )
         })?;
+    let server = version(&redis).await?;
+    let cluster = match &config.redis_cluster_urls {
+        Some(urls) => {
+            let pool = RedisPool::connect_with_prefix(urls, &prefix)
+                .await
+                .map_err(|error| {
+                    format!(
+                        "no Redis Cluster at {urls} ({error}): --redis-cluster-urls or \
+                         REDIS_CLUSTER_URLS names one (scripts/lib/redis-cluster.sh starts one)"
+                    )
+                })?;
+            if !pool.is_cluster() {
+                return Err(format!("{urls} is one Redis, not a Redis Cluster").into());
+            }
+            Some(pool)
+        }
+        None => None,
+    };
+    let mut cluster_server = None;
+    for pool in std::iter::once(&redis).chain(&cluster) {
+        delete_prefix(pool).await?;
+    }
+    if let Some(pool) = &cluster {
+        cluster_server = Some(format!(
+            "{} primaries, Redis {}",
+            pool.primaries().await?.len(),
+            version(pool).await?
+        ));
+    }
+    let result = measure(config, scratch, &redis, cluster.as_ref()).await;
+    for pool in std::iter::once(&redis).chain(&cluster) {
+        delete_prefix(pool).await?;
+    }
+    let mut report = result?;
+    report.server = server;
+    report.cluster_server = cluster_server;
+    if cluster.is_none() {
+        report.cluster_not_run = Some(
+            "no Redis Cluster given (--redis-cluster-urls, REDIS_CLUSTER_URLS): the bench \
+             starts none; scripts/lib/redis-cluster.sh does"
+                .to_owned(),
+        );
+    }
+    Ok(report)
+}
+
+/// The Redis version of `pool`'s (first) primary.
+async fn version(pool: &RedisPool) -> Result<String, Error> {
+    let mut primaries = pool.primaries().await?;
+    let Some((_, connection)) = primaries.first_mut() else {
+        return Ok("unknown".to_owned());
+    };
     let info: String = idemflow_redis::redis::cmd("INFO")
         .arg("server")
-        .query_async(&mut redis.connection())
+        .query_async(connection)
         .await?;
-    let server = info
+    Ok(info
         .lines()
         .find_map(|line| line.strip_prefix("redis_version:"))
         .unwrap_or("unknown")
         .trim()
-        .to_owned();
-    delete_prefix(&redis).await?;
-    let result = measure(config, scratch, &redis).await;
-    delete_prefix(&redis).await?;
-    let mut report = result?;
-    report.server = server;
-    Ok(report)
+        .to_owned())
 }
 
+/// Deletes every Redis key under `pool`'s prefix, on every primary (`SCAN` answers for one node),
+/// a key at a time (a cluster refuses a `DEL` of keys in several slots).
 async fn delete_prefix(pool: &RedisPool) -> Result<(), Error> {
-    let mut connection = pool.connection();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = idemflow_redis::redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{}:*", pool.prefix()))
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut connection)
-            .await?;
-        if !keys.is_empty() {
-            let () = idemflow_redis::redis::cmd("DEL")
-                .arg(&keys)
+    for (_, mut connection) in pool.primaries().await? {
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = idemflow_redis::redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}:*", pool.prefix()))
+                .arg("COUNT")
+                .arg(1000)
                 .query_async(&mut connection)
                 .await?;
+            if !keys.is_empty() {
+                let mut pipeline = idemflow_redis::redis::pipe();
+                for key in &keys {
+                    pipeline.cmd("DEL").arg(key).ignore();
+                }
+                let () = pipeline.query_async(&mut connection).await?;
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
         }
-        if next == 0 {
-            return Ok(());
-        }
-        cursor = next;
     }
+    Ok(())
 }
 
 async fn measure(
     config: &Config,
     scratch: &Scratch,
     redis: &RedisPool,
+    cluster: Option<&RedisPool>,
 ) -> Result<RedisBeside, Error> {
     let most = config.clients.iter().copied().max().unwrap_or(1);
     let postgres = scratch.pool(most.max(config.storm_clients) + 8).await?;
     idemflow::migrate(&postgres).await?;
     let on_redis = Arc::new(Side::<RedisStore>::new("redis", redis.clone()).await?);
     let on_postgres = Arc::new(Side::<PgStore>::new("postgres", postgres.clone()).await?);
+    let mut on_cluster = None;
+    if let Some(pool) = cluster {
+        on_cluster = Some(Arc::new(
+            Side::<RedisStore>::new("cluster", pool.clone()).await?,
+        ));
+    }
     for index in 0..REPLAY_KEYS {
         let key = format!("pay-replay-{index}");
         on_redis.run(&key).await?;
         on_postgres.run(&key).await?;
+        if let Some(on_cluster) = &on_cluster {
+            on_cluster.run(&key).await?;
+        }
     }
     let client = http::client(most)?;
     let mut report = RedisBeside::default();
-    let mut offset = 0_u64;
+    let mut turns = Turns {
+        client: &client,
+        duration: config.duration,
+        offset: 0,
+    };
     for &clients in &config.clients {
         for operation in OPERATIONS {
-            let quarter = config.duration / 4;
-            let (mut on_r, mut on_p) = (0, 0);
-            for _ in 0..2 {
-                on_r += timed(&on_redis, &client, operation, clients, quarter, offset).await?;
-                on_p += timed(&on_postgres, &client, operation, clients, quarter, offset).await?;
-                offset += 1 << 32;
-            }
-            let seconds = (quarter * 2).as_secs_f64();
+            let (redis_per_second, postgres_per_second) = turns
+                .per_second((&on_redis, &on_postgres), operation, clients)
+                .await?;
             report.runs.push(SideBySide {
                 operation: operation.to_owned(),
                 clients,
-                redis_per_second: on_r as f64 / seconds,
-                postgres_per_second: on_p as f64 / seconds,
+                redis_per_second,
+                postgres_per_second,
+            });
+        }
+        let Some(on_cluster) = &on_cluster else {
+            continue;
+        };
+        for operation in CLUSTER_OPERATIONS {
+            let (single_per_second, cluster_per_second) = turns
+                .per_second((&on_redis, on_cluster), operation, clients)
+                .await?;
+            report.cluster.push(ClusterRun {
+                operation: operation.to_owned(),
+                clients,
+                single_per_second,
+                cluster_per_second,
             });
         }
     }
@@ -517,6 +652,46 @@ fn section(report: &Report, out: &mut String) {
             out,
             "  per {operation} request: {round_trips:.2} round trips to Redis, {commands:.2} \
              commands run there (inside the scripts included)"
+        );
+    }
+    cluster_section(redis, out);
+}
+
+/// The cluster rows against the single node, or why they were not run.
+fn cluster_section(redis: &RedisBeside, out: &mut String) {
+    let Some(cluster) = &redis.cluster_server else {
+        let _ = writeln!(
+            out,
+            "\nredis cluster (15): not run: {}",
+            redis
+                .cluster_not_run
+                .as_deref()
+                .unwrap_or("no cluster given")
+        );
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nredis cluster (15): a Redis Cluster ({cluster}) against the single node (Redis {}, the \
+         baseline), the same workflow, alternating in quarters; per second; ratio = cluster ÷ \
+         single node",
+        redis.server
+    );
+    let _ = writeln!(
+        out,
+        "  {:<10} {:>7} {:>12} {:>12} {:>8}",
+        "operation", "clients", "single", "cluster", "ratio"
+    );
+    for run in &redis.cluster {
+        let _ = writeln!(
+            out,
+            "  {:<10} {:>7} {:>12.0} {:>12.0} {:>8}",
+            run.operation,
+            run.clients,
+            run.single_per_second,
+            run.cluster_per_second,
+            run.ratio()
+                .map_or("-".to_owned(), |ratio| format!("{ratio:.2}×")),
         );
     }
 }

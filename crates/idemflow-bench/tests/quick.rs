@@ -134,7 +134,20 @@ fn redis_ran_every_operation_and_storm(report: &Report) {
         round_trips,
         [("new", 3.0), ("replay", 1.0), ("http-new", 3.0)],
         "round trips to Redis per request"
-    );
+    ); // The cluster rows: run where a cluster is given (scripts/test starts one), else said not run.
+    if redis.cluster_server.is_some() {
+        assert_eq!(redis.cluster.len(), 2 * report.settings.clients.len());
+        assert!(
+            redis
+                .cluster
+                .iter()
+                .all(|run| run.single_per_second > 0.0 && run.cluster_per_second > 0.0),
+            "{:?}",
+            redis.cluster
+        );
+    } else {
+        assert!(redis.cluster.is_empty() && redis.cluster_not_run.is_some());
+    }
 }
 
 /// The server agrees: xact_commit per request. It also counts read-only autocommit statements
