@@ -94,21 +94,7 @@ async fn claim_in_life(
             millis(claim.lease),
             life,
         );
-        // One result per statement: the insert's (its id is the life), then the savepoint's. An
-        // error ends the message, so the savepoint never runs without the insert. The stream is
-        // read to its end: left part-read, the connection would still owe it the rest.
-        let mut results = Vec::with_capacity(2);
-        let mut stream =
-            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute_many(transaction.connection());
-        while let Some(result) = stream.next().await {
-            results.push(result);
-        }
-        drop(stream);
-        let mut results = results.into_iter();
-        let inserted = results
-            .next()
-            .unwrap_or_else(|| Err(sqlx::Error::Protocol("no result for the claim".into())));
-        let saved = results.next();
+        let (inserted, saved) = send(&mut transaction, sql).await;
         match inserted {
             Ok(done) => {
                 let life = match life {
@@ -150,6 +136,29 @@ async fn claim_in_life(
         }
     }
     Err(StoreError::Busy)
+}
+
+/// The claim's message: one result per statement, the insert's (its id is the life), then the
+/// savepoint's. An error ends the message, so the savepoint never runs without the insert. The
+/// stream is read to its end: left part-read, the connection would still owe it the rest.
+async fn send(
+    transaction: &mut Transaction,
+    sql: String,
+) -> (
+    Result<sqlx::mysql::MySqlQueryResult, sqlx::Error>,
+    Option<Result<sqlx::mysql::MySqlQueryResult, sqlx::Error>>,
+) {
+    let mut results = Vec::with_capacity(2);
+    let mut stream = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute_many(transaction.connection());
+    while let Some(result) = stream.next().await {
+        results.push(result);
+    }
+    drop(stream);
+    let mut results = results.into_iter();
+    let inserted = results
+        .next()
+        .unwrap_or_else(|| Err(sqlx::Error::Protocol("no result for the claim".into())));
+    (inserted, results.next())
 }
 
 /// Whole milliseconds, saturating (a lease of centuries is as good as forever).
