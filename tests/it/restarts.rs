@@ -39,9 +39,6 @@ trait Contended: SqlEngine {
         connection: &mut ConnectionOf<Self>,
         pool: &PoolOf<Self>,
     ) -> Result<(), sqlx::Error>;
-    /// Whether a claim made again keeps its token: PostgreSQL's is drawn by the look-up;
-    /// MariaDB's is the life the claim's insert draws.
-    const CLAIM_KEEPS_ITS_TOKEN: bool;
 }
 
 #[async_trait]
@@ -102,8 +99,6 @@ impl Contended for PgStore {
             .await
             .map(drop)
     }
-
-    const CLAIM_KEEPS_ITS_TOKEN: bool = true;
 }
 
 #[async_trait]
@@ -194,8 +189,6 @@ impl Contended for MySqlStore {
         other.await.unwrap();
         refused.map(drop)
     }
-
-    const CLAIM_KEEPS_ITS_TOKEN: bool = false;
 }
 
 /// What [`Contended::level`] answers where the engine cannot say.
@@ -343,7 +336,7 @@ async fn each_transaction_runs_at_the_level_its_phases_declare<E: Contended>(poo
 
 /// The database refuses the claim's transaction once (PostgreSQL: a serialization failure;
 /// MariaDB: a deadlock's victim). The runner rolls it back and runs it again at once: the same
-/// key, the claim made again (PostgreSQL: with the same token), the same input, no attempt
+/// key, the claim made again with the same token, the same input, no attempt
 /// counted, no backoff; the transfer is applied once. The old runner answered `Interrupted`
 /// and left the key to wait out a backoff of a second.
 async fn a_conflict_runs_the_transaction_again_under_the_same_key_without_an_attempt<
@@ -372,9 +365,9 @@ async fn a_conflict_runs_the_transaction_again_under_the_same_key_without_an_att
             "{runs:?}"
         );
     }
-    if E::CLAIM_KEEPS_ITS_TOKEN {
-        assert_eq!(runs[0].token, runs[1].token, "the same token");
-    }
+    // The same token on both engines: PostgreSQL's look-up drew it; MariaDB's claim stores the
+    // life its rolled-back insert drew.
+    assert_eq!(runs[0].token, runs[1].token, "the same token");
     // The rolled-back run left nothing: the transfer is applied once.
     assert_eq!(E::balances(&pool).await, (90, 110));
     let report = report::<E>(&pool, &key).await;
@@ -404,4 +397,64 @@ async fn a_conflict_past_the_restarts_is_an_ordinary_failed_attempt<E: Contended
     let report = report::<E>(&pool, &key).await;
     assert_eq!((report.attempts, report.state.as_str()), (1, "started"));
     assert!(report.last_error.is_some());
+}
+
+/// MariaDB's claim made again stores the life its rolled-back insert drew, so the token is the
+/// same; only a life another row holds (the counter gone back below it, which a crash can do) is
+/// drawn again, and the duplicate of the life is not read as a claim lost to another request.
+#[tokio::test]
+async fn a_mariadb_claim_made_again_keeps_its_life_unless_another_row_holds_it() {
+    use idemflow_mysql::{ClaimRequest, Claimed, begin_claim, claim_again_at};
+
+    let pool = crate::support::mariadb::fresh("restarts_claim_keeps_its_life").await;
+    let (tenant, fingerprint) = (
+        tenant(),
+        idemflow_core::Fingerprint::of_raw("POST", "/t", "text/plain", b"x"),
+    );
+    let request = serde_json::json!({"amount": 1});
+    let (kept, taken) = (
+        Key::parse("life-kept").unwrap(),
+        Key::parse("life-taken").unwrap(),
+    );
+    let claim = |key| ClaimRequest {
+        tenant: &tenant,
+        key,
+        fingerprint: &fingerprint,
+        workflow: "transfer",
+        request: &request,
+        lease: Duration::from_secs(30),
+    };
+    let owned = |claimed| match claimed {
+        Ok(Claimed::Owned(transaction, owner)) => (transaction, owner.lock_version()),
+        other => panic!("not owned: {other:?}"),
+    };
+    let (claim_kept, claim_taken) = (claim(&kept), claim(&taken));
+    let (transaction, token) = owned(begin_claim(pool.acquire().await.unwrap(), &claim_kept).await);
+    transaction.rollback().await.unwrap();
+    let again = claim_again_at(
+        pool.acquire().await.unwrap(),
+        &claim_kept,
+        token,
+        Isolation::Serializable,
+    );
+    let (transaction, again) = owned(again.await);
+    assert_eq!(again, token, "the same life, so the same token");
+    transaction.commit().await.unwrap();
+    let life: i64 = sqlx::query_scalar("SELECT life FROM idempotency_keys WHERE `key` = ?")
+        .bind(kept.as_str().as_bytes())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(life << 20, token);
+
+    // Another key's claim made again with the committed key's token: that life is taken.
+    let drawn = claim_again_at(
+        pool.acquire().await.unwrap(),
+        &claim_taken,
+        token,
+        Isolation::ReadCommitted,
+    );
+    let (transaction, drawn) = owned(drawn.await);
+    assert!(drawn > token, "a new life drawn: {drawn} after {token}");
+    transaction.rollback().await.unwrap();
 }

@@ -19,8 +19,11 @@ use idemflow_testrig::simulation::Simulation;
 async fn explore(simulation: &Simulation, seeds: impl IntoIterator<Item = u64>) {
     let mut failed = Vec::new();
     let mut passed = 0;
+    let (mut transfers, mut reruns) = (0, 0);
     for seed in seeds {
         let report = simulation.run(seed).await;
+        transfers += report.counts.transfers;
+        reruns += report.counts.transfer_reruns;
         if report.passed() {
             passed += 1;
         } else {
@@ -29,6 +32,13 @@ async fn explore(simulation: &Simulation, seeds: impl IntoIterator<Item = u64>) 
         }
     }
     println!("{passed} schedule(s) passed, {} broke", failed.len());
+    println!("{transfers} contended transfer(s), {reruns} phase run(s) again");
+    // The transfers are there to meet the database's refusals: a part whose transfers never did
+    // checked nothing about restarts.
+    assert!(
+        transfers == 0 || reruns > 0,
+        "{transfers} contended transfers and not one refused by the database"
+    );
     if !failed.is_empty() {
         panic!(
             "{} schedule(s) broke an invariant; replay with: {}",

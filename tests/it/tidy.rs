@@ -1062,7 +1062,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
         83,
     ),
     ("crates/idemflow-testkit/src/explorer.rs", "run_case", 82),
-    ("crates/idemflow-testrig/src/simulation/mod.rs", "run", 79),
     ("crates/idemflow-runner/src/drive/steps.rs", "call", 79),
     ("crates/idemflow-console/src/pages.rs", "overview", 76),
     ("crates/idemflow-http/src/handler.rs", "settle", 74),

@@ -25,6 +25,7 @@ mod replay;
 mod retention;
 mod sqlite;
 mod storm;
+mod transfers;
 mod wire;
 
 // What they share.

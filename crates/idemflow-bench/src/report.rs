@@ -74,6 +74,8 @@ pub struct Report {
     pub mariadb: Option<crate::mariadb::MariaDb>,
     /// The redis workload: the Redis engine beside PostgreSQL.
     pub redis: Option<crate::redis::RedisBeside>,
+    /// Contended transfers at Serializable, engine and raw, at each client count.
+    pub transfers: Vec<crate::transfers::TransferRun>,
     pub targets: Vec<Target>,
     /// The 1, 5 and 15 minute load averages as each workload began: other work on the machine.
     pub load_trace: Vec<(String, String)>,
@@ -460,6 +462,7 @@ impl Report {
             sqlite: Vec::new(),
             mariadb: None,
             redis: None,
+            transfers: Vec::new(),
             targets: Vec::new(),
             load_trace: Vec::new(),
             notes: Vec::new(),

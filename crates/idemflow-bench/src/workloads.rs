@@ -18,8 +18,8 @@ use crate::report::{Report, Target};
 use crate::timed::interleaved;
 use crate::{
     Error, checkout, drain, fleet, http, large_responses, local_only, machine, mariadb, mass_crash,
-    partitioned, pgbench, provider_storm, redis, replay, requests, retention, sqlite, storm, wire,
-    workflows,
+    partitioned, pgbench, provider_storm, redis, replay, requests, retention, sqlite, storm,
+    transfers, wire, workflows,
 };
 
 /// A future the registry stores behind a function pointer.
@@ -80,6 +80,7 @@ pub(crate) const WORKLOADS: &[Workload] = &[
     redis::WORKLOAD,
     fleet::WORKLOAD,
     partitioned::WORKLOAD,
+    transfers::WORKLOAD,
 ];
 
 /// The workload `--only` means by `name`: its name, its number, or its identifier in the report

@@ -27,7 +27,7 @@ mod take_over;
 mod tamper;
 mod transaction;
 
-pub use claim::{ClaimRequest, Claimed, begin_claim, begin_claim_at};
+pub use claim::{ClaimRequest, Claimed, begin_claim, begin_claim_at, claim_again_at};
 pub use connect::{OpenOptions, open, pool_options};
 pub use console::{expire_key, overview, scan_keys};
 pub use error::StoreError;

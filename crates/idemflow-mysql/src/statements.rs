@@ -125,13 +125,33 @@ pub fn claim_then_savepoint(
     request: &str,
     lease_ms: i64,
 ) -> String {
-    let mut sql = String::with_capacity(400 + 2 * (key.len() + request.len() + workflow.len()));
+    claim_then_savepoint_in_life(tenant, key, fingerprint, workflow, request, lease_ms, None)
+}
+
+/// [`claim_then_savepoint`], the row's life given rather than drawn when `life` is set: a claim
+/// made again after its transaction was rolled back whole keeps the life (so the token) it drew,
+/// which nobody else saw (docs/protocol.md, "A local phase at a stronger level"). An explicit
+/// value in the AUTO_INCREMENT column is stored as given, and moves the counter past it if it was
+/// not already; the unique index on the life refuses it if another row holds it.
+pub fn claim_then_savepoint_in_life(
+    tenant: &[u8],
+    key: &[u8],
+    fingerprint: &[u8],
+    workflow: &str,
+    request: &str,
+    lease_ms: i64,
+    life: Option<i64>,
+) -> String {
+    let mut sql = String::with_capacity(420 + 2 * (key.len() + request.len() + workflow.len()));
     sql.push_str(
         "INSERT INTO idempotency_keys \
              (tenant, `key`, fingerprint, workflow, request, locked_until, created_at, updated_at, \
-              journal) \
-         VALUES (",
+              journal",
     );
+    if life.is_some() {
+        sql.push_str(", life");
+    }
+    sql.push_str(") VALUES (");
     for (bytes, text) in [
         (tenant, false),
         (key, false),
@@ -163,8 +183,12 @@ pub fn claim_then_savepoint(
         now_ms!(),
         ", ",
         claim_journal!(),
-        "); "
     ));
+    if let Some(life) = life {
+        sql.push_str(", ");
+        sql.push_str(&life.to_string());
+    }
+    sql.push_str("); ");
     sql.push_str(CLAIMED_SAVEPOINT);
     sql
 }

@@ -142,14 +142,20 @@ impl Engine for MySqlStore {
         )
     }
 
-    /// The claim draws a fresh token (a new life) by its insert: the refused one was never seen.
+    /// The claim keeps its token: its insert stores the life the rolled-back one drew (nobody
+    /// else saw it; docs/protocol.md) rather than drawing a new one.
     async fn claim_again(
         connection: PoolConnection<MySql>,
         claim: Claim<'_>,
-        _token: i64,
+        token: i64,
         limits: &Limits,
     ) -> Result<Claimed<Self>, EngineError> {
-        Self::begin_claim(connection, claim, (), limits).await
+        Ok(
+            match crate::claim_again_at(connection, &claim, token, limits.isolation).await? {
+                crate::Claimed::Owned(transaction, owner) => Claimed::Owned(transaction, owner),
+                crate::Claimed::Lost(connection) => Claimed::Lost(connection),
+            },
+        )
     }
 
     async fn take_over(

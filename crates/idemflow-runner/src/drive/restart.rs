@@ -128,9 +128,9 @@ impl<E: Engine> Drive<'_, E> {
         Ok(())
     }
 
-    /// A claim made again keeps its token where the engine draws it before the claim
-    /// (PostgreSQL's look-up); where the claim's own insert draws it (MySQL/MariaDB's life), the
-    /// new one's. A takeover made again always has a new one.
+    /// A claim made again keeps its token (PostgreSQL's drawn by the look-up, MySQL/MariaDB's
+    /// life stored again by the insert); one an engine could not keep is the new one's. A
+    /// takeover made again always has a new one.
     fn set_owner(&mut self, owner: E::Owner) {
         self.context.lock_version = owner.lock_version();
         self.owner = owner;

@@ -37,6 +37,7 @@ pub mod foreign;
 mod observe;
 mod rng;
 mod scheduler;
+mod transfer;
 mod workflow;
 mod world;
 
@@ -58,6 +59,7 @@ pub use world::Counts;
 
 use observe::{MySqlObserver, Observe, PgObserver, SqliteObserver};
 
+use idemflow_runner::PoolOf;
 use idemflow_testkit::provider::MockProvider;
 
 /// The `application_name` of the engine's connections (the ones a schedule kills).
@@ -310,12 +312,7 @@ impl Simulation {
     pub async fn run(&self, seed: u64) -> ScheduleReport {
         match &self.backend {
             Backend::Postgres { options, observers } => {
-                world::run::<PgStore, _, _>(&self.provider, seed, |settings| async move {
-                    let observer: Arc<dyn Observe> =
-                        Arc::new(PgObserver(observers[settings.layout as usize].clone()));
-                    Ok((pg_engine(options, &settings).await?, observer))
-                })
-                .await
+                self.schedule_on_postgres(seed, options, observers).await
             }
             Backend::Sqlite { path, observer } => {
                 world::run::<SqliteStore, _, _>(&self.provider, seed, |_| async move {
@@ -325,11 +322,7 @@ impl Simulation {
                 .await
             }
             Backend::MySql { options, observer } => {
-                world::run::<MySqlStore, _, _>(&self.provider, seed, |_| async move {
-                    let observer: Arc<dyn Observe> = Arc::new(MySqlObserver(observer.clone()));
-                    Ok((mysql_engine(options, seed).await?, observer))
-                })
-                .await
+                self.schedule_on_mysql(seed, options, observer).await
             }
             Backend::PostgresForeign { options, observer } => {
                 let engine = match PgPoolOptions::new()
@@ -386,6 +379,69 @@ impl Simulation {
             }
         }
     }
+}
+
+impl Simulation {
+    /// The schedule `seed` names on PostgreSQL, then its contended transfers (`transfer`).
+    async fn schedule_on_postgres(
+        &self,
+        seed: u64,
+        options: &PgConnectOptions,
+        observers: &[PgPool; 2],
+    ) -> ScheduleReport {
+        let report = world::run::<PgStore, _, _>(&self.provider, seed, |settings| async move {
+            let observer: Arc<dyn Observe> =
+                Arc::new(PgObserver(observers[settings.layout as usize].clone()));
+            Ok((pg_engine(options, &settings).await?, observer))
+        })
+        .await;
+        let engine = PgPoolOptions::new()
+            .max_connections(16)
+            .connect_with(options.clone().application_name(ENGINE_APPLICATION))
+            .await;
+        with_transfers::<PgStore>(report, engine, &observers[Layout::Unpartitioned as usize]).await
+    }
+
+    /// The schedule `seed` names on MySQL/MariaDB, then its contended transfers (`transfer`).
+    async fn schedule_on_mysql(
+        &self,
+        seed: u64,
+        options: &MySqlConnectOptions,
+        observer: &MySqlPool,
+    ) -> ScheduleReport {
+        let report = world::run::<MySqlStore, _, _>(&self.provider, seed, |_| async move {
+            let observer: Arc<dyn Observe> = Arc::new(MySqlObserver(observer.clone()));
+            Ok((mysql_engine(options, seed).await?, observer))
+        })
+        .await;
+        let engine = mysql_engine(options, seed).await;
+        with_transfers::<MySqlStore>(report, engine, observer).await
+    }
+}
+
+/// `report` with the schedule's contended transfers (`transfer`) run after it on `engine`, a pool
+/// of the engine's own, and checked through `observer`.
+async fn with_transfers<E: transfer::Contended>(
+    mut report: ScheduleReport,
+    engine: Result<PoolOf<E>, sqlx::Error>,
+    observer: &PoolOf<E>,
+) -> ScheduleReport {
+    let engine = match engine {
+        Ok(engine) => engine,
+        Err(error) => {
+            report.violations.push(format!(
+                "transfers: the engine could not be reached: {error}"
+            ));
+            return report;
+        }
+    };
+    let transfers = transfer::run::<E>(report.seed, engine.clone(), observer).await;
+    idemflow_store::ConnectionPool::close(&engine).await;
+    report.counts.transfers = transfers.keys;
+    report.counts.transfer_reruns = transfers.reruns;
+    report.violations.extend(transfers.violations);
+    report.history.extend(transfers.history);
+    report
 }
 
 /// The report of a schedule whose engine could not be reached.

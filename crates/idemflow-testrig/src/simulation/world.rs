@@ -184,6 +184,11 @@ pub struct Counts {
     pub corruptions: u64,
     /// Foreign calls started (each checked: by the owner, on a live lease).
     pub calls: u64,
+    /// Contended transfers sent (`transfer.rs`; PostgreSQL and MariaDB).
+    pub transfers: u64,
+    /// Their phases' runs past one per phase: transactions the database refused and the runner
+    /// ran again (in place, or as a new attempt past the restarts).
+    pub transfer_reruns: u64,
 }
 
 impl Shared {
