@@ -488,13 +488,28 @@ pub(crate) async fn lose_a_race(pool: &PgPool, prefix: &str, claim_prepared: boo
     let claim = claim_of(&tenant, &key, &fingerprint, &request);
     // The loser's connection, whose look-up found the key absent before the winner claimed.
     let mut loser = pool.acquire().await.unwrap();
-    let LookUp::Absent { .. } = store::look_up(&mut loser, &tenant, &key).await.unwrap() else {
+    let LookUp::Absent {
+        claim_prepared: holds_it,
+        ..
+    } = store::look_up(&mut loser, &tenant, &key).await.unwrap()
+    else {
         panic!("the key is new");
     };
-    if claim_prepared {
-        sqlx::Executor::execute(&mut *loser, statements::PREPARE_CLAIM)
-            .await
-            .unwrap();
+    // The pool may hand back a connection an earlier claim prepared the claim on: the state the
+    // case asks for is made either way.
+    match (claim_prepared, holds_it) {
+        (true, false) => {
+            sqlx::Executor::execute(&mut *loser, statements::PREPARE_CLAIM)
+                .await
+                .unwrap();
+        }
+        (false, true) => {
+            let deallocate = format!("DEALLOCATE {}", statements::CLAIM_NAME);
+            sqlx::Executor::execute(&mut *loser, AssertSqlSafe(deallocate))
+                .await
+                .unwrap();
+        }
+        _ => {}
     }
     // The winner claims as the runner does: told by its look-up whether its connection holds
     // the prepared claim (a claim not told could fail once for it, a line of its own).
