@@ -33,6 +33,9 @@ trait Contended: SqlEngine {
     async fn level(connection: &mut ConnectionOf<Self>) -> Result<String, sqlx::Error>;
     /// Moves `amount` from account 1 to account 2.
     async fn transfer(connection: &mut ConnectionOf<Self>, amount: i64) -> Result<(), sqlx::Error>;
+    /// Ends the session of `connection` from another session on `pool`, as an operator or a
+    /// failover would: the transaction on it is rolled back by the server.
+    async fn end_session(connection: &mut ConnectionOf<Self>, pool: &PoolOf<Self>);
     /// Makes the transaction on `connection` meet the database's refusal to keep transactions
     /// apart, caused by another session on `pool`, and returns it.
     async fn meet_a_conflict(
@@ -79,6 +82,19 @@ impl Contended for PgStore {
             .execute(connection)
             .await
             .map(drop)
+    }
+
+    async fn end_session(connection: &mut sqlx::PgConnection, pool: &sqlx::PgPool) {
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(connection)
+            .await
+            .unwrap();
+        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        assert!(ended);
     }
 
     /// The transaction's snapshot was taken by its first statement; another session changes
@@ -149,6 +165,18 @@ impl Contended for MySqlStore {
             .map(drop)
     }
 
+    async fn end_session(connection: &mut sqlx::MySqlConnection, pool: &sqlx::MySqlPool) {
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(connection)
+            .await
+            .unwrap();
+        // An integer the server gave: nothing to quote.
+        sqlx::query(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
     /// A lock cycle: this transaction holds account 1, another session holds account 2 (and
     /// has written more, so InnoDB picks this one as the victim) and waits for account 1; this
     /// one then asks for account 2: a deadlock (1213), this transaction rolled back whole.
@@ -200,12 +228,28 @@ struct Move {
 }
 
 /// Moves money between the two accounts at its declared level, meeting a conflict on as many of
-/// its runs as `conflicts` says; counts its runs and what each saw.
+/// its runs as `conflicts` says; counts its runs and what each saw. Its `upset` does something
+/// worse on one run.
 struct Transfer<E: Contended> {
     pool: PoolOf<E>,
     isolation: Isolation,
     conflicts: Arc<AtomicUsize>,
     runs: Arc<Mutex<Vec<Run>>>,
+    upset: Upset,
+}
+
+/// What a transfer does on one of its runs (numbered from 1), besides what `conflicts` says.
+#[derive(Clone, Default)]
+enum Upset {
+    #[default]
+    Nothing,
+    /// Its session is ended by the server before it moves the money.
+    SessionEnded { on_run: usize },
+    /// It says so on `entered`, then never returns: the request is dropped there.
+    Hangs {
+        on_run: usize,
+        entered: Arc<tokio::sync::Notify>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -233,12 +277,27 @@ impl<E: Contended> LocalPhase<E> for Transfer<E> {
         context: &PhaseContext,
     ) -> Result<StoredResponse, PhaseError> {
         let level = E::level(connection).await?;
-        self.runs.lock().unwrap().push(Run {
-            token: context.lock_version,
-            attempt: context.attempt,
-            level,
-            amount: input.amount,
-        });
+        let run = {
+            let mut runs = self.runs.lock().unwrap();
+            runs.push(Run {
+                token: context.lock_version,
+                attempt: context.attempt,
+                level,
+                amount: input.amount,
+            });
+            runs.len()
+        };
+        match &self.upset {
+            Upset::SessionEnded { on_run } if *on_run == run => {
+                E::end_session(connection, &self.pool).await;
+            }
+            Upset::Hangs { on_run, entered } if *on_run == run => {
+                E::transfer(connection, input.amount).await?;
+                entered.notify_one();
+                std::future::pending::<()>().await;
+            }
+            _ => {}
+        }
         let conflict = self
             .conflicts
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
@@ -258,6 +317,15 @@ fn transfer<E: Contended>(
     isolation: Isolation,
     conflicts: usize,
 ) -> (Workflow<E>, Arc<Mutex<Vec<Run>>>) {
+    upset_transfer(pool, isolation, conflicts, Upset::Nothing)
+}
+
+fn upset_transfer<E: Contended>(
+    pool: &PoolOf<E>,
+    isolation: Isolation,
+    conflicts: usize,
+    upset: Upset,
+) -> (Workflow<E>, Arc<Mutex<Vec<Run>>>) {
     let runs = Arc::new(Mutex::new(Vec::new()));
     let workflow = Workflow::<E>::builder_on::<Move>(format!("transfer.{}", isolation.as_str()))
         .local(Transfer::<E> {
@@ -265,6 +333,7 @@ fn transfer<E: Contended>(
             isolation,
             conflicts: Arc::new(AtomicUsize::new(conflicts)),
             runs: runs.clone(),
+            upset,
         })
         .build()
         .unwrap();
@@ -300,6 +369,8 @@ at_levels!(
     each_transaction_runs_at_the_level_its_phases_declare,
     a_conflict_runs_the_transaction_again_under_the_same_key_without_an_attempt,
     a_conflict_past_the_restarts_is_an_ordinary_failed_attempt,
+    a_request_dropped_in_a_restarted_transaction_leaves_nothing_of_it,
+    a_session_ended_in_a_restarted_transaction_is_a_failed_attempt_not_a_restart,
 );
 
 async fn report<E: Engine>(pool: &PoolOf<E>, key: &Key) -> idemflow_store::KeyReport {
@@ -399,6 +470,93 @@ async fn a_conflict_past_the_restarts_is_an_ordinary_failed_attempt<E: Contended
     assert!(report.last_error.is_some());
 }
 
+/// A request dropped while its restarted transaction runs (a client gone, a shutdown's deadline)
+/// leaves nothing of that transaction, whose claim was made again: the money moved in it is not
+/// moved, the key is free, and the pool's connections are sound. The next request of the key
+/// runs it once.
+async fn a_request_dropped_in_a_restarted_transaction_leaves_nothing_of_it<E: Contended>(
+    pool: PoolOf<E>,
+) {
+    E::create_accounts(&pool).await;
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let upset = Upset::Hangs {
+        on_run: 2,
+        entered: entered.clone(),
+    };
+    let (workflow, runs) = upset_transfer::<E>(&pool, Isolation::Serializable, 1, upset);
+    let key = Key::parse("restart-dropped").unwrap();
+    let body = br#"{"amount": 10}"#;
+    let tenant = tenant();
+    tokio::select! {
+        outcome = runner.run(&workflow, &tenant, &key, request(body)) => {
+            panic!("the hung run answered: {outcome:?}")
+        }
+        () = entered.notified() => {}
+    }
+    assert_eq!(runs.lock().unwrap().len(), 2);
+    // The dropped transaction's session may take a moment to end: until then the key's claim
+    // is in flight and a request of it is told so.
+    let (workflow, runs) = transfer::<E>(&pool, Isolation::Serializable, 0);
+    let mut outcome = None;
+    for _ in 0..200 {
+        let answered = runner
+            .run(&workflow, &tenant, &key, request(body))
+            .await
+            .unwrap();
+        if !matches!(answered, Outcome::InProgress { .. }) {
+            outcome = Some(answered);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        outcome,
+        Some(Outcome::Executed(StoredResponse::new(201, "moved")))
+    );
+    assert_eq!(runs.lock().unwrap().len(), 1);
+    assert_eq!(E::balances(&pool).await, (90, 110), "moved once");
+    assert_eq!(report::<E>(&pool, &key).await.attempts, 1);
+}
+
+/// A session the server ends in a restarted transaction (an operator's kill, a failover) is not
+/// the database keeping transactions apart: no restart, but a failed attempt as any lost
+/// connection is. Its claim went with the session, so the key is free and nothing of either run
+/// is kept; the client's retry runs the transfer once.
+async fn a_session_ended_in_a_restarted_transaction_is_a_failed_attempt_not_a_restart<
+    E: Contended,
+>(
+    pool: PoolOf<E>,
+) {
+    E::create_accounts(&pool).await;
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let upset = Upset::SessionEnded { on_run: 2 };
+    let (workflow, runs) = upset_transfer::<E>(&pool, Isolation::Serializable, 1, upset);
+    let key = Key::parse("restart-session-ended").unwrap();
+    let body = br#"{"amount": 10}"#;
+    let answered = runner.run(&workflow, &tenant(), &key, request(body)).await;
+    assert!(
+        !matches!(
+            answered,
+            Ok(Outcome::Executed(_)) | Ok(Outcome::Replayed(_))
+        ),
+        "{answered:?}"
+    );
+    assert_eq!(runs.lock().unwrap().len(), 2, "no third run");
+    assert_eq!(E::balances(&pool).await, (100, 100), "nothing moved");
+    let (workflow, runs) = transfer::<E>(&pool, Isolation::Serializable, 0);
+    let outcome = runner
+        .run(&workflow, &tenant(), &key, request(body))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Executed(StoredResponse::new(201, "moved"))
+    );
+    assert_eq!(runs.lock().unwrap().len(), 1);
+    assert_eq!(E::balances(&pool).await, (90, 110), "moved once");
+}
+
 /// MariaDB's claim made again stores the life its rolled-back insert drew, so the token is the
 /// same; only a life another row holds (the counter gone back below it, which a crash can do) is
 /// drawn again, and the duplicate of the life is not read as a claim lost to another request.
@@ -457,4 +615,101 @@ async fn a_mariadb_claim_made_again_keeps_its_life_unless_another_row_holds_it()
     let (transaction, drawn) = owned(drawn.await);
     assert!(drawn > token, "a new life drawn: {drawn} after {token}");
     transaction.rollback().await.unwrap();
+}
+
+/// PostgreSQL's partitioned layout claims at Read Committed only (its uniqueness trigger needs a
+/// snapshot taken after the claim lock, and refuses an insert at any other level). A workflow
+/// whose first local phase declares a stronger level still runs there: the runner learns the
+/// layout from the first refused claim (which wrote nothing), then claims at Read Committed,
+/// commits the claim alone, and runs the phases' transaction at their level. Keys racing from
+/// many clients still get one row and one transfer each; a conflict restarts the phases'
+/// transaction under the committed claim's token. The old runner answered every such request
+/// with the trigger's error.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn on_the_partitioned_layout_a_stronger_first_phase_runs_after_its_claim_commits_alone(
+    pool: sqlx::PgPool,
+) {
+    use idemflow_pg::partitions::{self, PartitionPlan};
+
+    partitions::adopt(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    PgStore::create_accounts(&pool).await;
+    let runner = Runner::<PgStore>::on(pool.clone(), RunnerConfig::default());
+
+    for (isolation, named) in [
+        (Isolation::Serializable, "serializable"),
+        (Isolation::RepeatableRead, "repeatable read"),
+        (Isolation::ReadCommitted, "read committed"),
+    ] {
+        let (workflow, runs) = transfer::<PgStore>(&pool, isolation, 0);
+        let key = Key::parse(&format!("partitioned-{}", isolation.as_str())).unwrap();
+        let outcome = runner
+            .run(&workflow, &tenant(), &key, request(br#"{"amount": 1}"#))
+            .await
+            .unwrap();
+        assert_eq!(
+            outcome,
+            Outcome::Executed(StoredResponse::new(201, "moved"))
+        );
+        let runs = runs.lock().unwrap().clone();
+        assert_eq!(runs.len(), 1, "{isolation}: {runs:?}");
+        assert_eq!(runs[0].level, named, "{isolation}");
+        let report = report::<PgStore>(&pool, &key).await;
+        assert_eq!((report.attempts, report.state.as_str()), (1, "done"));
+    }
+    assert_eq!(PgStore::balances(&pool).await, (97, 103));
+
+    // A conflict in the phases' transaction: run again under the committed claim's token.
+    let (workflow, runs) = transfer::<PgStore>(&pool, Isolation::Serializable, 1);
+    let key = Key::parse("partitioned-restart").unwrap();
+    let outcome = runner
+        .run(&workflow, &tenant(), &key, request(br#"{"amount": 10}"#))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Executed(StoredResponse::new(201, "moved"))
+    );
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 2, "run again once: {runs:?}");
+    assert_eq!(runs[0].token, runs[1].token, "the same token");
+    assert_eq!(PgStore::balances(&pool).await, (87, 113));
+    assert_eq!(report::<PgStore>(&pool, &key).await.attempts, 1);
+
+    // Clients racing on a few keys, each a fresh runner (one that has not learnt the layout
+    // yet): one row and one transfer per key, whatever each client was answered.
+    let (workflow, _) = transfer::<PgStore>(&pool, Isolation::Serializable, 0);
+    let workflow = Arc::new(workflow);
+    let mut clients = tokio::task::JoinSet::new();
+    for client in 0..12 {
+        let (pool, workflow) = (pool.clone(), Arc::clone(&workflow));
+        clients.spawn(async move {
+            let runner = Runner::<PgStore>::on(pool, RunnerConfig::default());
+            let key = Key::parse(&format!("partitioned-race-{}", client % 3)).unwrap();
+            runner
+                .run(&workflow, &tenant(), &key, request(br#"{"amount": 1}"#))
+                .await
+                .unwrap()
+        });
+    }
+    while let Some(outcome) = clients.join_next().await {
+        let outcome = outcome.unwrap();
+        assert!(
+            matches!(
+                outcome,
+                Outcome::Executed(_) | Outcome::Replayed(_) | Outcome::InProgress { .. }
+            ),
+            "{outcome:?}"
+        );
+    }
+    let rows: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE key LIKE 'partitioned-race-%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, 3);
+    // Each key's transfer once: every key's claimer ran it to the end.
+    assert_eq!(PgStore::balances(&pool).await, (84, 116));
 }

@@ -46,6 +46,8 @@ pub(crate) fn database_error(error: sqlx::Error) -> DatabaseError {
         DatabaseErrorKind::NoSchema
     } else if is_restartable(&error) {
         DatabaseErrorKind::Restartable
+    } else if is_claim_level_refused(&error) {
+        DatabaseErrorKind::ClaimLevelRefused
     } else {
         DatabaseErrorKind::Other
     };
@@ -59,6 +61,19 @@ pub(crate) fn database_error(error: sqlx::Error) -> DatabaseError {
 pub(crate) fn is_restartable(error: &sqlx::Error) -> bool {
     has_code(error, "40001") || has_code(error, "40P01")
 }
+
+/// The partitioned layout's trigger refusing an insert into the keys table above Read Committed
+/// (feature_not_supported, 0A000, with the trigger's own message: a phase's statement may raise
+/// 0A000 for reasons of its own, which stay ordinary failures).
+pub(crate) fn is_claim_level_refused(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(error)
+        if error.code().as_deref() == Some("0A000")
+            && error.message().starts_with(CLAIM_LEVEL_REFUSED))
+}
+
+/// How the trigger's refusal begins (crates/idemflow-pg/migrations/
+/// 20261202000200_one_row_per_key_fixed_path.sql).
+const CLAIM_LEVEL_REFUSED: &str = "a key is inserted into the partitioned keys table only at";
 
 fn has_code(error: &sqlx::Error, code: &str) -> bool {
     matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(code))

@@ -22,7 +22,7 @@ use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::Outcome;
 use crate::runner::Runner;
-use crate::sealing::{Keyring, Sealer, Slot};
+use crate::sealing::{Sealer, Slot};
 use crate::workflow::Workflow;
 
 /// How many times a request looks its key up again when the key changes hands between statements.
@@ -44,6 +44,9 @@ enum Claim<E: Engine> {
         accepted: Accepted,
         input: Carry,
     },
+    /// The layout refused the claim at the leading phases' level, writing nothing: look again,
+    /// and claim at Read Committed (`crate::claim_level`).
+    LevelRefused { accepted: Accepted, input: Carry },
 }
 
 /// The claim cycle's state between rounds: the request, its input once decoded (only for a key
@@ -136,10 +139,9 @@ impl<E: Engine> Runner<E> {
                 }
             },
         };
-        let keyring = self.config.keyring.as_ref();
         // Boxed, as the drive: only a new key pays for the claim's state.
         let claim = Box::pin(claim(
-            connection, workflow, tenant, accepted, ticket, input, keyring,
+            self, connection, workflow, tenant, accepted, ticket, input,
         ))
         // The claim may wait behind a concurrent claim of this key, for as long as that one's
         // local phases may run (the server ends it there).
@@ -154,6 +156,12 @@ impl<E: Engine> Runner<E> {
                 accepted,
                 decoded: Some(input),
                 kept: Some(connection),
+            }),
+            // Its connection went with the refused statement.
+            Claim::LevelRefused { accepted, input } => Step::Again(Cycle {
+                accepted,
+                decoded: Some(input),
+                kept: None,
             }),
         })
     }
@@ -252,17 +260,19 @@ impl<E: Engine> Runner<E> {
     }
 }
 
-/// Claims an absent key: `BEGIN` and the claim in one message, on the look-up's connection.
-/// The request is stored redacted by the workflow and sealed by the keyring.
+/// Claims an absent key: `BEGIN` and the claim in one message, on the look-up's connection, at
+/// the leading local phases' level where the layout allows (`crate::claim_level`). The request
+/// is stored redacted by the workflow and sealed by the keyring.
 async fn claim<E: Engine>(
+    runner: &Runner<E>,
     connection: Connection<E>,
     workflow: &Workflow<E>,
     tenant: &TenantId,
     accepted: Accepted,
     ticket: E::Ticket,
     input: Carry,
-    keyring: Option<&Keyring>,
 ) -> Result<Claim<E>, RunError> {
+    let keyring = runner.config.keyring.as_ref();
     let redacted = workflow
         .redacted_request(&accepted.request)
         .transpose()
@@ -285,7 +295,15 @@ async fn claim<E: Engine>(
         lease: workflow.lease(),
     };
     let claimed_at = Instant::now();
-    match E::begin_claim(connection, claim, ticket, workflow.limits()).await? {
+    let limits = runner.claim_level.claim_limits(workflow.limits());
+    let claimed = match E::begin_claim(connection, claim, ticket, &limits).await {
+        Err(EngineError::Database(error)) if error.is_claim_level_refused() => {
+            runner.claim_level.refused();
+            return Ok(Claim::LevelRefused { accepted, input });
+        }
+        claimed => claimed?,
+    };
+    match claimed {
         Claimed::Owned(tx, owner) => {
             tracing::Span::current().record("lock_version", owner.lock_version());
             metrics::count(metrics::CLAIMS, workflow.name());
@@ -297,7 +315,8 @@ async fn claim<E: Engine>(
             // The phases of this attempt get `input`, as sent; the rest of the drive (a failure
             // path, a claim made again) the request as stored, before sealing.
             let request = redacted.unwrap_or(request);
-            let start = Start::claimed(owner, tx, fingerprint, input, request, claimed_at);
+            let level = limits.isolation;
+            let start = Start::claimed(owner, tx, level, fingerprint, input, request, claimed_at);
             Ok(Claim::Owned(Box::new(start)))
         }
         Claimed::Lost(connection) => Ok(Claim::Lost {
@@ -335,6 +354,7 @@ async fn take_over<E: Engine>(
     Ok(Some(Start::taken_over(
         taken,
         Some(tx),
+        workflow.limits().isolation,
         Hold::TakeOver { seen },
     )))
 }

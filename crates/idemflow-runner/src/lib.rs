@@ -4,6 +4,7 @@
 
 mod admission;
 mod claim_cycle;
+mod claim_level;
 mod config;
 mod crash;
 mod deadline;

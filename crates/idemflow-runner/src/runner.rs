@@ -5,12 +5,13 @@ use serde_json::Value;
 use tracing::Instrument;
 
 use crate::admission::{accept, canonical_request};
+use crate::claim_level::ClaimLevel;
 use crate::config::RunnerConfig;
 #[cfg(feature = "crash-hooks")]
 use crate::crash::CrashHook;
 use crate::crash::CrashPoints;
 use crate::drive::{Hold, Start};
-use crate::engine::{Engine, EnginePool, KeyOwner, PoolOf, Taken};
+use crate::engine::{Engine, EnginePool, Isolation, KeyOwner, PoolOf, Taken};
 use crate::error::RunError;
 use crate::metrics;
 use crate::outcome::{Outcome, Rejection};
@@ -40,6 +41,8 @@ pub struct Runner<E: Engine> {
     pub(crate) warm: Arc<Warm<E::Pool>>,
     pub(crate) config: RunnerConfig,
     pub(crate) crash_points: CrashPoints,
+    /// The level new keys are claimed at, as the layout allows (see [`crate::claim_level`]).
+    pub(crate) claim_level: Arc<ClaimLevel>,
 }
 
 impl<E: Engine> Clone for Runner<E> {
@@ -49,6 +52,7 @@ impl<E: Engine> Clone for Runner<E> {
             warm: Arc::clone(&self.warm),
             config: self.config.clone(),
             crash_points: self.crash_points.clone(),
+            claim_level: Arc::clone(&self.claim_level),
         }
     }
 }
@@ -77,6 +81,7 @@ impl<E: Engine> Runner<E> {
             pool,
             config,
             crash_points: CrashPoints::default(),
+            claim_level: Arc::default(),
         }
     }
 
@@ -209,7 +214,7 @@ impl<E: Engine> Runner<E> {
             );
             metrics::count(metrics::TAKEOVERS, workflow.name());
             // However long it waited since its batch took it over, the call checks its fence.
-            let start = Start::taken_over(taken, None, Hold::Committed);
+            let start = Start::taken_over(taken, None, Isolation::ReadCommitted, Hold::Committed);
             self.drive(workflow, start).await
         }
         .instrument(span)

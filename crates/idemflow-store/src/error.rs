@@ -48,6 +48,11 @@ pub enum DatabaseErrorKind {
     /// MySQL/MariaDB 1213). Nothing of the transaction is kept, and the same transaction run
     /// again at once may well pass: the runner restarts it in place.
     Restartable,
+    /// The keys table's layout refused a new key's claim at its transaction's isolation level:
+    /// PostgreSQL's partitioned layout claims at Read Committed only (its uniqueness check needs
+    /// a snapshot taken after the claim lock). Nothing was claimed; the runner claims the key
+    /// again at Read Committed, committed alone, and the phases' transaction follows at theirs.
+    ClaimLevelRefused,
     /// Anything else.
     Other,
 }
@@ -91,6 +96,12 @@ impl DatabaseError {
     /// ([`DatabaseErrorKind::Restartable`]).
     pub fn is_restartable(&self) -> bool {
         self.kind == DatabaseErrorKind::Restartable
+    }
+
+    /// Whether the layout refused a claim at its transaction's isolation level
+    /// ([`DatabaseErrorKind::ClaimLevelRefused`]).
+    pub fn is_claim_level_refused(&self) -> bool {
+        self.kind == DatabaseErrorKind::ClaimLevelRefused
     }
 
     /// The driver's error, when it is a `T`.

@@ -22,10 +22,11 @@ mod steps;
 use std::time::{Duration, Instant};
 
 use idemflow_core::{Fingerprint, StoredResponse};
+
 use serde_json::Value;
 
 use crate::deadline::Within;
-use crate::engine::{Engine, EngineError, KeyOwner, Standing, Taken};
+use crate::engine::{Engine, EngineError, Isolation, KeyOwner, Standing, Taken};
 use crate::erased::{Carry, Step};
 use crate::error::RunError;
 use crate::heartbeat::overrun_grace;
@@ -73,6 +74,8 @@ pub(crate) struct Start<E: Engine> {
     /// begins one only when a local phase or a record needs it (so it may call out at once).
     tx: Option<Tx<E>>,
     hold: Hold,
+    /// The level `tx` began at.
+    hold_level: Isolation,
     entry: Entry,
     /// The recovery point the row holds.
     recorded_point: String,
@@ -89,10 +92,12 @@ pub(crate) struct Start<E: Engine> {
 }
 
 impl<E: Engine> Start<E> {
-    /// A new key, claimed by this request in `tx` (uncommitted until the first commit).
+    /// A new key, claimed by this request in `tx`, begun at `level` (uncommitted until the first
+    /// commit).
     pub(crate) fn claimed(
         owner: E::Owner,
         tx: Tx<E>,
+        level: Isolation,
         fingerprint: Fingerprint,
         input: Carry,
         request: Value,
@@ -103,6 +108,7 @@ impl<E: Engine> Start<E> {
             owner,
             tx: Some(tx),
             hold: Hold::Claim(fingerprint),
+            hold_level: level,
             entry: Entry::Decoded { position: 0, input },
             recorded_point: idemflow_core::RecoveryPoint::START.to_owned(),
             request,
@@ -112,10 +118,17 @@ impl<E: Engine> Start<E> {
     }
 
     /// A key taken over from an expired lease, to go on from its recovery point: by a resumer
-    /// (`tx` is `None`, the takeover committed) or by a client retry (in `tx`, uncommitted).
-    /// The stored request is decoded as a resumer would, whoever took it over.
-    pub(crate) fn taken_over(taken: Taken<E::Owner>, tx: Option<Tx<E>>, hold: Hold) -> Self {
+    /// (`tx` is `None`, the takeover committed) or by a client retry (in `tx`, uncommitted,
+    /// begun at `level`). The stored request is decoded as a resumer would, whoever took it
+    /// over.
+    pub(crate) fn taken_over(
+        taken: Taken<E::Owner>,
+        tx: Option<Tx<E>>,
+        level: Isolation,
+        hold: Hold,
+    ) -> Self {
         Self {
+            hold_level: level,
             context: context_of(&taken.owner, attempt_of(taken.attempts)),
             owner: taken.owner,
             tx,
@@ -214,6 +227,8 @@ struct Drive<'r, E: Engine> {
     owner: E::Owner,
     tx: Option<Tx<E>>,
     hold: Hold,
+    /// The level the uncommitted hold's transaction began at.
+    hold_level: Isolation,
     recorded_point: String,
     /// The output stored with `recorded_point` (none at the start): what a failure path is told
     /// it may have to undo.
@@ -339,6 +354,7 @@ impl<'r, E: Engine> Drive<'r, E> {
             owner,
             tx,
             hold,
+            hold_level,
             entry,
             recorded_point,
             context,
@@ -352,6 +368,7 @@ impl<'r, E: Engine> Drive<'r, E> {
             owner,
             tx,
             hold,
+            hold_level,
             recorded_point,
             recorded_output: None,
             context,

@@ -175,37 +175,16 @@ impl<E: Engine> Drive<'_, E> {
         }
     }
 
-    /// A client retry's takeover is uncommitted, in a transaction begun at the claim's level
-    /// (the look-up cannot say where the key stands); when the phases it goes on with declare
-    /// another, the takeover commits first, as a resumer's does, and their transaction begins
-    /// at theirs.
+    /// An uncommitted hold (a client retry's takeover, begun at the claim's level since the
+    /// look-up cannot say where the key stands; a claim the layout would keep only at Read
+    /// Committed, `crate::claim_level`) whose transaction began at another level than the phases
+    /// it goes on with declare commits first, as a resumer's takeover does: their transaction
+    /// then begins at theirs.
     pub(super) async fn settle_level(&mut self, position: usize) -> Result<(), Stop> {
-        let workflow = self.workflow;
-        let level = workflow.limits_at(position).isolation;
-        if !matches!(self.hold, Hold::TakeOver { .. }) || workflow.limits().isolation == level {
+        let level = self.workflow.limits_at(position).isolation;
+        if self.hold == Hold::Committed || self.tx.is_none() || self.hold_level == level {
             return Ok(());
         }
-        let Some(tx) = self.tx.take() else {
-            return Ok(());
-        };
-        let committed = E::commit_keeping(tx)
-            .within(self.runner.config.database_timeout)
-            .await?;
-        match committed {
-            Ok(connection) => {
-                self.runner.warm.keep(connection);
-                self.hold = Hold::Committed;
-                Ok(())
-            }
-            Err(error) => {
-                self.commit_refused = true;
-                let phase = workflow.step_name(position);
-                Err(Stop::failed(FailedAttempt::of(
-                    phase,
-                    workflow.retry_policy_at(position),
-                    super::database_error("committing the takeover", &error),
-                )))
-            }
-        }
+        self.record_before_call(position, None).await
     }
 }

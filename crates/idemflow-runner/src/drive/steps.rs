@@ -111,7 +111,8 @@ impl<E: Engine> Drive<'_, E> {
         Ok(Some((index, output)))
     }
 
-    /// Makes everything so far durable before calling out: the last completed phase becomes the
+    /// Makes everything so far durable before calling out (or before phases that begin a
+    /// transaction at another level: `settle_level`): the last completed phase becomes the
     /// recovery point and the transaction commits. A key resumed right before a foreign phase
     /// has nothing to record and no transaction.
     pub(super) async fn record_before_call(

@@ -7,7 +7,9 @@
 //! amount from one account) and `credit` (gives it to the other), each at its own drawn level (the
 //! transaction runs at the stronger). Each writes a ledger row (key, account, change, token) in
 //! its transaction. The ledger has no unique constraint on purpose: an effect applied twice shows
-//! as a second row rather than being refused.
+//! as a second row rather than being refused. On PostgreSQL the transfers draw the keys table's
+//! layout too ([`layout`]): the partitioned one claims at Read Committed only, so there a claim
+//! whose phases declare a stronger level is refused once, then commits alone before them.
 //!
 //! Checked after every client has its answer: the balances sum to what they began with; each
 //! account's balance is its opening plus its ledger rows; each key has exactly one debit and one
@@ -29,6 +31,7 @@ use idemflow_runner::{
 };
 use serde::{Deserialize, Serialize};
 
+use super::Layout;
 use super::rng::Rng;
 
 /// How many accounts the transfers share.
@@ -421,6 +424,16 @@ fn policy() -> RetryPolicy {
         .with_max_backoff(Duration::from_millis(5))
         .with_multiplier(2.0)
         .with_jitter(0.5)
+}
+
+/// The layout of the keys table the schedule `seed`'s transfers run on (PostgreSQL): the
+/// partitioned one in two schedules of five.
+pub(crate) fn layout(seed: u64) -> Layout {
+    if Rng::new(seed ^ 0x6c61_796f_7574).chance(0.4) {
+        Layout::Partitioned
+    } else {
+        Layout::Unpartitioned
+    }
 }
 
 /// A level for a phase, drawn.
