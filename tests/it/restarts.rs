@@ -447,8 +447,9 @@ async fn a_conflict_runs_the_transaction_again_under_the_same_key_without_an_att
     assert_eq!(report.lock_version, runs[1].token);
 }
 
-/// A transaction refused on every run is run again a bounded number of times, then its failure
-/// is an ordinary retryable attempt: counted, its error recorded, the key postponed.
+/// A transaction refused on every run is run again a bounded number of times (the runner's
+/// `most_restarts`), then its failure is an ordinary retryable attempt: counted, its error
+/// recorded, the key postponed.
 async fn a_conflict_past_the_restarts_is_an_ordinary_failed_attempt<E: Contended>(pool: PoolOf<E>) {
     E::create_accounts(&pool).await;
     let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
@@ -465,9 +466,24 @@ async fn a_conflict_past_the_restarts_is_an_ordinary_failed_attempt<E: Contended
     // The first run and eight more.
     assert_eq!(runs.lock().unwrap().len(), 9);
     assert_eq!(E::balances(&pool).await, (100, 100));
-    let report = report::<E>(&pool, &key).await;
-    assert_eq!((report.attempts, report.state.as_str()), (1, "started"));
-    assert!(report.last_error.is_some());
+    let spent = report::<E>(&pool, &key).await;
+    assert_eq!((spent.attempts, spent.state.as_str()), (1, "started"));
+    assert!(spent.last_error.is_some());
+
+    // The bound is the runner's: none at all makes the first conflict the attempt's failure.
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default().with_most_restarts(0));
+    let (workflow, runs) = transfer::<E>(&pool, Isolation::Serializable, usize::MAX);
+    let key = Key::parse("restart-none").unwrap();
+    let outcome = runner
+        .run(&workflow, &tenant(), &key, request(br#"{"amount": 10}"#))
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome, Outcome::Interrupted { .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(runs.lock().unwrap().len(), 1);
+    assert_eq!(report::<E>(&pool, &key).await.attempts, 1);
 }
 
 /// A request dropped while its restarted transaction runs (a client gone, a shutdown's deadline)

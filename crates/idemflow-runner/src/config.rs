@@ -49,6 +49,12 @@ pub struct RunnerConfig {
     /// for a pool whose hooks must see every connection between two requests (one that resets
     /// session state a phase may leave, such as a `SET` without `LOCAL`).
     pub warm_connections: bool,
+    /// How many times one transaction is run again in place after the database rolled it back
+    /// to keep transactions apart (a serialization failure, a deadlock's victim) before its
+    /// failure counts as an attempt (docs/runner.md, "Restart in place"). Default
+    /// [`RunnerConfig::DEFAULT_MOST_RESTARTS`]; 0 makes every such failure an ordinary failed
+    /// attempt, with its retry policy's backoff.
+    pub most_restarts: u32,
 }
 
 impl RunnerConfig {
@@ -59,6 +65,11 @@ impl RunnerConfig {
     /// replay nothing extra in the row (PostgreSQL compresses and moves it out of line itself
     /// past about 2 KB); above it the second statement costs less than the body's transfer.
     pub const DEFAULT_RESPONSE_APART_ABOVE: usize = 64 * 1024;
+
+    /// The default [`RunnerConfig::most_restarts`]: 8. Each restart waits up to 2ⁿ ms (at most
+    /// 64 ms), so eight cost at most about a quarter of a second: enough for the conflicts of a
+    /// few contended keys, short next to a retry's backoff of a second.
+    pub const DEFAULT_MOST_RESTARTS: u32 = 8;
 }
 
 impl Default for RunnerConfig {
@@ -69,6 +80,7 @@ impl Default for RunnerConfig {
             keyring: None,
             response_apart_above: Self::DEFAULT_RESPONSE_APART_ABOVE,
             warm_connections: true,
+            most_restarts: Self::DEFAULT_MOST_RESTARTS,
         }
     }
 }
@@ -80,5 +92,6 @@ idemflow_core::with_setters! {
         with_keyring => keyring: Option<Keyring>,
         with_response_apart_above => response_apart_above: usize,
         with_warm_connections => warm_connections: bool,
+        with_most_restarts => most_restarts: u32,
     }
 }

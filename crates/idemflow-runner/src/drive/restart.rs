@@ -6,8 +6,9 @@
 //! from what the drive holds encoded (the request, the recorded output, a foreign result not yet
 //! committed). What the database asks for is a new run of the transaction, not a new attempt:
 //! none is counted and no backoff is waited, only a short jittered pause so that the
-//! transactions that crossed do not cross again in step. Past [`MOST_RESTARTS`] the failure is
-//! an ordinary retryable one (`failure.rs`).
+//! transactions that crossed do not cross again in step. Past the runner's
+//! [`crate::RunnerConfig::most_restarts`] the failure is an ordinary retryable one
+//! (`failure.rs`).
 //!
 //! A transaction is run again only when the engine says it is still its own or was rolled back
 //! whole with nothing committed since (`idemflow_store::Standing`): a phase that ended it and
@@ -25,9 +26,6 @@ use crate::erased::{Carry, Step};
 use crate::metrics;
 use crate::panic::catch_panic_now;
 
-/// Restarts of one transaction before its failure counts as an attempt.
-pub(crate) const MOST_RESTARTS: u32 = 8;
-
 /// The pause before restart `n` (0-based): up to 2^n ms, at most 64 ms, at random. Long enough
 /// for the transaction that won to commit, short next to a backoff of a second.
 pub(crate) fn restart_pause(n: u32) -> Duration {
@@ -44,7 +42,7 @@ impl<E: Engine> Drive<'_, E> {
         &mut self,
         failure: &FailedAttempt,
     ) -> Result<Option<(usize, Carry)>, Stop> {
-        if self.restarts >= MOST_RESTARTS
+        if self.restarts >= self.runner.config.most_restarts
             || failure.panicked
             || failure.spent
             || self.overran

@@ -9,7 +9,9 @@
 //! its transaction. The ledger has no unique constraint on purpose: an effect applied twice shows
 //! as a second row rather than being refused. On PostgreSQL the transfers draw the keys table's
 //! layout too ([`layout`]): the partitioned one claims at Read Committed only, so there a claim
-//! whose phases declare a stronger level is refused once, then commits alone before them.
+//! whose phases declare a stronger level is refused once, then commits alone before them. And
+//! they draw the runner's bound on restarts in place (`RunnerConfig::most_restarts`), none
+//! included: past it a conflict is an attempt, with its backoff.
 //!
 //! Checked after every client has its answer: the balances sum to what they began with; each
 //! account's balance is its opening plus its ledger rows; each key has exactly one debit and one
@@ -436,6 +438,20 @@ pub(crate) fn layout(seed: u64) -> Layout {
     }
 }
 
+/// The runner of the schedule `seed`'s transfers, with the bound on restarts in place it draws:
+/// none (every conflict an attempt with its backoff), one, the default, or many.
+fn runner<E: Contended>(seed: u64, pool: PoolOf<E>, history: &mut Vec<String>) -> Runner<E> {
+    let most_restarts =
+        Rng::new(seed ^ 0x7265_7374_6172_7473).weighted(&[(1, 0), (1, 1), (4, 8), (1, 32)]);
+    history.push(format!(
+        "transfers: at most {most_restarts} restart(s) in place"
+    ));
+    Runner::<E>::on(
+        pool,
+        RunnerConfig::default().with_most_restarts(most_restarts),
+    )
+}
+
 /// A level for a phase, drawn.
 fn level(rng: &mut Rng) -> Isolation {
     rng.weighted(&[
@@ -483,7 +499,7 @@ pub(crate) async fn run<E: Contended>(
     }
     let runs = Arc::new(Runs::default());
     let workflow = Arc::new(workflow::<E>(&mut rng, &tenant, &runs, &mut history));
-    let runner = Arc::new(Runner::<E>::on(pool, RunnerConfig::default()));
+    let runner = Arc::new(runner::<E>(seed, pool, &mut history));
     let tenant_id = TenantId::new(tenant.clone())
         .unwrap_or_else(|error| unreachable!("a valid tenant: {error}"));
     let keys = rng.between(3, 6);
