@@ -384,25 +384,44 @@ async fn report<E: Engine>(pool: &PoolOf<E>, key: &Key) -> idemflow_store::KeyRe
 async fn each_transaction_runs_at_the_level_its_phases_declare<E: Contended>(pool: PoolOf<E>) {
     E::create_accounts(&pool).await;
     let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
-    for (isolation, named) in [
-        (Isolation::ReadCommitted, "read committed"),
-        (Isolation::RepeatableRead, "repeatable read"),
-        (Isolation::Serializable, "serializable"),
-    ] {
-        let (workflow, runs) = transfer::<E>(&pool, isolation, 0);
-        let key = Key::parse(&format!("level-{}", isolation.as_str())).unwrap();
+    let weakest_first = [
+        Isolation::ReadCommitted,
+        Isolation::RepeatableRead,
+        Isolation::Serializable,
+    ];
+    each_level_moves_once(&runner, &pool, "level", weakest_first).await;
+}
+
+/// A transfer of 1 at each of `levels`, in that order, each a key of its own: each runs once, at
+/// its level (where the engine names it), and is done after one attempt. Accounts opened afresh
+/// end at 97 and 103.
+async fn each_level_moves_once<E: Contended>(
+    runner: &Runner<E>,
+    pool: &PoolOf<E>,
+    prefix: &str,
+    levels: [Isolation; 3],
+) {
+    for isolation in levels {
+        let (workflow, runs) = transfer::<E>(pool, isolation, 0);
+        let key = Key::parse(&format!("{prefix}-{}", isolation.as_str())).unwrap();
         let outcome = runner
             .run(&workflow, &tenant(), &key, request(br#"{"amount": 1}"#))
             .await
             .unwrap();
-        assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+        assert_eq!(
+            outcome,
+            Outcome::Executed(StoredResponse::new(201, "moved"))
+        );
         let runs = runs.lock().unwrap().clone();
-        assert_eq!(runs.len(), 1);
+        assert_eq!(runs.len(), 1, "{isolation}: {runs:?}");
         if runs[0].level != UNREAD {
+            let named = isolation.sql().to_lowercase();
             assert_eq!(runs[0].level, named, "{isolation}");
         }
+        let report = report::<E>(pool, &key).await;
+        assert_eq!((report.attempts, report.state.as_str()), (1, "done"));
     }
-    assert_eq!(E::balances(&pool).await, (97, 103));
+    assert_eq!(E::balances(pool).await, (97, 103));
 }
 
 /// The database refuses the claim's transaction once (PostgreSQL: a serialization failure;
@@ -417,10 +436,31 @@ async fn a_conflict_runs_the_transaction_again_under_the_same_key_without_an_att
 ) {
     E::create_accounts(&pool).await;
     let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
-    let (workflow, runs) = transfer::<E>(&pool, Isolation::Serializable, 1);
     let key = Key::parse("restart-1").unwrap();
+    // The same token on both engines: PostgreSQL's look-up drew it; MariaDB's claim stores the
+    // life its rolled-back insert drew.
+    let runs = a_conflict_runs_it_again_once(&runner, &pool, &key).await;
+    for run in &runs {
+        assert!(
+            [UNREAD, "serializable"].contains(&run.level.as_str()),
+            "{runs:?}"
+        );
+    }
+    // The rolled-back run left nothing: the transfer is applied once.
+    assert_eq!(E::balances(&pool).await, (90, 110));
+    assert_eq!(report::<E>(&pool, &key).await.last_error, None);
+}
+
+/// A transfer of 10 under `key` whose transaction meets one conflict: run again once, under the
+/// same token, with the same input, one attempt, answered with its transfer. Its two runs.
+async fn a_conflict_runs_it_again_once<E: Contended>(
+    runner: &Runner<E>,
+    pool: &PoolOf<E>,
+    key: &Key,
+) -> Vec<Run> {
+    let (workflow, runs) = transfer::<E>(pool, Isolation::Serializable, 1);
     let outcome = runner
-        .run(&workflow, &tenant(), &key, request(br#"{"amount": 10}"#))
+        .run(&workflow, &tenant(), key, request(br#"{"amount": 10}"#))
         .await
         .unwrap();
     assert_eq!(
@@ -431,20 +471,11 @@ async fn a_conflict_runs_the_transaction_again_under_the_same_key_without_an_att
     assert_eq!(runs.len(), 2, "run again once: {runs:?}");
     for run in &runs {
         assert_eq!((run.attempt, run.amount), (1, 10), "{runs:?}");
-        assert!(
-            [UNREAD, "serializable"].contains(&run.level.as_str()),
-            "{runs:?}"
-        );
     }
-    // The same token on both engines: PostgreSQL's look-up drew it; MariaDB's claim stores the
-    // life its rolled-back insert drew.
     assert_eq!(runs[0].token, runs[1].token, "the same token");
-    // The rolled-back run left nothing: the transfer is applied once.
-    assert_eq!(E::balances(&pool).await, (90, 110));
-    let report = report::<E>(&pool, &key).await;
-    assert_eq!(report.attempts, 1);
-    assert_eq!(report.last_error, None);
-    assert_eq!(report.lock_version, runs[1].token);
+    let report = report::<E>(pool, key).await;
+    assert_eq!((report.attempts, report.lock_version), (1, runs[1].token));
+    runs
 }
 
 /// A transaction refused on every run is run again a bounded number of times (the runner's
@@ -452,28 +483,27 @@ async fn a_conflict_runs_the_transaction_again_under_the_same_key_without_an_att
 /// recorded, the key postponed.
 async fn a_conflict_past_the_restarts_is_an_ordinary_failed_attempt<E: Contended>(pool: PoolOf<E>) {
     E::create_accounts(&pool).await;
-    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
-    let (workflow, runs) = transfer::<E>(&pool, Isolation::Serializable, usize::MAX);
-    let key = Key::parse("restart-spent").unwrap();
-    let outcome = runner
-        .run(&workflow, &tenant(), &key, request(br#"{"amount": 10}"#))
-        .await
-        .unwrap();
-    assert!(
-        matches!(outcome, Outcome::Interrupted { .. }),
-        "{outcome:?}"
-    );
     // The first run and eight more.
-    assert_eq!(runs.lock().unwrap().len(), 9);
-    assert_eq!(E::balances(&pool).await, (100, 100));
-    let spent = report::<E>(&pool, &key).await;
-    assert_eq!((spent.attempts, spent.state.as_str()), (1, "started"));
+    let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default());
+    let spent = every_run_conflicts(&runner, &pool, "restart-spent", 9).await;
+    assert_eq!(spent.state, "started");
     assert!(spent.last_error.is_some());
-
     // The bound is the runner's: none at all makes the first conflict the attempt's failure.
     let runner = Runner::<E>::on(pool.clone(), RunnerConfig::default().with_most_restarts(0));
-    let (workflow, runs) = transfer::<E>(&pool, Isolation::Serializable, usize::MAX);
-    let key = Key::parse("restart-none").unwrap();
+    every_run_conflicts(&runner, &pool, "restart-none", 1).await;
+    assert_eq!(E::balances(&pool).await, (100, 100));
+}
+
+/// A transfer under `key` whose every run meets a conflict: `runs` runs, then an interrupted
+/// attempt, one counted. The key's report.
+async fn every_run_conflicts<E: Contended>(
+    runner: &Runner<E>,
+    pool: &PoolOf<E>,
+    key: &str,
+    runs: usize,
+) -> idemflow_store::KeyReport {
+    let (workflow, ran) = transfer::<E>(pool, Isolation::Serializable, usize::MAX);
+    let key = Key::parse(key).unwrap();
     let outcome = runner
         .run(&workflow, &tenant(), &key, request(br#"{"amount": 10}"#))
         .await
@@ -482,8 +512,10 @@ async fn a_conflict_past_the_restarts_is_an_ordinary_failed_attempt<E: Contended
         matches!(outcome, Outcome::Interrupted { .. }),
         "{outcome:?}"
     );
-    assert_eq!(runs.lock().unwrap().len(), 1);
-    assert_eq!(report::<E>(&pool, &key).await.attempts, 1);
+    assert_eq!(ran.lock().unwrap().len(), runs);
+    let report = report::<E>(pool, &key).await;
+    assert_eq!(report.attempts, 1);
+    report
 }
 
 /// A request dropped while its restarted transaction runs (a client gone, a shutdown's deadline)
@@ -652,46 +684,18 @@ async fn on_the_partitioned_layout_a_stronger_first_phase_runs_after_its_claim_c
         .unwrap();
     PgStore::create_accounts(&pool).await;
     let runner = Runner::<PgStore>::on(pool.clone(), RunnerConfig::default());
-
-    for (isolation, named) in [
-        (Isolation::Serializable, "serializable"),
-        (Isolation::RepeatableRead, "repeatable read"),
-        (Isolation::ReadCommitted, "read committed"),
-    ] {
-        let (workflow, runs) = transfer::<PgStore>(&pool, isolation, 0);
-        let key = Key::parse(&format!("partitioned-{}", isolation.as_str())).unwrap();
-        let outcome = runner
-            .run(&workflow, &tenant(), &key, request(br#"{"amount": 1}"#))
-            .await
-            .unwrap();
-        assert_eq!(
-            outcome,
-            Outcome::Executed(StoredResponse::new(201, "moved"))
-        );
-        let runs = runs.lock().unwrap().clone();
-        assert_eq!(runs.len(), 1, "{isolation}: {runs:?}");
-        assert_eq!(runs[0].level, named, "{isolation}");
-        let report = report::<PgStore>(&pool, &key).await;
-        assert_eq!((report.attempts, report.state.as_str()), (1, "done"));
-    }
-    assert_eq!(PgStore::balances(&pool).await, (97, 103));
+    // The strongest first: the first claim is the one refused.
+    let strongest_first = [
+        Isolation::Serializable,
+        Isolation::RepeatableRead,
+        Isolation::ReadCommitted,
+    ];
+    each_level_moves_once(&runner, &pool, "partitioned", strongest_first).await;
 
     // A conflict in the phases' transaction: run again under the committed claim's token.
-    let (workflow, runs) = transfer::<PgStore>(&pool, Isolation::Serializable, 1);
     let key = Key::parse("partitioned-restart").unwrap();
-    let outcome = runner
-        .run(&workflow, &tenant(), &key, request(br#"{"amount": 10}"#))
-        .await
-        .unwrap();
-    assert_eq!(
-        outcome,
-        Outcome::Executed(StoredResponse::new(201, "moved"))
-    );
-    let runs = runs.lock().unwrap().clone();
-    assert_eq!(runs.len(), 2, "run again once: {runs:?}");
-    assert_eq!(runs[0].token, runs[1].token, "the same token");
+    a_conflict_runs_it_again_once(&runner, &pool, &key).await;
     assert_eq!(PgStore::balances(&pool).await, (87, 113));
-    assert_eq!(report::<PgStore>(&pool, &key).await.attempts, 1);
 
     // Clients racing on a few keys, each a fresh runner (one that has not learnt the layout
     // yet): one row and one transfer per key, whatever each client was answered.

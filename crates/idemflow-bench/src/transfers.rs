@@ -185,6 +185,19 @@ impl LocalPhase<PgStore> for Transfer {
     }
 }
 
+/// The engine's runner for `side`: the default bound on restarts in place, or raw's tries.
+fn engine_runner(pool: &PgPool, side: &str) -> Runner<PgStore> {
+    let most_restarts = if side == ENGINE_AS_RAW {
+        RAW_TRIES
+    } else {
+        RunnerConfig::DEFAULT_MOST_RESTARTS
+    };
+    Runner::<PgStore>::with_config(
+        pool.clone(),
+        RunnerConfig::default().with_most_restarts(most_restarts),
+    )
+}
+
 /// One side's clients, each sending new keys until the run's time is up.
 async fn one_side(
     ctx: &Ctx<'_>,
@@ -198,15 +211,7 @@ async fn one_side(
             .local(Transfer { runs: runs.clone() })
             .build()?,
     );
-    let most_restarts = if side == ENGINE_AS_RAW {
-        RAW_TRIES
-    } else {
-        RunnerConfig::DEFAULT_MOST_RESTARTS
-    };
-    let runner = Arc::new(Runner::<PgStore>::with_config(
-        pool.clone(),
-        RunnerConfig::default().with_most_restarts(most_restarts),
-    ));
+    let runner = Arc::new(engine_runner(pool, side));
     let prefix = ctx.prefix("transfers");
     let duration = ctx.config.duration;
     let reruns = Arc::new(AtomicU64::new(0));

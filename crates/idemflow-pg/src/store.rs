@@ -80,8 +80,9 @@ impl Engine for PgStore {
     /// key committed after its snapshot fails with 23505, or 40001 at Serializable: both a lost
     /// race), and a fenced write that meets a newer row fails with 40001 rather than write over
     /// it (docs/protocol.md, "A local phase at a stronger level"). The partitioned layout's
-    /// trigger refuses a claim at any level but Read Committed: the layout is the database's,
-    /// which a workflow does not know when it is built (docs/runner.md says what to do).
+    /// trigger refuses a claim at any level but Read Committed
+    /// (`DatabaseErrorKind::ClaimLevelRefused`); the runner then claims such keys alone at Read
+    /// Committed, before the phases' transaction begins at their level.
     fn isolation_refused(_level: Isolation, _with_claim: bool) -> Option<&'static str> {
         None
     }

@@ -51,7 +51,7 @@ pub struct RunnerConfig {
     pub warm_connections: bool,
     /// How many times one transaction is run again in place after the database rolled it back
     /// to keep transactions apart (a serialization failure, a deadlock's victim) before its
-    /// failure counts as an attempt (docs/runner.md, "Restart in place"). Default
+    /// failure counts as an attempt (docs/runner.md, "Choosing an isolation level"). Default
     /// [`RunnerConfig::DEFAULT_MOST_RESTARTS`]; 0 makes every such failure an ordinary failed
     /// attempt, with its retry policy's backoff.
     pub most_restarts: u32,
