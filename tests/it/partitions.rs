@@ -858,3 +858,56 @@ async fn maintenance_refuses_a_window_a_claim_transaction_could_outlive(pool: Pg
             .is_ok()
     );
 }
+
+/// A claim above Read Committed on this layout is refused by the trigger and writes nothing, and
+/// the engine says which refusal it is (`ClaimLevelRefused`: the runner then claims such keys
+/// alone at Read Committed); another statement's feature_not_supported (0A000) is not mistaken
+/// for it. At Read Committed the same claim goes in.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_claim_above_read_committed_is_refused_as_such_and_writes_nothing(pool: PgPool) {
+    use idemflow::{EngineError, Isolation};
+
+    adopt(&pool, HOUR, 2, 3).await;
+    let tenant = tenant(1);
+    let key = Key::parse("k").unwrap();
+    let fingerprint = Fingerprint::from_slice(&[7; 32]).unwrap();
+    let body = serde_json::json!({"bytes": 1});
+    let classified = |error: store::StoreError| match EngineError::from(error) {
+        EngineError::Database(error) => error,
+        other => panic!("{other:?}"),
+    };
+    for isolation in Isolation::ALL {
+        let mut connection = pool.acquire().await.unwrap();
+        let LookUp::Absent { lock_version, .. } = store::look_up(&mut connection, &tenant, &key)
+            .await
+            .unwrap()
+        else {
+            panic!("a new key is absent");
+        };
+        let claimed = store::begin_claim(
+            connection,
+            &claim_request(&tenant, &key, lock_version, &fingerprint, &body),
+            &Limits::default().with_isolation(isolation),
+        )
+        .await;
+        if isolation == Isolation::ReadCommitted {
+            let Ok(Claimed::Owned(transaction, _)) = claimed else {
+                panic!("claimed at Read Committed: {claimed:?}");
+            };
+            transaction.rollback().await.unwrap();
+            continue;
+        }
+        let error = classified(claimed.unwrap_err());
+        assert!(error.is_claim_level_refused(), "{isolation}: {error}");
+        assert_eq!(
+            count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+            0
+        );
+    }
+    let other = sqlx::query("SELECT count(*) FROM idempotency_keys FOR UPDATE")
+        .fetch_one(&pool)
+        .await
+        .unwrap_err();
+    let other = classified(store::StoreError::Database(other));
+    assert!(!other.is_claim_level_refused(), "{other}");
+}
