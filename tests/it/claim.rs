@@ -614,3 +614,59 @@ async fn a_claim_that_loses_the_race_on_partitions_writes_no_error_to_the_server
         .expect("adopt");
     races_quietly(&pool, "partitions").await;
 }
+
+/// A local phase at Serializable, which answers with the level its transaction ran at.
+struct AtSerializable;
+
+#[idemflow::async_trait]
+impl idemflow::LocalPhase<idemflow::PgStore> for AtSerializable {
+    const NAME: &'static str = "at_serializable";
+    type Input = Value;
+    type Output = idemflow::StoredResponse;
+
+    fn isolation(&self) -> idemflow::Isolation {
+        idemflow::Isolation::Serializable
+    }
+
+    async fn run(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        _: Value,
+        _: &idemflow::PhaseContext,
+    ) -> Result<idemflow::StoredResponse, idemflow::PhaseError> {
+        let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+            .fetch_one(connection)
+            .await?;
+        Ok(idemflow::StoredResponse::new(200, level))
+    }
+}
+
+/// On the partitioned layout, whose trigger refuses a claim above Read Committed, a workflow
+/// whose first local phase declares Serializable claims alone at Read Committed from its first
+/// request: the runner asks the layout before its first such claim, so no claim is refused and
+/// the server logs no ERROR for it (an operator alerting on ERROR lines is not paged).
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_stronger_first_phase_on_partitions_writes_no_error_to_the_servers_log(pool: PgPool) {
+    partitions::adopt(&pool, &PartitionPlan::default())
+        .await
+        .expect("adopt");
+    let log = ServerLog::from_now(&pool).await.expect("the server's log");
+    let workflow = idemflow::Workflow::<idemflow::PgStore>::builder_on::<Value>("strong.v1")
+        .local(AtSerializable)
+        .build()
+        .unwrap();
+    let runner = Runner::new(pool.clone());
+    let key = Key::parse(&format!("strong-{}", unique())).unwrap();
+    let outcome = runner
+        .run(&workflow, &tenant(1), &key, request(b"{}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Executed(idemflow::StoredResponse::new(200, "serializable"))
+    );
+    assert_eq!(
+        logged_lines(&pool, &log, &[key]).await,
+        Vec::<String>::new()
+    );
+}

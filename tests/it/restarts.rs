@@ -733,3 +733,47 @@ async fn on_the_partitioned_layout_a_stronger_first_phase_runs_after_its_claim_c
     // Each key's transfer once: every key's claimer ran it to the end.
     assert_eq!(PgStore::balances(&pool).await, (84, 116));
 }
+
+/// A table adopted into partitions under a running runner, which had learnt that its claims
+/// share their phases' transaction at any level: the first claim the new layout refuses (it
+/// writes nothing) teaches the runner otherwise, and that very request is served, its claim
+/// made alone at Read Committed and its phase run at Serializable.
+#[sqlx::test(migrator = "idemflow::MIGRATOR")]
+async fn a_table_adopted_under_a_running_runner_is_learnt_from_the_first_refused_claim(
+    pool: sqlx::PgPool,
+) {
+    use idemflow_pg::partitions::{self, PartitionPlan};
+
+    PgStore::create_accounts(&pool).await;
+    let runner = Runner::<PgStore>::on(pool.clone(), RunnerConfig::default());
+    let levels = |runs: &Mutex<Vec<Run>>| {
+        let runs = runs.lock().unwrap();
+        runs.iter().map(|run| run.level.clone()).collect::<Vec<_>>()
+    };
+    let (workflow, runs) = transfer::<PgStore>(&pool, Isolation::Serializable, 0);
+    let before = Key::parse("before-adoption").unwrap();
+    let outcome = runner
+        .run(&workflow, &tenant(), &before, request(br#"{"amount": 1}"#))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Executed(StoredResponse::new(201, "moved"))
+    );
+
+    partitions::adopt(&pool, &PartitionPlan::default())
+        .await
+        .unwrap();
+    let after = Key::parse("after-adoption").unwrap();
+    let outcome = runner
+        .run(&workflow, &tenant(), &after, request(br#"{"amount": 1}"#))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Executed(StoredResponse::new(201, "moved"))
+    );
+    assert_eq!(levels(&runs), ["serializable", "serializable"]);
+    assert_eq!(report::<PgStore>(&pool, &after).await.attempts, 1);
+    assert_eq!(PgStore::balances(&pool).await, (98, 102));
+}

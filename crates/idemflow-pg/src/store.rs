@@ -81,10 +81,18 @@ impl Engine for PgStore {
     /// race), and a fenced write that meets a newer row fails with 40001 rather than write over
     /// it (docs/protocol.md, "A local phase at a stronger level"). The partitioned layout's
     /// trigger refuses a claim at any level but Read Committed
-    /// (`DatabaseErrorKind::ClaimLevelRefused`); the runner then claims such keys alone at Read
-    /// Committed, before the phases' transaction begins at their level.
+    /// (`Engine::claims_at_read_committed_only`, and `DatabaseErrorKind::ClaimLevelRefused` for a
+    /// table adopted later); the runner then claims such keys alone at Read Committed, before the
+    /// phases' transaction begins at their level.
     fn isolation_refused(_level: Isolation, _with_claim: bool) -> Option<&'static str> {
         None
+    }
+
+    /// The partitioned layout's trigger refuses a claim above Read Committed.
+    async fn claims_at_read_committed_only(
+        connection: &mut PgConnection,
+    ) -> Result<bool, EngineError> {
+        Ok(crate::partitions::is_partitioned(connection).await?)
     }
 
     fn connection(transaction: &mut Transaction) -> &mut PgConnection {

@@ -294,6 +294,13 @@ async fn claim<E: Engine>(
         request: &stored,
         lease: workflow.lease(),
     };
+    let mut connection = connection;
+    if runner.claim_level.unknown_for(workflow.limits()) {
+        let only = E::claims_at_read_committed_only(&mut connection)
+            .within(runner.config.database_timeout)
+            .await??;
+        runner.claim_level.learnt(only);
+    }
     let claimed_at = Instant::now();
     let limits = runner.claim_level.claim_limits(workflow.limits());
     let claimed = match E::begin_claim(connection, claim, ticket, &limits).await {

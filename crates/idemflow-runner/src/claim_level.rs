@@ -1,30 +1,51 @@
 //! The isolation level a new key's claim is made at. A claim shares the transaction of the
 //! workflow's leading local phases, at their level, where the keys table's layout keeps the
 //! claim's guarantee there. PostgreSQL's partitioned layout does not above Read Committed (its
-//! uniqueness check needs a snapshot taken after the claim lock) and says so by refusing the
-//! claim ([`idemflow_store::DatabaseErrorKind::ClaimLevelRefused`]). The layout is the database's
-//! and may change under a running process (a table adopted into partitions), so the runner learns
-//! it from that refusal rather than asking up front: from then on, such a claim is made at Read
-//! Committed and committed alone, and the phases' transaction begins after it at their level, as
-//! after a takeover (`drive::restart::settle_level`). The refused claim wrote nothing; its request
-//! looks its key up again.
+//! uniqueness check needs a snapshot taken after the claim lock). A runner asks the engine once,
+//! before its first claim above Read Committed (`Engine::claims_at_read_committed_only`); and as
+//! the layout may change under a running process (a table adopted into partitions), a claim the
+//! layout refuses ([`idemflow_store::DatabaseErrorKind::ClaimLevelRefused`], nothing written, its
+//! request looks its key up again) teaches it too. Where the layout needs it, such a claim is made
+//! at Read Committed and committed alone, and the phases' transaction begins after it at their
+//! level, as after a takeover (`drive::restart::settle_level`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use idemflow_store::{Isolation, Limits};
 
-/// What this runner has learnt of the layout's claim level.
+/// Not asked yet.
+const UNKNOWN: u8 = 0;
+/// The claim shares its phases' transaction at any level.
+const SHARES: u8 = 1;
+/// The claim is made at Read Committed only.
+const READ_COMMITTED_ONLY: u8 = 2;
+
+/// What this runner (and its clones) knows of the layout's claim level.
 #[derive(Debug, Default)]
-pub(crate) struct ClaimLevel {
-    /// A claim above Read Committed was refused: claim at Read Committed from now on.
-    read_committed_only: AtomicBool,
-}
+pub(crate) struct ClaimLevel(AtomicU8);
 
 impl ClaimLevel {
+    /// Whether a claim for leading phases under `leading` must ask the engine first.
+    pub(crate) fn unknown_for(&self, leading: &Limits) -> bool {
+        leading.isolation != Isolation::ReadCommitted && self.0.load(Ordering::Relaxed) == UNKNOWN
+    }
+
+    /// What the engine answered: whether the layout claims at Read Committed only.
+    pub(crate) fn learnt(&self, read_committed_only: bool) {
+        if read_committed_only {
+            self.refused();
+        } else {
+            // A refusal learnt meanwhile stands.
+            let _ = self
+                .0
+                .compare_exchange(UNKNOWN, SHARES, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
     /// The limits to claim under, for leading phases that run under `leading`.
     pub(crate) fn claim_limits(&self, leading: &Limits) -> Limits {
         if leading.isolation != Isolation::ReadCommitted
-            && self.read_committed_only.load(Ordering::Relaxed)
+            && self.0.load(Ordering::Relaxed) == READ_COMMITTED_ONLY
         {
             leading.with_isolation(Isolation::ReadCommitted)
         } else {
@@ -32,12 +53,12 @@ impl ClaimLevel {
         }
     }
 
-    /// The layout refused a claim above Read Committed.
+    /// The layout claims at Read Committed only: said by the engine, or by a refused claim.
     pub(crate) fn refused(&self) {
-        if !self.read_committed_only.swap(true, Ordering::Relaxed) {
+        if self.0.swap(READ_COMMITTED_ONLY, Ordering::Relaxed) != READ_COMMITTED_ONLY {
             tracing::info!(
                 "the keys table claims at Read Committed only (a partitioned layout): a claim \
-                 whose leading local phases declare a stronger level now commits alone first"
+                 whose leading local phases declare a stronger level commits alone first"
             );
         }
     }

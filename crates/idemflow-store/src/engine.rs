@@ -124,6 +124,18 @@ pub trait Engine: Clone + Debug + Send + Sync + Sized + 'static {
             .then_some("this engine begins its transactions at Read Committed only")
     }
 
+    /// Whether the keys table's layout keeps a new key's claim only at Read Committed (PostgreSQL's
+    /// partitioned layout), asked on `connection` once, before a runner's first claim above Read
+    /// Committed: such claims are then made at Read Committed and committed alone. A layout that
+    /// changes later (a table adopted into partitions under a running process) says so by
+    /// refusing the claim ([`crate::DatabaseErrorKind::ClaimLevelRefused`]). By default, no.
+    async fn claims_at_read_committed_only(
+        connection: &mut ConnectionOf<Self>,
+    ) -> Result<bool, EngineError> {
+        let _ = connection;
+        Ok(false)
+    }
+
     /// The operators' door to `pool`'s database: what tools (the console, the CLI) and tests
     /// read and do on it.
     fn operator(pool: &Self::Pool) -> Box<dyn Operator>;
