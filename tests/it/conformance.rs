@@ -288,6 +288,7 @@ conformance!(
     the_consoles_scan_walks_the_primary_key_from_a_position,
     the_consoles_overview_counts_started_due_and_lately_finished_keys,
     the_console_expires_one_key_only_under_the_token_it_was_shown,
+    the_layout_the_migrations_make_claims_at_every_level,
 );
 
 /// The cases of a transaction at a stronger isolation level (a local phase's declaration), on
@@ -1493,4 +1494,18 @@ async fn a_stale_owners_write_at_every_level_changes_nothing<S: Tamper>(pool: S:
             taken.owner.lock_version()
         );
     }
+}
+
+/// The layout every engine's migrations make keeps a claim at any isolation level, so a runner
+/// claims in its leading phases' transaction whatever they declare; only a layout adopted
+/// afterwards (PostgreSQL's partitions, tests/it/partitions.rs) answers otherwise. Asked on a
+/// connection as a runner asks it, before its first claim above Read Committed.
+async fn the_layout_the_migrations_make_claims_at_every_level<S: Engine>(pool: S::Pool) {
+    use idemflow_store::ConnectionPool;
+    let mut connection = pool.acquire().await.unwrap();
+    assert!(
+        !S::claims_at_read_committed_only(&mut connection)
+            .await
+            .unwrap()
+    );
 }

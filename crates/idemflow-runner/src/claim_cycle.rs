@@ -265,7 +265,7 @@ impl<E: Engine> Runner<E> {
 /// is stored redacted by the workflow and sealed by the keyring.
 async fn claim<E: Engine>(
     runner: &Runner<E>,
-    connection: Connection<E>,
+    mut connection: Connection<E>,
     workflow: &Workflow<E>,
     tenant: &TenantId,
     accepted: Accepted,
@@ -294,7 +294,6 @@ async fn claim<E: Engine>(
         request: &stored,
         lease: workflow.lease(),
     };
-    let mut connection = connection;
     if runner.claim_level.unknown_for(workflow.limits()) {
         let only = E::claims_at_read_committed_only(&mut connection)
             .within(runner.config.database_timeout)
